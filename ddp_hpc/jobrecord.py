@@ -1,0 +1,210 @@
+"""Job records: one small JSON file per submission, so `ddp_hpc.status` finds a job from any directory.
+
+Why a record at all: Slurm forgets a job soon after it ends (squeue) and without accounting
+(sacct) never tells where its logs went; the submitter knows, so it writes it down once.
+
+Where: ``$DDP_HPC_HOME/jobs/<record id>.json`` (default ``~/.ddp_hpc/jobs``). The record id is the
+job id (``12345`` or ``local-...``). Slurm job ids restart at 1 whenever a controller's state is
+wiped, so an id can come back: a new record never overwrites an old one, it takes the next free
+name ``<id>.1.json``, ``<id>.2.json`` ..., and :func:`load_record` returns the newest record with
+that id (optionally only on one cluster). Writes are atomic (temp file in the same directory,
+fsync, rename), so a reader never sees half a record.
+
+Fields (docs/architecture.md, "Job records"): id, cluster, name, backend, nodes, gpus_per_node,
+time_limit, log_dir, config, overrides, submitted_at, cwd, array, pids, script.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+__all__ = [
+    "JobRecord",
+    "JobRecordError",
+    "records_dir",
+    "write_record",
+    "update_record",
+    "load_record",
+    "list_records",
+]
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+class JobRecordError(LookupError):
+    """A record that is missing or unreadable; the message names the id, the directory and the fix."""
+
+
+@dataclasses.dataclass
+class JobRecord:
+    """One submission. ``array`` is a list of ``{task_id, overrides, log_dir}`` for job arrays
+    (``log_dir`` of the record is then the parent of the per-task dirs); ``pids`` are the local
+    backend's process ids; ``script`` is the path of the rendered sbatch script, if any."""
+
+    id: str
+    cluster: str
+    name: str
+    backend: str
+    nodes: int
+    gpus_per_node: int
+    time_limit: str | None
+    log_dir: str
+    config: str | None
+    overrides: list[str]
+    submitted_at: float
+    cwd: str
+    array: list[dict] | None = None
+    pids: list[int] | None = None
+    script: str | None = None
+    #: keys a newer writer added that this version does not know; kept so a rewrite loses nothing
+    extra: dict = dataclasses.field(default_factory=dict)
+    #: the file this record was read from or written to (not stored inside the file)
+    path: str | None = dataclasses.field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "path")}
+        d["id"] = str(d["id"])
+        return {**self.extra, **d}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], path: str | None = None) -> "JobRecord":
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "path"}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - set(data))
+        if missing:
+            raise JobRecordError(
+                f"job record {path or '<dict>'} lacks the keys {missing}.\n"
+                f"HINT: it was not written by ddp_hpc.submit or is damaged; remove it.")
+        kwargs = {k: data[k] for k in known if k in data}
+        kwargs["id"] = str(kwargs["id"])
+        extra = {k: v for k, v in data.items() if k not in known}
+        return cls(**kwargs, extra=extra, path=path)
+
+
+def records_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``$DDP_HPC_HOME/jobs``, default ``~/.ddp_hpc/jobs`` (not created here)."""
+    env = os.environ if environ is None else environ
+    home = env.get("DDP_HPC_HOME") or os.path.join(os.path.expanduser("~"), ".ddp_hpc")
+    return Path(home) / "jobs"
+
+
+def _check_id(job_id: str) -> str:
+    job_id = str(job_id)
+    if not _SAFE_ID.match(job_id) or ".." in job_id:
+        raise JobRecordError(
+            f"job record id {job_id!r} is not a valid id (letters, digits, '_', '.', '+', '-').\n"
+            f"HINT: use the Slurm job id (e.g. 12345 or 12345_3) or a local-... id.")
+    return job_id
+
+
+def _atomic_write_json(path: Path, data: Mapping[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def write_record(rec: JobRecord | Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Path:
+    """Store a new record and return its path. Never replaces an existing file: an id seen before
+    (job ids repeat across cluster restarts) gets the next free ``<id>.<n>.json``."""
+    if not isinstance(rec, JobRecord):
+        rec = JobRecord.from_dict(rec)
+    job_id = _check_id(rec.id)
+    d = records_dir(environ)
+    d.mkdir(parents=True, exist_ok=True)
+    data = rec.to_dict()
+    for n in range(0, 100000):
+        path = d / (f"{job_id}.json" if n == 0 else f"{job_id}.{n}.json")
+        # O_EXCL claims the name so two concurrent submitters never pick the same file
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        _atomic_write_json(path, data)
+        rec.path = str(path)
+        return path
+    raise JobRecordError(f"too many records with id {job_id!r} in {d}.\nHINT: remove old records there.")
+
+
+def update_record(rec: JobRecord, environ: Mapping[str, str] | None = None) -> Path:
+    """Rewrite a record in place (e.g. to add the local backend's pids); atomic."""
+    if rec.path is None:
+        return write_record(rec, environ)
+    path = Path(rec.path)
+    _atomic_write_json(path, rec.to_dict())
+    return path
+
+
+def _read(path: Path) -> JobRecord | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None  # a file being claimed (empty) or damaged: not a record
+    if not isinstance(data, dict):
+        return None
+    try:
+        return JobRecord.from_dict(data, path=str(path))
+    except (JobRecordError, TypeError):
+        return None
+
+
+def _files(d: Path, job_id: str | None = None) -> Iterable[Path]:
+    if not d.is_dir():
+        return []
+    if job_id is None:
+        return [p for p in d.glob("*.json") if not p.name.startswith(".")]
+    pat = re.compile(re.escape(job_id) + r"(\.\d+)?\.json$")
+    return [p for p in d.glob(f"{_glob_escape(job_id)}*.json") if pat.fullmatch(p.name)]
+
+
+def _glob_escape(s: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", s)
+
+
+def list_records(environ: Mapping[str, str] | None = None) -> list[JobRecord]:
+    """Every readable record, oldest submission first."""
+    recs = [r for r in (_read(p) for p in _files(records_dir(environ))) if r is not None]
+    recs.sort(key=lambda r: (r.submitted_at, r.path or ""))
+    return recs
+
+
+def load_record(job_id: str, cluster: str | None = None,
+                environ: Mapping[str, str] | None = None) -> JobRecord:
+    """The newest record with this id (array task ids like ``123_4`` find their parent ``123``),
+    only on ``cluster`` when given. Raises :class:`JobRecordError` naming what exists."""
+    job_id = _check_id(job_id)
+    d = records_dir(environ)
+    candidates = [job_id]
+    if "_" in job_id:
+        candidates.append(job_id.split("_", 1)[0])
+    for cid in candidates:
+        recs = [r for r in (_read(p) for p in _files(d, cid)) if r is not None]
+        if cluster is not None:
+            recs = [r for r in recs if r.cluster == cluster]
+        if recs:
+            return max(recs, key=lambda r: (r.submitted_at, r.path or ""))
+    known = [r.id for r in list_records(environ)][-10:]
+    where = f" on cluster {cluster!r}" if cluster else ""
+    raise JobRecordError(
+        f"no job record with id {job_id!r}{where} in {d}.\n"
+        f"HINT: recent ids there: {known or 'none'}; jobs submitted with ddp_hpc.submit are recorded "
+        f"under $DDP_HPC_HOME/jobs (set DDP_HPC_HOME to the value used when submitting).")

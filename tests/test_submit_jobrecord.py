@@ -1,0 +1,75 @@
+"""Job records: written atomically, found from any directory, never overwritten when ids repeat."""
+
+import json
+import os
+
+import pytest
+
+from ddp_hpc import jobrecord
+from ddp_hpc.jobrecord import JobRecord, JobRecordError
+
+
+def _rec(job_id="123", cluster="c1", t=100.0, **kw):
+    base = dict(id=job_id, cluster=cluster, name="demo", backend="sbatch", nodes=2, gpus_per_node=2,
+                time_limit="00:10:00", log_dir="/tmp/logs/123", config="/x/jobs/demo.yaml",
+                overrides=["lr=0.1"], submitted_at=t, cwd="/x")
+    base.update(kw)
+    return JobRecord(**base)
+
+
+@pytest.fixture
+def env(tmp_path):
+    return {"DDP_HPC_HOME": str(tmp_path / "home")}
+
+
+def test_records_dir_default_and_env(env, tmp_path):
+    assert jobrecord.records_dir(env) == tmp_path / "home" / "jobs"
+    assert str(jobrecord.records_dir({})).endswith(os.path.join(".ddp_hpc", "jobs"))
+
+
+def test_roundtrip_and_load_from_other_cwd(env, tmp_path, monkeypatch):
+    path = jobrecord.write_record(_rec(array=[{"task_id": 0, "overrides": ["seed=0"], "log_dir": "/l/0"}]), env)
+    assert path == tmp_path / "home" / "jobs" / "123.json"
+    data = json.loads(path.read_text())
+    assert data["id"] == "123" and data["nodes"] == 2 and data["array"][0]["overrides"] == ["seed=0"]
+    monkeypatch.chdir(tmp_path)
+    r = jobrecord.load_record("123", environ=env)
+    assert r.to_dict() == _rec(array=[{"task_id": 0, "overrides": ["seed=0"], "log_dir": "/l/0"}]).to_dict()
+    assert r.path == str(path)
+    # an array task id finds its parent record
+    assert jobrecord.load_record("123_0", environ=env).id == "123"
+
+
+def test_repeated_id_keeps_both_and_newest_wins(env):
+    p1 = jobrecord.write_record(_rec(cluster="c1", t=100.0), env)
+    p2 = jobrecord.write_record(_rec(cluster="c1", t=200.0, name="second"), env)
+    assert p1 != p2 and p1.exists() and p2.exists()
+    assert json.loads(p1.read_text())["submitted_at"] == 100.0
+    assert jobrecord.load_record("123", environ=env).name == "second"
+    assert jobrecord.load_record("123", cluster="c1", environ=env).name == "second"
+    jobrecord.write_record(_rec(cluster="c2", t=50.0, name="other"), env)
+    assert jobrecord.load_record("123", cluster="c2", environ=env).name == "other"
+    assert [r.submitted_at for r in jobrecord.list_records(env)] == [50.0, 100.0, 200.0]
+    # "12" must not match "123"
+    with pytest.raises(JobRecordError, match="'12'"):
+        jobrecord.load_record("12", environ=env)
+
+
+def test_update_unknown_keys_and_damaged_files(env):
+    rec = _rec(job_id="local-abc", backend="local", extra={"future_key": 1})
+    path = jobrecord.write_record(rec, env)
+    rec.pids = [11, 12]
+    jobrecord.update_record(rec, env)
+    data = json.loads(path.read_text())
+    assert data["pids"] == [11, 12] and data["future_key"] == 1
+    (path.parent / "999.json").write_text("{not json")
+    (path.parent / "998.json").write_text(json.dumps({"id": "998"}))
+    assert [r.id for r in jobrecord.list_records(env)] == ["local-abc"]
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_bad_id_refused(env):
+    with pytest.raises(JobRecordError, match=r"'\.\./x'"):
+        jobrecord.write_record(_rec(job_id="../x"), env)
+    with pytest.raises(JobRecordError, match="no job record with id '77'"):
+        jobrecord.load_record("77", environ=env)
