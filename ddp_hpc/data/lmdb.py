@@ -1,0 +1,305 @@
+"""Pack many small files into one LMDB file, verify it, and read it safely from DataLoader workers.
+
+Why: a parallel filesystem pays a metadata round trip per open; one LMDB file turns N opens
+per rank into one, and memory-mapped random reads stay fast.
+
+Layout of an environment written by :func:`pack`:
+
+* ``b"__meta__"`` -> JSON: format version, count, classes, kind ("images" | "files"), source.
+* ``b"%010d" % i`` -> record: header ``<qIH`` (label, crc32 of payload, name length), the
+  file's relative name (UTF-8), then the file's bytes unchanged.  Labels -1 for flat folders.
+
+Reading rules (:class:`LMDBDataset`): the environment is opened lazily in the process that reads
+(never inherited across ``fork``: an LMDB handle must not cross a fork), read-only, ``lock=False``
+(no lock file writes on a shared filesystem), ``readahead=False`` (random access), with one long
+read transaction per process, reopened when the pid changes (fork, spawn, persistent workers).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import zlib
+
+import lmdb
+import torch
+
+from ddp_hpc.data import fsio
+
+__all__ = ["pack", "verify", "LMDBDataset", "PackError", "VerifyError", "read_meta", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+META_KEY = b"__meta__"
+_HDR = struct.Struct("<qIH")
+
+
+class PackError(RuntimeError):
+    """Packing refused (bad source, existing output, unreadable or corrupt input file)."""
+
+
+class VerifyError(RuntimeError):
+    """An LMDB file failed verification (missing records, checksum mismatch, unreadable)."""
+
+
+def record_key(i: int) -> bytes:
+    return b"%010d" % i
+
+
+def encode_record(name: str, label: int, payload: bytes) -> bytes:
+    nb = name.encode("utf-8")
+    return _HDR.pack(label, zlib.crc32(payload), len(nb)) + nb + payload
+
+
+def decode_record(value) -> tuple[str, int, int, memoryview]:
+    """-> (name, label, stored crc32, payload view)."""
+    label, crc, nlen = _HDR.unpack_from(value, 0)
+    view = memoryview(value)
+    start = _HDR.size + nlen
+    return bytes(view[_HDR.size:start]).decode("utf-8"), label, crc, view[start:]
+
+
+def _list_source(src: str) -> tuple[str, list[str], list[tuple[str, int]]]:
+    """(kind, classes, [(relative path, label)]) for a class-per-folder tree or a flat folder."""
+    from ddp_hpc.examples.images import IMAGE_SUFFIXES
+
+    entries = sorted(os.scandir(src), key=lambda e: e.name)
+    subdirs = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
+    files = [e.name for e in entries if e.is_file() and not e.name.startswith(".")]
+    if subdirs:
+        samples = []
+        for label, cls in enumerate(subdirs):
+            for dirpath, dirnames, names in os.walk(os.path.join(src, cls)):
+                dirnames.sort()
+                for n in sorted(names):
+                    if not n.startswith("."):
+                        samples.append((os.path.relpath(os.path.join(dirpath, n), src), label))
+        classes = subdirs
+    else:
+        samples, classes = [(n, -1) for n in files], []
+    if not samples:
+        raise PackError(f"pack: source {src!r} holds no files; HINT: point SRC at a folder of files "
+                        "or a class-per-folder tree (ROOT/<class>/<file>)")
+    images = all(rel.lower().endswith(IMAGE_SUFFIXES) for rel, _ in samples)
+    return ("images" if images else "files"), classes, samples
+
+
+def pack(src: str | os.PathLike, out: str | os.PathLike, *, map_size: int = 64 << 20,
+         txn_bytes: int = 64 << 20, check_images: bool = True, progress: bool | None = None,
+         overwrite: bool = False) -> dict:
+    """Pack the files under ``src`` into a new LMDB environment at ``out``; returns the metadata.
+
+    Large write transactions (committed every ``txn_bytes``); the map starts at ``map_size`` and
+    doubles whenever LMDB reports it full (the pending transaction is replayed).  With
+    ``check_images`` every image is decoded first, so a corrupt file is refused by name instead
+    of failing mid-training.  Atomic: written to a temporary sibling, renamed when complete.
+    """
+    from tqdm import tqdm
+
+    src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
+    if not os.path.isdir(src):
+        raise PackError(f"pack: source {src!r} is not a directory; HINT: pass the dataset folder as SRC")
+    if os.path.exists(out) and not overwrite:
+        raise PackError(f"pack: output {out!r} already exists; HINT: choose a new OUT path or pass --overwrite")
+    kind, classes, samples = _list_source(src)
+    parent = os.path.dirname(out) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-pack-", dir=parent)
+    growths = 0
+    try:
+        env = lmdb.open(tmp, map_size=int(map_size), subdir=True, lock=True, sync=False,
+                        metasync=False, writemap=False, meminit=False, map_async=False)
+        pending: list[tuple[bytes, bytes]] = []
+        pending_bytes = 0
+        total_bytes = 0
+
+        def flush():
+            nonlocal growths
+            while True:
+                try:
+                    with env.begin(write=True) as txn:
+                        for k, v in pending:
+                            txn.put(k, v, overwrite=True)
+                    return
+                except lmdb.MapFullError:
+                    growths += 1
+                    env.set_mapsize(env.info()["map_size"] * 2)
+
+        show = progress if progress is not None else os.isatty(2)
+        for i, (rel, label) in enumerate(tqdm(samples, desc="pack", unit="file", disable=not show)):
+            path = os.path.join(src, rel)
+            try:
+                payload = fsio.read_bytes(path)
+            except OSError as e:
+                raise PackError(f"pack: cannot read {path!r}: {e}; HINT: fix permissions or remove the file") from e
+            if check_images and kind == "images":
+                _check_image(path, payload)
+            rec = encode_record(rel, label, payload)
+            pending.append((record_key(i), rec))
+            pending_bytes += len(rec)
+            total_bytes += len(payload)
+            if pending_bytes >= txn_bytes:
+                flush()
+                pending, pending_bytes = [], 0
+        meta = {"format": FORMAT_VERSION, "count": len(samples), "classes": classes, "kind": kind,
+                "source": src, "bytes": total_bytes}
+        pending.append((META_KEY, json.dumps(meta).encode()))
+        flush()
+        env.sync(True)
+        env.close()
+        lock = os.path.join(tmp, "lock.mdb")
+        if os.path.exists(lock):
+            os.remove(lock)  # readers open with lock=False; a stale lock file only confuses copies
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result is a normal folder
+        if overwrite and os.path.exists(out):
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dict(meta, map_growths=growths, path=out)
+
+
+def _check_image(path: str, payload: bytes) -> None:
+    from ddp_hpc.examples.images import decode_image
+
+    try:
+        decode_image(payload)
+    except Exception as e:  # pillow raises several types for broken files
+        raise PackError(f"pack: {path!r} is not a readable image ({type(e).__name__}: {e}); "
+                        "HINT: remove or replace the file, or pack with --no-check") from e
+
+
+def _open_readonly(path: str) -> lmdb.Environment:
+    if not os.path.exists(os.path.join(path, "data.mdb")):
+        raise VerifyError(f"{path!r} is not an LMDB made by ddp_hpc (no data.mdb); "
+                          "HINT: create it with python -m ddp_hpc.data pack SRC OUT.lmdb")
+    fsio.note_open(os.path.join(path, "data.mdb"))
+    try:
+        return lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False,
+                         subdir=True, max_readers=2048)
+    except lmdb.Error as e:
+        raise VerifyError(f"cannot open LMDB {path!r}: {e}; HINT: the file is damaged or truncated, "
+                          "pack it again (python -m ddp_hpc.data pack SRC OUT.lmdb)") from e
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    path = os.path.abspath(os.fspath(path))
+    env = _open_readonly(path)
+    try:
+        with env.begin() as txn:
+            raw = txn.get(META_KEY)
+    except lmdb.Error as e:
+        raise VerifyError(f"cannot read LMDB {path!r}: {e}; HINT: pack it again") from e
+    finally:
+        env.close()
+    if raw is None:
+        raise VerifyError(f"LMDB {path!r} has no {META_KEY.decode()} record (incomplete or not made "
+                          "by ddp_hpc); HINT: pack it again with python -m ddp_hpc.data pack")
+    meta = json.loads(raw)
+    if meta.get("format") != FORMAT_VERSION:
+        raise VerifyError(f"LMDB {path!r} has format {meta.get('format')}, this ddp_hpc reads "
+                          f"{FORMAT_VERSION}; HINT: pack it again with this version")
+    return meta
+
+
+def verify(path: str | os.PathLike, *, progress: bool | None = None) -> dict:
+    """Check every record's presence and crc32; raise :class:`VerifyError` naming the first bad one."""
+    from tqdm import tqdm
+
+    path = os.path.abspath(os.fspath(path))
+    meta = read_meta(path)
+    env = _open_readonly(path)
+    show = progress if progress is not None else os.isatty(2)
+    total = 0
+    try:
+        with env.begin(buffers=True) as txn:
+            for i in tqdm(range(meta["count"]), desc="verify", unit="rec", disable=not show):
+                value = txn.get(record_key(i))
+                if value is None:
+                    raise VerifyError(f"LMDB {path!r}: record {i} of {meta['count']} is missing; HINT: pack it again")
+                try:
+                    name, _, crc, payload = decode_record(value)
+                except (struct.error, UnicodeDecodeError) as e:
+                    raise VerifyError(f"LMDB {path!r}: record {i} is malformed ({e}); HINT: pack it again") from e
+                if zlib.crc32(payload) != crc:
+                    raise VerifyError(f"LMDB {path!r}: record {i} ({name}) fails its checksum; "
+                                      "HINT: the file is corrupt, pack it again")
+                total += len(payload)
+    except lmdb.Error as e:
+        raise VerifyError(f"LMDB {path!r} is damaged: {e}; HINT: pack it again") from e
+    finally:
+        env.close()
+    if total != meta.get("bytes", total):
+        raise VerifyError(f"LMDB {path!r}: payload bytes {total} != recorded {meta['bytes']}; HINT: pack it again")
+    return dict(meta, path=path, verified_bytes=total)
+
+
+class LMDBDataset(torch.utils.data.Dataset):
+    """Samples from an LMDB written by :func:`pack`; safe with fork/spawn and persistent workers.
+
+    ``decode`` maps the stored bytes to the input tensor; the default is the image decode shared
+    with :class:`ddp_hpc.examples.images.ImageFolderDataset` for image packs and a uint8 tensor of
+    the raw bytes otherwise.
+    """
+
+    def __init__(self, path: str | os.PathLike, decode=None):
+        self.path = os.path.abspath(os.fspath(path))
+        self.root = self.path  # what staging copies
+        meta = read_meta(self.path)
+        self.classes = meta["classes"]
+        self._len = int(meta["count"])
+        self.kind = meta["kind"]
+        self._decode = decode
+        self._env = None
+        self._txn = None
+        self._pid = None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.update(_env=None, _txn=None, _pid=None)  # handles never cross a process boundary
+        return state
+
+    def _begin(self):
+        if self._pid != os.getpid():  # first use in this process (after fork / in a worker)
+            self._env = _open_readonly(self.path)
+            self._txn = self._env.begin(buffers=False)  # one long read txn per process
+            self._pid = os.getpid()
+        return self._txn
+
+    def raw_item(self, index: int) -> tuple[bytes, int]:
+        if not 0 <= index < self._len:
+            raise IndexError(f"LMDBDataset index {index} out of range 0..{self._len - 1}")
+        value = self._begin().get(record_key(index))
+        if value is None:
+            raise VerifyError(f"LMDB {self.path!r}: record {index} missing; HINT: run python -m ddp_hpc.data verify")
+        _, label, _, payload = decode_record(value)
+        fsio.note_bytes(os.path.join(self.path, "data.mdb"), len(payload))
+        return bytes(payload), label
+
+    def decode_item(self, data: bytes, label: int):
+        if self._decode is not None:
+            return self._decode(data), label
+        if self.kind == "images":
+            from ddp_hpc.examples.images import decode_image
+
+            return decode_image(data), label
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
+
+    def __getitem__(self, index: int):
+        return self.decode_item(*self.raw_item(index))
+
+    def relocated(self, new_path: str) -> "LMDBDataset":
+        return LMDBDataset(new_path, decode=self._decode)
+
+    def close(self) -> None:
+        if self._env is not None and self._pid == os.getpid():
+            self._txn.abort()
+            self._env.close()
+        self._env = self._txn = self._pid = None

@@ -1,0 +1,346 @@
+"""Copy a dataset once per node to node-local storage, atomically, and reuse it across requeues.
+
+Why: N ranks reading a shared filesystem become one sequential read per node; after that every
+read is local.  Local rank 0 of each node copies; the other local ranks poll a completion marker
+(a file, so no collective is open while the copy runs and no collective timeout can trip).
+
+Guarantees:
+* atomic: the copy goes to ``.tmp-*`` inside the stage folder, its size and crc32 are checked
+  against the source stream, it is renamed, and only then ``COMPLETE.json`` is written; nobody
+  uses a copy without that marker, so a copy killed half-way is never used (the next copier
+  deletes the leftovers).
+* one copier per stage folder at a time (``fcntl.flock``, released by the kernel if the copier
+  dies), so racing local ranks, or two ranks that both believe they are local rank 0, copy once.
+* reuse: the folder is keyed by job id and source fingerprint, so a requeued job (same job id,
+  new ``SLURM_RESTART_COUNT``) finds the verified copy and skips the shared read.
+* free space is checked first; too little is a :class:`StageError` naming both sizes and the fix.
+
+What is copied: a file (streamed, crc32); an LMDB folder (its ``data.mdb`` only: readers open
+with ``lock=False``); any other folder as one ``tar`` stream (one sequential reader on the
+shared side) unpacked here with a crc32 manifest re-checked from disk.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+import zlib
+
+from ddp_hpc.data import fsio
+
+__all__ = ["stage", "resolve_stage_dir", "cleanup_staged", "StageError", "stage_key"]
+
+log = logging.getLogger("ddp_hpc.data.stage")
+CHUNK = 8 << 20
+MARKER = "COMPLETE.json"
+FAILED = "FAILED.json"
+SPACE_MARGIN = 16 << 20
+
+
+class StageError(RuntimeError):
+    """Staging failed or was refused; the message names the values and ends with a HINT."""
+
+
+def resolve_stage_dir(stage_to: str = "auto", environ=None) -> str:
+    """Map ``data.stage_to`` to a folder: auto | slurm_tmpdir | tmpdir | shm | an absolute path."""
+    environ = os.environ if environ is None else environ
+    if stage_to == "auto":
+        return environ.get("SLURM_TMPDIR") or environ.get("TMPDIR") or tempfile.gettempdir()
+    if stage_to == "slurm_tmpdir":
+        if not environ.get("SLURM_TMPDIR"):
+            raise StageError("data.stage_to=slurm_tmpdir but SLURM_TMPDIR is not set in this task; "
+                             "HINT: use data.stage_to=tmpdir or an absolute node-local path "
+                             "(your site's job-local scratch)")
+        return environ["SLURM_TMPDIR"]
+    if stage_to == "tmpdir":
+        return environ.get("TMPDIR") or tempfile.gettempdir()
+    if stage_to == "shm":
+        if not os.path.isdir("/dev/shm"):
+            raise StageError("data.stage_to=shm but /dev/shm does not exist here; HINT: use data.stage_to=tmpdir")
+        return "/dev/shm"
+    if os.path.isabs(stage_to):
+        return stage_to
+    raise StageError(f"data.stage_to={stage_to!r} is not auto, slurm_tmpdir, tmpdir, shm or an absolute path; "
+                     "HINT: set data.stage_to=auto (SLURM_TMPDIR, then TMPDIR, then /tmp)")
+
+
+def _kind(src: str) -> str:
+    if os.path.isfile(src):
+        return "file"
+    if os.path.isdir(src):
+        return "lmdb" if os.path.isfile(os.path.join(src, "data.mdb")) else "dir"
+    raise StageError(f"stage: source {src!r} does not exist; HINT: check data.lmdb_path / data.kwargs.root")
+
+
+def _source_size(src: str, kind: str) -> tuple[int, int]:
+    """(bytes, files) of what will be copied (a walk of stats for folders, on the copier only)."""
+    if kind == "file":
+        return os.path.getsize(src), 1
+    if kind == "lmdb":
+        return os.path.getsize(os.path.join(src, "data.mdb")), 1
+    total = files = 0
+    for dirpath, _, names in os.walk(src):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            if os.path.isfile(p) and not os.path.islink(p):
+                total += os.path.getsize(p)
+                files += 1
+    return total, files
+
+
+def stage_key(src: str, job_id: str | None) -> str:
+    """Folder name: job id + hash of the source path, size and mtime (a changed source restages)."""
+    st = os.stat(src)
+    inner = os.path.join(src, "data.mdb")
+    if os.path.isfile(inner):
+        st = os.stat(inner)
+    fp = hashlib.sha1(f"{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    job = "".join(c if c.isalnum() or c in "-_." else "_" for c in (job_id or "nojob"))
+    return f"ddp_hpc-stage-{job}-{os.path.basename(src.rstrip('/'))}-{fp}"
+
+
+def _copy_stream(read, dst_path: str, total: int, progress) -> tuple[int, int]:
+    """Copy from ``read(n)`` to a new file; -> (bytes, crc32)."""
+    crc = n = 0
+    with open(dst_path, "wb") as out:
+        while True:
+            buf = read(CHUNK)
+            if not buf:
+                break
+            crc = zlib.crc32(buf, crc)
+            out.write(buf)
+            n += len(buf)
+            progress(len(buf))
+    return n, crc
+
+
+def _file_crc(path: str) -> tuple[int, int]:
+    crc = n = 0
+    with open(path, "rb") as f:
+        while True:
+            buf = f.read(CHUNK)
+            if not buf:
+                return n, crc
+            crc = zlib.crc32(buf, crc)
+            n += len(buf)
+
+
+def _copy_file(src: str, dst: str, total: int, progress) -> dict:
+    with fsio.open_counted(src) as f:
+        n, crc = _copy_stream(f.read, dst, total, progress)
+    if n != total:
+        raise StageError(f"stage: read {n} bytes from {src!r}, expected {total} (file changed while copying?); "
+                         "HINT: stage again once the source is stable")
+    dn, dcrc = _file_crc(dst)
+    if (dn, dcrc) != (n, crc):
+        raise StageError(f"stage: copy {dst!r} has {dn} bytes crc {dcrc:08x}, source stream {n} bytes crc "
+                         f"{crc:08x}; HINT: the node-local disk may be faulty, try data.stage_to=shm")
+    return {"bytes": n, "crc32": crc, "files": 1}
+
+
+def _manifest_update(crc: int, name: str, size: int, content_crc: int) -> int:
+    return zlib.crc32(f"{name}\0{size}\0{content_crc:08x}\n".encode(), crc)
+
+
+def _copy_dir_tar(src: str, dst: str, total: int, files: int, progress) -> dict:
+    """One ``tar -c`` stream from the shared side, unpacked here with a crc manifest."""
+    fsio.note_open(src)  # counted as one stream open; tar's own opens happen outside this process
+    proc = subprocess.Popen(["tar", "-C", src, "-cf", "-", "--", "."], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    manifest = nbytes = nfiles = 0
+    names = []
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
+            for m in tf:
+                name = os.path.normpath(m.name)
+                if name.startswith("..") or os.path.isabs(name):
+                    raise StageError(f"stage: unsafe member {m.name!r} in the tar stream of {src!r}")
+                target = os.path.join(dst, name)
+                if m.isdir():
+                    os.makedirs(target, exist_ok=True)
+                elif m.isfile():
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    n, crc = _copy_stream(tf.extractfile(m).read, target, m.size, progress)
+                    manifest = _manifest_update(manifest, name, n, crc)
+                    names.append(name)
+                    nbytes += n
+                    nfiles += 1
+    finally:
+        rc = proc.wait()
+        err = proc.stderr.read().decode(errors="replace").strip()
+        proc.stderr.close()
+    fsio.note_bytes(src + "/", nbytes)
+    if rc != 0:
+        raise StageError(f"stage: tar of {src!r} failed (exit {rc}): {err}; HINT: check read permissions on the source")
+    if (nbytes, nfiles) != (total, files):
+        raise StageError(f"stage: unpacked {nfiles} files / {nbytes} bytes from {src!r}, expected {files} / "
+                         f"{total} (source changed while copying?); HINT: stage again once it is stable")
+    check = 0
+    for name in names:  # re-read from disk: what we use is what was sent
+        n, crc = _file_crc(os.path.join(dst, name))
+        check = _manifest_update(check, name, n, crc)
+    if check != manifest:
+        raise StageError(f"stage: manifest checksum of {dst!r} differs from the stream's; "
+                         "HINT: the node-local disk may be faulty, try data.stage_to=shm")
+    return {"bytes": nbytes, "crc32": manifest, "files": nfiles}
+
+
+class _Progress:
+    """tqdm on a tty, else a log line every 10 s."""
+
+    def __init__(self, total: int, desc: str, show: bool | None):
+        self.total, self.desc, self.done, self.last = total, desc, 0, time.monotonic()
+        self.bar = None
+        if show if show is not None else os.isatty(2):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True)
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif time.monotonic() - self.last > 10:
+            self.last = time.monotonic()
+            log.info("%s: %d / %d MiB", self.desc, self.done >> 20, self.total >> 20)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _read_marker(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, MARKER)) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _write_json_atomic(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _staged_ok(folder: str, marker: dict, recheck: bool) -> bool:
+    path = os.path.join(folder, marker["name"])
+    try:
+        if marker["kind"] == "dir":
+            return os.path.isdir(path)  # manifest was checked when written; folders are not re-read
+        target = os.path.join(path, "data.mdb") if marker["kind"] == "lmdb" else path
+        if os.path.getsize(target) != marker["bytes"]:
+            return False
+        return not recheck or _file_crc(target) == (marker["bytes"], marker["crc32"])
+    except OSError:
+        return False
+
+
+def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> dict:
+    name = os.path.basename(src.rstrip("/"))
+    for leftover in os.listdir(folder):  # we hold the lock: anything here is from a dead copier
+        if leftover not in (MARKER,):
+            p = os.path.join(folder, leftover)
+            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+    total, files = _source_size(src, kind)
+    free = shutil.disk_usage(folder).free
+    if free < total + SPACE_MARGIN:
+        raise StageError(f"stage: {src!r} needs {total} bytes (+{SPACE_MARGIN >> 20} MiB margin) but "
+                         f"{folder!r} has {free} bytes free; HINT: set data.stage_to to a larger node-local "
+                         "filesystem (slurm_tmpdir, tmpdir, shm or an absolute path) or use data.io=lmdb "
+                         "without staging")
+    tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
+    bar = _Progress(total, f"stage {name}", progress_show)
+    t0 = time.monotonic()
+    try:
+        if kind == "file":
+            info = _copy_file(src, tmp, total, bar)
+        elif kind == "lmdb":
+            os.mkdir(tmp)
+            info = _copy_file(os.path.join(src, "data.mdb"), os.path.join(tmp, "data.mdb"), total, bar)
+        else:
+            os.mkdir(tmp)
+            info = _copy_dir_tar(src, tmp, total, files, bar)
+    finally:
+        bar.close()
+    os.rename(tmp, os.path.join(folder, name))
+    marker = dict(info, name=name, kind=kind, src=src, attempt=attempt, seconds=time.monotonic() - t0,
+                  host=os.uname().nodename, created=time.time())
+    _write_json_atomic(os.path.join(folder, MARKER), marker)
+    return marker
+
+
+def stage(src: str | os.PathLike, dest: str | None = None, *, job_id: str | None = None,
+          restart_count: int = 0, copier: bool = True, wait_timeout: float = 6 * 3600,
+          poll_s: float = 0.2, recheck: bool = True, progress: bool | None = None) -> str:
+    """Copy ``src`` below ``dest`` (default: ``resolve_stage_dir('auto')``) once; return the local path.
+
+    ``copier`` is True on local rank 0 of each node; others pass False and wait for the marker
+    (up to ``wait_timeout`` seconds).  Reuse of a verified copy is free (``recheck`` re-reads a
+    staged file/LMDB's crc32 once, locally).
+    """
+    src = os.path.abspath(os.fspath(src))
+    dest = os.path.abspath(dest or resolve_stage_dir("auto"))
+    kind = _kind(src)
+    if not os.path.isdir(dest):
+        raise StageError(f"stage: destination {dest!r} is not a directory; HINT: set data.stage_to to an "
+                         "existing node-local folder")
+    folder = os.path.join(dest, stage_key(src, job_id))
+    attempt = f"{job_id}:{restart_count}"
+    if copier:
+        os.makedirs(folder, exist_ok=True)
+        with open(folder + ".lock", "a+") as lockf:
+            fcntl.flock(lockf, fcntl.LOCK_EX)  # released by the kernel if we die
+            try:
+                marker = _read_marker(folder)
+                if marker is not None and _staged_ok(folder, marker, recheck):
+                    log.info("stage: reusing %s (made by attempt %s)", folder, marker.get("attempt"))
+                else:
+                    if marker is not None:
+                        os.remove(os.path.join(folder, MARKER))
+                    try:
+                        marker = _do_copy(src, kind, folder, attempt, progress)
+                    except BaseException as e:
+                        _write_json_atomic(os.path.join(folder, FAILED), {"attempt": attempt, "error": str(e)})
+                        raise
+                    log.info("stage: copied %s -> %s (%d bytes, %.1f s)", src, folder, marker["bytes"], marker["seconds"])
+            finally:
+                fcntl.flock(lockf, fcntl.LOCK_UN)
+        return os.path.join(folder, marker["name"])
+    deadline = time.monotonic() + wait_timeout
+    while True:
+        marker = _read_marker(folder)
+        if marker is not None:
+            return os.path.join(folder, marker["name"])
+        try:
+            with open(os.path.join(folder, FAILED)) as f:
+                failed = json.load(f)
+            if failed.get("attempt") == attempt:
+                raise StageError(f"stage: the copier on this node failed: {failed.get('error')}")
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        if time.monotonic() > deadline:
+            raise StageError(f"stage: waited {wait_timeout:.0f} s for {os.path.join(folder, MARKER)} "
+                             "(local rank 0 copies); HINT: check local rank 0's log, or raise the wait timeout")
+        time.sleep(poll_s)
+
+
+def cleanup_staged(path: str) -> None:
+    """Remove a staged copy (the whole stage folder) under the copier lock."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.basename(folder).startswith("ddp_hpc-stage-"):
+        raise StageError(f"cleanup_staged: {path!r} is not inside a ddp_hpc stage folder; refusing to delete")
+    with open(folder + ".lock", "a+") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.remove(folder + ".lock")
