@@ -1,0 +1,361 @@
+"""Process group set-up for DDP under any launcher: ``setup_ddp()`` / ``cleanup_ddp()`` and groups.
+
+``setup_ddp()`` takes the rank facts from ``ddp_hpc.env.DistEnv.detect()`` (srun, torchrun,
+submitit, ``ddp_hpc.launch`` or a single process) and adds what usually goes wrong by hand:
+
+- backend ``auto``: nccl when CUDA is usable and this rank has a GPU to bind, gloo otherwise;
+- the device: ``cuda:<local_rank>`` when every task of a node sees all its GPUs
+  (``--gpus-per-node``), ``cuda:0`` when each task sees only its own (``--gpus-per-task`` /
+  ``--gpu-bind``), an ``EnvError`` with a HINT when a local rank has no GPU left;
+- GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME set (only when unset, and logged) to the interface that
+  routes to MASTER_ADDR: gloo otherwise advertises whatever the host name resolves to, and a host
+  name resolving to 127.0.0.1 makes multi-node init time out;
+- TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (setdefault) so a failed NCCL collective aborts the rank
+  instead of hanging it.
+
+Init methods: ``env://`` (MASTER_ADDR/MASTER_PORT/RANK/... exported from the DistEnv, never
+replacing a different user value), ``tcp://HOST:PORT``, and ``file:///shared/path``: a rendezvous
+file on a filesystem every node mounts. The file must be unique per job (e.g. include
+``$SLURM_JOB_ID``) and must not exist yet: a stale file from an earlier run can make ranks meet
+the wrong peers or hang.
+
+    ctx = setup_ddp()                 # under srun / torchrun / python -m ddp_hpc.launch
+    model = DDP(model.to(ctx.device), device_ids=ctx.device_ids)
+    ...
+    cleanup_ddp()
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Mapping, Sequence, Union
+from urllib.parse import urlparse
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from ddp_hpc.env import DistEnv, EnvError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DistContext", "setup_ddp", "cleanup_ddp", "is_main", "barrier", "device_index",
+    "select_device", "interface_for", "new_groups", "node_group", "leaders_group",
+    "strided_groups", "gather_layout", "block_layout", "node_rank_lists", "leader_ranks",
+    "strided_rank_lists", "NCCL_DEFAULTS",
+]
+
+#: Set with setdefault before an nccl init: errors and timeouts of NCCL collectives tear the
+#: process down (the launcher then reports it) instead of leaving it blocked forever.
+NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+#: (node_rank, local_rank) of every global rank, in rank order.
+Layout = Sequence[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What ``setup_ddp`` set up: where this rank sits, the backend and the device to use."""
+
+    env: DistEnv
+    backend: str
+    device: torch.device
+    init_method: str = "env://"
+    socket_ifname: str | None = None  # interface chosen for GLOO/NCCL_SOCKET_IFNAME (None: left alone)
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """``device_ids`` for DistributedDataParallel: [index] on a GPU, None on CPU."""
+        return [self.device.index] if self.device.type == "cuda" else None
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+# ----------------------------------------------------------------------------- device binding
+def _visible(environ: Mapping[str, str] | None) -> int:
+    """How many GPUs this process can use: CUDA_VISIBLE_DEVICES when given, else torch's count."""
+    if environ is not None and "CUDA_VISIBLE_DEVICES" in environ:
+        raw = environ["CUDA_VISIBLE_DEVICES"].strip()
+        if raw in ("", "NoDevFiles") or raw.startswith("-"):
+            return 0
+        ids = [d for d in raw.split(",") if d.strip()]
+        # CUDA stops at the first invalid entry (e.g. "0,-1,2" -> one device)
+        return next((i for i, d in enumerate(ids) if d.strip().startswith("-")), len(ids))
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_index(env: DistEnv, environ: Mapping[str, str] | None = None) -> int | None:
+    """The CUDA device index this rank should use, or None to run on CPU (no GPU visible).
+
+    Pure in its arguments (``environ`` defaults to this process's environment for the GPU
+    variables only; rank facts come from ``env``): one visible device -> 0 (--gpus-per-task=1,
+    --gpu-bind); tasks that each own a set of GPUs (SLURM_GPUS_PER_TASK) -> 0; otherwise the
+    node's GPUs are shared by its tasks -> local_rank, and an EnvError when there are fewer GPUs
+    than tasks on the node.
+    """
+    gpu_vars = os.environ if environ is None else environ
+    count = _visible(environ)
+    if count == 0:
+        return None
+    seen = (f"CUDA_VISIBLE_DEVICES={gpu_vars.get('CUDA_VISIBLE_DEVICES', '<unset>')!s} "
+            f"({count} visible)")
+    on_node = gpu_vars.get("SLURM_GPUS_ON_NODE", "")
+    if on_node.isdigit() and 0 < int(on_node) < env.local_world_size:
+        raise EnvError(
+            f"{env.local_world_size} tasks on node {env.node_rank} but only SLURM_GPUS_ON_NODE="
+            f"{on_node} GPUs there ({seen}): local rank {env.local_rank} has no GPU of its own.",
+            f"Request one GPU per task: --ntasks-per-node={on_node} with --gpus-per-node={on_node}"
+            ", or --gpus-per-task=1.")
+    if count == 1 or gpu_vars.get("SLURM_GPUS_PER_TASK"):
+        return 0  # this task's own device(s): the first is cuda:0
+    if env.local_rank < count:
+        return env.local_rank
+    raise EnvError(
+        f"local rank {env.local_rank} (rank {env.rank}, {env.local_world_size} tasks on node "
+        f"{env.node_rank}) has no GPU to bind: {seen}.",
+        f"Use one task per GPU: --ntasks-per-node={count} with --gpus-per-node={count}, or "
+        "--gpus-per-task=1; for CPU-only runs set CUDA_VISIBLE_DEVICES= (empty).")
+
+
+def select_device(env: DistEnv, environ: Mapping[str, str] | None = None) -> torch.device:
+    """``cuda:<device_index>`` when CUDA is usable and a device is bound, else ``cpu``."""
+    idx = device_index(env, environ)
+    if idx is None or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", idx)
+
+
+# ----------------------------------------------------------------------------- network interface
+def interface_for(addr: str) -> str | None:
+    """The name of the local interface whose address routes to ``addr`` (None when unknown).
+
+    A UDP ``connect`` sends nothing; it only asks the kernel's routing table for the source
+    address, which psutil maps back to an interface name.
+    """
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_DGRAM)
+    except socket.gaierror:
+        return None
+    ifaces = psutil.net_if_addrs()
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((sockaddr[0], 9) + tuple(sockaddr[2:]))
+                local_ip = s.getsockname()[0]
+        except OSError:
+            continue
+        for name, addrs in ifaces.items():
+            if any(a.family == family and a.address.split("%")[0] == local_ip for a in addrs):
+                return name
+    return None
+
+
+def _choose_ifname(backend: str, master_addr: str) -> str | None:
+    var = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}.get(backend)
+    if var is None:
+        return None
+    if os.environ.get(var):
+        log.info("%s=%s set by the user; left alone", var, os.environ[var])
+        return None
+    name = interface_for(master_addr)
+    if name is None:
+        log.warning("no local interface routes to MASTER_ADDR=%s; %s left unset", master_addr, var)
+        return None
+    os.environ[var] = name
+    log.info("%s=%s (the interface that routes to MASTER_ADDR=%s)", var, name, master_addr)
+    return name
+
+
+# ----------------------------------------------------------------------------- setup / cleanup
+def _with_overrides(env: DistEnv, rank: int | None, world_size: int | None) -> DistEnv:
+    """Seed-style ``setup_ddp(rank, world_size)``: defines the ranks of a plain single process,
+    must agree with any real launcher's (a disagreement would hang the rendezvous)."""
+    if rank is None and world_size is None:
+        return env
+    rank = env.rank if rank is None else int(rank)
+    world_size = env.world_size if world_size is None else int(world_size)
+    if env.launcher != "single":
+        if (rank, world_size) != (env.rank, env.world_size):
+            raise EnvError(
+                f"setup_ddp(rank={rank}, world_size={world_size}) disagrees with the {env.launcher} "
+                f"launcher's rank={env.rank}, world_size={env.world_size}.",
+                "Call setup_ddp() without arguments under a launcher, or pass its values.")
+        return env
+    if world_size > 1 and not os.environ.get("MASTER_PORT"):
+        raise EnvError(
+            f"setup_ddp(rank={rank}, world_size={world_size}) in processes started without a "
+            "launcher and without MASTER_PORT: each would pick its own port and wait forever.",
+            "Start them with ddp_hpc.launch.launch_distributed(fn, world_size) or set MASTER_ADDR "
+            "and MASTER_PORT before spawning.")
+    return dataclasses.replace(env, rank=rank, world_size=world_size, local_rank=rank,
+                               local_world_size=world_size)
+
+
+def _check_init_method(init_method: str) -> str:
+    url = urlparse(init_method)
+    if url.scheme == "env" and init_method == "env://":
+        return init_method
+    if url.scheme == "tcp":
+        try:
+            ok = bool(url.hostname) and url.port is not None
+        except ValueError:
+            ok = False
+        if ok:
+            return init_method
+        raise EnvError(f"init_method={init_method!r} needs a host and a port.",
+                       "Write it as tcp://HOST:PORT, e.g. tcp://n001:29500.")
+    if url.scheme == "file":
+        path = Path(url.path)
+        if not url.path or not path.is_absolute():
+            raise EnvError(f"init_method={init_method!r} needs an absolute path.",
+                           "Write it as file:///shared/dir/<unique-per-job-name>.")
+        if not path.parent.is_dir():
+            raise EnvError(f"init_method={init_method!r}: directory {path.parent} does not exist "
+                           "on this node.",
+                           "Use a directory on a filesystem every node mounts (not /tmp).")
+        return init_method
+    raise EnvError(f"init_method={init_method!r} is not supported.",
+                   "Use env://, tcp://HOST:PORT or file:///shared/path.")
+
+
+def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
+              env: DistEnv | None = None, backend: str = "auto", init_method: str = "env://",
+              timeout: timedelta = timedelta(minutes=30)) -> DistContext:
+    """Initialise the default process group for this rank and bind its device (see module doc).
+
+    A world of one still gets a (trivial) process group, so the same code runs everywhere.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("setup_ddp: the default process group is already initialised; "
+                           "call cleanup_ddp() first")
+    env = _with_overrides(env or DistEnv.detect(), rank, world_size)
+    init_method = _check_init_method(init_method)
+    idx = device_index(env)
+    cuda = idx is not None and torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
+    elif backend == "nccl" and not cuda:
+        raise EnvError(f"backend='nccl' but this rank has no usable GPU (device index {idx}, "
+                       f"torch.cuda.is_available()={torch.cuda.is_available()}).",
+                       "Use backend='auto' or 'gloo' on CPU, or request GPUs for the job.")
+    device = torch.device("cuda", idx) if cuda and backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        for k, v in NCCL_DEFAULTS.items():
+            os.environ.setdefault(k, v)
+        torch.cuda.set_device(device)
+    rdzv_host = urlparse(init_method).hostname if init_method.startswith("tcp://") else None
+    ifname = _choose_ifname(backend, rdzv_host or env.master_addr)
+    if init_method == "env://":
+        env.export()
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend=backend, init_method=init_method, rank=env.rank,
+                            world_size=env.world_size, timeout=timeout, **kwargs)
+    log.info("rank %d/%d (node %d, local %d) backend=%s device=%s init=%s", env.rank,
+             env.world_size, env.node_rank, env.local_rank, backend, device, init_method)
+    return DistContext(env, backend, device, init_method, ifname)
+
+
+def cleanup_ddp() -> None:
+    """Destroy the default process group without a barrier; a no-op when none exists."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main() -> bool:
+    """Rank 0 of the initialised world (True in a plain single process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier(group=None) -> None:
+    """``dist.barrier`` that is a no-op without a process group."""
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+# ----------------------------------------------------------------------------- groups
+def block_layout(tasks_per_node: Sequence[int]) -> list[tuple[int, int]]:
+    """(node_rank, local_rank) per rank with ranks laid out node by node, e.g. (3, 1)."""
+    return [(node, local) for node, n in enumerate(tasks_per_node) for local in range(n)]
+
+
+def _layout(x: Union[DistEnv, Layout]) -> list[tuple[int, int]]:
+    if not isinstance(x, DistEnv):
+        return [(int(n), int(lr)) for n, lr in x]
+    if x.world_size != x.num_nodes * x.local_world_size:
+        raise EnvError(
+            f"uneven layout ({x.world_size} ranks, {x.num_nodes} nodes, {x.local_world_size} on "
+            f"node {x.node_rank}): one rank's DistEnv cannot tell the other nodes' rank counts.",
+            "Pass the layout (gather_layout(env) in a running job, or block_layout([3, 1])).")
+    return block_layout([x.local_world_size] * x.num_nodes)
+
+
+def node_rank_lists(x: Union[DistEnv, Layout]) -> list[list[int]]:
+    """The ranks of each node, node by node: 2x2 -> [[0, 1], [2, 3]]."""
+    lists: dict[int, list[int]] = {}
+    for rank, (node, _) in enumerate(_layout(x)):
+        lists.setdefault(node, []).append(rank)
+    return [lists[n] for n in sorted(lists)]
+
+
+def strided_rank_lists(x: Union[DistEnv, Layout]) -> list[list[int]]:
+    """The ranks sharing a local rank, across nodes: 6 ranks on 2 nodes -> [0,3],[1,4],[2,5]."""
+    lists: dict[int, list[int]] = {}
+    for rank, (_, local) in enumerate(_layout(x)):
+        lists.setdefault(local, []).append(rank)
+    return [lists[lr] for lr in sorted(lists)]
+
+
+def leader_ranks(x: Union[DistEnv, Layout]) -> list[int]:
+    """Local rank 0 of each node: 2x2 -> [0, 2]."""
+    return strided_rank_lists(x)[0]
+
+
+def gather_layout(env: DistEnv) -> list[tuple[int, int]]:
+    """Every rank's (node_rank, local_rank), gathered over the world (a collective): exact for
+    uneven and non-contiguous (cyclic) rank placements."""
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (env.node_rank, env.local_rank))
+    return [tuple(t) for t in out]
+
+
+def new_groups(rank_lists: Sequence[Sequence[int]], *, timeout: timedelta | None = None):
+    """Create every group on every rank in the same order (torch requires it); return the
+    caller's group, or None when the caller is in none. All ranks must call it with equal lists.
+    """
+    lists = [[int(r) for r in ranks] for ranks in rank_lists]
+    world, seen = dist.get_world_size(), {}
+    for ranks in lists:
+        for r in ranks:
+            if not 0 <= r < world:
+                raise ValueError(f"new_groups: rank {r} in {ranks} is outside 0..{world - 1}")
+            if r in seen:
+                raise ValueError(f"new_groups: rank {r} is in both {seen[r]} and {ranks}; "
+                                 "groups of one call must not overlap")
+            seen[r] = ranks
+        if not ranks:
+            raise ValueError(f"new_groups: empty rank list in {lists}")
+    mine, _ = dist.new_subgroups_by_enumeration(lists, timeout=timeout)
+    return mine
+
+
+def node_group(env: DistEnv):
+    """The group of this rank's node (a collective: every rank calls it)."""
+    return new_groups(node_rank_lists(gather_layout(env)))
+
+
+def leaders_group(env: DistEnv):
+    """Local rank 0 of every node; None on the other ranks (a collective: every rank calls it)."""
+    return new_groups([leader_ranks(gather_layout(env))])
+
+
+def strided_groups(env: DistEnv):
+    """This rank's group of equal local ranks across nodes (a collective: every rank calls it)."""
+    return new_groups(strided_rank_lists(gather_layout(env)))
