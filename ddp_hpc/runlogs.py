@@ -1,0 +1,395 @@
+"""Read a run's log directory: per-rank event streams, the first failing rank, progress, requeues.
+
+The training core writes, per rank R, ``rank{R}.events.jsonl`` (one JSON object per line, see
+docs/architecture.md) and ``rank{R}.log``; Slurm adds ``rank{R}.out`` (srun ``--output=rank%t.out``)
+and ``slurm-<id>.out``. This module turns those files into the facts the status command shows and
+never raises on a damaged file: a half-written last line (the writer may be mid-flush) or a stray
+non-JSON line is skipped and counted.
+
+Why so much care about *which* rank failed first: when one rank raises, srun's kill-on-bad-exit and
+collective timeouts make every other rank die too, often with errors of their own ("connection
+reset by peer"). The earliest ``error`` event is the cause; the rest are echoes.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EVENTS_RE = re.compile(r"^rank(\d+)\.events\.jsonl$")
+OUT_RE = re.compile(r"^rank(\d+)\.out$")
+#: srun's report of a task's exit: "srun: error: n2: task 3: Exited with exit code 1",
+#: "srun: error: n1: tasks 0-1: Killed".
+SRUN_EXIT_RE = re.compile(
+    r"tasks? ([\d,\-]+): (?:Exited with exit code (\d+)|Killed|Terminated|Segmentation fault|Aborted)")
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
+
+
+@dataclass
+class RankStream:
+    """One rank's events (in file order) and how many lines could not be parsed."""
+
+    rank: int
+    path: Path
+    events: list[dict] = field(default_factory=list)
+    bad_lines: int = 0
+
+    @property
+    def last(self) -> dict | None:
+        return self.events[-1] if self.events else None
+
+    def of_restart(self, restart: int) -> list[dict]:
+        return [e for e in self.events if _int(e.get("restart"), 0) == restart]
+
+
+@dataclass
+class Failure:
+    """The first rank that failed, how we know, and what it raised."""
+
+    rank: int
+    basis: str  # "error event" | "traceback in rankN.out" | "srun exit report" | "events stopped first"
+    exc_type: str | None = None
+    message: str | None = None
+    traceback_tail: list[str] = field(default_factory=list)
+    time: float | None = None
+    host: str | None = None
+    restart: int = 0
+
+
+@dataclass
+class Progress:
+    """Where training stands, from the newest metrics events of the current run."""
+
+    epoch: int | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    percent: float | None = None
+    loss: float | None = None
+    samples_per_s: float | None = None
+    eta_s: float | None = None
+    updated: float | None = None
+
+
+@dataclass
+class RunSummary:
+    """One run of the job (restart 0 is the first; a requeue starts the next)."""
+
+    restart: int
+    started: float | None
+    last_time: float | None
+    ranks: list[int]
+    last_step: int | None
+    end_status: str | None  # "completed" | "preempted" | "failed" | None (no end event yet)
+    preempt_reason: str | None
+    requeued: bool
+    errors: int
+
+
+def read_events(path: Path) -> RankStream:
+    """Parse one ``rank{R}.events.jsonl``; malformed lines are skipped and counted."""
+    m = EVENTS_RE.match(path.name)
+    stream = RankStream(rank=int(m.group(1)) if m else -1, path=path)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return stream
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            stream.bad_lines += 1
+            continue
+        if isinstance(ev, dict) and "event" in ev:
+            stream.events.append(ev)
+        else:
+            stream.bad_lines += 1
+    return stream
+
+
+class RunLogs:
+    """All the rank files of one log directory, read once; methods derive the facts."""
+
+    def __init__(self, log_dir: str | Path):
+        self.log_dir = Path(log_dir)
+        self.ranks: dict[int, RankStream] = {}
+        self.outs: dict[int, Path] = {}
+        self.texts: dict[int, Path] = {}
+        if not self.log_dir.is_dir():
+            return
+        for p in sorted(self.log_dir.iterdir()):
+            if m := EVENTS_RE.match(p.name):
+                self.ranks[int(m.group(1))] = read_events(p)
+            elif m := OUT_RE.match(p.name):
+                self.outs[int(m.group(1))] = p
+            elif re.match(r"^rank(\d+)\.log$", p.name):
+                self.texts[int(p.name[4:-4])] = p
+
+    @property
+    def exists(self) -> bool:
+        return bool(self.ranks or self.outs or self.texts)
+
+    def all_events(self) -> list[dict]:
+        evs = [e for s in self.ranks.values() for e in s.events]
+        return sorted(evs, key=lambda e: _float(e.get("time"), 0.0))
+
+    def restarts(self) -> list[int]:
+        """Every restart number seen in any event, ascending."""
+        return sorted({_int(e.get("restart"), 0) for s in self.ranks.values() for e in s.events})
+
+    def current_restart(self) -> int:
+        r = self.restarts()
+        return r[-1] if r else 0
+
+    def last_events(self) -> dict[int, dict]:
+        return {r: s.last for r, s in sorted(self.ranks.items()) if s.last is not None}
+
+    def world_size(self) -> int | None:
+        for s in self.ranks.values():
+            for e in s.events:
+                if e.get("event") == "start" and e.get("world_size") is not None:
+                    return _int(e.get("world_size"), None)
+        return None
+
+    def runs(self) -> list[RunSummary]:
+        """One summary per restart number: what each run of a requeued job did."""
+        out = []
+        for restart in self.restarts():
+            evs = [e for s in self.ranks.values() for e in s.of_restart(restart)]
+            evs.sort(key=lambda e: _float(e.get("time"), 0.0))
+            ends = [e for e in evs if e.get("event") == "end"]
+            statuses = {str(e.get("status")) for e in ends}
+            end_status = None
+            if ends:
+                end_status = next((s for s in ("failed", "preempted", "completed") if s in statuses),
+                                  sorted(statuses)[0])
+            pre = [e for e in evs if e.get("event") == "preempt"]
+            steps = [_int(e.get("step"), None) for e in evs if e.get("step") is not None]
+            steps = [s for s in steps if s is not None]
+            out.append(RunSummary(
+                restart=restart,
+                started=_float(evs[0].get("time"), None) if evs else None,
+                last_time=_float(evs[-1].get("time"), None) if evs else None,
+                ranks=sorted({_int(e.get("rank"), -1) for e in evs}),
+                last_step=max(steps) if steps else None,
+                end_status=end_status,
+                preempt_reason=pre[0].get("reason") if pre else None,
+                requeued=any(e.get("event") == "requeue" for e in evs),
+                errors=sum(1 for e in evs if e.get("event") == "error"),
+            ))
+        return out
+
+    def outcome(self) -> str | None:
+        """The current run's ending as the events tell it: completed/failed/preempted, else None.
+
+        "completed" only when every rank that started wrote ``end`` completed; any ``error`` or a
+        failed ``end`` makes it "failed".
+        """
+        if not self.ranks:
+            return None
+        runs = self.runs()
+        cur = runs[-1] if runs else None
+        if cur is None:
+            return None
+        if cur.errors or cur.end_status == "failed":
+            return "failed"
+        if cur.end_status == "preempted":
+            return "preempted"
+        if cur.end_status == "completed":
+            ended = {r for r, s in self.ranks.items()
+                     if any(e.get("event") == "end" for e in s.of_restart(cur.restart))}
+            ws = self.world_size()
+            expected = set(range(ws)) if ws else set(cur.ranks)
+            return "completed" if expected <= ended else None
+        return None
+
+    def progress(self, now: float | None = None) -> Progress | None:
+        """Epoch/step/percent, last loss, samples/s and an ETA from the current run's metrics."""
+        restart = self.current_restart()
+        stream = self.ranks.get(0) or next(iter(self.ranks.values()), None)
+        if stream is None:
+            return None
+        evs = stream.of_restart(restart) or stream.events
+        metrics = [e for e in evs if e.get("event") in ("step", "epoch", "end", "eval", "checkpoint")]
+        if not metrics:
+            return None
+        p = Progress(updated=_float(metrics[-1].get("time"), None))
+        for e in metrics:
+            if e.get("epoch") is not None:
+                p.epoch = _int(e.get("epoch"), p.epoch)
+            if e.get("step") is not None:
+                p.step = _int(e.get("step"), p.step)
+            if e.get("loss") is not None:
+                p.loss = _float(e.get("loss"), p.loss)
+            if e.get("samples_per_s") is not None:
+                p.samples_per_s = _float(e.get("samples_per_s"), p.samples_per_s)
+        totals = [e.get("total_steps") for e in stream.events if e.get("total_steps") is not None]
+        p.total_steps = _int(totals[-1], None) if totals else None
+        if p.total_steps and p.step is not None:
+            p.percent = min(100.0, 100.0 * p.step / p.total_steps)
+        steps = [e for e in evs if e.get("event") == "step" and e.get("step") is not None]
+        ended = any(e.get("event") == "end" for e in evs)
+        if not ended and len(steps) >= 2 and p.total_steps and p.step is not None:
+            s0, s1 = steps[0], steps[-1]
+            dt = _float(s1.get("time"), 0.0) - _float(s0.get("time"), 0.0)
+            ds = _int(s1.get("step"), 0) - _int(s0.get("step"), 0)
+            if dt > 0 and ds > 0:
+                p.eta_s = max(0.0, (p.total_steps - p.step) * dt / ds)
+        elif ended and p.total_steps:
+            p.eta_s = 0.0 if any(e.get("event") == "end" and e.get("status") == "completed"
+                                 for e in evs) else None
+        return p
+
+    def first_failure(self, assume_failed: bool = False) -> Failure | None:
+        """The first rank that failed in the current run (the newest restart).
+
+        Order of evidence: the earliest ``error`` event; else a Python traceback in a
+        ``rank{R}.out`` (the earliest such rank by its event stream's last time); else srun's
+        "task R: Exited with exit code" report; else, when the job failed (``assume_failed``: the
+        scheduler says so) or some ranks ended while others did not, the rank whose event stream
+        stopped first.
+        """
+        restart = self.current_restart()
+        errors = [e for e in self.all_events()
+                  if e.get("event") == "error" and _int(e.get("restart"), 0) == restart]
+        if errors:
+            first = errors[0]
+            tb = str(first.get("traceback") or "")
+            return Failure(rank=_int(first.get("rank"), -1), basis="error event",
+                           exc_type=first.get("exc_type"), message=first.get("message"),
+                           traceback_tail=tail_lines(tb, 12), time=_float(first.get("time"), None),
+                           host=first.get("host"), restart=restart)
+        with_tb = {r: tb for r, p in self.outs.items() if (tb := traceback_in(p)) is not None}
+        if with_tb:
+            rank = min(with_tb, key=lambda r: (self._stop_time(r), r))
+            block = with_tb[rank]
+            exc_type, message = exception_of(block)
+            last = self.ranks[rank].last if rank in self.ranks else None
+            return Failure(rank=rank, basis=f"traceback in rank{rank}.out", exc_type=exc_type,
+                           message=message, traceback_tail=tail_lines("\n".join(block), 12),
+                           time=_float(last.get("time"), None) if last else None,
+                           host=last.get("host") if last else None, restart=restart)
+        codes = {r: c for r, c in self.srun_exit_codes().items() if c != 0}
+        codes = {r: c for r, c in codes.items() if c > 0} or codes  # an exit code beats "Killed"
+        if codes:
+            rank = min(codes, key=lambda r: (self._stop_time(r), r))
+            return Failure(rank=rank, basis="srun exit report", restart=restart,
+                           message=f"exit code {codes[rank]}" if codes[rank] >= 0 else "killed")
+        if assume_failed or self.outcome() == "failed" or self._some_stopped_without_end():
+            cands = [r for r, s in self.ranks.items()
+                     if s.of_restart(restart) and not any(
+                         e.get("event") == "end" and e.get("status") == "completed"
+                         for e in s.of_restart(restart))]
+            if cands:
+                rank = min(cands, key=lambda r: (self._stop_time(r), r))
+                last = self.ranks[rank].of_restart(restart)[-1]
+                return Failure(rank=rank, basis="events stopped first", restart=restart,
+                               time=_float(last.get("time"), None), host=last.get("host"))
+        return None
+
+    def _some_stopped_without_end(self) -> bool:
+        """True when some ranks of the current run ended and others did not (a lost rank)."""
+        restart = self.current_restart()
+        ended = [any(e.get("event") == "end" for e in s.of_restart(restart))
+                 for s in self.ranks.values() if s.of_restart(restart)]
+        return any(ended) and not all(ended)
+
+    def _stop_time(self, rank: int) -> float:
+        s = self.ranks.get(rank)
+        return _float(s.last.get("time"), float("inf")) if s and s.last else float("inf")
+
+    def srun_exit_codes(self) -> dict[int, int]:
+        """Per-task exit codes that srun reported in the batch output (``slurm-*.out``)."""
+        codes: dict[int, int] = {}
+        if not self.log_dir.is_dir():
+            return codes
+        for p in sorted(self.log_dir.glob("slurm-*.out")):
+            for m in SRUN_EXIT_RE.finditer(_read_text(p)):
+                for task in _expand_ids(m.group(1)):
+                    codes[task] = int(m.group(2)) if m.group(2) else -1  # newest report wins
+        return codes
+
+
+def traceback_in(path: Path) -> list[str] | None:
+    """The last Python traceback block in a text file, or None."""
+    lines = _read_text(path).splitlines()
+    starts = [i for i, ln in enumerate(lines) if "Traceback (most recent call last):" in ln]
+    if not starts:
+        return None
+    block = lines[starts[-1]:]
+    end = len(block)
+    for i in range(1, len(block)):
+        ln = block[i]
+        if ln and not ln[0].isspace() and _EXC_LINE.match(ln) and not ln.startswith("Traceback"):
+            end = i + 1
+            break
+    return block[:end]
+
+
+def exception_of(block: list[str]) -> tuple[str | None, str | None]:
+    """(exception type, message) from the last line of a traceback block."""
+    for ln in reversed(block):
+        if ln and not ln[0].isspace():
+            m = _EXC_LINE.match(ln.strip())
+            if m and not ln.startswith("Traceback"):
+                return m.group(1), (m.group(2) or "")
+    return None, None
+
+
+def tail_lines(text: str, n: int) -> list[str]:
+    lines = [ln for ln in str(text).rstrip("\n").splitlines()]
+    return lines[-n:] if n > 0 else []
+
+
+def tail_file(path: Path, n: int, max_bytes: int = 1 << 20) -> list[str]:
+    """The last n lines of a file without reading more than ``max_bytes`` of it."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return []
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    if size > max_bytes and lines:
+        lines = lines[1:]  # first line is probably cut
+    return lines[-n:] if n > 0 else []
+
+
+def age(t: float | None, now: float | None = None) -> float | None:
+    return None if t is None else max(0.0, (now or time.time()) - t)
+
+
+def _expand_ids(text: str) -> list[int]:
+    """"0-2,5" -> [0, 1, 2, 5] (srun's task lists)."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and (not hi or hi.isdigit()):
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _int(v, default):
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _float(v, default):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return default

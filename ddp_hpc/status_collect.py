@@ -1,0 +1,201 @@
+"""Put together one job's status: its record, the scheduler's (or processes') state, and its logs.
+
+The result, :class:`JobStatus`, is a plain value that the views render as a table row, a detail
+page or JSON; nothing here prints. A record of a job array becomes one status per array task
+(each task has its own log directory).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddp_hpc import status_sources as src
+from ddp_hpc.runlogs import Failure, Progress, RunLogs
+from ddp_hpc.states import JobState
+
+
+@dataclass
+class Target:
+    """A job to look at: its id, the record it came from (if any) and its log directory."""
+
+    id: str
+    record: object | None = None  # ddp_hpc.jobrecord.JobRecord
+    log_dir: str | None = None
+
+    @property
+    def local(self) -> bool:
+        backend = getattr(self.record, "backend", None)
+        return backend == "local" or self.id.startswith("local-")
+
+
+@dataclass
+class JobStatus:
+    """Everything the status command knows about one job (or array task)."""
+
+    id: str
+    name: str | None
+    backend: str | None
+    state: str  # label shown to the user, e.g. "CANCELLED by 0" or "UNKNOWN(FOO)"
+    state_name: str  # JobState member name
+    source: str  # which source gave the state
+    tried: list[str]
+    nodes: int | None
+    gpus_per_node: int | None
+    elapsed: str | None
+    time_limit: str | None
+    restarts: int
+    log_dir: str | None
+    cwd: str | None = None
+    submitted_at: float | None = None
+    reason: str | None = None
+    node_list: str | None = None
+    progress: Progress | None = None
+    last_events: dict[int, dict] = field(default_factory=dict)
+    failure: Failure | None = None
+    exit_code: str | None = None
+    steps: list[dict] = field(default_factory=list)
+    rank_exit_codes: dict[int, int] = field(default_factory=dict)
+    scheduler_history: list[dict] = field(default_factory=list)
+    history_source: str | None = None
+    runs: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def job_state(self) -> JobState:
+        return JobState[self.state_name]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["last_events"] = {str(k): v for k, v in self.last_events.items()}
+        d["rank_exit_codes"] = {str(k): v for k, v in self.rank_exit_codes.items()}
+        return d
+
+
+def targets_from_records(records) -> list[Target]:
+    """One target per record, or per array task for job arrays."""
+    out = []
+    for rec in records:
+        if rec.array:
+            for task in rec.array:
+                tid = task.get("task_id")
+                out.append(Target(f"{rec.id}_{tid}", rec, task.get("log_dir") or rec.log_dir))
+        else:
+            out.append(Target(str(rec.id), rec, rec.log_dir))
+    return out
+
+
+def slurm_cli():
+    """A SlurmCLI when Slurm commands are reachable, else (None, reason)."""
+    try:
+        from ddp_hpc.slurmcli import SlurmCLI
+    except ImportError as exc:
+        return None, f"slurm: ddp_hpc.slurmcli unavailable ({exc})"
+    cli = SlurmCLI()
+    try:
+        ok = cli.available()
+    except Exception as exc:  # noqa: BLE001 - an unusable Slurm means "ask the logs"
+        return None, f"slurm: {exc}"
+    return (cli, None) if ok else (None, "slurm: commands not found on PATH")
+
+
+def collect(targets: list[Target], cli=None, cli_note: str | None = None, history: bool = False,
+            now: float | None = None) -> list[JobStatus]:
+    """Status of every target; Slurm ones are queried in one batch per source."""
+    now = time.time() if now is None else now
+    cluster = current_cluster(cli)
+    foreign = {t.id for t in targets if not t.local and cluster and t.record is not None
+               and getattr(t.record, "cluster", None) not in (None, "", cluster)}
+    slurm_ids = [t.id for t in targets if not t.local and t.id not in foreign]
+    expect = {t.id: {"name": getattr(t.record, "name", None),
+                     "submitted_at": getattr(t.record, "submitted_at", None)}
+              for t in targets if t.record is not None}
+    found: dict[str, src.SourceState] = {}
+    tried: list[str] = [cli_note] if cli_note else []
+    if slurm_ids and cli is not None:
+        found, more = src.query_slurm(slurm_ids, cli, expect, history=history)
+        tried += more
+    out = []
+    for t in targets:
+        st = _one(t, found.get(t.id), tried, now)
+        if t.id in foreign:
+            st.notes.append(f"submitted on cluster {t.record.cluster!r}, not this one ({cluster!r}): "
+                            "the scheduler was not asked (job ids repeat across clusters)")
+        out.append(st)
+    return out
+
+
+def current_cluster(cli) -> str | None:
+    """This Slurm's ClusterName, or None when it cannot be asked."""
+    if cli is None or not hasattr(cli, "cluster_name"):
+        return None
+    try:
+        return cli.cluster_name()
+    except Exception:  # noqa: BLE001 - an unreachable controller only means "do not filter"
+        return None
+
+
+def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float) -> JobStatus:
+    rec = t.record
+    logs = RunLogs(t.log_dir) if t.log_dir else RunLogs("/nonexistent-ddp-hpc-log-dir")
+    notes: list[str] = []
+    if t.local:
+        alive = src.pids_alive(getattr(rec, "pids", None), getattr(rec, "submitted_at", None),
+                               getattr(rec, "cluster", None))
+        if alive is None and getattr(rec, "pids", None):
+            notes.append("pids recorded on another host; state from the logs")
+        sched = src.from_logs(logs, [], src.PROCESSES if alive is not None else src.LOGS, alive)
+    elif sched is None:
+        sched = src.from_logs(logs, tried)
+    state = sched.state
+    failure = None
+    if state.state.failed or logs.outcome() == "failed" or state.state is JobState.UNKNOWN:
+        failure = logs.first_failure(assume_failed=state.state.failed)
+    elif state.state.active:
+        failure = logs.first_failure()
+        if failure is not None:
+            notes.append(f"the scheduler says {state.label} but rank {failure.rank} failed "
+                         f"({failure.basis}); the job should end soon (kill-on-bad-exit)")
+    runs = logs.runs()
+    restarts = max([sched.restarts or 0] + [r.restart for r in runs])
+    progress = logs.progress(now)
+    if progress is not None and not state.state.active:
+        progress.eta_s = 0.0 if state.state is JobState.COMPLETED else None
+    elapsed = sched.elapsed or _elapsed_from_runs(runs, state.state.active, now)
+    bad = sum(s.bad_lines for s in logs.ranks.values())
+    if bad:
+        notes.append(f"{bad} unreadable line(s) in the event streams skipped")
+    if t.log_dir and not Path(t.log_dir).is_dir():
+        notes.append(f"log directory {t.log_dir} does not exist (yet)")
+    return JobStatus(
+        id=t.id, name=getattr(rec, "name", None), backend=getattr(rec, "backend", None),
+        state=state.label, state_name=state.state.name, source=sched.source, tried=sched.tried,
+        nodes=getattr(rec, "nodes", None) or sched.nodes,
+        gpus_per_node=getattr(rec, "gpus_per_node", None),
+        elapsed=elapsed, time_limit=sched.time_limit or getattr(rec, "time_limit", None),
+        restarts=restarts, log_dir=t.log_dir, cwd=getattr(rec, "cwd", None),
+        submitted_at=getattr(rec, "submitted_at", None), reason=sched.reason,
+        node_list=sched.node_list, progress=progress, last_events=logs.last_events(),
+        failure=failure, exit_code=sched.exit_code, steps=sched.steps,
+        rank_exit_codes=logs.srun_exit_codes(), scheduler_history=sched.history,
+        history_source=sched.history_source, runs=[dataclasses.asdict(r) for r in runs],
+        notes=notes)
+
+
+def _elapsed_from_runs(runs, active: bool, now: float) -> str | None:
+    if not runs or runs[-1].started is None:
+        return None
+    end = now if active else (runs[-1].last_time or now)
+    return fmt_duration(end - runs[-1].started)
+
+
+def fmt_duration(seconds: float | None) -> str | None:
+    """Seconds -> Slurm's ``[D-]HH:MM:SS``."""
+    if seconds is None:
+        return None
+    s = int(max(0, round(seconds)))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}-" if d else "") + f"{h:02d}:{m:02d}:{s:02d}"

@@ -1,0 +1,279 @@
+"""Where a job's state comes from: squeue, else sacct, else ``sacct -c``, else processes or logs.
+
+Each source knows less than the one before it, and each can be missing on a given cluster: squeue
+forgets a job minutes after it ends, sacct needs slurmdbd ("accounting storage is disabled"
+otherwise), ``sacct -c`` needs a job completion plugin, and a local-backend job has only its
+process ids and its run logs. The status command asks them in that order, stops at the first that
+knows the job, and says which one answered, so a user can judge how fresh the answer is.
+
+All Slurm commands go through :class:`ddp_hpc.slurmcli.SlurmCLI` (the one module that runs them);
+its rows are dicts whose key spelling (``JobID``/``job_id``/``JobId``) this module does not assume.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import socket
+from dataclasses import dataclass, field
+
+from ddp_hpc.runlogs import RunLogs
+from ddp_hpc.states import JobState, StateInfo, parse_state
+
+SQUEUE, SACCT, SACCT_C, PROCESSES, LOGS, NONE = (
+    "squeue", "sacct", "sacct -c", "processes", "logs", "none")
+
+#: How far Slurm's submit time may precede the record's before the row is taken for an older
+#: job that had the same id (ids restart at 1 when a controller's state is wiped).
+SUBMIT_SLACK_S = 600.0
+
+
+@dataclass
+class SourceState:
+    """One job's state and the facts the answering source knew."""
+
+    state: StateInfo
+    source: str
+    tried: list[str] = field(default_factory=list)  # what each earlier source said
+    elapsed: str | None = None
+    time_limit: str | None = None
+    nodes: int | None = None
+    node_list: str | None = None
+    reason: str | None = None
+    exit_code: str | None = None
+    restarts: int | None = None
+    steps: list[dict] = field(default_factory=list)  # sacct job steps: id, state, exit_code
+    history: list[dict] = field(default_factory=list)  # earlier runs of a requeued job
+    history_source: str | None = None
+
+
+def norm_get(row: dict, *names: str, default=None):
+    """``row[name]`` for the first of ``names`` present, ignoring case, '_' and spaces."""
+    idx = {_norm(k): v for k, v in row.items()}
+    for n in names:
+        v = idx.get(_norm(n))
+        if v not in (None, ""):
+            return v
+    return default
+
+
+def _norm(k) -> str:
+    return str(k).lower().replace("_", "").replace(" ", "").replace("-", "")
+
+
+def row_job_id(row: dict) -> str:
+    # squeue's JobArrayID is "123_4" for an array task ("123" otherwise) while its JobID is the
+    # task's own number; sacct's JobID is already "123_4" / "123.batch".
+    return str(norm_get(row, "JobArrayID", "JobID", "JobIDRaw", "id", default="")).strip()
+
+
+def base_id(job_id: str) -> str:
+    """``123_4.batch`` -> ``123_4``: the job (or array task) a step row belongs to."""
+    return job_id.split(".", 1)[0]
+
+
+def parse_slurm_time(text) -> float | None:
+    """Slurm's ISO local timestamps (``2026-11-22T15:40:01``) -> unix seconds; else None."""
+    if not text or str(text) in ("Unknown", "None", "N/A"):
+        return None
+    try:
+        return _dt.datetime.fromisoformat(str(text)).timestamp()
+    except ValueError:
+        return None
+
+
+def _call(tried: list[str], label: str, fn, *args, **kwargs):
+    """Run one SlurmCLI query; a failure (no accounting, no daemon) becomes a note, not a crash."""
+    try:
+        rows = fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any failure of an external source is reported
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        tried.append(f"{label}: {first}")
+        return None
+    return list(rows or [])
+
+
+def _matches(row: dict, expect: dict | None) -> bool:
+    """False when the row is clearly another job that reused the id: a different name, submitted
+    well before the record, or (squeue, never restarted) submitted well after it. A requeue
+    resets Slurm's submit time, so rows of restarted jobs are not judged by a late submit time."""
+    if not expect:
+        return True
+    name = norm_get(row, "JobName", "Name")
+    if name and expect.get("name") and str(name) != str(expect["name"]):
+        return False
+    sub = parse_slurm_time(norm_get(row, "Submit", "SubmitTime"))
+    at = expect.get("submitted_at")
+    if sub is None or not at:
+        return True
+    if sub < float(at) - SUBMIT_SLACK_S:
+        return False
+    restarts = norm_get(row, "RestartCnt", "Restarts")
+    if restarts is not None and str(restarts).strip() == "0" and sub > float(at) + SUBMIT_SLACK_S:
+        return False
+    return True
+
+
+def _group(rows: list[dict], expect: dict[str, dict]) -> dict[str, list[dict]]:
+    """Rows keyed by job / array-task id (steps included under their job), wrong jobs dropped."""
+    out: dict[str, list[dict]] = {}
+    for row in rows:
+        jid = row_job_id(row)
+        if not jid:
+            continue
+        key = base_id(jid)
+        parent = key.split("_", 1)[0]
+        exp = expect.get(key) or expect.get(parent)
+        if "." not in jid and not _matches(row, exp):
+            continue
+        out.setdefault(key, []).append(row)
+    return out
+
+
+def _view_from_rows(rows: list[dict], source: str, tried: list[str]) -> SourceState:
+    jobs = [r for r in rows if "." not in row_job_id(r)]
+    steps = [r for r in rows if "." in row_job_id(r)]
+    cur = jobs[-1] if jobs else rows[-1]
+    restarts = norm_get(cur, "Restarts", "RestartCnt", "restart_count")
+    st = SourceState(
+        state=parse_state(norm_get(cur, "State", "StateCompact", "st", default="")),
+        source=source, tried=list(tried),
+        elapsed=norm_get(cur, "Elapsed", "TimeUsed", "Time"),
+        time_limit=norm_get(cur, "Timelimit", "TimeLimit"),
+        nodes=_int(norm_get(cur, "NNodes", "NumNodes", "Nodes")),
+        node_list=norm_get(cur, "NodeList", "Nodelist"),
+        reason=norm_get(cur, "Reason", "ReasonList"),
+        exit_code=norm_get(cur, "ExitCode", "DerivedExitCode"),
+        restarts=_int(restarts),
+        steps=[{"id": row_job_id(r), "state": parse_state(norm_get(r, "State", default="")).label,
+                "exit_code": norm_get(r, "ExitCode")} for r in steps],
+    )
+    if len(jobs) > 1:  # sacct -D / jobcomp: one row per run of a requeued job
+        st.history = [_history_row(r) for r in jobs]
+        st.history_source = source
+    return st
+
+
+def _history_row(r: dict) -> dict:
+    return {"state": parse_state(norm_get(r, "State", default="")).label,
+            "start": norm_get(r, "Start", "StartTime"), "end": norm_get(r, "End", "EndTime"),
+            "exit_code": norm_get(r, "ExitCode"), "elapsed": norm_get(r, "Elapsed")}
+
+
+def query_slurm(job_ids: list[str], cli, expect: dict[str, dict] | None = None,
+                history: bool = False) -> tuple[dict[str, SourceState], list[str]]:
+    """State of each Slurm job id from squeue, else sacct, else sacct -c, and what the sources that
+    did not know a job said. Ids no source knows are absent from the result; ``expect`` maps id -> {name, submitted_at} to reject reused ids.
+    ``history`` also asks ``sacct -D`` for the earlier runs of requeued jobs."""
+    expect = expect or {}
+    ids = [str(j) for j in job_ids]
+    found: dict[str, SourceState] = {}
+    tried: list[str] = []
+    if not ids:
+        return found, tried
+
+    def known(rows_by_id: dict[str, list[dict]], want: str) -> list[dict] | None:
+        if want in rows_by_id:
+            return rows_by_id[want]
+        tasks = [r for k, rs in rows_by_id.items() if k.split("_", 1)[0] == want for r in rs]
+        return tasks or None
+
+    rows = _call(tried, SQUEUE, cli.squeue, ids)
+    by = _group(rows or [], expect)
+    for j in ids:
+        if (r := known(by, j)) is not None:
+            found[j] = _view_from_rows(r, SQUEUE, [])
+    missing = [j for j in ids if j not in found]
+    if rows is not None and missing:
+        tried.append(f"{SQUEUE}: job not listed (ended more than MinJobAge ago, or unknown)")
+
+    sacct_rows = None
+    if missing or history:
+        sacct_rows = _call(tried, SACCT, cli.sacct, ids if history else missing,
+                           duplicates=history)
+        by = _group(sacct_rows or [], expect)
+        for j in list(missing):
+            if (r := known(by, j)) is not None:
+                found[j] = _view_from_rows(r, SACCT, tried)
+        if history:
+            for j in ids:
+                if j in found and (r := known(by, j)) is not None:
+                    hist = _view_from_rows(r, SACCT, tried)
+                    found[j].history, found[j].history_source = hist.history, "sacct -D"
+                    found[j].steps = found[j].steps or hist.steps
+                    found[j].exit_code = found[j].exit_code or hist.exit_code
+                    if hist.history:
+                        found[j].restarts = max(found[j].restarts or 0, len(hist.history) - 1)
+        missing = [j for j in ids if j not in found]
+        if sacct_rows is not None and missing:
+            tried.append(f"{SACCT}: job not found")
+
+    if missing or (history and sacct_rows is None):
+        rows = _call(tried, SACCT_C, cli.sacct, ids if history else missing, completion=True)
+        by = _group(rows or [], expect)
+        for j in ids:
+            r = known(by, j)
+            if r is None:
+                continue
+            if j not in found:
+                found[j] = _view_from_rows(r, SACCT_C, tried)
+            elif history and not found[j].history:
+                hist = _view_from_rows(r, SACCT_C, tried)
+                found[j].history, found[j].history_source = hist.history, SACCT_C
+                found[j].exit_code = found[j].exit_code or hist.exit_code
+        if rows is not None and [j for j in ids if j not in found]:
+            tried.append(f"{SACCT_C}: job not found")
+    return found, tried
+
+
+def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
+              now_alive: bool | None = None) -> SourceState:
+    """A state told by the run logs alone (no scheduler knows the job)."""
+    outcome = logs.outcome()
+    if now_alive:
+        return SourceState(StateInfo(JobState.RUNNING, "processes alive"), source, list(tried))
+    if outcome == "completed":
+        st = StateInfo(JobState.COMPLETED, "end: completed")
+    elif outcome == "failed":
+        st = StateInfo(JobState.FAILED, "end: failed")
+    elif outcome == "preempted":
+        runs = logs.runs()
+        requeued = bool(runs and runs[-1].requeued)
+        st = StateInfo(JobState.REQUEUED if requeued else JobState.PREEMPTED,
+                       "end: preempted", "(requeue requested)" if requeued else "")
+    elif not logs.exists:
+        st = StateInfo(JobState.UNKNOWN, "no scheduler record and no run logs")
+    elif now_alive is False:
+        st = StateInfo(JobState.FAILED, "processes gone without an end event",
+                       "(processes gone without an end event)")
+    else:
+        st = StateInfo(JobState.UNKNOWN, "logs have no end event yet")
+    return SourceState(st, source, list(tried))
+
+
+def pids_alive(pids, submitted_at: float | None, cluster: str | None) -> bool | None:
+    """True when any of the local job's processes still runs; None when this machine cannot tell
+    (the record was written on another host). A pid reused by a process started long after the
+    submission does not count."""
+    import psutil
+
+    if not pids:
+        return None
+    if cluster and cluster not in (socket.gethostname(), socket.getfqdn(), "localhost"):
+        return None
+    for pid in pids:
+        try:
+            p = psutil.Process(int(pid))
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if submitted_at and p.create_time() > float(submitted_at) + SUBMIT_SLACK_S:
+                continue
+            return True
+        except (psutil.Error, ValueError, TypeError):
+            continue
+    return False
+
+
+def _int(v) -> int | None:
+    try:
+        return int(str(v).strip())
+    except (TypeError, ValueError):
+        return None
