@@ -1,0 +1,98 @@
+"""Command line: ``python -m ddp_hpc.testcluster up|down|status|install`` (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .cluster import down, set_accounting, status, up
+from .spec import DEFAULT_PORT_BASE, DEFAULT_STATE_DIR, DEFAULT_SUBNET, LAYOUTS, ClusterError, ClusterSpec
+
+PACKAGES = ["slurm-wlm", "munge", "iproute2", "util-linux"]
+DB_PACKAGES = ["mariadb-server", "slurmdbd"]
+
+
+def install(slurmdbd: bool) -> int:
+    """apt-get the Debian packages the cluster needs (the package scripts start no daemons we use)."""
+    if os.geteuid() != 0:
+        raise ClusterError("installing packages needs root\nHINT: run it with sudo.")
+    if not shutil.which("apt-get"):
+        raise ClusterError("apt-get not found: this installer knows Debian/Ubuntu only\n"
+                           f"HINT: install {' '.join(PACKAGES + DB_PACKAGES)} with your package manager.")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    pkgs = PACKAGES + (DB_PACKAGES if slurmdbd else [])
+    subprocess.run(["apt-get", "update", "-q"], env=env, check=True)
+    subprocess.run(["apt-get", "install", "-y", "-q", *pkgs], env=env, check=True)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ddp_hpc.testcluster", description=__doc__)
+    p.add_argument("command", choices=["up", "down", "status", "install", "accounting-on", "accounting-off"])
+    p.add_argument("--nodes", type=int, default=4, help="number of nodes n1..nN (default 4)")
+    p.add_argument("--gpus-per-node", type=int, default=4, help="fake GPUs per node (default 4)")
+    p.add_argument("--layout", choices=LAYOUTS, default="netns",
+                   help="netns: own address+hostname per node (default); loopback: all on 127.0.0.1")
+    p.add_argument("--slurmdbd", action="store_true", help="also run MariaDB + slurmdbd (full sacct)")
+    p.add_argument("--state-dir", type=Path, default=Path(os.environ.get("DDP_HPC_TESTCLUSTER_DIR",
+                                                                           DEFAULT_STATE_DIR)))
+    p.add_argument("--subnet", default=DEFAULT_SUBNET, help="private /24 for the netns bridge")
+    p.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE,
+                   help="slurmctld listens on base+17, slurmdbd base+19, MariaDB base+6")
+    p.add_argument("--node-prefix", default="n", help="node names are PREFIX1..PREFIXN (default n)")
+    p.add_argument("--json", action="store_true", help="status as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "install":
+            return install(args.slurmdbd)
+        if args.command == "down":
+            t0 = time.monotonic()
+            done = down(args.state_dir)
+            print("\n".join(done) if done else f"no cluster recorded in {args.state_dir}")
+            print(f"down in {time.monotonic() - t0:.1f} s")
+            return 0
+        if args.command == "status":
+            st = status(args.state_dir)
+            print(json.dumps(st, indent=1) if args.json else _describe(st))
+            return 0 if st["healthy"] else 1
+        if args.command in ("accounting-on", "accounting-off"):
+            set_accounting(args.state_dir, args.command == "accounting-on")
+            print(_describe(status(args.state_dir)))
+            return 0
+        spec = ClusterSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node, layout=args.layout,
+                           slurmdbd=args.slurmdbd, state_dir=args.state_dir, subnet=args.subnet,
+                           port_base=args.port_base, node_prefix=args.node_prefix)
+        t0 = time.monotonic()
+        st = up(spec)
+        print(_describe(st))
+        print(f"up in {time.monotonic() - t0:.1f} s; use it with:\n  export SLURM_CONF={st['slurm_conf']}")
+        return 0
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _describe(st: dict) -> str:
+    if not st["up"]:
+        return f"no cluster recorded in {st['state_dir']}"
+    spec = st["spec"]
+    lines = [f"cluster {spec['cluster_name']} ({spec['layout']}, {spec['nodes']} nodes x "
+             f"{spec['gpus_per_node']} fake GPUs, accounting: {st['accounting']}) in {st['state_dir']}: "
+             f"{'healthy' if st['healthy'] else 'NOT healthy'}"]
+    lines += [f"  {name:<12} {'pid ' + str(pid) if pid else 'not running'}" for name, pid in st["daemons"].items()]
+    lines += [f"  node {n}: {s}" for n, s in sorted(st["nodes"].items())]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Shared pytest fixtures.  The main one is ``slurm_cluster``: a real multi-node Slurm for tests.
+
+``slurm_cluster`` (session scope) starts ONE local cluster per test session with
+``ddp_hpc.testcluster`` -- 4 nodes ``n1..n4``, each in its own network namespace with its own
+address and hostname, 4 fake GPUs per node (GRES), job completion records (``sacct -c``) and,
+when MariaDB + slurmdbd are installed, full accounting (plain ``sacct``, ``sacct -D``) -- and
+tears it down when the session ends.  Only one cluster can run on a machine, so the fixture holds
+an exclusive ``fcntl.flock`` on /tmp/ddp_hpc_testcluster.lock for the whole session; another
+session waits for it (up to ``DDP_HPC_CLUSTER_LOCK_WAIT`` seconds, default 1200) and then skips.
+
+Without root, or without slurmd / slurmctld / munged, every test that uses the fixture or is marked
+``@pytest.mark.cluster`` is skipped with the reason shown by ``pytest -ra``.  A test marked
+``cluster`` gets the cluster started (and the skip logic) even when it does not name the fixture.
+
+What the fixture yields (a :class:`SlurmTestCluster`)::
+
+    def test_two_by_two(slurm_cluster):
+        c = slurm_cluster
+        c.nodes                      # ['n1', 'n2', 'n3', 'n4']
+        c.gpus_per_node              # 4
+        c.env                        # os.environ + SLURM_CONF + PATH with the venv's bin first,
+                                     # minus inherited SLURM_* / torchrun variables
+        p = c.run(["srun", "-N2", "--ntasks-per-node=2", "python", "-m", "ddp_hpc.env", "--json"])
+        p.returncode, p.stdout, p.stderr         # text, captured, never raises
+        jid = c.sbatch("#!/bin/bash\\nsrun hostname\\n", "-N2", "--ntasks-per-node=1")
+        c.wait(jid)                  # 'COMPLETED' | 'FAILED' | 'TIMEOUT' | 'CANCELLED' | ...
+        c.output(jid)                # text of slurm-<jid>.out (batch jobs run in shared_dir)
+        c.shared_dir                 # Path seen by every node, fresh per session (mode 1777)
+        c.jobcomp_file               # Path of the jobcomp/filetxt records (`sacct -c`)
+        c.accounting                 # 'slurmdbd' (plain sacct works) or 'jobcomp' (sacct disabled)
+        c.stop_slurmdbd()            # switch to a jobcomp-only cluster (sacct: "accounting storage
+        c.start_slurmdbd()           #   is disabled") and back; restarts slurmctld, keeps jobs
+        c.cluster_name               # 'ddphpc' (job ids restart at 1 in every session)
+        c.slurm_conf, c.state_dir, c.log_dir, c.partition, c.layout
+
+Jobs run as root with the submitter's environment (sbatch/srun export ALL), so ``python`` inside a
+job is the venv's.  sacct lags squeue by seconds and ``sbatch --wait`` notices the end late, so
+``wait`` polls squeue, then reads the final state from ``scontrol`` and waits until accounting
+(``sacct`` or ``sacct -c``) has the record too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+LOCK_FILE = Path("/tmp/ddp_hpc_testcluster.lock")
+LOCK_WAIT_S = float(os.environ.get("DDP_HPC_CLUSTER_LOCK_WAIT", "1200"))
+TERMINAL = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY",
+            "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+_DROP_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DDP_HPC_LAUNCHER", "DDP_HPC_NUM_NODES",
+              "DDP_HPC_JOB_ID", "DDP_HPC_MASTER_PORT", "DDP_HPC_LOG_DIR", "CUDA_VISIBLE_DEVICES"}
+_timings: dict[str, float] = {}
+
+
+def cluster_skip_reason() -> str | None:
+    """Why cluster tests cannot run here, or None."""
+    if not sys.platform.startswith("linux"):
+        return f"cluster tests need Linux (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return (f"cluster tests need root to start the local Slurm cluster (running as uid "
+                f"{os.geteuid()}); run pytest as root")
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    missing = [p for p in ("slurmd", "slurmctld", "munged", "srun", "unshare") if not shutil.which(p, path=path)]
+    if missing:
+        return (f"cluster tests need Slurm + munge ({', '.join(missing)} not found); install with "
+                "`python -m ddp_hpc.testcluster install --slurmdbd` (apt-get, as root)")
+    return None
+
+
+def _which_all(*progs: str) -> bool:
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    return all(shutil.which(p, path=path) for p in progs)
+
+
+class SlurmTestCluster:
+    """Handle on the running test cluster (see the module docstring for the whole API)."""
+
+    partition = "debug"
+
+    def __init__(self, spec, status: dict):
+        self._spec = spec
+        self.nodes: list[str] = list(spec.node_names)
+        self.gpus_per_node: int = spec.gpus_per_node
+        self.cluster_name: str = spec.cluster_name
+        self.layout: str = spec.layout
+        self.state_dir: Path = spec.state_dir
+        self.slurm_conf: Path = spec.slurm_conf
+        self.shared_dir: Path = spec.shared_dir
+        self.jobcomp_file: Path = spec.jobcomp_file
+        self.log_dir: Path = spec.path("log")
+        self.slurmdbd_available: bool = spec.slurmdbd
+        venv_bin = str(Path(sys.executable).parent)
+        env = {k: v for k, v in os.environ.items()
+               if not (k.startswith("SLURM_") or k.startswith("SBATCH_") or k.startswith("SRUN_")
+                       or k.startswith("SALLOC_") or k in _DROP_VARS)}
+        env["SLURM_CONF"] = str(spec.slurm_conf)
+        env["PATH"] = os.pathsep.join([venv_bin] + [p for p in env.get("PATH", "").split(os.pathsep)
+                                                    if p and p != venv_bin])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.env: dict[str, str] = env
+        self._njobs = 0
+
+    # -- commands ---------------------------------------------------------------------------
+    def run(self, argv, **kw) -> subprocess.CompletedProcess:
+        """``subprocess.run(argv)`` with text output captured, no exception on failure,
+        ``env=self.env`` and a 300 s timeout unless given."""
+        opts = dict(text=True, capture_output=True, check=False, env=self.env, timeout=300,
+                    stdin=subprocess.DEVNULL)
+        opts.update(kw)
+        return subprocess.run([str(a) for a in argv], **opts)
+
+    def sbatch(self, script_text: str, *args: str, cwd: Path | None = None) -> str:
+        """Submit ``script_text`` (a whole batch script, ``#!`` line included) with extra sbatch
+        ``args``; it runs in ``cwd`` (default ``shared_dir``), output in ``slurm-<id>.out``.
+        Returns the job id as a string; raises with sbatch's stderr when it refuses."""
+        self._njobs += 1
+        scripts = self.shared_dir / "scripts"
+        scripts.mkdir(exist_ok=True)
+        path = scripts / f"job{self._njobs}-{os.getpid()}.sh"
+        path.write_text(script_text)
+        proc = self.run(["sbatch", "--parsable", *args, str(path)], cwd=str(cwd or self.shared_dir))
+        if proc.returncode:
+            raise RuntimeError(f"sbatch {' '.join(args)} {path} failed ({proc.returncode}): "
+                               f"{proc.stderr.strip()}")
+        return proc.stdout.strip().split(";")[0]
+
+    def output(self, job_id: str, cwd: Path | None = None) -> str:
+        """The batch output file ``slurm-<job_id>.out`` of a job submitted with :meth:`sbatch`."""
+        path = Path(cwd or self.shared_dir) / f"slurm-{job_id}.out"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def queue_state(self, job_id: str) -> str | None:
+        """The job's state while squeue still lists it (PENDING, RUNNING, ...), else None."""
+        p = self.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], timeout=30)
+        states = p.stdout.split()
+        return states[0] if p.returncode == 0 and states else None
+
+    def controller_state(self, job_id: str) -> str | None:
+        p = self.run(["scontrol", "show", "job", "-o", str(job_id)], timeout=30)
+        for word in p.stdout.split():
+            if word.startswith("JobState="):
+                return word.split("=", 1)[1]
+        return None
+
+    def accounting_state(self, job_id: str) -> str | None:
+        """Final state from accounting: plain sacct with slurmdbd, ``sacct -c`` otherwise."""
+        base = ["sacct", "-n", "-P", "-j", str(job_id)]
+        argv = base + ["-X", "-o", "JobID,State"] if self.accounting == "slurmdbd" \
+            else base[:1] + ["-c"] + base[1:] + ["-o", "JobID,State"]
+        p = self.run(argv, timeout=30)
+        state = None
+        for line in p.stdout.splitlines():
+            jid, _, st = line.partition("|")
+            if jid == str(job_id) and st:
+                state = st.split()[0]  # "CANCELLED by 0" -> CANCELLED; last record wins
+        return state
+
+    def wait(self, job_id: str, timeout: float = 120) -> str:
+        """Block until the job has ended; returns its final state (COMPLETED, FAILED, TIMEOUT,
+        CANCELLED, ...).  Raises TimeoutError naming the last state and the output file."""
+        deadline = time.monotonic() + timeout
+        delay = 0.1
+        state = None
+        while time.monotonic() < deadline:
+            state = self.queue_state(job_id)
+            if state is None or state in TERMINAL:
+                break
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+        else:
+            raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s; output so far:\n"
+                               f"{self.output(job_id)[-2000:]}")
+        final = self.controller_state(job_id) or state
+        while time.monotonic() < deadline:  # accounting lags: wait until it has the record
+            acct = self.accounting_state(job_id)
+            if acct in TERMINAL:
+                return acct
+            time.sleep(0.3)
+        if final in TERMINAL:
+            return final
+        raise TimeoutError(f"job {job_id} left the queue but no final state was recorded "
+                           f"(scontrol: {final})")
+
+    # -- accounting switch --------------------------------------------------------------------
+    @property
+    def accounting(self) -> str:
+        """'slurmdbd' when plain sacct works, 'jobcomp' when only ``sacct -c`` does."""
+        from ddp_hpc.testcluster import load_state
+        from ddp_hpc.testcluster.cluster import accounting_mode
+        return accounting_mode(self._spec, load_state(self.state_dir) or {})
+
+    def stop_slurmdbd(self) -> None:
+        """Make this a cluster without accounting storage (sacct: "Slurm accounting storage is
+        disabled"; jobcomp records go on).  Skips the test when slurmdbd is not installed."""
+        if not self.slurmdbd_available:
+            pytest.skip("slurmdbd/MariaDB not installed: the cluster runs with jobcomp only")
+        from ddp_hpc.testcluster import set_accounting
+        set_accounting(self.state_dir, False)
+
+    def start_slurmdbd(self) -> None:
+        """Back to full accounting (plain sacct); jobs that ran meanwhile are only in ``sacct -c``."""
+        if not self.slurmdbd_available:
+            pytest.skip("slurmdbd/MariaDB not installed: the cluster runs with jobcomp only")
+        from ddp_hpc.testcluster import set_accounting
+        set_accounting(self.state_dir, True)
+
+
+def _acquire_lock():
+    LOCK_FILE.touch(exist_ok=True)
+    try:
+        os.chmod(LOCK_FILE, 0o666)
+    except OSError:
+        pass
+    f = open(LOCK_FILE, "r+")
+    deadline, told = time.monotonic() + LOCK_WAIT_S, False
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = LOCK_FILE.read_text().strip() or "another pytest session"
+            if time.monotonic() > deadline:
+                f.close()
+                pytest.skip(f"the Slurm test cluster stayed busy for {LOCK_WAIT_S:.0f} s "
+                            f"({LOCK_FILE} held by {holder}); only one may run per machine")
+            if not told:
+                sys.stderr.write(f"\n[slurm_cluster] waiting for {LOCK_FILE} (held by {holder})\n")
+                told = True
+            time.sleep(2)
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} ({' '.join(sys.argv[:3])[:200]})\n")
+    f.flush()
+    return f
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A running 4-node Slurm test cluster for the whole session (see this module's docstring)."""
+    reason = cluster_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from ddp_hpc.testcluster import ClusterError, ClusterSpec, down, up
+    lock = _acquire_lock()
+    try:
+        state_dir = Path(os.environ.get("DDP_HPC_TESTCLUSTER_DIR", "/tmp/ddp_hpc_testcluster"))
+        layout = "netns" if _which_all("ip", "nsenter") else "loopback"
+        dbd = _which_all("slurmdbd", "mariadbd", "mariadb-install-db", "sacctmgr")
+        down(state_dir)  # we hold the lock: anything recorded there is stale
+        t0 = time.monotonic()
+        spec = ClusterSpec(nodes=4, gpus_per_node=4, layout=layout, slurmdbd=dbd, state_dir=state_dir)
+        try:
+            up(spec)
+        except ClusterError as exc:
+            if not dbd:
+                raise
+            sys.stderr.write(f"\n[slurm_cluster] slurmdbd start failed, using jobcomp only: {exc}\n")
+            spec = ClusterSpec(nodes=4, gpus_per_node=4, layout=layout, slurmdbd=False,
+                               state_dir=state_dir)
+            up(spec)
+        _timings["up"] = time.monotonic() - t0
+        cluster = SlurmTestCluster(spec, {})
+        try:
+            yield cluster
+        finally:
+            t0 = time.monotonic()
+            down(state_dir)
+            _timings["down"] = time.monotonic() - t0
+    finally:
+        lock.close()
+
+
+@pytest.fixture(autouse=True)
+def _cluster_marker(request):
+    """Tests marked ``cluster`` get the cluster (and its skip logic) without naming the fixture."""
+    if request.node.get_closest_marker("cluster") is not None:
+        request.getfixturevalue("slurm_cluster")
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = cluster_skip_reason()
+    if not reason:
+        return
+    for item in items:
+        if item.get_closest_marker("cluster") is not None or "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _timings:
+        terminalreporter.write_line(
+            "slurm_cluster: " + ", ".join(f"{k} {v:.1f} s" for k, v in _timings.items()))
