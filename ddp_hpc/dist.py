@@ -214,7 +214,7 @@ def _check_init_method(init_method: str) -> str:
                        "Write it as tcp://HOST:PORT, e.g. tcp://n001:29500.")
     if url.scheme == "file":
         path = Path(url.path)
-        if not url.path or not path.is_absolute():
+        if url.netloc or not url.path or not path.is_absolute():
             raise EnvError(f"init_method={init_method!r} needs an absolute path.",
                            "Write it as file:///shared/dir/<unique-per-job-name>.")
         if not path.parent.is_dir():
