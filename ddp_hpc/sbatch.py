@@ -1,0 +1,101 @@
+"""Render a ``JobSpec`` into an sbatch script: a pure function (no files, no clock, no
+environment), so the exact text is golden-tested and ``--dry-run`` shows what would be submitted.
+
+The script is a plain, readable batch file a user could submit again by hand. What it does and
+why:
+
+- one task per GPU: ``--ntasks-per-node=G --gpus-per-node=G``; ``--cpus-per-task`` from the
+  spec, and ``SRUN_CPUS_PER_TASK`` exported because since Slurm 22.05 srun no longer inherits
+  ``--cpus-per-task`` from the batch allocation;
+- preemption: ``--signal=SIG@grace`` reaches every task of the step (the training core turns it
+  into checkpoint + requeue), ``--requeue`` allows that, ``--open-mode=append`` keeps the first
+  run's output after a requeue;
+- ``srun --kill-on-bad-exit=1``: one dead rank ends the step instead of leaving the others
+  blocked in a collective until the NCCL/gloo timeout;
+- logs: the batch output and one ``rank%t.out`` per rank in the job's log directory, which is
+  also ``DDP_HPC_LOG_DIR`` for the run logs; an array task gets its own directory;
+- safety: every value that reaches shell code goes through ``shlex.quote``; values in
+  ``#SBATCH`` lines were validated by ``ddp_hpc.submit_spec`` (no blanks, quotes or ``#``).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from ddp_hpc.submit_spec import JobSpec
+
+__all__ = ["render", "sbatch_options"]
+
+
+def sbatch_options(spec: JobSpec) -> list[tuple[str, str | None]]:
+    """The ``#SBATCH`` options in order: (name, value or None for a flag)."""
+    opts: list[tuple[str, str | None]] = [
+        ("job-name", spec.name),
+        ("nodes", str(spec.nodes)),
+        ("ntasks-per-node", str(spec.tasks_per_node)),
+        ("gpus-per-node", str(spec.gpus_per_node)),
+        ("cpus-per-task", str(spec.cpus_per_task)),
+        ("time", spec.time),
+        ("signal", f"{spec.signal}@{spec.grace_s}"),
+        ("requeue", None),
+        ("open-mode", "append"),
+    ]
+    if spec.is_array:
+        opts.append(("output", f"{spec.log_dir}/task%a/slurm-%A_%a.out"))
+        opts.append(("array", f"0-{len(spec.tasks) - 1}"))
+    else:
+        opts.append(("output", f"{spec.log_dir}/slurm-%j.out"))
+    for key in ("partition", "account", "qos", "mem", "constraint", "dependency"):
+        value = getattr(spec, key)
+        if value is not None:
+            opts.append((key, value))
+    if spec.exclusive:
+        opts.append(("exclusive", None))
+    for key, value in spec.sbatch_args:
+        opts.append((key, None if value is True else str(value)))
+    return opts
+
+
+def _q(words) -> str:
+    return " ".join(shlex.quote(str(w)) for w in words)
+
+
+def render(spec: JobSpec) -> str:
+    """The batch script for ``spec`` (text). Same spec, same text."""
+    lines = [
+        "#!/bin/bash",
+        f"# ddp_hpc job {spec.name}: {spec.nodes} node(s) x {spec.tasks_per_node} task(s), one "
+        f"task per GPU{f', array of {len(spec.tasks)} tasks' if spec.is_array else ''}.",
+        "# Rendered by ddp_hpc.submit (sbatch backend); `sbatch <this file>` submits it again.",
+    ]
+    for key, value in sbatch_options(spec):
+        lines.append(f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={value}")
+    first = spec.tasks[0]
+    lines += [
+        "",
+        "set -eu",
+        "# srun does not inherit --cpus-per-task since Slurm 22.05",
+        'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-' + str(spec.cpus_per_task) + '}"',
+        f"cd {shlex.quote(spec.workdir)}",
+        f"ARGS=({_q([spec.python, '-m', 'ddp_hpc.run', spec.config, *spec.overrides])})",
+    ]
+    if spec.is_array:
+        lines.append('case "${SLURM_ARRAY_TASK_ID:-}" in')
+        for task in spec.tasks:
+            extra = f"; ARGS+=({_q(task.overrides)})" if task.overrides else ""
+            lines.append(f"  {task.task_id}) LOG_DIR={shlex.quote(task.log_dir)}{extra} ;;")
+        lines.append('  *) echo "ddp_hpc: no task ${SLURM_ARRAY_TASK_ID:-(unset)} in this array"'
+                     " >&2; exit 2 ;;")
+        lines.append("esac")
+    else:
+        lines.append(f"LOG_DIR={shlex.quote(first.log_dir)}")
+    lines += [
+        'export DDP_HPC_LOG_DIR="$LOG_DIR"',
+        'mkdir -p "$LOG_DIR"',
+        'echo "ddp_hpc: job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0} on '
+        '${SLURM_JOB_NODELIST:-?}, logs in $LOG_DIR"',
+        'exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/rank%t.out" '
+        '"${ARGS[@]}"',
+        "",
+    ]
+    return "\n".join(lines)
