@@ -1,0 +1,296 @@
+"""The one module of ddp_hpc that starts Slurm commands (sbatch, scontrol, scancel, squeue, sacct, sinfo).
+
+Why one module: every command is built as an argument list here (never a shell string), every
+job id a user typed is validated here, every failure becomes the same `SlurmError` naming the
+command line, exit status and stderr, and tests can swap the process runner for a recording one to
+check the argv without a cluster.
+
+Output parsing was checked against Slurm 22.05.8 (Debian 12's slurm-wlm) on the real test cluster
+(tests/cluster/test_slurmcli_cluster.py):
+
+- squeue ``-O Field:Suffix``: an empty size after ':' means "no width limit" (a plain ``-O Field``
+  cuts values at 20 characters), and the suffix is printed verbatim. We end every field with the
+  ASCII unit separator and put the job name last, so names with spaces or ``|`` stay intact.
+- sacct ``--parsable2 --delimiter=<US>``: the same separator; ``-c`` reads the job completion log
+  (JobCompType=jobcomp/filetxt) and works without slurmdbd; ``-D`` lists every run of a requeued
+  job. Plain sacct without slurmdbd fails with "Slurm accounting storage is disabled".
+- ``scontrol show hostnames`` exits 0 even for an invalid host list; we look at its stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from ddp_hpc.hostlist import HostlistError, compress, expand
+
+__all__ = ["SlurmCLI", "SlurmError", "validate_job_id", "gpus_in_gres"]
+
+Runner = Callable[..., subprocess.CompletedProcess]
+
+SEP = "\x1f"  # ASCII unit separator: never in job names, states, times or node lists
+_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?\Z")
+_SIGNAL = re.compile(r"(?:SIG)?[A-Z][A-Z0-9+-]*\Z|[0-9]+\Z")
+_USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.@-]*\Z")
+
+#: squeue -O fields, in output order; Name last so a separator in a job name cannot shift fields.
+#: JobArrayID prints ``123_4`` for array tasks (what users and sacct call the job), JobID the
+#: task's own numeric id.
+SQUEUE_FIELDS = (
+    "JobArrayID", "JobID", "ArrayJobID", "ArrayTaskID", "State", "Reason", "TimeUsed",
+    "TimeLimit", "NumNodes", "RestartCnt", "NodeList", "Partition", "UserName", "SubmitTime",
+    "StartTime", "EndTime", "Name",
+)
+#: sacct --format fields (22.05 has no restart counter; ``-D`` shows one row per run instead).
+SACCT_FIELDS = (
+    "JobID", "JobIDRaw", "State", "ExitCode", "Elapsed", "Timelimit", "NNodes", "NodeList",
+    "Partition", "Submit", "Start", "End", "JobName",
+)
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed; names the command line, its exit status and its stderr."""
+
+    def __init__(self, argv: Sequence[str], returncode: int | None, stderr: str, hint: str = "",
+                 status: str | None = None):
+        self.argv = list(argv)
+        self.command = shlex.join(self.argv)
+        self.returncode = returncode
+        self.stderr = stderr
+        if status is None:
+            status = ("could not be started" if returncode is None
+                      else f"exited with status {returncode}")
+        message = f"`{self.command}` {status}: {stderr.strip() or '(nothing on stderr)'}"
+        if hint:
+            message += f"\nHINT: {hint}"
+        super().__init__(message)
+
+
+def validate_job_id(job_id: object) -> str:
+    """A Slurm job id as digits with an optional ``_N`` array task suffix; anything else raises
+    ValueError (ids end up in argv, so nothing like ``1;rm`` or ``--all`` may pass)."""
+    text = str(job_id).strip() if isinstance(job_id, (str, int)) else None
+    if text is None or not _JOB_ID.match(text):
+        raise ValueError(
+            f"invalid Slurm job id {job_id!r}: expected digits with an optional _N array task "
+            "suffix, such as 1234 or 1234_7"
+        )
+    return text
+
+
+def gpus_in_gres(gres: str) -> int:
+    """GPUs in one node's Gres string: ``gpu:4`` -> 4, ``gpu:a100:2(S:0-1),gpu:v100:1`` -> 3,
+    ``(null)`` -> 0."""
+    total = 0
+    for item in re.split(r",(?![^(]*\))", gres or ""):
+        item = re.sub(r"\(.*\)\Z", "", item.strip())
+        parts = item.split(":")
+        if parts[0] != "gpu":
+            continue
+        count = parts[-1] if len(parts) > 1 else "1"
+        total += int(count) if count.isdigit() else 1
+    return total
+
+
+def _default_runner(argv, *, input=None, cwd=None, env=None, timeout=None):
+    return subprocess.run(
+        argv, input=input, cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True,
+        check=False,
+    )
+
+
+class SlurmCLI:
+    """Run Slurm's command line tools and parse their output into plain dicts.
+
+    ``runner(argv, *, input=None, cwd=None, env=None, timeout=None) -> CompletedProcess`` starts
+    one process (default: subprocess.run capturing text output); ``env`` is the environment for
+    every command (default: this process's), e.g. one whose SLURM_CONF names a test cluster.
+    """
+
+    def __init__(self, runner: Runner | None = None, env: Mapping[str, str] | None = None,
+                 timeout: float = 60.0):
+        self.runner = runner or _default_runner
+        self.env = dict(env) if env is not None else None
+        self.timeout = timeout
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _run(self, argv: list[str], *, input: str | None = None, cwd=None,
+             env: Mapping[str, str] | None = None, hint: str = "") -> subprocess.CompletedProcess:
+        full_env = self.env
+        if env:
+            full_env = {**(self.env if self.env is not None else os.environ), **env}
+        try:
+            done = self.runner(argv, input=input, cwd=cwd, env=full_env, timeout=self.timeout)
+        except FileNotFoundError as exc:
+            raise SlurmError(argv, None, str(exc), f"is Slurm installed and is `{argv[0]}` on "
+                             "PATH? On a laptop use the local backend instead.") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise SlurmError(argv, None, "(killed)", "is slurmctld reachable (scontrol ping)?",
+                             status=f"did not finish within {self.timeout:g} s") from exc
+        if done.returncode != 0:
+            stderr = done.stderr or ""
+            if not hint and "accounting storage is disabled" in stderr + (done.stdout or ""):
+                hint = ("sacct needs slurmdbd (AccountingStorageType=accounting_storage/slurmdbd); "
+                        "sacct -c (completion=True) needs JobCompType in slurm.conf")
+            raise SlurmError(argv, done.returncode, stderr or done.stdout or "", hint)
+        return done
+
+    @staticmethod
+    def _records(argv: list[str], stdout: str, fields: Sequence[str],
+                 trailing: bool) -> list[dict[str, str]]:
+        """Split ``SEP``-separated lines into dicts; the last field may contain anything."""
+        rows = []
+        for line in stdout.splitlines():
+            if not line.strip():
+                continue
+            if trailing and line.endswith(SEP):
+                line = line[: -len(SEP)]
+            values = line.split(SEP, len(fields) - 1)
+            if len(values) != len(fields):
+                raise SlurmError(argv, 0, f"cannot parse output line {line!r}: expected "
+                                 f"{len(fields)} fields {list(fields)}")
+            rows.append({f: v.strip() if f not in ("Name", "JobName") else v
+                         for f, v in zip(fields, values)})
+        return rows
+
+    @staticmethod
+    def _job_ids(job_ids: Iterable[object] | str | int) -> list[str]:
+        if isinstance(job_ids, (str, int)):
+            job_ids = [job_ids]
+        ids = [validate_job_id(j) for j in job_ids]
+        if not ids:
+            raise ValueError("no job ids given")
+        return ids
+
+    # -- commands -------------------------------------------------------------------------------
+
+    def available(self) -> bool:
+        """True when ``sbatch`` is on PATH (of ``env`` when one was given)."""
+        path = (self.env or os.environ).get("PATH")
+        return shutil.which("sbatch", path=path) is not None
+
+    def sbatch(self, script_text: str, *, args: Sequence[str] = (), cwd=None,
+               env: Mapping[str, str] | None = None) -> str:
+        """Submit a batch script (passed on stdin) and return its job id.
+
+        ``args`` are extra sbatch options as separate list items (``["--nodes=2"]``); ``env``
+        adds variables to the submitting environment, which sbatch exports to the job.
+        """
+        if isinstance(args, str):
+            raise TypeError(f"sbatch args must be a list of options, not the string {args!r}")
+        if not script_text.startswith("#!"):
+            raise ValueError("batch script must start with an interpreter line such as "
+                             f"'#!/bin/bash', got {script_text[:40]!r}")
+        argv = ["sbatch", "--parsable", *[str(a) for a in args]]
+        done = self._run(argv, input=script_text, cwd=cwd, env=env)
+        first = (done.stdout or "").strip().splitlines()
+        job_id = first[-1].split(";", 1)[0].strip() if first else ""
+        if not _JOB_ID.match(job_id):
+            raise SlurmError(argv, done.returncode, f"unexpected output {done.stdout!r} "
+                             f"(stderr {done.stderr!r}): no job id")
+        return job_id
+
+    def requeue(self, job_id: object) -> None:
+        """``scontrol requeue JOB``: the job goes back to PENDING and later runs again."""
+        self._run(["scontrol", "requeue", validate_job_id(job_id)])
+
+    def cancel(self, job_id: object, signal: str | int | None = None, batch: bool = False) -> None:
+        """``scancel [--signal=SIG] [--batch] JOB``; with a signal the job keeps running unless
+        it dies of it (USR1/USR2 ask ddp_hpc jobs to checkpoint)."""
+        argv = ["scancel"]
+        if signal is not None:
+            sig = str(signal).upper()
+            if not _SIGNAL.match(sig):
+                raise ValueError(f"invalid signal {signal!r}: use a name such as USR1 or a number")
+            argv.append(f"--signal={sig}")
+        if batch:
+            argv.append("--batch")
+        argv.append(validate_job_id(job_id))
+        self._run(argv)
+
+    def squeue(self, job_ids: Iterable[object] | None = None, user: str | None = None,
+               *, all_states: bool = True) -> list[dict[str, str]]:
+        """Jobs the controller still knows, one dict per job or array task, keyed by the squeue
+        -O field names in `SQUEUE_FIELDS`. ``all_states`` includes jobs that ended less than
+        MinJobAge (300 s by default) ago. Unknown job ids give an empty list, not an error."""
+        argv = ["squeue", "--noheader", "--array",
+                "--Format=" + ",".join(f"{f}:{SEP}" for f in SQUEUE_FIELDS)]
+        if all_states:
+            argv.append("--states=all")
+        if job_ids is not None:
+            argv.append("--jobs=" + ",".join(self._job_ids(job_ids)))
+        if user is not None:
+            if not _USER.match(user):
+                raise ValueError(f"invalid user name {user!r}")
+            argv.append(f"--user={user}")
+        try:
+            done = self._run(argv)
+        except SlurmError as exc:
+            if job_ids is not None and "Invalid job id specified" in exc.stderr:
+                return []
+            raise
+        return self._records(argv, done.stdout, SQUEUE_FIELDS, trailing=True)
+
+    def sacct(self, job_ids: Iterable[object], completion: bool = False,
+              duplicates: bool = False) -> list[dict[str, str]]:
+        """Accounting rows (jobs and their steps, e.g. ``12.batch``) keyed by `SACCT_FIELDS`.
+
+        ``completion=True`` reads the job completion log (``sacct -c``), which works without
+        slurmdbd; ``duplicates=True`` (``-D``) keeps every run of a requeued job.
+        """
+        argv = ["sacct", "--parsable2", "--noheader", f"--delimiter={SEP}",
+                "--format=" + ",".join(SACCT_FIELDS)]
+        if completion:
+            argv.append("--completion")
+        if duplicates:
+            argv.append("--duplicates")
+        argv.append("--jobs=" + ",".join(self._job_ids(job_ids)))
+        return self._records(argv, self._run(argv).stdout, SACCT_FIELDS, trailing=False)
+
+    def sinfo_partitions(self) -> list[dict]:
+        """One dict per partition: name, default, available (up/down/...), time_limit, nodes,
+        node_list, node_states ({state: count}) and gpus_per_node (largest GPU count of a node)."""
+        fields = ("R", "P", "a", "l", "D", "T", "N", "G")
+        argv = ["sinfo", "--noheader", "--format=" + SEP.join(f"%{f}" for f in fields)]
+        parts: dict[str, dict] = {}
+        for row in self._records(argv, self._run(argv).stdout, fields, trailing=False):
+            part = parts.setdefault(row["R"], {
+                "name": row["R"], "default": row["P"].endswith("*"), "available": row["a"],
+                "time_limit": row["l"], "nodes": 0, "node_list": [], "node_states": {},
+                "gpus_per_node": 0,
+            })
+            count = int(row["D"]) if row["D"].isdigit() else 0
+            part["nodes"] += count
+            part["node_states"][row["T"]] = part["node_states"].get(row["T"], 0) + count
+            part["gpus_per_node"] = max(part["gpus_per_node"], gpus_in_gres(row["G"]))
+            try:
+                part["node_list"].extend(expand(row["N"]) if row["N"] != "n/a" else [])
+            except HostlistError:
+                part["node_list"].append(row["N"])
+        for part in parts.values():
+            part["node_list"] = compress(part["node_list"]) if part["node_list"] else ""
+        return list(parts.values())
+
+    def cluster_name(self) -> str:
+        """ClusterName from ``scontrol show config`` (job ids repeat across clusters/restarts)."""
+        argv = ["scontrol", "show", "config"]
+        for line in self._run(argv).stdout.splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "ClusterName":
+                return value.strip()
+        raise SlurmError(argv, 0, "no ClusterName line in the output")
+
+    def show_hostnames(self, expr: str) -> list[str]:
+        """Slurm's own expansion of a host list (``scontrol show hostnames EXPR``)."""
+        if not isinstance(expr, str) or not expr.strip() or expr.lstrip().startswith("-"):
+            raise ValueError(f"invalid host list {expr!r}: empty or starts with '-'")
+        argv = ["scontrol", "show", "hostnames", expr]
+        done = self._run(argv)
+        if "Invalid hostlist" in (done.stderr or ""):
+            raise SlurmError(argv, done.returncode, done.stderr)
+        return (done.stdout or "").split()

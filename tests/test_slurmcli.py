@@ -1,0 +1,242 @@
+"""ddp_hpc.slurmcli without a running cluster: the argv each method builds (through a recording
+runner), job-id and signal validation, error messages from real failing Slurm commands (no
+controller, no accounting), and show_hostnames through the real scontrol. Parsing of live squeue /
+sacct / sinfo output is in tests/cluster/test_slurmcli_cluster.py."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from ddp_hpc.slurmcli import SEP, SlurmCLI, SlurmError, gpus_in_gres, validate_job_id
+
+SCRIPT = "#!/bin/bash\n#SBATCH --nodes=1\nsrun hostname\n"
+
+
+class Recorder:
+    """A runner that records each call and answers with canned process results."""
+
+    def __init__(self, stdout="", returncode=0, stderr=""):
+        self.calls = []
+        self.answer = (stdout, returncode, stderr)
+
+    def __call__(self, argv, *, input=None, cwd=None, env=None, timeout=None):
+        self.calls.append({"argv": argv, "input": input, "cwd": cwd, "env": env, "timeout": timeout})
+        stdout, returncode, stderr = self.answer
+        return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+
+    @property
+    def argv(self):
+        return self.calls[-1]["argv"]
+
+
+# -- job ids --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("good, text", [("12", "12"), (12, "12"), ("12_3", "12_3"), (" 7 ", "7")])
+def test_validate_job_id_accepts(good, text):
+    assert validate_job_id(good) == text
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "abc", "12;rm -rf ~", "--all", "-1", "12_", "_3", "1_2_3", "12.batch", "12 13",
+            "12,13", "$(id)", "12\n13", None, 1.5, ["12"]],
+)
+def test_validate_job_id_refuses(bad):
+    with pytest.raises(ValueError) as info:
+        validate_job_id(bad)
+    assert repr(bad) in str(info.value) and "1234_7" in str(info.value)
+
+
+def test_every_job_id_method_validates_before_running_anything():
+    rec = Recorder()
+    cli = SlurmCLI(runner=rec)
+    for call in (lambda: cli.requeue("1;reboot"), lambda: cli.cancel("--all"),
+                 lambda: cli.squeue(["5", "x"]), lambda: cli.sacct(["5", "6 7"]),
+                 lambda: cli.sacct([])):
+        with pytest.raises(ValueError):
+            call()
+    assert rec.calls == []
+
+
+# -- argv building --------------------------------------------------------------------------------
+
+
+def test_sbatch_passes_script_on_stdin_and_parses_parsable_output():
+    rec = Recorder(stdout="4242\n")
+    cli = SlurmCLI(runner=rec, env={"PATH": "/usr/bin", "SLURM_CONF": "/x/slurm.conf"})
+    job = cli.sbatch(SCRIPT, args=["--nodes=2", "--job-name=a b;c"], cwd="/tmp",
+                     env={"DDP_HPC_LOG_DIR": "/logs"})
+    assert job == "4242"
+    call = rec.calls[0]
+    assert call["argv"] == ["sbatch", "--parsable", "--nodes=2", "--job-name=a b;c"]
+    assert call["input"] == SCRIPT and call["cwd"] == "/tmp"
+    # per-call variables are added to the CLI's environment, which is not changed
+    assert call["env"] == {"PATH": "/usr/bin", "SLURM_CONF": "/x/slurm.conf",
+                           "DDP_HPC_LOG_DIR": "/logs"}
+    assert cli.env == {"PATH": "/usr/bin", "SLURM_CONF": "/x/slurm.conf"}
+
+
+def test_sbatch_federated_output_and_warnings():
+    rec = Recorder(stdout="77;clusterA\n", stderr="sbatch: warning: something\n")
+    assert SlurmCLI(runner=rec).sbatch(SCRIPT) == "77"
+
+
+@pytest.mark.parametrize("stdout", ["", "Submitted batch job 5\n", "abc;x\n"])
+def test_sbatch_without_a_job_id_is_an_error(stdout):
+    with pytest.raises(SlurmError, match="no job id"):
+        SlurmCLI(runner=Recorder(stdout=stdout)).sbatch(SCRIPT)
+
+
+def test_sbatch_refuses_a_string_of_args_and_a_script_without_interpreter():
+    rec = Recorder(stdout="1\n")
+    with pytest.raises(TypeError, match="not the string '--nodes=2'"):
+        SlurmCLI(runner=rec).sbatch(SCRIPT, args="--nodes=2")
+    with pytest.raises(ValueError, match="#!/bin/bash"):
+        SlurmCLI(runner=rec).sbatch("srun hostname\n")
+    assert rec.calls == []
+
+
+def test_requeue_and_cancel_argv():
+    rec = Recorder()
+    cli = SlurmCLI(runner=rec)
+    cli.requeue(31)
+    assert rec.argv == ["scontrol", "requeue", "31"]
+    cli.cancel("31_2")
+    assert rec.argv == ["scancel", "31_2"]
+    cli.cancel("31", signal="usr1", batch=True)
+    assert rec.argv == ["scancel", "--signal=USR1", "--batch", "31"]
+    cli.cancel("31", signal=10)
+    assert rec.argv == ["scancel", "--signal=10", "31"]
+    with pytest.raises(ValueError, match="invalid signal 'USR1; reboot'"):
+        cli.cancel("31", signal="USR1; reboot")
+
+
+def test_squeue_argv_uses_unlimited_width_fields_with_a_separator():
+    rec = Recorder()
+    assert SlurmCLI(runner=rec).squeue(["5", "6_1"], user="alice") == []
+    argv = rec.argv
+    assert argv[:3] == ["squeue", "--noheader", "--array"]
+    fmt = argv[3]
+    assert fmt.startswith("--Format=JobArrayID:" + SEP + ",")
+    assert fmt.endswith(",Name:" + SEP)
+    assert "--states=all" in argv and "--jobs=5,6_1" in argv and "--user=alice" in argv
+    with pytest.raises(ValueError, match="invalid user name"):
+        SlurmCLI(runner=rec).squeue(user="-x")
+
+
+def test_squeue_unknown_job_is_an_empty_list_not_an_error():
+    rec = Recorder(returncode=1, stderr="slurm_load_jobs error: Invalid job id specified\n")
+    assert SlurmCLI(runner=rec).squeue(["999"]) == []
+
+
+def test_sacct_argv():
+    rec = Recorder()
+    cli = SlurmCLI(runner=rec)
+    assert cli.sacct("12") == []
+    assert rec.argv[:4] == ["sacct", "--parsable2", "--noheader", f"--delimiter={SEP}"]
+    assert rec.argv[4].startswith("--format=JobID,") and rec.argv[-1] == "--jobs=12"
+    cli.sacct(["12", "13_1"], completion=True, duplicates=True)
+    assert "--completion" in rec.argv and "--duplicates" in rec.argv
+    assert rec.argv[-1] == "--jobs=12,13_1"
+
+
+def test_unexpected_output_shape_is_a_slurm_error():
+    rec = Recorder(stdout="12" + SEP + "COMPLETED\n")
+    with pytest.raises(SlurmError, match="cannot parse output line"):
+        SlurmCLI(runner=rec).sacct(["12"])
+
+
+@pytest.mark.parametrize(
+    "gres, gpus",
+    [("gpu:4", 4), ("gpu:a100:2(S:0-1)", 2), ("gpu:a100:2(S:0-1),gpu:v100:1", 3),
+     ("(null)", 0), ("", 0), ("mps:100,gpu:2", 2), ("gpu", 1), ("shard:8", 0)],
+)
+def test_gpus_in_gres(gres, gpus):
+    assert gpus_in_gres(gres) == gpus
+
+
+def test_available_looks_on_the_given_path(tmp_path):
+    fake = tmp_path / "sbatch"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert SlurmCLI(env={"PATH": str(tmp_path)}).available() is True
+    assert SlurmCLI(env={"PATH": str(tmp_path / "none")}).available() is False
+
+
+# -- errors from real processes -------------------------------------------------------------------
+
+
+def test_missing_command_names_it_and_hints(tmp_path):
+    cli = SlurmCLI(env={"PATH": str(tmp_path)})
+    with pytest.raises(SlurmError) as info:
+        cli.requeue("5")
+    assert info.value.command == "scontrol requeue 5"
+    assert "could not be started" in str(info.value) and "HINT: is Slurm installed" in str(info.value)
+
+
+def test_timeout_names_the_command(tmp_path):
+    slow = tmp_path / "scontrol"
+    slow.write_text("#!/bin/sh\nexec /bin/sleep 30\n")
+    slow.chmod(0o755)
+    cli = SlurmCLI(env={"PATH": str(tmp_path)}, timeout=0.5)
+    with pytest.raises(SlurmError, match=r"`scontrol requeue 8` did not finish within 0.5 s"):
+        cli.requeue(8)
+
+
+@pytest.fixture
+def no_controller_env(tmp_path):
+    """A valid slurm.conf whose controller is not running (MessageTimeout=1: fail fast)."""
+    if shutil.which("scontrol") is None:
+        pytest.skip("Slurm client commands are not installed (apt-get install slurm-wlm)")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(
+        "ClusterName=clitest\nSlurmctldHost=localhost\nSlurmctldPort=9\nMessageTimeout=1\n"
+        "NodeName=n[1-2] CPUs=1 State=UNKNOWN\nPartitionName=debug Nodes=n[1-2] Default=YES\n"
+    )
+    return {**os.environ, "SLURM_CONF": str(conf)}
+
+
+def test_real_sbatch_without_controller_raises_with_command_status_and_stderr(no_controller_env):
+    cli = SlurmCLI(env=no_controller_env)
+    with pytest.raises(SlurmError) as info:
+        cli.sbatch(SCRIPT, args=["--job-name=x y"])
+    err = info.value
+    assert err.argv == ["sbatch", "--parsable", "--job-name=x y"]
+    assert err.returncode == 1
+    assert "Unable to contact slurm controller" in err.stderr
+    assert str(err).startswith("`" + shlex.join(err.argv) + "` exited with status 1: ")
+
+
+def test_real_squeue_and_scontrol_without_controller(no_controller_env):
+    cli = SlurmCLI(env=no_controller_env)
+    for call in (lambda: cli.squeue(), lambda: cli.cluster_name(), lambda: cli.sinfo_partitions()):
+        with pytest.raises(SlurmError, match="Unable to contact slurm controller"):
+            call()
+
+
+def test_real_sacct_without_accounting_hints_at_the_fix(no_controller_env):
+    cli = SlurmCLI(env=no_controller_env)
+    with pytest.raises(SlurmError) as info:
+        cli.sacct(["5"])
+    assert "accounting storage is disabled" in str(info.value)
+    assert "HINT: sacct needs slurmdbd" in str(info.value)
+    with pytest.raises(SlurmError, match="job completion is disabled"):
+        cli.sacct(["5"], completion=True)
+
+
+def test_show_hostnames_uses_real_scontrol(no_controller_env):
+    cli = SlurmCLI(env=no_controller_env)
+    assert cli.show_hostnames("gpu[001-003,010],r[1-2]n[01-02]") == [
+        "gpu001", "gpu002", "gpu003", "gpu010", "r1n01", "r1n02", "r2n01", "r2n02"]
+    with pytest.raises(SlurmError) as info:
+        cli.show_hostnames("n[3-1]")  # scontrol exits 0 here; its stderr says what is wrong
+    assert "Invalid hostlist: n[3-1]" in str(info.value)
+    assert info.value.command == "scontrol show hostnames 'n[3-1]'"
+    for bad in ("", "--help", "-a"):
+        with pytest.raises(ValueError, match="empty or starts with '-'"):
+            cli.show_hostnames(bad)
