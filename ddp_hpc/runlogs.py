@@ -243,14 +243,16 @@ class RunLogs:
                                  for e in evs) else None
         return p
 
-    def first_failure(self, assume_failed: bool = False) -> Failure | None:
+    def first_failure(self, assume_failed: bool = False,
+                      evidence_only: bool = False) -> Failure | None:
         """The first rank that failed in the current run (the newest restart).
 
         Order of evidence: the earliest ``error`` event; else a Python traceback in a
         ``rank{R}.out`` (the earliest such rank by its event stream's last time); else srun's
         "task R: Exited with exit code" report; else, when the job failed (``assume_failed``: the
         scheduler says so) or some ranks ended while others did not, the rank whose event stream
-        stopped first.
+        stopped first. ``evidence_only`` (the job still runs) skips that last guess: a rank
+        that has not written ``end`` yet may just be slower.
         """
         restart = self.current_restart()
         errors = [e for e in self.all_events()
@@ -278,6 +280,8 @@ class RunLogs:
             rank = min(codes, key=lambda r: (self._stop_time(r), r))
             return Failure(rank=rank, basis="srun exit report", restart=restart,
                            message=f"exit code {codes[rank]}" if codes[rank] >= 0 else "killed")
+        if evidence_only:
+            return None
         if assume_failed or self.outcome() == "failed" or self._some_stopped_without_end():
             cands = [r for r, s in self.ranks.items()
                      if s.of_restart(restart) and not any(

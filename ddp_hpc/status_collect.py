@@ -153,7 +153,7 @@ def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float)
     if state.state.failed or logs.outcome() == "failed" or state.state is JobState.UNKNOWN:
         failure = logs.first_failure(assume_failed=state.state.failed)
     elif state.state.active:
-        failure = logs.first_failure()
+        failure = logs.first_failure(evidence_only=True)
         if failure is not None:
             notes.append(f"the scheduler says {state.label} but rank {failure.rank} failed "
                          f"({failure.basis}); the job should end soon (kill-on-bad-exit)")

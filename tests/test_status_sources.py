@@ -1,0 +1,154 @@
+"""Which source answers: squeue, else sacct, else sacct -c, else the logs; and it is named.
+
+The Slurm side here is ddp_hpc.slurmcli.SlurmCLI with a recording process runner that answers
+the way Slurm 22.05 does (same separators, same error text); the real scheduler is exercised in
+tests/cluster/test_status_cluster.py. The subject, the precedence and parsing in
+ddp_hpc.status_sources, runs unmodified.
+"""
+import subprocess
+
+import pytest
+
+slurmcli = pytest.importorskip("ddp_hpc.slurmcli")
+from ddp_hpc import status_sources as src  # noqa: E402
+from ddp_hpc.states import JobState  # noqa: E402
+
+SEP = slurmcli.SEP
+DISABLED = "sacct: error: Slurm accounting storage is disabled\n"
+
+
+def squeue_row(**kw):
+    base = dict(JobArrayID="5", JobID="5", ArrayJobID="5", ArrayTaskID="N/A", State="RUNNING",
+                Reason="None", TimeUsed="1:05", TimeLimit="10:00", NumNodes="2", RestartCnt="0",
+                NodeList="n[1-2]", Partition="debug", UserName="root",
+                SubmitTime="2026-11-22T15:00:00", StartTime="2026-11-22T15:00:01", EndTime="N/A",
+                Name="demo")
+    base.update(kw)
+    return "".join(f"{base[f]}{SEP}" for f in slurmcli.SQUEUE_FIELDS)
+
+
+def sacct_row(**kw):
+    base = dict(JobID="5", JobIDRaw="5", State="COMPLETED", ExitCode="0:0", Elapsed="00:01:10",
+                Timelimit="00:10:00", NNodes="2", NodeList="n[1-2]", Partition="debug",
+                Submit="2026-11-22T15:00:00", Start="2026-11-22T15:00:01",
+                End="2026-11-22T15:01:11", JobName="demo")
+    base.update(kw)
+    return SEP.join(base[f] for f in slurmcli.SACCT_FIELDS)
+
+
+class Scheduler:
+    """Answers squeue / sacct / sacct -c argv like Slurm; records every call."""
+
+    def __init__(self, squeue=(), sacct=None, sacct_c=None, sacct_d=None):
+        self.squeue, self.sacct, self.sacct_c, self.sacct_d = list(squeue), sacct, sacct_c, sacct_d
+        self.calls = []
+
+    def __call__(self, argv, *, input=None, cwd=None, env=None, timeout=None):
+        self.calls.append(list(argv))
+        if argv[0] == "squeue":
+            return self._ok(self.squeue)
+        if argv[0] == "scontrol":
+            return self._ok(["ClusterName=test"])
+        if argv[0] == "sacct":
+            rows = self.sacct_c if "--completion" in argv else (
+                self.sacct_d if "--duplicates" in argv and self.sacct_d is not None else self.sacct)
+            if rows is None:
+                return subprocess.CompletedProcess(argv, 1, "", DISABLED)
+            return self._ok(rows)
+        raise AssertionError(argv)
+
+    @staticmethod
+    def _ok(lines):
+        return subprocess.CompletedProcess([], 0, "".join(line + "\n" for line in lines), "")
+
+
+def query(sched, ids=("5",), **kw):
+    return src.query_slurm(list(ids), slurmcli.SlurmCLI(runner=sched), **kw)
+
+
+def test_squeue_answers_first_and_sacct_is_not_asked():
+    sched = Scheduler(squeue=[squeue_row()])
+    found, tried = query(sched)
+    st = found["5"]
+    assert (st.state.state, st.source) == (JobState.RUNNING, "squeue")
+    assert (st.elapsed, st.time_limit, st.nodes, st.restarts) == ("1:05", "10:00", 2, 0)
+    assert [c[0] for c in sched.calls] == ["squeue"]
+
+
+def test_sacct_when_squeue_forgot_the_job():
+    sched = Scheduler(sacct=[sacct_row(State="CANCELLED by 0", ExitCode="0:15"),
+                             sacct_row(JobID="5.batch", JobIDRaw="5.batch", State="CANCELLED",
+                                       ExitCode="0:15", JobName="batch")])
+    found, tried = query(sched)
+    st = found["5"]
+    assert (st.state.state, st.state.label, st.source) == (JobState.CANCELLED, "CANCELLED by 0", "sacct")
+    assert st.exit_code == "0:15"
+    assert st.steps == [{"id": "5.batch", "state": "CANCELLED", "exit_code": "0:15"}]
+    assert any("squeue" in t for t in st.tried)
+
+
+def test_jobcomp_only_cluster_falls_back_to_sacct_c_and_says_why():
+    sched = Scheduler(sacct=None, sacct_c=[sacct_row(State="FAILED", ExitCode="1:0")])
+    found, tried = query(sched)
+    st = found["5"]
+    assert (st.state.state, st.source, st.exit_code) == (JobState.FAILED, "sacct -c", "1:0")
+    assert any(t.startswith("sacct:") and "accounting storage is disabled" in t for t in st.tried)
+
+
+def test_no_source_knows_the_job():
+    sched = Scheduler(sacct=None, sacct_c=[])
+    found, tried = query(sched, ids=("9",))
+    assert found == {}
+    assert [t.split(":")[0] for t in tried] == ["squeue", "sacct", "sacct -c"]
+
+
+def test_requeue_history_from_sacct_duplicates():
+    sched = Scheduler(squeue=[squeue_row(State="PENDING", RestartCnt="1", Reason="BeginTime")],
+                      sacct=[sacct_row(State="PENDING")],
+                      sacct_d=[sacct_row(State="REQUEUED", ExitCode="0:0"),
+                               sacct_row(JobID="5.0", JobIDRaw="5.0", State="CANCELLED", JobName="python"),
+                               sacct_row(State="PENDING", Start="Unknown", End="Unknown")])
+    found, _ = query(sched, history=True)
+    st = found["5"]
+    assert (st.state.state, st.source, st.reason) == (JobState.PENDING, "squeue", "BeginTime")
+    assert st.history_source == "sacct -D"
+    assert [h["state"] for h in st.history] == ["REQUEUED", "PENDING"]
+    assert st.restarts == 1
+    assert any("--duplicates" in c for c in sched.calls)
+
+
+def test_requeue_history_from_jobcomp_when_no_accounting():
+    sched = Scheduler(sacct=None, sacct_c=[sacct_row(State="REQUEUED"), sacct_row(State="COMPLETED")])
+    found, _ = query(sched, history=True)
+    st = found["5"]
+    assert (st.state.state, st.source, st.history_source) == (JobState.COMPLETED, "sacct -c", "sacct -c")
+    assert [h["state"] for h in st.history] == ["REQUEUED", "COMPLETED"]
+
+
+def test_reused_id_of_another_job_is_not_taken():
+    submitted = src.parse_slurm_time("2026-11-22T15:00:00")
+    sched = Scheduler(squeue=[squeue_row(Name="someone-else")], sacct=None, sacct_c=[])
+    found, _ = query(sched, expect={"5": {"name": "demo", "submitted_at": submitted}})
+    assert "5" not in found
+    # a never-restarted job submitted an hour after our record is a later job with the same id
+    sched = Scheduler(squeue=[squeue_row(SubmitTime="2026-11-22T16:00:00")], sacct=None, sacct_c=[])
+    found, _ = query(sched, expect={"5": {"name": "demo", "submitted_at": submitted}})
+    assert "5" not in found
+    sched = Scheduler(squeue=[squeue_row()])
+    found, _ = query(sched, expect={"5": {"name": "demo", "submitted_at": submitted + 2}})
+    assert found["5"].source == "squeue"
+
+
+def test_array_tasks_are_their_own_jobs():
+    sched = Scheduler(squeue=[squeue_row(JobArrayID="7_0", JobID="8", State="COMPLETING"),
+                              squeue_row(JobArrayID="7_1", JobID="9", State="R")])
+    found, _ = query(sched, ids=("7_0", "7_1"))
+    assert found["7_0"].state.state is JobState.COMPLETING
+    assert found["7_1"].state.state is JobState.RUNNING
+
+
+def test_unknown_state_from_the_scheduler_is_shown_raw():
+    sched = Scheduler(squeue=[squeue_row(State="WARPING")])
+    found, _ = query(sched)
+    assert found["5"].state.state is JobState.UNKNOWN
+    assert found["5"].state.label == "UNKNOWN(WARPING)"
