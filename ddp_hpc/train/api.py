@@ -1,0 +1,232 @@
+"""Python entry points: `fit` (your model and dataset), `train_ddp` (the seed exercise's signature),
+and `run_job` (a JobConfig, used by ``python -m ddp_hpc.run``).
+
+Why three: `python -m ddp_hpc.run` covers jobs described in YAML; `fit` is for users who build
+their model and dataset in Python but want the same loop, checkpoints, preemption handling and
+run logs; `train_ddp(rank, world_size, model_class, data, epochs)` is what the DDP exercise asks
+for and plugs straight into ``launch_distributed``:
+
+    from ddp_hpc.launch import launch_distributed
+    results = launch_distributed(train_ddp, 4, args=(MyNet, (X, y), 3))
+
+All three set up the process group when none exists (``ddp_hpc.dist.setup_ddp``, which reads the
+launcher's variables) and tear it down again; an existing group is used as is.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset, Subset, TensorDataset
+
+from ddp_hpc.config import (ConfigError, JobConfig, apply_overrides, config_from_dict,
+                            config_to_dict, load_config, resolve_factory)
+from ddp_hpc.train.loop import Trainer, TrainResult, seed_everything
+from ddp_hpc.train.runlog import RunLog, resolve_log_dir
+
+__all__ = ["fit", "train_ddp", "run_job", "make_config", "build_model", "build_datasets",
+           "build_loss", "TrainResult"]
+
+
+def make_config(config: JobConfig | Mapping | str | Path | None = None,
+                overrides: Iterable[str] = ()) -> JobConfig:
+    """A JobConfig from a YAML path, a nested dict, a JobConfig or nothing, plus overrides."""
+    overrides = list(overrides)
+    if isinstance(config, JobConfig):
+        if not overrides:
+            return config
+        return config_from_dict(apply_overrides(config_to_dict(config), overrides),
+                                f"config + overrides {overrides}")
+    if config is None or isinstance(config, (str, Path)):
+        return load_config(config, overrides)
+    return config_from_dict(apply_overrides(dict(config), overrides), "the config dict")
+
+
+def build_model(cfg: JobConfig) -> nn.Module:
+    from ddp_hpc.examples.models import BUILTIN_MODELS
+    factory = resolve_factory(cfg.model.name, BUILTIN_MODELS, "model.name")
+    seed_everything(cfg.train.seed)          # identical initial weights on every rank
+    try:
+        model = factory(**cfg.model.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model.name={cfg.model.name!r} rejected model.kwargs="
+                          f"{cfg.model.kwargs!r}: {e}\nHINT: pass only arguments its "
+                          f"constructor accepts") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.name={cfg.model.name!r} returned {type(model).__name__}, "
+                          f"not a torch.nn.Module")
+    return model
+
+
+def _dataset_factory(spec: str, kwargs: Mapping, key: str) -> Callable[[], Dataset]:
+    from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
+    factory = resolve_factory(spec, BUILTIN_DATASETS, key)
+
+    def make() -> Dataset:
+        try:
+            return factory(**kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{key}={spec!r} rejected its kwargs {dict(kwargs)!r}: {e}") from None
+    return make
+
+
+def build_datasets(cfg: JobConfig, ctx) -> tuple[Dataset, Dataset | None, Callable | None]:
+    """(train dataset, eval dataset or None, batches function for io != direct or None)."""
+    d = cfg.data
+    make_train = _dataset_factory(d.dataset, d.kwargs, "data.dataset")
+    eval_ds = None
+    if d.eval_dataset:
+        eval_ds = _dataset_factory(d.eval_dataset, d.eval_kwargs, "data.eval_dataset")()
+    if d.io == "direct":
+        train = make_train()
+        if d.eval_split and eval_ds is None:
+            n_eval = max(1, int(len(train) * d.eval_split))
+            perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.train.seed))
+            eval_ds = Subset(train, perm[:n_eval].tolist())
+            train = Subset(train, perm[n_eval:].tolist())
+        return train, eval_ds, None
+    if d.eval_split:
+        raise ConfigError(f"data.eval_split={d.eval_split} works with data.io=direct only, not "
+                          f"{d.io!r}.\nHINT: name a separate data.eval_dataset")
+    try:
+        from ddp_hpc.data.io import make_train_batches, open_train_data
+    except ImportError as e:
+        raise ConfigError(f"data.io={d.io!r} needs ddp_hpc.data.io, which cannot be imported "
+                          f"({e}).\nHINT: use data.io=direct") from None
+    train = open_train_data(d, ctx, make_train)
+    t = cfg.train
+
+    def batches(epoch: int, start_batch: int):
+        return make_train_batches(train, d, ctx, batch_size=t.batch_size, seed=t.seed,
+                                  epoch=epoch, start_batch=start_batch, num_workers=d.num_workers)
+    return train, eval_ds, batches
+
+
+def build_loss(cfg: JobConfig) -> tuple[Callable, bool]:
+    """(loss function, is classification)."""
+    builtins = {"cross_entropy": nn.CrossEntropyLoss, "mse": nn.MSELoss}
+    return resolve_factory(cfg.train.loss, builtins, "train.loss")(), cfg.train.loss == "cross_entropy"
+
+
+# ----------------------------------------------------------------------------- process group
+
+class _Context:
+    """Stand-in for ddp_hpc.dist.DistContext when the caller already set up a process group."""
+
+    def __init__(self, env, device):
+        self.env, self.device, self.backend = env, device, dist.get_backend() if dist.is_initialized() else None
+
+
+def _context(rank: int | None, world_size: int | None):
+    """(context, whether we created the group)."""
+    from ddp_hpc import dist as ddp_dist
+    if dist.is_available() and dist.is_initialized():
+        from ddp_hpc.env import DistEnv
+        import dataclasses
+        env = DistEnv.detect()
+        env = dataclasses.replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
+        return _Context(env, ddp_dist.select_device(env)), False
+    return ddp_dist.setup_ddp(rank, world_size), True
+
+
+def _run_id(env) -> str:
+    """The job id, or one timestamp agreed by all ranks."""
+    if env.job_id:
+        return str(env.job_id)
+    box = [time.strftime("%Y%m%d-%H%M%S")]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classification,
+           batches=None, on_step=None) -> TrainResult:
+    env = ctx.env
+    log_dir = resolve_log_dir(cfg.log.dir, _run_id(env))
+    log = RunLog(log_dir, env.rank, env.job_id, env.restart_count)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else log_dir / "checkpoints"
+    step = 0
+    try:
+        trainer = Trainer(cfg, ctx, model, train_ds, eval_ds, loss_fn, log, checkpoint_dir=ckpt_dir,
+                          batches=batches, classification=classification, on_step=on_step)
+        log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,
+                  local_rank=env.local_rank, pid=__import__("os").getpid(),
+                  total_steps=trainer.total_steps, epochs=cfg.train.epochs, launcher=env.launcher)
+        log.info(f"start: {env.world_size} ranks on {env.num_nodes} node(s), launcher "
+                 f"{env.launcher}, device {ctx.device}, {trainer.total_steps} steps, log dir "
+                 f"{log_dir}, checkpoints {ckpt_dir}")
+        result = trainer.run()
+        step = result.step
+        log.event("end", status=result.status, step=result.step)
+        log.info(f"end: {result.status} at step {result.step}"
+                 + (f" ({result.reason})" if result.reason else ""))
+        return result
+    except BaseException as e:
+        log.event("error", exc_type=type(e).__name__, message=str(e),
+                  traceback=traceback.format_exc())
+        log.event("end", status="failed", step=step)
+        log.info(f"FAILED: {type(e).__name__}: {e}")
+        raise
+    finally:
+        log.close()
+
+
+def fit(model: nn.Module, train_dataset: Dataset, *, eval_dataset: Dataset | None = None,
+        config: JobConfig | Mapping | str | Path | None = None, overrides: Iterable[str] = (),
+        loss_fn: Callable | None = None, classification: bool | None = None,
+        on_step: Callable[[int, int], None] | None = None,
+        rank: int | None = None, world_size: int | None = None) -> TrainResult:
+    """Train your `model` on your `train_dataset` with the toolkit's loop; returns this rank's
+    TrainResult (`.model` is the trained plain module).  `config` gives everything else (batch
+    size per rank, epochs, optimizer, checkpoints, ...); the model/data sections are ignored."""
+    cfg = make_config(config, overrides)
+    if loss_fn is None:
+        loss_fn, is_cls = build_loss(cfg)
+        classification = is_cls if classification is None else classification
+    ctx, own = _context(rank, world_size)
+    try:
+        return _train(cfg, ctx, model, train_dataset, eval_dataset, loss_fn,
+                      bool(classification if classification is not None else True), on_step=on_step)
+    finally:
+        if own:
+            from ddp_hpc.dist import cleanup_ddp
+            cleanup_ddp()
+
+
+def train_ddp(rank: int, world_size: int, model_class: Callable[..., nn.Module], data: Any,
+              epochs: int, *, model_kwargs: Mapping | None = None, eval_data: Any = None,
+              config: JobConfig | Mapping | str | Path | None = None,
+              overrides: Iterable[str] = (), **train_options: Any) -> TrainResult:
+    """The seed exercise's signature.  `data` is a Dataset or a tuple of tensors (X, y);
+    `train_options` are train.* settings (batch_size=64, grad_accum=2, ...)."""
+    opts = [f"train.epochs={epochs}"] + [f"train.{k}={v!r}" if isinstance(v, str) else
+                                         f"train.{k}={v}" for k, v in train_options.items()]
+    cfg = make_config(config, [*opts, *overrides])
+    seed_everything(cfg.train.seed)
+    model = model_class(**(model_kwargs or {}))
+    to_ds = lambda d: d if d is None or isinstance(d, Dataset) else TensorDataset(*d)  # noqa: E731
+    return fit(model, to_ds(data), eval_dataset=to_ds(eval_data), config=cfg,
+               rank=rank, world_size=world_size)
+
+
+def run_job(cfg: JobConfig, on_step: Callable[[int, int], None] | None = None) -> TrainResult:
+    """Everything `python -m ddp_hpc.run` does after parsing: build, set up, train, tear down."""
+    model = build_model(cfg)                 # config mistakes fail before any rendezvous
+    loss_fn, classification = build_loss(cfg)
+    _dataset_factory(cfg.data.dataset, cfg.data.kwargs, "data.dataset")
+    if cfg.data.eval_dataset:
+        _dataset_factory(cfg.data.eval_dataset, cfg.data.eval_kwargs, "data.eval_dataset")
+    ctx, own = _context(None, None)
+    try:
+        train_ds, eval_ds, batches = build_datasets(cfg, ctx)
+        return _train(cfg, ctx, model, train_ds, eval_ds, loss_fn, classification,
+                      batches=batches, on_step=on_step)
+    finally:
+        if own:
+            from ddp_hpc.dist import cleanup_ddp
+            cleanup_ddp()

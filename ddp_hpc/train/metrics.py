@@ -1,0 +1,87 @@
+"""Cross-rank reductions, exact distributed evaluation, and process resource samples.
+
+Why exact evaluation needs its own sampler: DistributedSampler pads the index list so every rank
+gets the same count, duplicating samples when len(dataset) is not divisible by the world size, so a
+mean over ranks is biased.  Here every rank takes indices ``rank, rank + W, ...`` with no padding,
+sums (not averages) loss and correct predictions and counts samples, and one all_reduce(SUM) of
+those float64 sums gives exactly the single-process numbers.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sized
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Sampler
+
+
+class UnpaddedDistributedSampler(Sampler[int]):
+    """Indices rank, rank+W, rank+2W, ... of range(len(dataset)): each sample exactly once overall."""
+
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
+        self.n, self.num_replicas, self.rank = len(dataset), num_replicas, rank
+
+    def __iter__(self):
+        return iter(range(self.rank, self.n, self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.num_replicas))
+
+
+def all_reduce_sum(values: list[float], device: torch.device | str = "cpu") -> list[float]:
+    """Sum a few numbers over all ranks in one collective (float64: exact for counts < 2**53)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset, loss_fn: Callable, *, rank: int, world_size: int,
+             batch_size: int, device: torch.device, autocast=None, classification: bool = True,
+             num_workers: int = 0) -> dict:
+    """Exact loss/accuracy over `dataset` split across ranks; identical on every rank.
+
+    `model` must be the plain module (not the DDP wrapper): ranks see different batch counts and
+    DDP's per-forward buffer broadcast would then wait forever."""
+    was_training = model.training
+    model.eval()
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                        sampler=UnpaddedDistributedSampler(dataset, world_size, rank),
+                        pin_memory=device.type == "cuda")
+    loss_sum = correct = count = 0.0
+    for inputs, targets in loader:
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        if autocast is not None:
+            with autocast():
+                out = model(inputs)
+        else:
+            out = model(inputs)
+        n = targets.shape[0]
+        loss_sum += float(loss_fn(out.float(), targets).double()) * n
+        if classification and out.dim() == 2:
+            correct += float((out.argmax(dim=1) == targets).sum())
+        count += n
+    model.train(was_training)
+    loss_sum, correct, count = all_reduce_sum([loss_sum, correct, count], device)
+    metrics = {"loss": loss_sum / max(count, 1.0), "count": int(count)}
+    if classification:
+        metrics["accuracy"] = correct / max(count, 1.0)
+        metrics["correct"] = int(correct)
+    return metrics
+
+
+class ResourceSampler:
+    """RSS (MB) and CPU percent of this process since the previous sample (psutil)."""
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+        self.proc.cpu_percent(None)
+
+    def sample(self) -> dict:
+        return {"rss_mb": round(self.proc.memory_info().rss / 2**20, 1),
+                "cpu_percent": self.proc.cpu_percent(None)}
