@@ -1,0 +1,248 @@
+"""Group broadcast loader: one reader per group reads the shared directory for the whole group.
+
+Why: with R ranks each opening its own files, the shared filesystem sees R clients; with group
+readers it sees only the readers (one per node, one per local-rank stride, or one in total), and
+the bytes travel over the interconnect instead.
+
+Modes (``data.broadcast_groups``), for 2 nodes x 3 ranks:
+
+* ``node``: groups [0,1,2], [3,4,5]; readers 0 and 3 (one per node, traffic stays in the node);
+* ``strided``: groups [0,3], [1,4], [2,5]; readers 0, 1, 2 (all on node 0, spread across nodes);
+* ``two_level``: rank 0 reads everything, scatters per-node bundles to the node leaders [0, 3],
+  and each leader scatters within its node.
+
+Every step the reader builds one message per member: a small header (sample count, then per
+sample either (encoded length, label) or the shapes/dtypes of its tensors) followed by the bytes;
+message sizes are broadcast in the group, then the padded messages are scattered, so each member
+receives only its own samples.  Datasets with ``raw_item(i) -> (bytes, label)`` and
+``decode_item(bytes, label)`` ship compact encoded bytes and decode on the receiver; any other
+dataset ships ``dataset[i]``'s tensors.  Each rank gets exactly its ``DistributedSampler``
+indices (see :mod:`ddp_hpc.data.samplers`), in order.
+"""
+from __future__ import annotations
+
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import default_collate
+
+from ddp_hpc.data.samplers import batches_per_rank, epoch_indices
+
+__all__ = ["BroadcastDataset", "GroupPlan", "build_plan", "encode_samples", "decode_samples", "MODES"]
+
+MODES = ("node", "strided", "two_level")
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+           torch.int16, torch.int32, torch.int64, torch.bool]
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_MAXDIM = 6
+_ROW = 2 + _MAXDIM + 1  # dtype, ndim, shape..., nbytes
+
+
+@dataclass
+class GroupPlan:
+    """Who reads for whom.  ``level1``: (group, ranks) this rank takes part in first (the reader
+    scatters per-member messages); ``level2``: for two_level, the node (group, ranks) after the
+    leaders level.  ``serves``: the ranks whose samples this rank reads (readers only)."""
+
+    mode: str
+    rank: int
+    world_size: int
+    level1: tuple | None
+    level2: tuple | None
+    serves: list
+    readers: list
+    comm_device: torch.device
+    node_lists: list | None = None
+
+
+def build_plan(env, mode: str, comm_device=None) -> GroupPlan:
+    """Create the groups for ``mode`` (a collective: every rank calls it, in the same order)."""
+    from ddp_hpc.dist import gather_layout, new_groups, node_rank_lists, strided_rank_lists
+
+    if mode not in MODES:
+        raise ValueError(f"data.broadcast_groups={mode!r} is not one of {', '.join(MODES)}; "
+                         "HINT: node (one reader per node) is the usual choice")
+    layout = gather_layout(env)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(comm_device or "cpu")
+    nodes = [sorted(x) for x in node_rank_lists(layout)]  # torch orders group ranks ascending:
+    strided = [sorted(x) for x in strided_rank_lists(layout)]  # the reader is the lowest rank
+    leaders = sorted(min(x) for x in nodes)
+
+    def mine(lists):
+        return next((lst for lst in lists if rank in lst), None)
+
+    if mode in ("node", "strided"):
+        lists = nodes if mode == "node" else strided
+        g = new_groups(lists)
+        ranks = mine(lists)
+        serves = ranks if rank == ranks[0] else []
+        return GroupPlan(mode, rank, world, (g, ranks), None, serves, [lst[0] for lst in lists], device)
+    gl = new_groups([leaders])
+    gn = new_groups(nodes)
+    node = mine(nodes)
+    serves = list(range(world)) if rank == leaders[0] else []
+    by_leader = [next(x for x in nodes if x[0] == lead) for lead in leaders]
+    return GroupPlan(mode, rank, world, (gl, leaders) if rank in leaders else None, (gn, node),
+                     serves, [leaders[0]], device, by_leader)
+
+
+# ----------------------------------------------------------------------------- wire format
+def _i64(values) -> bytes:
+    return struct.pack(f"<{len(values)}q", *values)
+
+
+def _tensor_row(t: torch.Tensor) -> list[int]:
+    if t.dtype not in _CODE or t.dim() > _MAXDIM:
+        raise TypeError(f"broadcast loader cannot ship a {t.dtype} tensor of shape {tuple(t.shape)}; "
+                        f"HINT: samples must be tensors of <= {_MAXDIM} dims with a plain dtype")
+    shape = list(t.shape) + [0] * (_MAXDIM - t.dim())
+    return [_CODE[t.dtype], t.dim(), *shape, t.numel() * t.element_size()]
+
+
+def _as_tensor(v) -> torch.Tensor:
+    return v if isinstance(v, torch.Tensor) else torch.tensor(v)
+
+
+def encode_samples(items: list, raw: bool) -> bytes:
+    """Header + bytes for one member's samples: raw items are (bytes, label), others (x, y)."""
+    if raw:
+        head = [len(items), 0] + [v for data, label in items for v in (len(data), int(label))]
+        return _i64(head) + b"".join(data for data, _ in items)
+    rows, blobs = [], []
+    for sample in items:
+        if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+            raise TypeError("broadcast loader expects samples (input, target); "
+                            f"got {type(sample).__name__}")
+        for v in sample:
+            t = _as_tensor(v).contiguous().cpu()
+            rows += _tensor_row(t)
+            blobs.append(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return _i64([len(items), 1] + rows) + b"".join(blobs)
+
+
+def decode_samples(buf: bytes, decode_item=None) -> list:
+    """Inverse of :func:`encode_samples`; raw items are passed through ``decode_item``."""
+    n, kind = struct.unpack_from("<2q", buf, 0)
+    off = 16
+    out = []
+    if kind == 0:
+        head = struct.unpack_from(f"<{2 * n}q", buf, off)
+        off += 16 * n
+        for i in range(n):
+            size, label = head[2 * i], head[2 * i + 1]
+            out.append(decode_item(bytes(buf[off:off + size]), label))
+            off += size
+        return out
+    rows = struct.unpack_from(f"<{2 * n * _ROW}q", buf, off)
+    off += 8 * 2 * n * _ROW
+    for i in range(n):
+        pair = []
+        for j in range(2):
+            r = rows[(2 * i + j) * _ROW:(2 * i + j + 1) * _ROW]
+            dtype, ndim, shape, nbytes = _DTYPES[r[0]], r[1], r[2:2 + r[1]], r[-1]
+            t = torch.frombuffer(bytearray(buf[off:off + nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            pair.append(t.view(dtype).reshape(shape))
+            off += nbytes
+        out.append(tuple(pair))
+    return out
+
+
+def _bundle(messages: list[bytes]) -> bytes:
+    return _i64([len(messages)] + [len(m) for m in messages]) + b"".join(messages)
+
+
+def _unbundle(buf: bytes) -> list[bytes]:
+    (k,) = struct.unpack_from("<q", buf, 0)
+    sizes = struct.unpack_from(f"<{k}q", buf, 8)
+    off, out = 8 * (k + 1), []
+    for s in sizes:
+        out.append(bytes(buf[off:off + s]))
+        off += s
+    return out
+
+
+# ----------------------------------------------------------------------------- collectives
+def scatter_bytes(group, ranks: list, rank: int, messages: list[bytes] | None, device) -> bytes:
+    """The reader (``ranks[0]``) sends ``messages[i]`` to ``ranks[i]``; returns this rank's."""
+    me = ranks.index(rank)
+    if len(ranks) == 1:
+        return messages[0]
+    sizes = torch.zeros(len(ranks), dtype=torch.int64, device=device)
+    if me == 0:
+        sizes.copy_(torch.tensor([len(m) for m in messages], dtype=torch.int64))
+    dist.broadcast(sizes, group=group, group_src=0)
+    sizes = sizes.cpu().tolist()
+    width = max(1, max(sizes))
+    out = torch.empty(width, dtype=torch.uint8, device=device)
+    chunks = None
+    if me == 0:
+        flat = torch.zeros((len(ranks), width), dtype=torch.uint8)
+        for i, m in enumerate(messages):
+            if m:
+                flat[i, :len(m)] = torch.frombuffer(bytearray(m), dtype=torch.uint8)
+        chunks = list(flat.to(device).unbind(0))
+    dist.scatter(out, chunks, group=group, group_src=0)
+    return out[:sizes[me]].cpu().numpy().tobytes()
+
+
+class BroadcastDataset(torch.utils.data.Dataset):
+    """Wraps a dataset so that :meth:`batches` reads it through group readers.
+
+    Indexing still works (``dataset[i]`` reads directly), so code that only needs ``len`` or a
+    single sample is unaffected.
+    """
+
+    def __init__(self, inner, plan: GroupPlan):
+        self.inner, self.plan = inner, plan
+        self.raw = hasattr(inner, "raw_item") and hasattr(inner, "decode_item")
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        return self.inner[i]
+
+    def _read(self, idx: list[int], pool) -> list:
+        get = self.inner.raw_item if self.raw else self.inner.__getitem__
+        return list(pool.map(get, idx)) if pool is not None else [get(i) for i in idx]
+
+    def messages(self, *, batch_size: int, seed: int, epoch: int, start_batch: int = 0, num_workers: int = 0):
+        """Per step, this rank's encoded message (the part without decoding)."""
+        p, n = self.plan, len(self.inner)
+        steps = batches_per_rank(n, p.world_size, batch_size)
+        perm = {r: epoch_indices(n, p.world_size, r, seed, epoch) for r in p.serves}
+        pool = ThreadPoolExecutor(num_workers) if (num_workers and p.serves) else None
+        try:
+            for b in range(start_batch, steps):
+                lo, hi = b * batch_size, (b + 1) * batch_size
+                msgs = {r: encode_samples(self._read(perm[r][lo:hi], pool), self.raw) for r in p.serves}
+                yield self._deliver(msgs)
+        finally:
+            if pool is not None:
+                pool.shutdown()
+
+    def _deliver(self, msgs: dict) -> bytes:
+        p = self.plan
+        if p.mode != "two_level":
+            g, ranks = p.level1
+            return scatter_bytes(g, ranks, p.rank, [msgs[r] for r in ranks] if msgs else None, p.comm_device)
+        gn, node = p.level2
+        bundle = None
+        if p.level1 is not None:  # node leaders: receive this node's bundle from the reader
+            gl, leaders = p.level1
+            per_node = None
+            if msgs:
+                per_node = [_bundle([msgs[r] for r in node_ranks]) for node_ranks in p.node_lists]
+            bundle = _unbundle(scatter_bytes(gl, leaders, p.rank, per_node, p.comm_device))
+        return scatter_bytes(gn, node, p.rank, bundle, p.comm_device)
+
+    def batches(self, *, batch_size: int, seed: int, epoch: int, start_batch: int = 0, num_workers: int = 0):
+        """Collated (inputs, targets) batches: this rank's DistributedSampler samples, in order."""
+        decode = self.inner.decode_item if self.raw else None
+        for msg in self.messages(batch_size=batch_size, seed=seed, epoch=epoch,
+                                 start_batch=start_batch, num_workers=num_workers):
+            yield default_collate(decode_samples(msg, decode))

@@ -1,0 +1,143 @@
+"""The two calls the training loop makes for ``data.io``: open the data, then batch an epoch.
+
+    ds = open_train_data(cfg.data, ctx, dataset_factory)            # once, on every rank
+    for inputs, targets in make_train_batches(ds, cfg.data, ctx, batch_size=B, seed=S,
+                                              epoch=e, start_batch=k, num_workers=W): ...
+    close_train_data(ds, cfg.data, ctx, completed=True)             # optional stage cleanup
+
+``data.io``:
+* ``direct``: ``dataset_factory()``, every rank reads its own files;
+* ``lmdb``: ``LMDBDataset(data.lmdb_path)`` (one open per process);
+* ``stage``: local rank 0 of each node copies ``data.lmdb_path`` (or the dataset's ``root``
+  folder) to ``data.stage_to``; every rank then reads the node-local copy;
+* ``broadcast``: the dataset (or ``data.lmdb_path``) stays on the shared directory and only the
+  group readers of ``data.broadcast_groups`` read it.
+
+Every path yields, for each rank, exactly ``DistributedSampler(shuffle=True, seed=seed,
+drop_last=False)``'s samples for the epoch, in order, from batch ``start_batch`` on.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ddp_hpc.data.broadcast import BroadcastDataset, build_plan
+from ddp_hpc.data.lmdb import LMDBDataset
+from ddp_hpc.data.samplers import ResumableDistributedSampler
+from ddp_hpc.data.stage import StageError, cleanup_staged, resolve_stage_dir, stage
+
+__all__ = ["open_train_data", "make_train_batches", "close_train_data", "IOConfigError", "STAGE_WAIT"]
+
+log = logging.getLogger("ddp_hpc.data.io")
+#: how long ranks wait for another node's staging before giving up (the default collective
+#: timeout is 30 min; a first copy of a large dataset can take longer).
+STAGE_WAIT = timedelta(hours=6)
+_loaders: dict = {}
+_staged: dict = {}
+
+
+class IOConfigError(ValueError):
+    """A data.* IO setting cannot work; the message names the key and the fix."""
+
+
+def _need_lmdb(data_cfg) -> str:
+    if not data_cfg.lmdb_path:
+        raise IOConfigError(f"data.io={data_cfg.io} needs data.lmdb_path, which is not set; HINT: pack the "
+                            "dataset once (python -m ddp_hpc.data pack SRC OUT.lmdb) and set "
+                            "data.lmdb_path=OUT.lmdb")
+    return data_cfg.lmdb_path
+
+
+def _long_barrier_group():
+    """A gloo group with a long timeout, created before staging (a collective)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=STAGE_WAIT)
+
+
+def _stage_dataset(data_cfg, ctx, dataset_factory):
+    env = ctx.env
+    group = _long_barrier_group()
+    if data_cfg.lmdb_path:
+        base, src = None, data_cfg.lmdb_path
+    else:
+        base = dataset_factory()
+        src = getattr(base, "root", None)
+        if src is None or not hasattr(base, "relocated"):
+            raise IOConfigError(f"data.io=stage without data.lmdb_path needs a dataset with a .root folder "
+                                f"and .relocated(path); {type(base).__name__} has neither; HINT: set "
+                                "data.lmdb_path to a packed LMDB (python -m ddp_hpc.data pack)")
+    path = stage(src, resolve_stage_dir(data_cfg.stage_to), job_id=env.job_id,
+                 restart_count=env.restart_count, copier=env.local_rank == 0,
+                 wait_timeout=STAGE_WAIT.total_seconds())
+    if group is not None:
+        dist.barrier(group=group)  # every node staged before anyone enters a training collective
+        dist.destroy_process_group(group)
+    ds = LMDBDataset(path) if base is None else base.relocated(path)
+    _staged[id(ds)] = path
+    return ds
+
+
+def open_train_data(data_cfg, ctx, dataset_factory):
+    """The training dataset for ``data_cfg.io`` (every rank calls it at the same point)."""
+    io = data_cfg.io
+    if io == "direct":
+        return dataset_factory()
+    if io == "lmdb":
+        return LMDBDataset(_need_lmdb(data_cfg))
+    if io == "stage":
+        return _stage_dataset(data_cfg, ctx, dataset_factory)
+    if io == "broadcast":
+        inner = LMDBDataset(data_cfg.lmdb_path) if data_cfg.lmdb_path else dataset_factory()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise IOConfigError("data.io=broadcast needs torch.distributed initialised (setup_ddp) first")
+        device = ctx.device if getattr(ctx, "backend", "gloo") == "nccl" else None
+        return BroadcastDataset(inner, build_plan(ctx.env, data_cfg.broadcast_groups, device))
+    raise IOConfigError(f"data.io={io!r} is not direct, lmdb, stage or broadcast; HINT: set data.io=direct")
+
+
+def _loader(dataset, ctx, batch_size: int, seed: int, num_workers: int):
+    """One DataLoader per (dataset, batch size, workers): persistent workers survive epochs."""
+    key = (id(dataset), batch_size, seed, num_workers)
+    hit = _loaders.get(key)
+    if hit is not None and hit[0]() is dataset:
+        return hit[1], hit[2]
+    env = ctx.env
+    sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, seed)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                        persistent_workers=num_workers > 0, drop_last=False,
+                        pin_memory=getattr(ctx, "device", torch.device("cpu")).type == "cuda")
+    _loaders[key] = (weakref.ref(dataset), loader, sampler)
+    weakref.finalize(dataset, _loaders.pop, key, None)
+    return loader, sampler
+
+
+def make_train_batches(dataset, data_cfg, ctx, *, batch_size: int, seed: int, epoch: int,
+                       start_batch: int = 0, num_workers: int = 0):
+    """This rank's (inputs, targets) batches of ``epoch`` from batch ``start_batch`` on."""
+    if batch_size < 1 or start_batch < 0:
+        raise ValueError(f"make_train_batches: batch_size={batch_size}, start_batch={start_batch}; "
+                         "HINT: batch_size >= 1 and start_batch >= 0")
+    if isinstance(dataset, BroadcastDataset):
+        return dataset.batches(batch_size=batch_size, seed=seed, epoch=epoch, start_batch=start_batch,
+                               num_workers=num_workers)
+    loader, sampler = _loader(dataset, ctx, batch_size, seed, num_workers)
+    sampler.epoch, sampler.start = epoch, start_batch * batch_size
+    return iter(loader)
+
+
+def close_train_data(dataset, data_cfg, ctx, *, completed: bool) -> None:
+    """End of training: remove the staged copy when ``data.stage_cleanup`` and the run completed
+    (a preempted run keeps it for its requeue).  Local rank 0 deletes, after a node barrier is
+    not needed: other ranks' LMDB maps stay valid after the unlink."""
+    path = _staged.pop(id(dataset), None)
+    if path and completed and data_cfg.stage_cleanup and ctx.env.local_rank == 0:
+        try:
+            cleanup_staged(path)
+        except (OSError, StageError) as e:
+            log.warning("stage cleanup of %s failed: %s", path, e)

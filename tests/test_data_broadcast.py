@@ -1,0 +1,129 @@
+"""Group broadcast loader: real gloo in 6 local processes laid out as 2 pretend nodes x 3.
+
+Each rank must receive exactly DistributedSampler's samples (so the union over ranks is the
+epoch's permutation, no duplicates beyond DistributedSampler's own padding), for node, strided
+and two-level groups, for tensor samples and for encoded image bytes, and with a mid-epoch
+start; only the group readers may touch the shared folder.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from ddp_hpc.data import samplers
+
+N_SAMPLES = 29  # not a multiple of 6: DistributedSampler pads
+BATCH = 2
+
+
+class IndexDataset(torch.utils.data.Dataset):
+    """Sample i = (a 2x3 float tensor filled with i, label i): payload and label both identify i."""
+
+    def __len__(self):
+        return N_SAMPLES
+
+    def __getitem__(self, i):
+        return torch.full((2, 3), float(i)), i
+
+
+def _rank_main(rank, world_size, image_root):
+    from ddp_hpc.config import DataConfig
+    from ddp_hpc.data import fsio
+    from ddp_hpc.data.io import make_train_batches, open_train_data
+    from ddp_hpc.dist import cleanup_ddp, setup_ddp
+    from ddp_hpc.examples.images import ImageFolderDataset
+
+    ctx = setup_ddp()
+    out = {"node": ctx.env.node_rank}
+    try:
+        for mode in ("node", "strided", "two_level"):
+            cfg = DataConfig(io="broadcast", broadcast_groups=mode)
+            ds = open_train_data(cfg, ctx, IndexDataset)
+            got = {}
+            for epoch in (0, 1):
+                ids = []
+                for x, y in make_train_batches(ds, cfg, ctx, batch_size=BATCH, seed=5, epoch=epoch):
+                    assert torch.equal(x[:, 0, 0], y.float()), "payload and label disagree"
+                    assert x.shape[1:] == (2, 3) and x.dtype == torch.float32
+                    ids += y.tolist()
+                got[epoch] = ids
+            got["resume"] = [i for _, y in make_train_batches(ds, cfg, ctx, batch_size=BATCH, seed=5,
+                                                              epoch=1, start_batch=2) for i in y.tolist()]
+            out[mode] = got
+            out[mode + "_readers"] = ds.plan.readers
+        # encoded image bytes through the two-level path; count opens below the shared root
+        fsio.watch(image_root)
+        cfg = DataConfig(io="broadcast", broadcast_groups="two_level")
+        ds = open_train_data(cfg, ctx, lambda: ImageFolderDataset(image_root))
+        direct = ImageFolderDataset(image_root)
+        fsio.reset()
+        imgs = []
+        for x, y in make_train_batches(ds, cfg, ctx, batch_size=BATCH, seed=1, epoch=0, num_workers=2):
+            imgs.append((x, y))
+        out["image_opens"] = fsio.snapshot()["opens"]
+        mine = samplers.epoch_indices(len(direct), world_size, rank, 1, 0)
+        flat_x = torch.cat([x for x, _ in imgs])
+        flat_y = torch.cat([y for _, y in imgs]).tolist()
+        out["images_match"] = flat_y == [direct[i][1] for i in mine] and all(
+            torch.equal(flat_x[k], direct[i][0]) for k, i in enumerate(mine))
+        out["image_count"] = len(flat_y)
+    finally:
+        cleanup_ddp()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from ddp_hpc.examples.images import make_images
+    from ddp_hpc.launch import launch_distributed
+
+    root = make_images(tmp_path_factory.mktemp("shared") / "imgs", count=23, classes=3, size=8, progress=False)
+    return launch_distributed(_rank_main, 6, args=(root,), nodes=2, timeout=240)
+
+
+def _expected(rank, epoch, seed=5):
+    s = DistributedSampler(range(N_SAMPLES), num_replicas=6, rank=rank, shuffle=True, seed=seed, drop_last=False)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+@pytest.mark.parametrize("mode", ["node", "strided", "two_level"])
+def test_each_rank_gets_exactly_its_distributed_sampler_samples(results, mode):
+    for epoch in (0, 1):
+        per_rank = [r[mode][epoch] for r in results]
+        for rank, ids in enumerate(per_rank):
+            assert ids == _expected(rank, epoch), f"{mode} rank {rank} epoch {epoch}"
+        union = [i for ids in per_rank for i in ids]
+        assert sorted(set(union)) == list(range(N_SAMPLES))  # the whole permutation
+        assert len(union) == 6 * -(-N_SAMPLES // 6)  # only DistributedSampler's padding repeats
+    assert [r[mode][0] for r in results] != [r[mode][1] for r in results]  # epochs reshuffle
+
+
+@pytest.mark.parametrize("mode", ["node", "strided", "two_level"])
+def test_mid_epoch_start_skips_exactly_the_done_batches(results, mode):
+    for rank, r in enumerate(results):
+        assert r[mode]["resume"] == _expected(rank, 1)[2 * BATCH:]
+
+
+def test_readers_per_mode(results):
+    assert results[0]["node_readers"] == [0, 3]
+    assert results[0]["strided_readers"] == [0, 1, 2]
+    assert results[0]["two_level_readers"] == [0]
+
+
+def test_encoded_images_decode_identically_and_only_the_reader_opens_files(results):
+    assert all(r["images_match"] for r in results)
+    assert [r["image_count"] for r in results] == [4] * 6
+    assert results[0]["image_opens"] == 23 + 1  # every file once, plus DistributedSampler's pad
+    assert [r["image_opens"] for r in results[1:]] == [0] * 5
+
+
+def test_sampler_matches_torch_for_many_shapes():
+    for n in (1, 5, 6, 7, 30, 31):
+        for world in (1, 2, 4, 6):
+            for rank in range(world):
+                for epoch in (0, 3):
+                    s = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=9)
+                    s.set_epoch(epoch)
+                    assert samplers.epoch_indices(n, world, rank, 9, epoch) == list(s)
