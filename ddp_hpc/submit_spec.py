@@ -348,6 +348,10 @@ def build_spec(opts: SlurmOptions, *, config_path: str | os.PathLike, cfg: Any,
     cpus = opts.cpus_per_task or int(getattr(cfg.data, "num_workers", 0)) + 1
     base = Path(workdir, cfg.log.dir) if not os.path.isabs(cfg.log.dir) else Path(cfg.log.dir)
     log_dir = (base / (run_id or new_run_id(name))).resolve()
+    # the log directory appears in #SBATCH --output lines, which sbatch splits at blanks
+    _check_plain("log directory", log_dir, "log.dir of the config", re.compile(r"^[A-Za-z0-9_./+=@,:~-]+$"),
+                 "set log.dir (e.g. -- log.dir=/scratch/$USER/runs) to a path without blanks, "
+                 "quotes or shell characters")
     task_overrides = sweep_tasks(sweeps)
     if task_overrides:
         tasks = tuple(TaskSpec(i, ov, str(log_dir / f"task{i}")) for i, ov in enumerate(task_overrides))

@@ -1,0 +1,31 @@
+#!/bin/bash
+# ddp_hpc job demo: 2 node(s) x 2 task(s), one task per GPU, array of 4 tasks.
+# Rendered by ddp_hpc.submit (sbatch backend); `sbatch <this file>` submits it again.
+#SBATCH --job-name=demo
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=2
+#SBATCH --gpus-per-node=2
+#SBATCH --cpus-per-task=3
+#SBATCH --time=00:30:00
+#SBATCH --signal=USR2@90
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=/work/runs/demo-1/task%a/slurm-%A_%a.out
+#SBATCH --array=0-3
+
+set -eu
+# srun does not inherit --cpus-per-task since Slurm 22.05
+export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-3}"
+cd /work
+ARGS=(/venv/bin/python -m ddp_hpc.run /work/jobs/demo.yaml train.epochs=2)
+case "${SLURM_ARRAY_TASK_ID:-}" in
+  0) LOG_DIR=/work/runs/demo-1/task0; ARGS+=(optim.lr=1e-3 train.seed=0) ;;
+  1) LOG_DIR=/work/runs/demo-1/task1; ARGS+=(optim.lr=1e-3 train.seed=1) ;;
+  2) LOG_DIR=/work/runs/demo-1/task2; ARGS+=(optim.lr=3e-4 train.seed=0) ;;
+  3) LOG_DIR=/work/runs/demo-1/task3; ARGS+=(optim.lr=3e-4 train.seed=1) ;;
+  *) echo "ddp_hpc: no task ${SLURM_ARRAY_TASK_ID:-(unset)} in this array" >&2; exit 2 ;;
+esac
+export DDP_HPC_LOG_DIR="$LOG_DIR"
+mkdir -p "$LOG_DIR"
+echo "ddp_hpc: job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-?}, logs in $LOG_DIR"
+exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/rank%t.out" "${ARGS[@]}"

@@ -1,0 +1,118 @@
+"""The sbatch renderer is a pure function: golden files pin its exact text, and running the
+rendered script with bash (a stand-in `srun` that records its argv) proves that user strings
+reach the program as literal arguments and never as shell code."""
+
+import os
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc.sbatch import render, sbatch_options
+from ddp_hpc.submit_spec import JobSpec, TaskSpec
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("DDP_HPC_UPDATE_GOLDEN") == "1"
+
+
+def _spec(**kw) -> JobSpec:
+    base = dict(name="demo", nodes=2, gpus_per_node=2, cpus_per_task=3, time="00:30:00",
+                signal="USR2", grace_s=90, config="/work/jobs/demo.yaml",
+                overrides=("train.epochs=2",), tasks=(TaskSpec(None, (), "/work/runs/demo-1"),),
+                log_dir="/work/runs/demo-1", workdir="/work", python="/venv/bin/python")
+    base.update(kw)
+    return JobSpec(**base)
+
+
+CASES = {
+    "sbatch_basic.sh": _spec(),
+    "sbatch_all_options.sh": _spec(
+        partition="gpu", account="proj1", qos="high", mem="64G", constraint="a100&ib",
+        exclusive=True, dependency="afterok:41", signal="USR1", grace_s=120,
+        sbatch_args=(("hold", True), ("mail-type", "END"))),
+    "sbatch_array.sh": _spec(
+        tasks=tuple(TaskSpec(i, ov, f"/work/runs/demo-1/task{i}") for i, ov in enumerate(
+            [("optim.lr=1e-3", "train.seed=0"), ("optim.lr=1e-3", "train.seed=1"),
+             ("optim.lr=3e-4", "train.seed=0"), ("optim.lr=3e-4", "train.seed=1")]))),
+    "sbatch_quoting.sh": _spec(
+        workdir="/work/my dir", config="/work/my dir/it's.yaml",
+        overrides=("name=$(touch /tmp/pwned)", "log.dir=`id`; rm -rf x", 'model.name="a b"')),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden(name):
+    text = render(CASES[name])
+    path = GOLDEN / name
+    if UPDATE:
+        path.write_text(text)
+    assert text == path.read_text(), f"render() changed; review and rerun with DDP_HPC_UPDATE_GOLDEN=1"
+    assert render(CASES[name]) == text   # pure: same spec, same text
+
+
+def test_one_task_per_gpu_and_preemption_options():
+    opts = dict(sbatch_options(_spec(nodes=4, gpus_per_node=8, cpus_per_task=6)))
+    assert opts["nodes"] == "4" and opts["ntasks-per-node"] == "8" and opts["gpus-per-node"] == "8"
+    assert opts["cpus-per-task"] == "6" and opts["signal"] == "USR2@90"
+    assert "requeue" in opts and opts["requeue"] is None and opts["open-mode"] == "append"
+    text = render(_spec())
+    assert "srun --kill-on-bad-exit=1" in text and 'rank%t.out' in text
+    assert 'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-3}"' in text
+
+
+def _fake_srun(tmp_path: Path) -> Path:
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    srun = bindir / "srun"
+    # records its argv (one per line, NUL-free) and the exported env it matters
+    srun.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_SRUN_OUT"\n'
+                    'echo "LOG=$DDP_HPC_LOG_DIR CPUS=$SRUN_CPUS_PER_TASK" >> "$FAKE_SRUN_OUT"\n')
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    return bindir
+
+
+def _run_script(tmp_path, spec, extra_env=None):
+    script = tmp_path / "job.sh"
+    script.write_text(render(spec))
+    out = tmp_path / "srun.argv"
+    env = {"PATH": f"{_fake_srun(tmp_path)}:/usr/bin:/bin", "FAKE_SRUN_OUT": str(out),
+           "SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "3", **(extra_env or {})}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, cwd=tmp_path)
+    return done, (out.read_text().splitlines() if out.exists() else [])
+
+
+def test_rendered_script_passes_hostile_strings_literally(tmp_path):
+    marker = tmp_path / "pwned"
+    work = tmp_path / "my dir; touch x"
+    work.mkdir()
+    hostile = (f"name=$(touch {marker})", f"log.dir=`touch {marker}`", f"x='; touch {marker} #",
+               'y="$HOME" \\ * ?')
+    spec = _spec(workdir=str(work), config=str(work / "c.yaml"), overrides=hostile,
+                 tasks=(TaskSpec(None, (), str(tmp_path / "logs dir")),),
+                 log_dir=str(tmp_path / "logs dir"))
+    done, argv = _run_script(tmp_path, spec)
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists()
+    assert not (work / "x").exists()
+    i = argv.index("/venv/bin/python")
+    assert argv[:i] == ["--kill-on-bad-exit=1", "--open-mode=append",
+                        f"--output={tmp_path}/logs dir/rank%t.out"]
+    assert argv[i:i + 4] == ["/venv/bin/python", "-m", "ddp_hpc.run", str(work / "c.yaml")]
+    assert argv[i + 4:i + 8] == list(hostile)
+    assert argv[-1] == f"LOG={tmp_path}/logs dir CPUS=3"
+    assert (tmp_path / "logs dir").is_dir()
+
+
+def test_rendered_array_picks_each_task(tmp_path):
+    spec = CASES["sbatch_array.sh"]
+    spec = _spec(tasks=tuple(TaskSpec(t.task_id, t.overrides, str(tmp_path / f"task{t.task_id}"))
+                             for t in spec.tasks), log_dir=str(tmp_path), workdir=str(tmp_path))
+    for task in spec.tasks:
+        done, argv = _run_script(tmp_path, spec, {"SLURM_ARRAY_TASK_ID": str(task.task_id)})
+        assert done.returncode == 0, done.stderr
+        assert argv[-3:-1] == list(task.overrides)
+        assert argv[-1].startswith(f"LOG={task.log_dir} ")
+    done, _ = _run_script(tmp_path, spec, {"SLURM_ARRAY_TASK_ID": "9"})
+    assert done.returncode == 2 and "no task 9" in done.stderr

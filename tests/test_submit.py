@@ -1,0 +1,221 @@
+"""ddp_hpc.submit without a cluster: option merging and validation, sweeps, backend choice,
+SLURM_* cleaning, pre-submit checks against sinfo's answer, injection refusals, dry runs.
+(Runs against a cluster live in tests/cluster/test_submit_cluster.py; the local backend
+end-to-end in tests/test_submit_local.py.)"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc import submit
+from ddp_hpc.config import load_config
+from ddp_hpc.slurmcli import SlurmCLI
+from ddp_hpc.submit_slurm import check_against_cluster, clean_slurm_env, submitit_parameters
+from ddp_hpc.submit_spec import (SpecError, build_spec, merge_options, parse_signal,
+                                 parse_sweeps, sweep_tasks, time_to_seconds)
+
+PY = sys.executable
+
+
+@pytest.fixture
+def job(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("name: demo\ndata: {num_workers: 3}\nlog: {dir: logs}\n"
+                   "slurm:\n  nodes: 3\n  time: '00:20:00'\n  partition: yamlpart\n"
+                   "  sbatch_args: {mail-type: END}\n")
+    return cfg
+
+
+def _spec(cfgpath, cli=None, overrides=(), sweeps=(), workdir=None):
+    cfg = load_config(cfgpath, overrides)
+    opts = merge_options(cfg.slurm, cli or {}, str(cfgpath))
+    return build_spec(opts, config_path=cfgpath, cfg=cfg, overrides=overrides,
+                      sweeps=parse_sweeps(sweeps), workdir=workdir or str(cfgpath.parent),
+                      run_id="demo-x")
+
+
+def test_yaml_section_then_command_line_wins(job, tmp_path):
+    s = _spec(job)
+    assert (s.nodes, s.gpus_per_node, s.time, s.partition) == (3, 1, "00:20:00", "yamlpart")
+    assert s.cpus_per_task == 4                         # data.num_workers + 1
+    assert s.sbatch_args == (("mail-type", "END"),)
+    s = _spec(job, {"nodes": 2, "gpus_per_node": 4, "partition": "cli", "cpus_per_task": 7,
+                    "sbatch_args": {"mail-type": "FAIL", "hold": True}})
+    assert (s.nodes, s.gpus_per_node, s.partition, s.cpus_per_task) == (2, 4, "cli", 7)
+    assert s.sbatch_args == (("hold", True), ("mail-type", "FAIL"))
+    assert s.log_dir == str(tmp_path / "logs" / "demo-x") and s.config == str(job)
+    assert s.world_size == 8 and not s.is_array
+
+
+def test_unknown_slurm_key_lists_valid_ones(tmp_path):
+    cfg = tmp_path / "j.yaml"
+    cfg.write_text("slurm: {nodse: 2}\n")
+    with pytest.raises(SpecError) as e:
+        _spec(cfg)
+    assert "slurm.nodse" in str(e.value) and "nodes, gpus_per_node" in str(e.value)
+
+
+@pytest.mark.parametrize("cli, needle", [
+    ({"nodes": 0}, "nodes = 0"),
+    ({"gpus_per_node": -1}, "gpus_per_node = -1"),
+    ({"time": "2 hours"}, "'2 hours' is not a Slurm time"),
+    ({"signal": "USR9@10"}, "'USR9@10' is not a signal name"),
+    ({"signal": "USR2@7200", "time": "01:00:00"}, "not shorter than the time limit"),
+    ({"job_name": "x'; touch /tmp/pwned #"}, "job name \"x'; touch /tmp/pwned #\""),
+    ({"partition": "a b"}, "partition 'a b'"),
+    ({"mem": "lots"}, "mem 'lots'"),
+    ({"dependency": "afterok:1;rm"}, "dependency 'afterok:1;rm'"),
+    ({"sbatch_args": {"output": "/x"}}, "set by ddp_hpc itself"),
+    ({"sbatch_args": {"ntasks-per-node": "1"}}, "use --gpus (one task per GPU)"),
+    ({"sbatch_args": {"comment": "a\nb"}}, "value of sbatch option comment"),
+    ({"sbatch_args": {"comment": "$(id)"}}, "value of sbatch option comment"),
+    ({"sbatch_args": {"Bad_Key": "1"}}, "sbatch option name 'Bad_Key'"),
+    ({"backend": "k8s"}, "backend 'k8s' is unknown"),
+])
+def test_bad_requests_name_value_and_fix(job, cli, needle):
+    with pytest.raises(SpecError) as e:
+        _spec(job, cli)
+    assert needle in str(e.value) and "HINT:" in str(e.value)
+
+
+def test_time_and_signal_formats():
+    assert [time_to_seconds(t) for t in ("30", "1:30", "01:00:00", "2-00", "1-02:03", "1-00:00:05")] == \
+        [1800, 90, 3600, 2 * 86400, 86400 + 7200 + 180, 86405]
+    assert parse_signal("SIGUSR1@120") == ("USR1", 120) and parse_signal("usr2") == ("USR2", 90)
+
+
+def test_signal_other_than_config_becomes_an_override(job):
+    s = _spec(job, {"signal": "USR1@60"})
+    assert (s.signal, s.grace_s) == ("USR1", 60) and "preempt.signal=USR1" in s.overrides
+    assert "preempt.signal=USR1" not in _spec(job, {"signal": "USR2@60"}).overrides
+
+
+def test_sweep_is_one_array_with_product_overrides(job, tmp_path):
+    s = _spec(job, overrides=("train.epochs=1",), sweeps=["optim.lr=1e-3,3e-4", "train.seed=0,1"])
+    assert s.is_array and [t.task_id for t in s.tasks] == [0, 1, 2, 3]
+    assert [t.overrides for t in s.tasks] == [
+        ("optim.lr=1e-3", "train.seed=0"), ("optim.lr=1e-3", "train.seed=1"),
+        ("optim.lr=3e-4", "train.seed=0"), ("optim.lr=3e-4", "train.seed=1")]
+    assert [t.log_dir for t in s.tasks] == [str(tmp_path / "logs" / "demo-x" / f"task{i}") for i in range(4)]
+    assert s.task_argv(s.tasks[3])[-3:] == ["train.epochs=1", "optim.lr=3e-4", "train.seed=1"]
+    for bad in (["lr"], ["lr="], ["a b=1,2"], ["x=1,,2"]):
+        with pytest.raises(SpecError):
+            parse_sweeps(bad)
+    assert sweep_tasks([]) == []
+
+
+def test_log_dir_with_blanks_refused(job):
+    with pytest.raises(SpecError, match="log directory"):
+        _spec(job, overrides=("log.dir=/tmp/a b",))
+
+
+def test_clean_slurm_env_keeps_only_slurm_conf():
+    env = {"SLURM_JOB_ID": "5", "SLURM_MEM_PER_NODE": "100", "SLURM_CONF": "/etc/s.conf",
+           "SRUN_CPUS_PER_TASK": "4", "SBATCH_ACCOUNT": "a", "PATH": "/bin"}
+    clean, removed = clean_slurm_env(env)
+    assert clean == {"SLURM_CONF": "/etc/s.conf", "SBATCH_ACCOUNT": "a", "PATH": "/bin"}
+    assert removed == ["SLURM_JOB_ID", "SLURM_MEM_PER_NODE", "SRUN_CPUS_PER_TASK"]
+
+
+PARTS = [{"name": "debug", "default": True, "nodes": 4, "gpus_per_node": 4},
+         {"name": "big", "default": False, "nodes": 2, "gpus_per_node": 8},
+         {"name": "cpu", "default": False, "nodes": 8, "gpus_per_node": 0}]
+
+
+def test_checks_against_sinfo(job):
+    assert check_against_cluster(_spec(job, {"partition": "big", "gpus_per_node": 8, "nodes": 2}), PARTS) == "big"
+    s = _spec(job, {"gpus_per_node": 4})
+    assert check_against_cluster(build_like(s, partition=None), PARTS) == "debug"
+    with pytest.raises(SpecError) as e:
+        check_against_cluster(_spec(job, {"partition": "gpuz"}), PARTS)
+    assert "'gpuz' does not exist" in str(e.value) and "debug, big, cpu" in str(e.value)
+    with pytest.raises(SpecError) as e:
+        check_against_cluster(build_like(_spec(job, {"gpus_per_node": 5}), partition=None), PARTS)
+    assert "--gpus 5" in str(e.value) and "at most 4" in str(e.value) and "big (8 GPUs)" in str(e.value)
+    with pytest.raises(SpecError, match="--nodes 3 is more than partition 'big'"):
+        check_against_cluster(_spec(job, {"partition": "big"}), PARTS)
+
+
+def build_like(spec, **kw):
+    import dataclasses
+    return dataclasses.replace(spec, **kw)
+
+
+def test_submitit_parameters(job):
+    s = _spec(job, {"gpus_per_node": 2, "exclusive": True})
+    p = submitit_parameters(s)
+    assert (p["nodes"], p["ntasks_per_node"], p["gpus_per_node"], p["cpus_per_task"]) == (3, 2, 2, 4)
+    assert p["additional_parameters"]["signal"] == "USR2@90" and p["additional_parameters"]["requeue"] is True
+    assert p["additional_parameters"]["time"] == "00:20:00" and p["exclusive"] is True
+    assert "--kill-on-bad-exit=1" in p["srun_args"] and f"--output={s.log_dir}/rank%t.out" in p["srun_args"]
+    assert "export SRUN_CPUS_PER_TASK=4" in p["setup"]
+    # submitit accepts every key (it refuses unknown ones against its own signature)
+    import submitit
+    ex = submitit.SlurmExecutor(folder=s.log_dir)
+    ex.update_parameters(**p)
+
+
+class _NoCluster(SlurmCLI):
+    def __init__(self, have_sbatch):
+        super().__init__(env={"PATH": "/nonexistent"})
+        self.have = have_sbatch
+
+    def available(self):
+        return self.have
+
+
+def test_auto_backend_says_why(tmp_path):
+    assert submit.choose_backend("sbatch", None) == ("sbatch", "asked for with --backend")
+    b, why = submit.choose_backend("auto", _NoCluster(False))
+    assert b == "local" and "no `sbatch` on PATH" in why
+    # sbatch "installed" but the controller cannot be asked (sinfo is not found here)
+    b, why = submit.choose_backend("auto", _NoCluster(True))
+    assert b == "local" and "controller does not answer" in why
+
+
+def _cli(args, cwd, env=None, **kw):
+    e = {**os.environ, "DDP_HPC_HOME": str(cwd / "home"), **(env or {})}
+    return subprocess.run([PY, "-m", "ddp_hpc.submit", *args], cwd=cwd, env=e,
+                          capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_cli_errors_before_submitting(job, tmp_path):
+    for args, needle in [
+        (["--nodes", "0", str(job)], "--nodes"),
+        ([str(job), "--", "trian.epochs=2"], "unknown config key 'trian'"),
+        ([str(job), "--sweep", "optim.lr=0.1,fast"], "optim.lr"),
+        ([str(job), "--job-name", "x'; touch /tmp/pwned #"], "job name"),
+        ([str(tmp_path / "missing.yaml")], "does not exist"),
+        ([str(job), "--backend", "sbatch"], "`sbatch` is not on PATH"),
+    ]:
+        p = _cli(args, tmp_path, env={"PATH": os.path.dirname(PY)})
+        assert p.returncode == 2, (args, p.stdout, p.stderr)
+        assert needle in p.stderr, (args, p.stderr)
+    assert not (tmp_path / "home").exists() and not (tmp_path / "logs").exists()
+
+
+def test_cli_dry_run_sbatch_prints_script_and_submits_nothing(job, tmp_path):
+    p = _cli(["--backend", "sbatch", "--dry-run", "--nodes", "2", "--gpus", "2", str(job),
+              "--", "name=$(touch /tmp/pwned)"], tmp_path, env={"PATH": os.path.dirname(PY)})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("#!/bin/bash") and "#SBATCH --ntasks-per-node=2" in p.stdout
+    assert "'name=$(touch /tmp/pwned)'" in p.stdout and "partition and GPU checks skipped" in p.stderr
+    assert not (tmp_path / "home").exists() and not (tmp_path / "logs").exists()
+
+
+def test_cli_dry_run_submitit_and_local(job, tmp_path):
+    p = _cli(["--backend", "submitit", "--dry-run", str(job), "--sweep", "train.seed=0,1"],
+             tmp_path, env={"PATH": os.path.dirname(PY)})
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["parameters"]["nodes"] == 3 and [c["args"][1] for c in out["calls"]] == [
+        ["train.seed=0"], ["train.seed=1"]]
+    p = _cli(["--dry-run", "--nodes", "2", "--gpus", "2", str(job)], tmp_path,
+             env={"PATH": os.path.dirname(PY)})
+    assert p.returncode == 0 and "backend local: no `sbatch` on PATH" in p.stderr
+    assert "--nodes 2 --procs-per-node 2" in p.stdout
+    assert not (tmp_path / "home").exists() and not (tmp_path / "logs").exists()
