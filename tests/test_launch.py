@@ -1,0 +1,304 @@
+"""ddp_hpc.launch: real local processes; failures must surface as the first failing rank and
+never hang (every multi-process test has a generous pytest timeout instead of a time assert)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ddp_hpc.launch import (
+    RankFailedError, launch_distributed, local_rank_env, node_layout, run_local,
+)
+
+FAST = "forkserver"  # torch preloaded once: see tests/test_dist.py
+mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.dist"])
+
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "DDP_HPC_LAUNCHER", "DDP_HPC_NUM_NODES", "DDP_HPC_JOB_ID")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_for(paths, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not all(Path(p).exists() for p in paths):
+        assert time.monotonic() < end, f"never appeared: {paths}"
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- launch_distributed
+def _report_env(rank, world_size, extra):
+    from ddp_hpc.env import detect
+
+    env = detect()
+    return {k: os.environ[k] for k in RANK_VARS}, env, extra, os.getpid()
+
+
+@pytest.mark.timeout(120)
+def test_rank_variables_and_return_values_default_spawn():
+    out = launch_distributed(_report_env, 4, ({"x": [1, 2]},), nodes=2, timeout=90)
+    ports = {o[0]["MASTER_PORT"] for o in out}
+    jobs = {o[0]["DDP_HPC_JOB_ID"] for o in out}
+    assert len(ports) == 1 and len(jobs) == 1 and jobs.pop().startswith("local-")
+    assert len({o[3] for o in out}) == 4  # four distinct processes
+    for r, (vars_, env, extra, _) in enumerate(out):
+        assert extra == {"x": [1, 2]}
+        assert (vars_["RANK"], vars_["LOCAL_RANK"], vars_["GROUP_RANK"]) == (str(r), str(r % 2),
+                                                                               str(r // 2))
+        assert (vars_["WORLD_SIZE"], vars_["LOCAL_WORLD_SIZE"], vars_["DDP_HPC_NUM_NODES"]) == \
+               ("4", "2", "2")
+        assert vars_["DDP_HPC_LAUNCHER"] == "local" and vars_["MASTER_ADDR"] == "127.0.0.1"
+        assert (env.rank, env.local_rank, env.node_rank, env.world_size, env.local_world_size,
+                env.num_nodes, env.launcher) == (r, r % 2, r // 2, 4, 2, 2, "local")
+        assert env.master_port == int(vars_["MASTER_PORT"])
+
+
+@pytest.mark.timeout(120)
+def test_uneven_pretend_nodes():
+    out = launch_distributed(_report_env, 4, (None,), nodes=(3, 1), start_method=FAST,
+                             timeout=90)
+    assert [(o[1].node_rank, o[1].local_rank, o[1].local_world_size) for o in out] == \
+           [(0, 0, 3), (0, 1, 3), (0, 2, 3), (1, 0, 1)]
+
+
+def _raise_on_2(rank, world_size, pid_dir):
+    Path(pid_dir, f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 2:
+        while len(list(Path(pid_dir).iterdir())) < world_size:  # all pids written first
+            time.sleep(0.01)
+        raise ValueError(f"bad shard on rank {rank}")
+    time.sleep(600)  # the others never finish on their own
+
+
+@pytest.mark.timeout(60)
+def test_rank_2_raises_others_are_killed(tmp_path):
+    with pytest.raises(RankFailedError) as e:
+        launch_distributed(_raise_on_2, 4, (str(tmp_path),), start_method=FAST)
+    err = e.value
+    assert (err.rank, err.exc_type, err.message) == (2, "ValueError", "bad shard on rank 2")
+    assert "in _raise_on_2" in err.traceback_text and "ValueError: bad shard" in err.traceback_text
+    assert str(err).startswith("rank 2 failed: ValueError: bad shard on rank 2")
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(4)]
+    assert all(_gone(p) for p in pids)
+
+
+def _hang_in_collective(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from ddp_hpc.dist import setup_ddp
+
+    setup_ddp()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # everyone met once
+    if rank == 3:
+        raise RuntimeError("rank 3 gives up")
+    dist.all_reduce(t)  # blocks forever: rank 3 never joins (the default timeout is 30 min)
+    return t.item()
+
+
+@pytest.mark.timeout(60)
+def test_rank_blocked_in_collective_is_killed_when_another_raises():
+    with pytest.raises(RankFailedError) as e:
+        launch_distributed(_hang_in_collective, 4, start_method=FAST)
+    assert (e.value.rank, e.value.exc_type, e.value.message) == (3, "RuntimeError",
+                                                                 "rank 3 gives up")
+
+
+def _first_by_time(rank, world_size):
+    if rank == 0:
+        time.sleep(3)
+        raise KeyError("late rank 0")
+    if rank == 3:
+        raise ZeroDivisionError("early rank 3")
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+def test_first_failure_in_time_wins_over_lower_rank():
+    with pytest.raises(RankFailedError) as e:
+        launch_distributed(_first_by_time, 4, start_method=FAST)
+    assert (e.value.rank, e.value.exc_type) == (3, "ZeroDivisionError")
+
+
+def _die(rank, world_size, how):
+    if rank == 1:
+        if how == "exit":
+            os._exit(7)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how, exc_type, exitcode, words", [
+    ("exit", "ProcessExited", 7, "exited with code 7 without a Python exception"),
+    ("kill", "ProcessKilled", -9, "killed by SIGKILL"),
+])
+def test_rank_dying_without_exception(how, exc_type, exitcode, words):
+    with pytest.raises(RankFailedError) as e:
+        launch_distributed(_die, 3, (how,), start_method=FAST)
+    assert (e.value.rank, e.value.exc_type, e.value.exitcode) == (1, exc_type, exitcode)
+    assert words in str(e.value)
+
+
+def _sys_exit(rank, world_size, code):
+    sys.exit(code if rank == 1 else 0)
+
+
+@pytest.mark.timeout(60)
+def test_sys_exit():
+    assert launch_distributed(_sys_exit, 2, (0,), start_method=FAST) == [None, None]
+    with pytest.raises(RankFailedError) as e:
+        launch_distributed(_sys_exit, 2, (4,), start_method=FAST)
+    assert (e.value.rank, e.value.exc_type, e.value.message) == (1, "SystemExit", "exit code 4")
+
+
+def _unpicklable(rank, world_size):
+    return lambda: rank
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_result_is_a_rank_failure():
+    with pytest.raises(RankFailedError) as e:
+        launch_distributed(_unpicklable, 2, start_method=FAST)
+    assert "could not send rank" in e.value.message
+
+
+def _sleep(rank, world_size):
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+def test_timeout_names_unfinished_ranks():
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] still running after timeout=1"):
+        launch_distributed(_sleep, 2, start_method=FAST, timeout=1)
+
+
+def test_rank_failed_error_pickles():
+    err = RankFailedError(2, "ValueError", "boom", "Traceback...", None)
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.rank, back.exc_type, back.message, back.traceback_text) == \
+           (2, "ValueError", "boom", "Traceback...")
+
+
+@pytest.mark.parametrize("world, nodes, words", [
+    (5, 2, "world_size=5 does not split evenly over nodes=2"),
+    (4, (3, 2), "nodes=(3, 2) must be positive per-node counts summing to world_size=4"),
+    (4, (4, 0), "must be positive"),
+])
+def test_node_layout_errors(world, nodes, words):
+    with pytest.raises(ValueError, match=r"HINT: ") as e:
+        node_layout(world, nodes)
+    assert words in str(e.value)
+
+
+def test_local_rank_env_layout():
+    envs = local_rank_env([2, 1], 29999, "j1")
+    assert [(e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] \
+        == [("0", "0", "0", "2"), ("1", "1", "0", "2"), ("2", "0", "1", "1")]
+    assert {(e["WORLD_SIZE"], e["DDP_HPC_NUM_NODES"], e["MASTER_PORT"], e["DDP_HPC_JOB_ID"])
+            for e in envs} == {("3", "2", "29999", "j1")}
+
+
+# ----------------------------------------------------------------------------- run_local and CLI
+PRINT_ENV = ("import os; print(' '.join(f'{k}={os.environ[k]}' for k in "
+             "('RANK','LOCAL_RANK','GROUP_RANK','WORLD_SIZE','DDP_HPC_JOB_ID')))")
+
+
+@pytest.mark.timeout(60)
+def test_run_local_success_writes_per_rank_logs_and_appends(tmp_path):
+    (tmp_path / "rank0.out").write_text("earlier run\n")
+    res = run_local([sys.executable, "-c", PRINT_ENV], nodes=2, procs_per_node=2,
+                    log_dir=tmp_path, job_id="j42", poll=0.05)
+    assert res.ok and res.returncodes == [0, 0, 0, 0] and res.first_failed_rank is None
+    assert res.exitcode == 0 and res.job_id == "j42" and len(res.pids) == 4
+    assert (tmp_path / "rank0.out").read_text() == \
+        "earlier run\nRANK=0 LOCAL_RANK=0 GROUP_RANK=0 WORLD_SIZE=4 DDP_HPC_JOB_ID=j42\n"
+    assert (tmp_path / "rank3.out").read_text() == \
+        "RANK=3 LOCAL_RANK=1 GROUP_RANK=1 WORLD_SIZE=4 DDP_HPC_JOB_ID=j42\n"
+
+
+FAIL_RANK_1 = ("import os, sys, time\n"
+               "open(os.path.join(sys.argv[1], 'pid' + os.environ['RANK']), 'w')"
+               ".write(str(os.getpid()))\n"
+               "if os.environ['RANK'] == '1':\n"
+               "    print('rank 1 is broken', file=sys.stderr); sys.exit(3)\n"
+               "time.sleep(600)\n")
+
+
+@pytest.mark.timeout(60)
+def test_run_local_failing_rank_kills_the_rest(tmp_path):
+    logs = tmp_path / "logs"
+    res = run_local([sys.executable, "-c", FAIL_RANK_1, str(tmp_path)], nodes=1,
+                    procs_per_node=3, log_dir=logs, poll=0.05)
+    assert res.first_failed_rank == 1 and res.returncodes[1] == 3 and res.exitcode == 3
+    assert res.returncodes[0] == res.returncodes[2] == -signal.SIGTERM
+    assert not res.ok
+    assert "rank 1 is broken" in (logs / "rank1.out").read_text()
+    assert all(_gone(p) for p in res.pids)
+
+
+def test_run_local_refuses_empty_command(tmp_path):
+    with pytest.raises(ValueError, match="empty command"):
+        run_local([], nodes=1, procs_per_node=1, log_dir=tmp_path)
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "ddp_hpc.launch", *args], capture_output=True,
+                          text=True, timeout=120, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_cli_command_failure_exit_code_names_rank(tmp_path):
+    p = _cli("--nodes", "1", "--procs-per-node", "3", "--log-dir", str(tmp_path / "l"), "--",
+             sys.executable, "-c", FAIL_RANK_1, str(tmp_path))
+    assert p.returncode == 3, p.stderr
+    assert "FAILED: rank 1 exited with 3" in p.stderr and "rank1.out" in p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_cli_sigint_is_forwarded_to_the_ranks(tmp_path):
+    script = "import os, sys, time\n" \
+             "open(os.path.join(sys.argv[1], 'pid' + os.environ['RANK']), 'w')" \
+             ".write(str(os.getpid()))\ntime.sleep(600)\n"
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_hpc.launch", "--nodes", "1",
+                             "--procs-per-node", "2", "--log-dir", str(tmp_path / "l"), "--",
+                             sys.executable, "-c", script, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for([tmp_path / "pid0", tmp_path / "pid1"])
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted by SIGINT" in err
+    assert all(_gone(p) for p in pids)
+
+
+@pytest.mark.timeout(120)
+def test_cli_bad_arguments():
+    p = _cli("--nodes", "0")
+    assert p.returncode == 2 and "--nodes=0 must be >= 1" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_demo_is_the_readme_command():
+    p = _cli("--nodes", "2", "--procs-per-node", "2")
+    assert p.returncode == 0, p.stderr
+    for r in range(4):
+        assert f"[rank {r}/4 node {r // 2}] step 4 loss" in p.stdout
+    assert p.stdout.rstrip().splitlines()[-1] == \
+        "OK: 4 ranks agreed on all_reduce and on the DDP parameters"
