@@ -222,10 +222,13 @@ class RunLogs:
                 p.epoch = _int(e.get("epoch"), p.epoch)
             if e.get("step") is not None:
                 p.step = _int(e.get("step"), p.step)
-            if e.get("loss") is not None:
-                p.loss = _float(e.get("loss"), p.loss)
-            if e.get("samples_per_s") is not None:
-                p.samples_per_s = _float(e.get("samples_per_s"), p.samples_per_s)
+        # the newest step's loss and throughput (epoch events carry epoch means: a fallback)
+        for kind in ("epoch", "step"):
+            for e in (x for x in metrics if x.get("event") == kind):
+                if e.get("loss") is not None:
+                    p.loss = _float(e.get("loss"), p.loss)
+                if e.get("samples_per_s") is not None:
+                    p.samples_per_s = _float(e.get("samples_per_s"), p.samples_per_s)
         totals = [e.get("total_steps") for e in stream.events if e.get("total_steps") is not None]
         p.total_steps = _int(totals[-1], None) if totals else None
         if p.total_steps and p.step is not None:

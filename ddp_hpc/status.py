@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, help="with --logs: only this rank")
     p.add_argument("-n", "--lines", type=int, default=10, metavar="N",
                    help="with --logs: last N lines per file (default 10)")
+    p.add_argument("--out", dest="files", action="store_const", const="out", default="log",
+                   help="with --logs: the ranks' stdout/stderr (rank*.out: tracebacks, srun "
+                        "messages) instead of their text logs (rank*.log)")
+    p.add_argument("--all-files", dest="files", action="store_const", const="all",
+                   help="with --logs: both rank*.log and rank*.out")
     p.add_argument("--follow", "-f", action="store_true",
                    help="with --logs: keep printing new lines until the job ends (Ctrl-C stops)")
     p.add_argument("--watch", nargs="?", type=float, const=5.0, metavar="SECONDS",
@@ -60,8 +65,9 @@ def _check(args, parser) -> None:
     if args.job is not None and not _JOB_ID.match(args.job):
         bad(f"job id {args.job!r} (command line) is not a job id: use digits like 1234, an array "
             f"task like 1234_5, or a local-... id as listed by `python -m ddp_hpc.status`")
-    if (args.rank is not None or args.follow) and not args.logs:
-        bad("--rank and --follow go with --logs: python -m ddp_hpc.status JOBID --logs --rank R --follow")
+    if (args.rank is not None or args.follow or args.files != "log") and not args.logs:
+        bad("--rank, --follow, --out and --all-files go with --logs: "
+            "python -m ddp_hpc.status JOBID --logs --rank R --follow")
     if args.logs and args.job is None:
         bad("--logs needs a job id: python -m ddp_hpc.status JOBID --logs")
     if args.follow and args.watch is not None:
@@ -154,7 +160,7 @@ def _logs(args, targets, cli, note) -> int:
     if not t.log_dir:
         raise StatusError(f"job {args.job}: no log directory known (no job record).\n"
                           f"HINT: pass --log-dir DIR.")
-    if not view.rank_files(t.log_dir, args.rank) and not args.follow:
+    if not view.rank_files(t.log_dir, args.rank, args.files) and not args.follow:
         which = f"rank {args.rank} " if args.rank is not None else ""
         raise StatusError(f"job {args.job}: no {which}log files (rank*.log, rank*.out) in {t.log_dir}.\n"
                           f"HINT: the job may not have started yet; add --follow to wait for them.")
@@ -162,9 +168,9 @@ def _logs(args, targets, cli, note) -> int:
         def active() -> bool:  # squeue still listing it (even in a state we do not know) counts
             st = collect([t], cli, note)[0]
             return st.source == "squeue" or st.job_state.active
-        view.follow_logs(t.log_dir, args.rank, args.lines, active, args.json)
+        view.follow_logs(t.log_dir, args.rank, args.lines, active, args.json, kind=args.files)
         return 0
-    recs = view.logs_tail(t.log_dir, args.rank, args.lines)
+    recs = view.logs_tail(t.log_dir, args.rank, args.lines, args.files)
     sys.stdout.write(view.to_json(recs) if args.json else view.render_logs(recs))
     return 0
 

@@ -104,7 +104,7 @@ def collect(targets: list[Target], cli=None, cli_note: str | None = None, histor
             now: float | None = None) -> list[JobStatus]:
     """Status of every target; Slurm ones are queried in one batch per source."""
     now = time.time() if now is None else now
-    cluster = current_cluster(cli)
+    cluster = current_cluster(cli) if any(not t.local for t in targets) else None
     foreign = {t.id for t in targets if not t.local and cluster and t.record is not None
                and getattr(t.record, "cluster", None) not in (None, "", cluster)}
     slurm_ids = [t.id for t in targets if not t.local and t.id not in foreign]

@@ -155,27 +155,43 @@ def to_json(obj) -> str:
 _RANK_FILE = re.compile(r"^rank(\d+)\.(log|out)$")
 
 
-def rank_files(log_dir: str | Path, rank: int | None = None) -> list[tuple[int, str, Path]]:
-    """(rank, kind, path) of every ``rank{R}.log`` / ``rank{R}.out`` in the log directory."""
+def rank_files(log_dir: str | Path, rank: int | None = None,
+               kind: str = "log") -> list[tuple[int, str, Path]]:
+    """(rank, kind, path) of the rank files to show, sorted by rank.
+
+    ``kind="log"``: each rank's ``rank{R}.log`` (the training core's text log), or its
+    ``rank{R}.out`` when it has no .log (a rank that died before logging anything);
+    ``kind="out"``: the ``rank{R}.out`` files (the process's stdout/stderr: Python tracebacks,
+    srun and NCCL messages); ``kind="all"``: both.
+    """
     d = Path(log_dir)
     if not d.is_dir():
         return []
-    out = []
+    found: dict[int, dict[str, Path]] = {}
     for p in d.iterdir():
         m = _RANK_FILE.match(p.name)
         if m and (rank is None or int(m.group(1)) == rank):
-            out.append((int(m.group(1)), m.group(2), p))
-    return sorted(out, key=lambda x: (x[0], x[1]))
+            found.setdefault(int(m.group(1)), {})[m.group(2)] = p
+    out = []
+    for r, files in sorted(found.items()):
+        if kind == "all":
+            kinds = sorted(files)
+        elif kind in files:
+            kinds = [kind]
+        else:
+            kinds = ["out"] if kind == "log" and "out" in files else []
+        out.extend((r, k, files[k]) for k in kinds)
+    return out
 
 
 def prefix(rank: int, kind: str) -> str:
     return f"[rank {rank}]" if kind == "log" else f"[rank {rank} {kind}]"
 
 
-def logs_tail(log_dir, rank: int | None, n: int) -> list[dict]:
+def logs_tail(log_dir, rank: int | None, n: int, kind: str = "log") -> list[dict]:
     """The last ``n`` lines of each rank file, as records {rank, file, line}."""
     out = []
-    for r, kind, p in rank_files(log_dir, rank):
+    for r, _, p in rank_files(log_dir, rank, kind):
         for ln in tail_file(p, n):
             out.append({"rank": r, "file": p.name, "line": ln})
     return out
@@ -187,20 +203,20 @@ def render_logs(records: list[dict]) -> str:
 
 
 def follow_logs(log_dir, rank: int | None, n: int, active: Callable[[], bool], as_json: bool,
-                write=None, interval: float = 0.5, sleep=time.sleep) -> None:
+                write=None, interval: float = 0.5, sleep=time.sleep, kind: str = "log") -> None:
     """Print the tails, then new lines as they arrive (files that appear later included), until
     the job is no longer active and everything written has been shown (or Ctrl-C)."""
     write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     emit = (lambda rec: write(json.dumps(rec) + "\n")) if as_json else (
         lambda rec: write(render_logs([rec])))
-    for rec in logs_tail(log_dir, rank, n):
+    for rec in logs_tail(log_dir, rank, n, kind):
         emit(rec)
-    offsets = {p: p.stat().st_size for _, _, p in rank_files(log_dir, rank)}
+    offsets = {p: p.stat().st_size for _, _, p in rank_files(log_dir, rank, kind)}
     partial: dict[Path, str] = {}
     try:
         while True:
             still = active()
-            for r, kind, p in rank_files(log_dir, rank):
+            for r, _, p in rank_files(log_dir, rank, kind):
                 pos = offsets.get(p, 0)
                 try:
                     size = p.stat().st_size

@@ -1,0 +1,62 @@
+"""Test-only dataset factories for the status tests: real training that fails on one rank.
+
+Used through the config's import-path form, e.g.
+``data.dataset=tests.cluster.status_helpers:failing_synthetic data.kwargs.fail_rank=3``.
+The failure comes from inside the training loop (a sample fetch), after a few steps, so the
+failing rank has written start/step events like a real job that dies mid-run.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from ddp_hpc.examples.synthetic import SyntheticClassification
+
+
+class InjectedFailure(RuntimeError):
+    """The exception the failing rank raises (its name is what status must report)."""
+
+
+class FailingSynthetic(Dataset):
+    """The demo's synthetic data; on rank ``fail_rank`` the ``after``-th fetch raises."""
+
+    def __init__(self, fail_rank: int = 3, after: int = 1500, **kwargs):
+        self.data = SyntheticClassification(**kwargs)
+        self.fail_rank, self.after, self.fetched = int(fail_rank), int(after), 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        self.fetched += 1
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+        if rank == self.fail_rank and self.fetched > self.after:
+            raise InjectedFailure(f"injected failure on rank {rank} after {self.after} samples")
+        return self.data[i]
+
+
+def failing_synthetic(**kwargs) -> FailingSynthetic:
+    """Factory for ``data.dataset``."""
+    return FailingSynthetic(**kwargs)
+
+
+class SlowSynthetic(Dataset):
+    """The demo's data, each fetch sleeping ``delay`` seconds: a run that lasts long enough to be
+    watched (and cancelled or requeued) without using CPU."""
+
+    def __init__(self, delay: float = 0.002, **kwargs):
+        self.data = SyntheticClassification(**kwargs)
+        self.delay = float(delay)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        import time
+        time.sleep(self.delay)
+        return self.data[i]
+
+
+def slow_synthetic(**kwargs) -> SlowSynthetic:
+    """Factory for ``data.dataset``."""
+    return SlowSynthetic(**kwargs)
