@@ -173,17 +173,59 @@ def _check_image(path: str, payload: bytes) -> None:
                         "HINT: remove or replace the file, or pack with --no-check") from e
 
 
+_ENVS: dict = {}
+_MAGIC = 0xBEEFC0DE
+
+
+def _check_length(data: str, size: int) -> None:
+    """Refuse a truncated data.mdb *before* mapping it: reading a page past the end of a mapped
+    file kills the process with SIGBUS instead of raising.  The newer of LMDB's two meta pages
+    records the last used page; the file must reach it."""
+    with open(data, "rb") as f:
+        head = f.read(2 * 65536)
+    metas = []
+    for off in {0, *(struct.unpack_from("<I", head, 40) if len(head) >= 44 else ())}:
+        if len(head) >= off + 152 and struct.unpack_from("<I", head, off + 16)[0] == _MAGIC:
+            psize = struct.unpack_from("<I", head, off + 40)[0]
+            last_pg, txnid = struct.unpack_from("<QQ", head, off + 136)
+            metas.append((txnid, last_pg, psize))
+    if not metas:
+        raise VerifyError(f"{data!r} is not an LMDB data file (no meta page); HINT: pack the dataset "
+                          "again with python -m ddp_hpc.data pack SRC OUT.lmdb")
+    _, last_pg, psize = max(metas)
+    if size < (last_pg + 1) * psize:
+        raise VerifyError(f"{data!r} is truncated: {size} bytes, its meta page needs {(last_pg + 1) * psize}; "
+                          "HINT: an interrupted copy? copy or pack it again")
+
+
 def _open_readonly(path: str) -> lmdb.Environment:
-    if not os.path.exists(os.path.join(path, "data.mdb")):
-        raise VerifyError(f"{path!r} is not an LMDB made by ddp_hpc (no data.mdb); "
-                          "HINT: create it with python -m ddp_hpc.data pack SRC OUT.lmdb")
-    fsio.note_open(os.path.join(path, "data.mdb"))
+    """This process's read-only handle on ``path`` (py-lmdb allows one per process, so datasets,
+    ``read_meta`` and ``verify`` share it; a forked child or a replaced file gets a new one)."""
+    data = os.path.join(path, "data.mdb")
     try:
-        return lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False,
-                         subdir=True, max_readers=2048)
+        st = os.stat(data)
+    except FileNotFoundError:
+        raise VerifyError(f"{path!r} is not an LMDB made by ddp_hpc (no data.mdb); "
+                          "HINT: create it with python -m ddp_hpc.data pack SRC OUT.lmdb") from None
+    key = (os.path.realpath(path), os.getpid(), st.st_ino, st.st_mtime_ns, st.st_size)
+    env = _ENVS.get(key)
+    if env is not None:
+        return env
+    for old in [k for k in _ENVS if k[0] == key[0] and (k[1] != key[1] or k != key)]:
+        # Inherited through fork (py-lmdb then refuses a second open of the same file) or the file
+        # was replaced: close it here.  With lock=False this touches no lock the parent holds;
+        # munmap and close only affect this process.
+        _ENVS.pop(old).close()
+    fsio.note_open(data)
+    _check_length(data, st.st_size)
+    try:
+        env = lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False,
+                        subdir=True, max_readers=2048)
     except lmdb.Error as e:
         raise VerifyError(f"cannot open LMDB {path!r}: {e}; HINT: the file is damaged or truncated, "
                           "pack it again (python -m ddp_hpc.data pack SRC OUT.lmdb)") from e
+    _ENVS[key] = env
+    return env
 
 
 def read_meta(path: str | os.PathLike) -> dict:
@@ -194,8 +236,6 @@ def read_meta(path: str | os.PathLike) -> dict:
             raw = txn.get(META_KEY)
     except lmdb.Error as e:
         raise VerifyError(f"cannot read LMDB {path!r}: {e}; HINT: pack it again") from e
-    finally:
-        env.close()
     if raw is None:
         raise VerifyError(f"LMDB {path!r} has no {META_KEY.decode()} record (incomplete or not made "
                           "by ddp_hpc); HINT: pack it again with python -m ddp_hpc.data pack")
@@ -231,8 +271,6 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> dict:
                 total += len(payload)
     except lmdb.Error as e:
         raise VerifyError(f"LMDB {path!r} is damaged: {e}; HINT: pack it again") from e
-    finally:
-        env.close()
     if total != meta.get("bytes", total):
         raise VerifyError(f"LMDB {path!r}: payload bytes {total} != recorded {meta['bytes']}; HINT: pack it again")
     return dict(meta, path=path, verified_bytes=total)
@@ -299,7 +337,7 @@ class LMDBDataset(torch.utils.data.Dataset):
         return LMDBDataset(new_path, decode=self._decode)
 
     def close(self) -> None:
-        if self._env is not None and self._pid == os.getpid():
+        """End this process's read transaction (the shared handle stays for other datasets)."""
+        if self._txn is not None and self._pid == os.getpid():
             self._txn.abort()
-            self._env.close()
         self._env = self._txn = self._pid = None

@@ -1,0 +1,152 @@
+"""LMDB packing, verification and reading: round trip, DataLoader workers (fork and spawn,
+persistent), map growth, corrupt inputs and corrupt files refused, the CLI's exit codes."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from ddp_hpc.data import fsio
+from ddp_hpc.data.__main__ import main as cli
+from ddp_hpc.data.lmdb import LMDBDataset, PackError, VerifyError, pack, verify
+from ddp_hpc.examples.images import ImageFolderDataset, make_images
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return make_images(tmp_path_factory.mktemp("src") / "imgs", count=40, classes=4, size=8, progress=False)
+
+
+@pytest.fixture(scope="module")
+def packed(images, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "imgs.lmdb"
+    pack(images, out, progress=False)
+    return str(out)
+
+
+def test_round_trip_is_bit_identical_to_the_image_folder(images, packed):
+    direct, ds = ImageFolderDataset(images), LMDBDataset(packed)
+    assert len(ds) == len(direct) == 40 and ds.classes == direct.classes == [f"class_{i:02d}" for i in range(4)]
+    for i in range(len(ds)):
+        (a, la), (b, lb) = ds[i], direct[i]
+        assert torch.equal(a, b) and la == lb
+    info = verify(packed)
+    assert info["count"] == 40 and info["verified_bytes"] == sum(
+        os.path.getsize(os.path.join(images, rel)) for rel, _ in direct.samples)
+
+
+def test_one_open_per_process_not_per_sample(packed):
+    from ddp_hpc.data import lmdb as lmdb_mod
+
+    for env in lmdb_mod._ENVS.values():  # start as a fresh process would
+        env.close()
+    lmdb_mod._ENVS.clear()
+    fsio.watch(os.path.dirname(packed))
+    try:
+        fsio.reset()
+        ds = LMDBDataset(packed)
+        for i in range(len(ds)):
+            ds[i]
+        counts = fsio.snapshot()
+        assert counts["opens"] == 1
+        assert counts["bytes"] == verify(packed)["verified_bytes"]
+    finally:
+        fsio.unwatch()
+
+
+def _epochs(ds, ctx_name, epochs=2):
+    loader = DataLoader(ds, batch_size=7, shuffle=False, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=ctx_name)
+    return [[(x, y) for x, y in loader] for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("ctx_name", ["fork", "spawn"])
+def test_workers_with_fork_and_spawn_and_persistent_workers(packed, images, ctx_name):
+    ds = LMDBDataset(packed)
+    ds[0]  # the parent opens its own handle first: workers must not inherit it
+    parent_pid = ds._pid
+    direct = ImageFolderDataset(images)
+    want_x = torch.stack([direct[i][0] for i in range(len(direct))])
+    want_y = torch.tensor([direct[i][1] for i in range(len(direct))])
+    for epoch in _epochs(ds, ctx_name):
+        assert torch.equal(torch.cat([x for x, _ in epoch]), want_x)
+        assert torch.equal(torch.cat([y for _, y in epoch]), want_y)
+    assert ds._pid == parent_pid  # the parent's handle is untouched
+    ds[1]
+
+
+def test_map_grows_on_demand(images, tmp_path):
+    out = tmp_path / "small.lmdb"
+    info = pack(images, out, map_size=16 << 10, txn_bytes=4 << 10, progress=False)
+    assert info["map_growths"] >= 1
+    assert verify(out)["count"] == 40
+
+
+def test_flat_folder_of_files(tmp_path):
+    src = tmp_path / "flat"
+    src.mkdir()
+    for i in range(5):
+        (src / f"f{i}.bin").write_bytes(bytes([i]) * (i + 1))
+    pack(src, tmp_path / "flat.lmdb", progress=False)
+    ds = LMDBDataset(tmp_path / "flat.lmdb")
+    assert ds.kind == "files" and ds.classes == []
+    x, y = ds[3]
+    assert y == -1 and x.dtype == torch.uint8 and x.tolist() == [3, 3, 3, 3]
+
+
+def test_corrupt_image_refused_by_name_and_nothing_written(images, tmp_path):
+    import shutil
+
+    src = tmp_path / "imgs"
+    shutil.copytree(images, src)
+    (src / "class_01" / "zz_broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    with pytest.raises(PackError, match="zz_broken.png.*not a readable image"):
+        pack(src, tmp_path / "bad.lmdb", progress=False)
+    assert not (tmp_path / "bad.lmdb").exists()
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp-pack")] == []
+
+
+def _flip_inside_a_record(lmdb_dir, needle: bytes):
+    path = os.path.join(lmdb_dir, "data.mdb")
+    data = bytearray(open(path, "rb").read())
+    at = data.find(needle)
+    assert at > 0
+    data[at + len(needle) // 2] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_corrupt_lmdb_refused_by_verify_and_cli(images, tmp_path, capsys):
+    out = tmp_path / "c.lmdb"
+    pack(images, out, progress=False)
+    victim = ImageFolderDataset(images).samples[17][0]
+    _flip_inside_a_record(out, open(os.path.join(images, victim), "rb").read()[20:60])
+    with pytest.raises(VerifyError, match=r"record 17 \(" + victim + r"\) fails its checksum"):
+        verify(out)
+    assert cli(["verify", str(out)]) == 2
+    assert "HINT" in capsys.readouterr().err
+
+
+def test_truncated_lmdb_refused(packed, tmp_path):
+    bad = tmp_path / "t.lmdb"
+    bad.mkdir()
+    data = open(os.path.join(packed, "data.mdb"), "rb").read()
+    (bad / "data.mdb").write_bytes(data[: len(data) // 3])
+    with pytest.raises(VerifyError):
+        verify(bad)
+
+
+def test_cli_pack_verify_and_refuse_overwrite(images, tmp_path, capsys):
+    out = str(tmp_path / "cli.lmdb")
+    assert cli(["pack", images, out, "--map-size", "32k"]) == 0
+    assert "packed 40 files" in capsys.readouterr().out
+    assert cli(["verify", out]) == 0
+    assert "checksums match" in capsys.readouterr().out
+    before = os.path.getmtime(os.path.join(out, "data.mdb"))
+    assert cli(["pack", images, out]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert os.path.getmtime(os.path.join(out, "data.mdb")) == before
+    assert cli(["verify", str(tmp_path / "missing.lmdb")]) == 2
+    assert cli(["pack", str(tmp_path / "nope"), str(tmp_path / "x.lmdb")]) == 2
