@@ -279,6 +279,9 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def _parse_value(text: str) -> Any:
+    """YAML scalar/list/dict syntax, except YAML 1.1's yes/no/on/off, which stay words here."""
+    if text.strip().lower() in {"yes", "no", "on", "off", "y", "n"}:
+        return text.strip()
     try:
         return yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
