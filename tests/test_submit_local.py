@@ -1,0 +1,95 @@
+"""The local backend end to end: with no `sbatch` on PATH, `python -m ddp_hpc.submit` runs the
+job as N pretend nodes x G real processes (gloo on CPU), leaves per-rank logs and a job record,
+and sweeps run task by task in their own log directories."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc import jobrecord
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+SHORT = ["train.max_steps=3", "train.epochs=1", "data.kwargs.size=512", "data.eval_split=0.0",
+         "checkpoint.every_epochs=0"]
+
+
+def _env(tmp_path):
+    # PATH holds the venv only: no sbatch, so `auto` must choose local
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=os.path.dirname(PY), DDP_HPC_HOME=str(tmp_path / "home"))
+    return env
+
+
+def _submit(tmp_path, *args, timeout=240):
+    return subprocess.run([PY, "-m", "ddp_hpc.submit", *args], cwd=tmp_path, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _events(log_dir: Path, rank: int) -> list[dict]:
+    return [json.loads(l) for l in (log_dir / f"rank{rank}.events.jsonl").read_text().splitlines() if l.strip()]
+
+
+def test_main_command_runs_four_local_processes(tmp_path):
+    p = _submit(tmp_path, "--nodes", "2", "--gpus", "2", str(ROOT / "jobs/demo.yaml"), "--wait",
+                "--", *SHORT, "log.dir=" + str(tmp_path / "runs"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "backend local: no `sbatch` on PATH" in p.stderr
+    assert "end: completed" in p.stdout            # rank 0's output followed on the terminal
+    (rec,) = jobrecord.list_records({"DDP_HPC_HOME": str(tmp_path / "home")})
+    assert rec.backend == "local" and rec.id.startswith("local-") and (rec.nodes, rec.gpus_per_node) == (2, 2)
+    log_dir = Path(rec.log_dir)
+    assert log_dir.parent == tmp_path / "runs"
+    starts = [next(e for e in _events(log_dir, r) if e["event"] == "start") for r in range(4)]
+    assert sorted(e["rank"] for e in starts) == [0, 1, 2, 3]
+    assert {e["world_size"] for e in starts} == {4} and {e["num_nodes"] for e in starts} == {2}
+    assert [e["local_rank"] for e in sorted(starts, key=lambda e: e["rank"])] == [0, 1, 0, 1]
+    assert len({e["pid"] for e in starts}) == 4 and {e["job_id"] for e in starts} == {rec.id}
+    for r in range(4):
+        assert _events(log_dir, r)[-1]["event"] == "end" and _events(log_dir, r)[-1]["status"] == "completed"
+        assert (log_dir / f"rank{r}.out").exists()
+
+
+def test_background_run_records_driver_and_finishes(tmp_path):
+    p = _submit(tmp_path, "--nodes", "1", "--gpus", "2", str(ROOT / "jobs/demo.yaml"),
+                "--", *SHORT)
+    assert p.returncode == 0, p.stderr
+    job_id = p.stdout.strip().splitlines()[-1]
+    rec = jobrecord.load_record(job_id, environ={"DDP_HPC_HOME": str(tmp_path / "home")})
+    assert rec.pids and rec.pids[0] > 0
+    from ddp_hpc.submit_slurm import run_verdict
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        rec = jobrecord.load_record(job_id, environ={"DDP_HPC_HOME": str(tmp_path / "home")})
+        if rec.pids == []:          # the driver clears them when the last run ended
+            break
+        time.sleep(0.5)
+    ok, why = run_verdict(rec.log_dir, 2)
+    assert ok, why
+    assert "exit status 0" in (Path(rec.log_dir) / "local-driver.out").read_text()
+
+
+def test_local_sweep_runs_each_task_with_its_overrides(tmp_path):
+    p = _submit(tmp_path, "--nodes", "1", "--gpus", "2", str(ROOT / "jobs/demo.yaml"), "--wait",
+                "--sweep", "train.max_steps=2,3", "--", *SHORT[1:])
+    assert p.returncode == 0, p.stdout + p.stderr
+    (rec,) = jobrecord.list_records({"DDP_HPC_HOME": str(tmp_path / "home")})
+    assert [a["overrides"] for a in rec.array] == [["train.max_steps=2"], ["train.max_steps=3"]]
+    for task, steps in zip(rec.array, (2, 3)):
+        d = Path(task["log_dir"])
+        assert d.parent == Path(rec.log_dir) and d.name == f"task{task['task_id']}"
+        start = next(e for e in _events(d, 0) if e["event"] == "start")
+        assert start["total_steps"] == steps and start["job_id"] == f"{rec.id}_{task['task_id']}"
+        assert _events(d, 1)[-1]["status"] == "completed"
+
+
+def test_failing_run_exits_non_zero_and_names_the_rank(tmp_path):
+    p = _submit(tmp_path, "--nodes", "1", "--gpus", "2", str(ROOT / "jobs/demo.yaml"), "--wait",
+                "--", *SHORT, "model.name=no_such_pkg.mod:factory")
+    assert p.returncode != 0
+    assert "FAILED: rank" in p.stderr and "rank" in p.stderr
