@@ -228,16 +228,23 @@ def _check_init_method(init_method: str) -> str:
 
 def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
               env: DistEnv | None = None, backend: str = "auto", init_method: str = "env://",
-              timeout: timedelta = timedelta(minutes=30)) -> DistContext:
+              timeout: timedelta | float = timedelta(minutes=30)) -> DistContext:
     """Initialise the default process group for this rank and bind its device (see module doc).
 
-    A world of one still gets a (trivial) process group, so the same code runs everywhere.
+    ``timeout`` (a timedelta or seconds) bounds the rendezvous and, for gloo and nccl with
+    async error handling, every collective. A world of one still gets a (trivial) process
+    group, so the same code runs everywhere.
     """
     if dist.is_initialized():
         raise RuntimeError("setup_ddp: the default process group is already initialised; "
                            "call cleanup_ddp() first")
     env = _with_overrides(env or DistEnv.detect(), rank, world_size)
     init_method = _check_init_method(init_method)
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if backend not in ("auto", "gloo", "nccl"):
+        raise EnvError(f"backend={backend!r} is not supported.",
+                       "Use backend='auto' (nccl with GPUs, gloo otherwise), 'nccl' or 'gloo'.")
     idx = device_index(env)
     cuda = idx is not None and torch.cuda.is_available()
     if backend == "auto":
@@ -246,11 +253,12 @@ def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
         raise EnvError(f"backend='nccl' but this rank has no usable GPU (device index {idx}, "
                        f"torch.cuda.is_available()={torch.cuda.is_available()}).",
                        "Use backend='auto' or 'gloo' on CPU, or request GPUs for the job.")
-    device = torch.device("cuda", idx) if cuda and backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", idx) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     if backend == "nccl":
         for k, v in NCCL_DEFAULTS.items():
             os.environ.setdefault(k, v)
-        torch.cuda.set_device(device)
     rdzv_host = urlparse(init_method).hostname if init_method.startswith("tcp://") else None
     ifname = _choose_ifname(backend, rdzv_host or env.master_addr)
     if init_method == "env://":

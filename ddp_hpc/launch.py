@@ -97,6 +97,25 @@ def local_rank_env(counts: Sequence[int], master_port: int, job_id: str,
     return out
 
 
+def thread_env(procs_per_node: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """OMP_NUM_THREADS for ranks sharing a machine (cores // ranks, at least 1), unless set:
+    torch's default of one thread per core in every rank oversubscribes the CPU (torchrun
+    does the same)."""
+    environ = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, procs_per_node)))}
+
+
+def _limit_threads() -> None:
+    """Apply OMP_NUM_THREADS in a child where torch was imported before it was set (forkserver
+    preload): OpenMP read the variable too early."""
+    torch = sys.modules.get("torch")
+    n = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and n.isdigit() and int(n) > 0:
+        torch.set_num_threads(int(n))
+
+
 def _new_job_id() -> str:
     return f"local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
@@ -128,6 +147,7 @@ def _kill_tree(pids: Sequence[int], grace: float = KILL_GRACE_S) -> None:
 def _worker(fn: Callable, rank: int, world_size: int, args: tuple, env: dict, conn) -> None:
     """Child body: set the rank's variables, run ``fn``, send ("ok"|"err", ...) back."""
     os.environ.update(env)
+    _limit_threads()
     try:
         result = fn(rank, world_size, *args)
         msg = ("ok", rank, result)
@@ -146,6 +166,11 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, env: dict, co
                    f"could not send rank {rank}'s result back: {exc}", traceback.format_exc()))
     conn.close()
     if msg[0] == "err":
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
         os._exit(1)  # skip interpreter teardown: a wedged process group must not hang the exit
 
 
@@ -174,7 +199,8 @@ def launch_distributed(fn: Callable, world_size: int, args: tuple = (), *,
     when ``timeout`` seconds pass.
     """
     counts = node_layout(world_size, nodes)
-    envs = local_rank_env(counts, free_port(), _new_job_id())
+    threads = thread_env(sum(counts))  # all pretend nodes share this machine
+    envs = [{**e, **threads} for e in local_rank_env(counts, free_port(), _new_job_id())]
     ctx = mp.get_context(start_method)
     procs, conns = [], []
     try:
@@ -265,7 +291,7 @@ class LocalResult:
         if self.first_failed_rank is not None:
             rc = self.returncodes[self.first_failed_rank]
             return rc if rc > 0 else 128 + (-rc if rc < 0 else 1)
-        return 130 if self.interrupted else 0
+        return 128 + int(signal.Signals[self.interrupted]) if self.interrupted else 0
 
 
 class LocalRun:
@@ -289,6 +315,7 @@ class LocalRun:
         self.log_dir = Path(log_dir).resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         base = dict(os.environ if env is None else env)
+        base.update(thread_env(nodes * procs_per_node, base))
         rank_envs = local_rank_env([procs_per_node] * nodes, master_port or free_port(),
                                    self.job_id)
         self.procs: list[subprocess.Popen] = []
@@ -318,21 +345,26 @@ class LocalRun:
                 except ProcessLookupError:
                     pass
 
-    def kill(self, grace: float = KILL_GRACE_S) -> None:
-        """SIGTERM every live rank group, SIGKILL after ``grace`` seconds."""
-        self.send_signal(signal.SIGTERM)
+    def kill(self, grace: float = KILL_GRACE_S, first: int = signal.SIGTERM,
+             escalate: Callable[[], bool] = lambda: False) -> None:
+        """Send ``first`` to every live rank group, SIGKILL after ``grace`` seconds (or as soon
+        as ``escalate()`` turns true, e.g. a second Ctrl-C)."""
+        self.send_signal(first)
         end = time.monotonic() + grace
-        while time.monotonic() < end and any(p.poll() is None for p in self.procs):
+        while (time.monotonic() < end and not escalate()
+               and any(p.poll() is None for p in self.procs)):
             time.sleep(0.05)
         self.send_signal(signal.SIGKILL)
         for p in self.procs:
             p.wait()
 
-    def wait(self, poll: float = 0.2) -> LocalResult:
-        """Wait for all ranks; the first non-zero exit kills the others.
+    def wait(self, poll: float = 0.2, stop_grace: float = 10.0) -> LocalResult:
+        """Wait for all ranks; the first non-zero exit kills the others (SIGTERM, then SIGKILL
+        after ``KILL_GRACE_S``).
 
         SIGINT / SIGTERM received meanwhile (main thread only) are forwarded to the ranks, which
-        get ``KILL_GRACE_S`` seconds to stop before SIGKILL.
+        get ``stop_grace`` seconds to finish (e.g. write a checkpoint) before SIGKILL; a second
+        signal kills at once.
         """
         received: list[int] = []
         old = {}
@@ -343,14 +375,12 @@ class LocalRun:
         try:
             while True:
                 if received:
-                    self.send_signal(received[0])
-                    self.kill()
+                    self.kill(stop_grace, first=received[0], escalate=lambda: len(received) > 1)
                     break
                 codes = [p.poll() for p in self.procs]
-                for rank, rc in enumerate(codes):
-                    if rc not in (None, 0) and first_failed is None:
-                        first_failed = rank
-                if first_failed is not None:
+                failed = [r for r, rc in enumerate(codes) if rc not in (None, 0)]
+                if failed:
+                    first_failed = failed[0]  # within one poll interval: the lowest rank
                     self.kill()
                     break
                 if all(rc is not None for rc in codes):
@@ -379,15 +409,17 @@ def start_local(argv: Sequence[str], *, nodes: int, procs_per_node: int,
 
 def run_local(argv: Sequence[str], *, nodes: int, procs_per_node: int,
               log_dir: str | os.PathLike, env: Mapping[str, str] | None = None,
-              job_id: str | None = None, poll: float = 0.2) -> LocalResult:
+              job_id: str | None = None, poll: float = 0.2,
+              stop_grace: float = 10.0) -> LocalResult:
     """Run ``argv`` once per rank (``nodes * procs_per_node`` processes) and wait.
 
     stdout+stderr of rank R go to ``log_dir/rankR.out`` (appended). ``env`` replaces the
     inherited environment (the rank variables are added on top). When a rank exits non-zero
-    the whole run is killed and ``first_failed_rank`` names it.
+    the whole run is killed and ``first_failed_rank`` names it. SIGINT/SIGTERM to this process
+    are forwarded to the ranks (``stop_grace`` seconds before SIGKILL).
     """
     return start_local(argv, nodes=nodes, procs_per_node=procs_per_node, log_dir=log_dir,
-                       env=env, job_id=job_id).wait(poll)
+                       env=env, job_id=job_id).wait(poll, stop_grace)
 
 
 # ----------------------------------------------------------------------------- demo and CLI

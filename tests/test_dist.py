@@ -46,14 +46,15 @@ def _env(**kw) -> DistEnv:
 
 # ----------------------------------------------------------------------------- multi-process
 def _setup_and_reduce(rank, world_size):
-    ctx = setup_ddp()
+    ctx = setup_ddp(timeout=60)  # seconds are accepted as well as a timedelta
     try:
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
         return dict(rank=ctx.env.rank, world=ctx.env.world_size, node=ctx.env.node_rank,
                     local=ctx.env.local_rank, launcher=ctx.env.launcher, backend=ctx.backend,
                     device=str(ctx.device), sum=t.item(), dist_rank=dist.get_rank(),
-                    ifname=os.environ.get("GLOO_SOCKET_IFNAME"), ctx_ifname=ctx.socket_ifname)
+                    ifname=os.environ.get("GLOO_SOCKET_IFNAME"), ctx_ifname=ctx.socket_ifname,
+                    threads=torch.get_num_threads())
     finally:
         cleanup_ddp()
         cleanup_ddp()  # a second call is a no-op
@@ -63,10 +64,12 @@ def _setup_and_reduce(rank, world_size):
 def test_setup_ddp_four_processes_two_nodes():
     out = launch_distributed(_setup_and_reduce, 4, nodes=2, start_method=FAST, timeout=90)
     lo = _loopback_ifname()
+    # the local launcher shares the cores among the ranks unless OMP_NUM_THREADS is set
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // 4))
     for r, o in enumerate(out):
         assert o == dict(rank=r, world=4, node=r // 2, local=r % 2, launcher="local",
                          backend="gloo", device="cpu", sum=10.0, dist_rank=r, ifname=lo,
-                         ctx_ifname=lo)
+                         ctx_ifname=lo, threads=threads)
 
 
 def _groups(rank, world_size):
@@ -169,6 +172,20 @@ def test_arguments_disagreeing_with_the_launcher_are_refused():
         setup_ddp(0, 4, env=env)
     assert "\nHINT: " in str(e.value)
     assert not dist.is_initialized()
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(EnvError, match="backend='mpi' is not supported"):
+        setup_ddp(env=_env(launcher="single"), backend="mpi")
+    assert not dist.is_initialized()
+
+
+def test_nccl_without_gpu_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(EnvError, match="backend='nccl' but this rank has no usable GPU") as e:
+        setup_ddp(env=_env(launcher="single"), backend="nccl")
+    assert "gloo" in e.value.hint
 
 
 def test_seed_style_without_master_port_is_refused(monkeypatch):

@@ -269,21 +269,32 @@ def test_cli_command_failure_exit_code_names_rank(tmp_path):
     assert "FAILED: rank 1 exited with 3" in p.stderr and "rank1.out" in p.stderr
 
 
+TRAP = ("import os, signal, sys, time\n"
+        "def stop(sig, _):\n"
+        "    open(os.path.join(sys.argv[1], 'got' + os.environ['RANK']), 'w')"
+        ".write(signal.Signals(sig).name)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGINT, stop); signal.signal(signal.SIGTERM, stop)\n"
+        "open(os.path.join(sys.argv[1], 'pid' + os.environ['RANK']), 'w')"
+        ".write(str(os.getpid()))\n"
+        "time.sleep(600)\n")
+
+
 @pytest.mark.timeout(120)
-def test_cli_sigint_is_forwarded_to_the_ranks(tmp_path):
-    script = "import os, sys, time\n" \
-             "open(os.path.join(sys.argv[1], 'pid' + os.environ['RANK']), 'w')" \
-             ".write(str(os.getpid()))\ntime.sleep(600)\n"
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cli_forwards_signals_to_the_ranks(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-m", "ddp_hpc.launch", "--nodes", "1",
                              "--procs-per-node", "2", "--log-dir", str(tmp_path / "l"), "--",
-                             sys.executable, "-c", script, str(tmp_path)],
+                             sys.executable, "-c", TRAP, str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for([tmp_path / "pid0", tmp_path / "pid1"])
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert "interrupted by SIGINT" in err
+    assert proc.returncode == 128 + sig, err
+    assert f"interrupted by {sig.name}" in err
+    # each rank saw the forwarded signal itself (not a SIGKILL) and could clean up
+    assert [(tmp_path / f"got{r}").read_text() for r in range(2)] == [sig.name] * 2
     assert all(_gone(p) for p in pids)
 
 
