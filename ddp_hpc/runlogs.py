@@ -220,8 +220,8 @@ class RunLogs:
         for e in metrics:
             if e.get("epoch") is not None:
                 p.epoch = _int(e.get("epoch"), p.epoch)
-            if e.get("step") is not None:
-                p.step = _int(e.get("step"), p.step)
+            if e.get("step") is not None:  # steps only grow within a run: keep the largest
+                p.step = max(_int(e.get("step"), 0), p.step or 0)
         # the newest step's loss and throughput (epoch events carry epoch means: a fallback)
         for kind in ("epoch", "step"):
             for e in (x for x in metrics if x.get("event") == kind):

@@ -133,7 +133,7 @@ def run(args) -> int:
                     all(t.record is None for t in targets) and not args.log_dir:
                 raise StatusError(
                     f"job {args.job!r}: no job record in {jobrecord.records_dir()}, and neither "
-                    f"squeue, sacct nor sacct -c knows it"
+                    f"squeue, sacct nor sacct -c could tell about it"
                     + (f" ({'; '.join(sts[0].tried)})" if sts and sts[0].tried else "")
                     + ".\nHINT: check the id with `python -m ddp_hpc.status`; for a job submitted "
                     "without ddp_hpc.submit pass --log-dir DIR.")

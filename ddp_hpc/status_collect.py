@@ -104,7 +104,8 @@ def collect(targets: list[Target], cli=None, cli_note: str | None = None, histor
             now: float | None = None) -> list[JobStatus]:
     """Status of every target; Slurm ones are queried in one batch per source."""
     now = time.time() if now is None else now
-    cluster = current_cluster(cli) if any(not t.local for t in targets) else None
+    cluster, down = (cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
+                     else (None, None))
     foreign = {t.id for t in targets if not t.local and cluster and t.record is not None
                and getattr(t.record, "cluster", None) not in (None, "", cluster)}
     slurm_ids = [t.id for t in targets if not t.local and t.id not in foreign]
@@ -114,7 +115,8 @@ def collect(targets: list[Target], cli=None, cli_note: str | None = None, histor
     found: dict[str, src.SourceState] = {}
     tried: list[str] = [cli_note] if cli_note else []
     if slurm_ids and cli is not None:
-        found, more = src.query_slurm(slurm_ids, cli, expect, history=history)
+        found, more = src.query_slurm(slurm_ids, cli, expect, history=history,
+                                      controller_down=down)
         tried += more
     out = []
     for t in targets:
@@ -128,12 +130,22 @@ def collect(targets: list[Target], cli=None, cli_note: str | None = None, histor
 
 def current_cluster(cli) -> str | None:
     """This Slurm's ClusterName, or None when it cannot be asked."""
+    return cluster_or_reason(cli)[0]
+
+
+def cluster_or_reason(cli) -> tuple[str | None, str | None]:
+    """(ClusterName, None), or (None, why) when the controller does not answer: then squeue is
+    not asked either (each such command retries for many seconds before it gives up)."""
     if cli is None or not hasattr(cli, "cluster_name"):
-        return None
+        return None, None
     try:
-        return cli.cluster_name()
-    except Exception:  # noqa: BLE001 - an unreachable controller only means "do not filter"
-        return None
+        return cli.cluster_name(), None
+    except Exception as exc:  # noqa: BLE001 - an unreachable controller only means "do not filter"
+        text = str(exc)
+        if "Unable to contact slurm controller" in text or "Could not establish a configuration" in text:
+            return None, next((ln for ln in text.splitlines() if "error" in ln or "fatal" in ln),
+                              text.splitlines()[0] if text else "controller down")
+        return None, None
 
 
 def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float) -> JobStatus:

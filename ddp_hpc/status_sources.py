@@ -159,7 +159,8 @@ def _history_row(r: dict) -> dict:
 
 
 def query_slurm(job_ids: list[str], cli, expect: dict[str, dict] | None = None,
-                history: bool = False) -> tuple[dict[str, SourceState], list[str]]:
+                history: bool = False, controller_down: str | None = None,
+                ) -> tuple[dict[str, SourceState], list[str]]:
     """State of each Slurm job id from squeue, else sacct, else sacct -c, and what the sources that
     did not know a job said. Ids no source knows are absent from the result; ``expect`` maps id -> {name, submitted_at} to reject reused ids.
     ``history`` also asks ``sacct -D`` for the earlier runs of requeued jobs."""
@@ -176,7 +177,11 @@ def query_slurm(job_ids: list[str], cli, expect: dict[str, dict] | None = None,
         tasks = [r for k, rs in rows_by_id.items() if k.split("_", 1)[0] == want for r in rs]
         return tasks or None
 
-    rows = _call(tried, SQUEUE, cli.squeue, ids)
+    if controller_down:
+        rows = None
+        tried.append(f"{SQUEUE}: not asked, the controller does not answer ({controller_down.strip()})")
+    else:
+        rows = _call(tried, SQUEUE, cli.squeue, ids)
     by = _group(rows or [], expect)
     for j in ids:
         if (r := known(by, j)) is not None:

@@ -39,12 +39,16 @@ def sacct_row(**kw):
 class Scheduler:
     """Answers squeue / sacct / sacct -c argv like Slurm; records every call."""
 
-    def __init__(self, squeue=(), sacct=None, sacct_c=None, sacct_d=None):
+    def __init__(self, squeue=(), sacct=None, sacct_c=None, sacct_d=None, controller_down=False):
         self.squeue, self.sacct, self.sacct_c, self.sacct_d = list(squeue), sacct, sacct_c, sacct_d
+        self.controller_down = controller_down
         self.calls = []
 
     def __call__(self, argv, *, input=None, cwd=None, env=None, timeout=None):
         self.calls.append(list(argv))
+        if self.controller_down and argv[0] in ("squeue", "scontrol"):
+            return subprocess.CompletedProcess(
+                argv, 1, "", "slurm_load_ctl_conf error: Unable to contact slurm controller (connect failure)\n")
         if argv[0] == "squeue":
             return self._ok(self.squeue)
         if argv[0] == "scontrol":
@@ -152,3 +156,13 @@ def test_unknown_state_from_the_scheduler_is_shown_raw():
     found, _ = query(sched)
     assert found["5"].state.state is JobState.UNKNOWN
     assert found["5"].state.label == "UNKNOWN(WARPING)"
+
+
+def test_controller_down_skips_squeue_and_asks_the_completion_log(tmp_path):
+    from ddp_hpc.status_collect import Target, collect
+    sched = Scheduler(sacct=None, sacct_c=[sacct_row(State="TIMEOUT", ExitCode="0:15")],
+                      controller_down=True)
+    (st,) = collect([Target("5", None, str(tmp_path))], slurmcli.SlurmCLI(runner=sched))
+    assert (st.state, st.source) == ("TIMEOUT", "sacct -c")
+    assert "squeue" not in [c[0] for c in sched.calls]
+    assert any("controller does not answer" in t for t in st.tried)
