@@ -96,10 +96,21 @@ def device_index(env: DistEnv, environ: Mapping[str, str] | None = None) -> int 
     """The CUDA device index this rank should use, or None to run on CPU (no GPU visible).
 
     Pure in its arguments (``environ`` defaults to this process's environment for the GPU
-    variables only; rank facts come from ``env``): one visible device -> 0 (--gpus-per-task=1,
-    --gpu-bind); tasks that each own a set of GPUs (SLURM_GPUS_PER_TASK) -> 0; otherwise the
-    node's GPUs are shared by its tasks -> local_rank, and an EnvError when there are fewer GPUs
-    than tasks on the node.
+    variables only; rank facts come from ``env``). What Slurm 22.05 sets (seen on the test
+    cluster, 2 tasks per node):
+
+    =================================  ====================  ==================  =========
+    request                            CUDA_VISIBLE_DEVICES  SLURM_GPUS_ON_NODE  index
+    =================================  ====================  ==================  =========
+    --gpus-per-node=2                  0,1 (every task)      2                   local rank
+    --gpus-per-task=1                  0 / 1                 2                   0
+    --gpus-per-task=2                  0,1 / 2,3             4                   0
+    --gpus-per-node=4 --gpu-bind=...   0 / 1                 4                   0
+    =================================  ====================  ==================  =========
+
+    So: a task that sees fewer GPUs than its node has (or one GPU, or SLURM_GPUS_PER_TASK is
+    set) owns them and takes cuda:0; tasks that all see the node's GPUs take cuda:local_rank;
+    fewer GPUs than tasks on the node is an EnvError with a HINT.
     """
     gpu_vars = os.environ if environ is None else environ
     count = _visible(environ)
@@ -107,14 +118,15 @@ def device_index(env: DistEnv, environ: Mapping[str, str] | None = None) -> int 
         return None
     seen = (f"CUDA_VISIBLE_DEVICES={gpu_vars.get('CUDA_VISIBLE_DEVICES', '<unset>')!s} "
             f"({count} visible)")
-    on_node = gpu_vars.get("SLURM_GPUS_ON_NODE", "")
-    if on_node.isdigit() and 0 < int(on_node) < env.local_world_size:
+    raw_on_node = gpu_vars.get("SLURM_GPUS_ON_NODE", "")
+    on_node = int(raw_on_node) if raw_on_node.isdigit() else 0
+    if 0 < on_node < env.local_world_size:
         raise EnvError(
             f"{env.local_world_size} tasks on node {env.node_rank} but only SLURM_GPUS_ON_NODE="
             f"{on_node} GPUs there ({seen}): local rank {env.local_rank} has no GPU of its own.",
             f"Request one GPU per task: --ntasks-per-node={on_node} with --gpus-per-node={on_node}"
             ", or --gpus-per-task=1.")
-    if count == 1 or gpu_vars.get("SLURM_GPUS_PER_TASK"):
+    if count == 1 or count < on_node or gpu_vars.get("SLURM_GPUS_PER_TASK"):
         return 0  # this task's own device(s): the first is cuda:0
     if env.local_rank < count:
         return env.local_rank

@@ -216,18 +216,23 @@ def _node(lws, local, **kw):
     return _env(rank=local, local_rank=local, world_size=lws, local_world_size=lws, **kw)
 
 
+# Rows as Slurm 22.05 sets the variables for 2 tasks per node (observed on the test cluster:
+# it sets no SLURM_GPUS_PER_TASK inside srun tasks; SLURM_GPUS_ON_NODE counts the node's GPUs).
 @pytest.mark.parametrize("case, lws, local, environ, expected", [
-    # --gpus-per-node=4 --ntasks-per-node=4: every task sees 0-3, device = local rank
-    ("gpus-per-node", 4, 0, {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4"}, 0),
-    ("gpus-per-node", 4, 3, {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4"}, 3),
+    ("gpus-per-node=2", 2, 0, {"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_GPUS_ON_NODE": "2"}, 0),
+    ("gpus-per-node=2", 2, 1, {"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_GPUS_ON_NODE": "2"}, 1),
+    ("gpus-per-node=4 x4", 4, 3, {"CUDA_VISIBLE_DEVICES": "0,1,2,3",
+                                  "SLURM_GPUS_ON_NODE": "4"}, 3),
     # --gpus-per-task=1: each task sees only its own GPU -> cuda:0
-    ("gpus-per-task=1", 4, 2, {"CUDA_VISIBLE_DEVICES": "2", "SLURM_GPUS_ON_NODE": "4",
-                               "SLURM_GPUS_PER_TASK": "1"}, 0),
-    # --gpus-per-task=2: task 1 owns 2,3 -> its first, cuda:0
-    ("gpus-per-task=2", 2, 1, {"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_GPUS_ON_NODE": "4",
-                               "SLURM_GPUS_PER_TASK": "2"}, 0),
-    # --gpu-bind=single:1 / map_gpu: one visible device per task
-    ("gpu-bind", 4, 1, {"CUDA_VISIBLE_DEVICES": "1", "SLURM_GPUS_ON_NODE": "4"}, 0),
+    ("gpus-per-task=1", 2, 1, {"CUDA_VISIBLE_DEVICES": "1", "SLURM_GPUS_ON_NODE": "2"}, 0),
+    # --gpus-per-task=2: task 1 owns 2,3 (fewer than the node's 4) -> its first, cuda:0
+    ("gpus-per-task=2", 2, 0, {"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_GPUS_ON_NODE": "4"}, 0),
+    ("gpus-per-task=2", 2, 1, {"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_GPUS_ON_NODE": "4"}, 0),
+    # sbatch --gpus-per-task exports SLURM_GPUS_PER_TASK to the batch script and its steps
+    ("batch gpus-per-task=2", 2, 1, {"CUDA_VISIBLE_DEVICES": "2,3",
+                                     "SLURM_GPUS_PER_TASK": "2"}, 0),
+    # --gpus-per-node=4 --gpu-bind=single:1: one visible device per task
+    ("gpu-bind", 2, 1, {"CUDA_VISIBLE_DEVICES": "1", "SLURM_GPUS_ON_NODE": "4"}, 0),
     # torchrun on a 2-GPU workstation, no Slurm variables
     ("torchrun", 2, 1, {"CUDA_VISIBLE_DEVICES": "0,1"}, 1),
     ("CPU: empty", 2, 1, {"CUDA_VISIBLE_DEVICES": ""}, None),
