@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
     p.add_argument("--limit", type=int, default=20, metavar="N",
                    help="table: the N most recent jobs (default 20; 0 for all)")
+    p.add_argument("--source", choices=("auto", "squeue", "sacct", "sacct-c", "logs"),
+                   default="auto",
+                   help="where the state comes from: auto (squeue, else sacct, else sacct -c, else "
+                        "the logs) or only the one named, to compare them")
     p.add_argument("--log-dir", metavar="DIR",
                    help="log directory of a job that has no job record (e.g. a hand-written sbatch)")
     return p
@@ -120,6 +124,7 @@ def recent_targets(limit: int) -> list[Target]:
 def run(args) -> int:
     cli, note = slurm_cli()
     out = sys.stdout.write
+    only = None if args.source == "auto" else args.source.replace("sacct-c", "sacct -c")
 
     if args.job is not None:
         targets = job_targets(args.job, args.log_dir, current_cluster(cli))
@@ -127,7 +132,7 @@ def run(args) -> int:
             return _logs(args, targets, cli, note)
 
         def render():
-            sts = collect(targets, cli, note, history=True)
+            sts = collect(targets, cli, note, history=True, only=only)
             if all(s.source == "none" or (s.source == "logs" and s.state_name == "UNKNOWN"
                                           and not s.last_events) for s in sts) and \
                     all(t.record is None for t in targets) and not args.log_dir:
@@ -142,7 +147,7 @@ def run(args) -> int:
             return "\n".join(view.render_detail(s) for s in sts)
     else:
         def render():
-            sts = collect(recent_targets(args.limit), cli, note)
+            sts = collect(recent_targets(args.limit), cli, note, only=only)
             return view.to_json([s.to_dict() for s in sts]) if args.json else view.render_table(sts)
 
     if args.watch is None:

@@ -101,8 +101,9 @@ def slurm_cli():
 
 
 def collect(targets: list[Target], cli=None, cli_note: str | None = None, history: bool = False,
-            now: float | None = None) -> list[JobStatus]:
-    """Status of every target; Slurm ones are queried in one batch per source."""
+            now: float | None = None, only: str | None = None) -> list[JobStatus]:
+    """Status of every target; Slurm ones are queried in one batch per source. ``only`` names
+    the one source to ask (squeue | sacct | "sacct -c" | logs), for comparing them."""
     now = time.time() if now is None else now
     cluster, down = (cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
                      else (None, None))
@@ -114,9 +115,11 @@ def collect(targets: list[Target], cli=None, cli_note: str | None = None, histor
               for t in targets if t.record is not None}
     found: dict[str, src.SourceState] = {}
     tried: list[str] = [cli_note] if cli_note else []
-    if slurm_ids and cli is not None:
+    if only == src.LOGS:
+        tried.append("logs: asked for with --source logs")
+    elif slurm_ids and cli is not None:
         found, more = src.query_slurm(slurm_ids, cli, expect, history=history,
-                                      controller_down=down)
+                                      controller_down=down, only=only)
         tried += more
     out = []
     for t in targets:

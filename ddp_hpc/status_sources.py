@@ -160,7 +160,7 @@ def _history_row(r: dict) -> dict:
 
 def query_slurm(job_ids: list[str], cli, expect: dict[str, dict] | None = None,
                 history: bool = False, controller_down: str | None = None,
-                ) -> tuple[dict[str, SourceState], list[str]]:
+                only: str | None = None) -> tuple[dict[str, SourceState], list[str]]:
     """State of each Slurm job id from squeue, else sacct, else sacct -c, and what the sources that
     did not know a job said. Ids no source knows are absent from the result; ``expect`` maps id -> {name, submitted_at} to reject reused ids.
     ``history`` also asks ``sacct -D`` for the earlier runs of requeued jobs."""
@@ -177,7 +177,10 @@ def query_slurm(job_ids: list[str], cli, expect: dict[str, dict] | None = None,
         tasks = [r for k, rs in rows_by_id.items() if k.split("_", 1)[0] == want for r in rs]
         return tasks or None
 
-    if controller_down:
+    use = {only} if only else {SQUEUE, SACCT, SACCT_C}
+    if SQUEUE not in use:
+        rows = None
+    elif controller_down:
         rows = None
         tried.append(f"{SQUEUE}: not asked, the controller does not answer ({controller_down.strip()})")
     else:
@@ -191,7 +194,7 @@ def query_slurm(job_ids: list[str], cli, expect: dict[str, dict] | None = None,
         tried.append(f"{SQUEUE}: job not listed (ended more than MinJobAge ago, or unknown)")
 
     sacct_rows = None
-    if missing or history:
+    if SACCT in use and (missing or history):
         sacct_rows = _call(tried, SACCT, cli.sacct, ids if history else missing,
                            duplicates=history)
         by = _group(sacct_rows or [], expect)
@@ -211,7 +214,7 @@ def query_slurm(job_ids: list[str], cli, expect: dict[str, dict] | None = None,
         if sacct_rows is not None and missing:
             tried.append(f"{SACCT}: job not found")
 
-    if missing or (history and sacct_rows is None):
+    if SACCT_C in use and (missing or (history and sacct_rows is None)):
         rows = _call(tried, SACCT_C, cli.sacct, ids if history else missing, completion=True)
         by = _group(rows or [], expect)
         for j in ids:

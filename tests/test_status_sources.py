@@ -166,3 +166,11 @@ def test_controller_down_skips_squeue_and_asks_the_completion_log(tmp_path):
     assert (st.state, st.source) == ("TIMEOUT", "sacct -c")
     assert "squeue" not in [c[0] for c in sched.calls]
     assert any("controller does not answer" in t for t in st.tried)
+
+
+def test_only_one_source_is_asked_when_named():
+    sched = Scheduler(squeue=[squeue_row()], sacct=[sacct_row(State="RUNNING")],
+                      sacct_c=[sacct_row(State="COMPLETED")])
+    found, _ = query(sched, only="sacct -c")
+    assert (found["5"].state.state, found["5"].source) == (JobState.COMPLETED, "sacct -c")
+    assert [c[0] for c in sched.calls] == ["sacct"] and "--completion" in sched.calls[0]
