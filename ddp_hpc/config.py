@@ -157,6 +157,11 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, float(value)
+        if isinstance(value, str):   # PyYAML reads 1e-3 (no dot) as a string: accept it
+            try:
+                return True, float(value)
+            except ValueError:
+                pass
         return False, value
     if tp is str:
         return isinstance(value, str), value
