@@ -132,11 +132,15 @@ def make_train_batches(dataset, data_cfg, ctx, *, batch_size: int, seed: int, ep
 
 
 def close_train_data(dataset, data_cfg, ctx, *, completed: bool) -> None:
-    """End of training: remove the staged copy when ``data.stage_cleanup`` and the run completed
-    (a preempted run keeps it for its requeue).  Local rank 0 deletes, after a node barrier is
-    not needed: other ranks' LMDB maps stay valid after the unlink."""
+    """End of training (every rank calls it): remove the staged copy when ``data.stage_cleanup``
+    and the run completed; a preempted run keeps it for its requeue.  A barrier first, so no rank
+    of the node still reads the copy when local rank 0 deletes it."""
     path = _staged.pop(id(dataset), None)
-    if path and completed and data_cfg.stage_cleanup and ctx.env.local_rank == 0:
+    if not (path and completed and data_cfg.stage_cleanup):
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    if ctx.env.local_rank == 0:
         try:
             cleanup_staged(path)
         except (OSError, StageError) as e:
