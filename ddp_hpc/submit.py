@@ -222,8 +222,10 @@ def _slurm(spec: JobSpec, args, backend: str, cli) -> int:
     print(job_id)
     if not args.wait:
         return 0
-    states = submit_slurm.wait_for_jobs(cli, job_id, timeout=args.wait_timeout,
-                                        echo=lambda m: print(m, file=sys.stderr, flush=True))
+    states = submit_slurm.wait_for_jobs(
+        cli, job_id, timeout=args.wait_timeout,
+        echo=lambda m: print(m, file=sys.stderr, flush=True),
+        progress=lambda: submit_slurm.latest_step([t.log_dir for t in spec.tasks]))
     ok_all = True
     for t in spec.tasks:
         ok, why = submit_slurm.run_verdict(t.log_dir, spec.world_size)

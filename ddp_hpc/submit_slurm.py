@@ -168,10 +168,13 @@ def _state_of(row: Mapping[str, str]):
 
 
 def wait_for_jobs(cli, job_id: str, timeout: float | None = None, interval: float = 2.0,
-                  echo=print) -> dict[str, str]:
+                  echo=print, progress=None, progress_every: float = 15.0,
+                  unlisted_grace: float = 60.0) -> dict[str, str]:
     """Poll squeue (sbatch --wait notices the end late) until every task of ``job_id`` is in a
-    terminal state; one line per change. Returns {job or task id: final state}."""
+    terminal state; one line per state change, and ``progress()`` (e.g. rank 0's latest step)
+    every ``progress_every`` seconds while it changes. Returns {job or task id: final state}."""
     start, last, seen = time.monotonic(), None, {}
+    last_progress, last_progress_t = None, 0.0
     while True:
         rows = cli.squeue([job_id])
         states = {r["JobArrayID"]: _state_of(r) for r in rows}
@@ -182,12 +185,45 @@ def wait_for_jobs(cli, job_id: str, timeout: float | None = None, interval: floa
             last = line
         if states and all(s.state.terminal for s in states.values()):
             return seen
-        if not rows and seen:      # gone from squeue (MinJobAge passed): last known states
-            return seen
-        if timeout is not None and time.monotonic() - start > timeout:
+        if not rows and (seen or time.monotonic() - start > unlisted_grace):
+            return seen    # gone from squeue (MinJobAge passed): last known states
+        now = time.monotonic()
+        if progress is not None and now - last_progress_t >= progress_every:
+            text = progress()
+            if text and text != last_progress:
+                echo(f"ddp_hpc: {text}")
+                last_progress = text
+            last_progress_t = now
+        if timeout is not None and now - start > timeout:
             raise TimeoutError(f"job {job_id} still not finished after {timeout:.0f} s "
                                f"(states: {line or 'not listed'})")
         time.sleep(interval)
+
+
+def latest_step(log_dirs: Sequence[str | os.PathLike]) -> str | None:
+    """``task0 step 40/87 loss 1.23`` from the newest step event of rank 0 of each log dir."""
+    parts = []
+    for d in log_dirs:
+        p = Path(d) / "rank0.events.jsonl"
+        try:
+            with open(p, "rb") as f:
+                f.seek(max(0, p.stat().st_size - 8192))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") in ("step", "epoch", "end"):
+                loss = ev.get("loss")
+                label = f"{Path(d).name} " if len(log_dirs) > 1 else ""
+                parts.append(f"{label}step {ev.get('step')}/{ev.get('total_steps', '?')}"
+                             + (f" loss {loss:.4g}" if isinstance(loss, (int, float)) else "")
+                             + (f" ({ev.get('status')})" if ev["event"] == "end" else ""))
+                break
+    return ", ".join(parts) or None
 
 
 def run_verdict(log_dir: str | os.PathLike, world_size: int) -> tuple[bool, str]:

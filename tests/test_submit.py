@@ -219,3 +219,30 @@ def test_cli_dry_run_submitit_and_local(job, tmp_path):
     assert p.returncode == 0 and "backend local: no `sbatch` on PATH" in p.stderr
     assert "--nodes 2 --procs-per-node 2" in p.stdout
     assert not (tmp_path / "home").exists() and not (tmp_path / "logs").exists()
+
+
+def _write_events(d: Path, rank: int, events):
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"rank{rank}.events.jsonl", "w") as f:
+        for e in events:
+            f.write(json.dumps({"rank": rank, **e}) + "\n")
+        f.write('{"half a line')          # a writer mid-flush must not break the reader
+
+
+def test_run_verdict_and_progress_from_run_logs(tmp_path):
+    from ddp_hpc.submit_slurm import latest_step, run_verdict
+    d = tmp_path / "run"
+    _write_events(d, 0, [{"event": "start"}, {"event": "step", "step": 5, "total_steps": 9, "loss": 0.5},
+                         {"event": "end", "status": "completed", "step": 9}])
+    _write_events(d, 1, [{"event": "start"}, {"event": "step", "step": 5, "total_steps": 9, "loss": 0.5}])
+    ok, why = run_verdict(d, 3)
+    assert not ok and "no end event from ranks [1, 2]" in why
+    _write_events(d, 1, [{"event": "end", "status": "failed", "step": 5}])
+    _write_events(d, 2, [{"event": "end", "status": "completed", "step": 9}])
+    ok, why = run_verdict(d, 3)
+    assert not ok and "rank 1: failed" in why
+    _write_events(d, 1, [{"event": "end", "status": "completed", "step": 9}])
+    assert run_verdict(d, 3) == (True, "all 3 ranks completed")
+    assert latest_step([d]) == "step 9/? (completed)"
+    _write_events(d, 0, [{"event": "step", "step": 5, "total_steps": 9, "loss": 0.5}])
+    assert latest_step([d, tmp_path / "nothing"]) == "run step 5/9 loss 0.5"
