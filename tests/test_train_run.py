@@ -1,0 +1,101 @@
+"""`python -m ddp_hpc.run` in 2 local processes: run-log contract, and preemption outside Slurm
+(USR2 -> checkpoint -> exit code 75 on every rank -> the same command resumes and completes)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from ddp_hpc.launch import run_local, start_local
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "jobs" / "demo.yaml")
+COMMON = {"time", "event", "rank", "job_id", "restart", "host"}
+EXTRA = {  # docs/architecture.md, "Run logs"
+    "start": {"world_size", "num_nodes", "local_rank", "pid", "total_steps", "epochs", "launcher"},
+    "step": {"epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "rss_mb", "cpu_percent"},
+    "epoch": {"epoch", "step", "loss", "samples_per_s"},
+    "eval": {"epoch", "step", "metrics"},
+    "checkpoint": {"step", "path"},
+    "preempt": {"signal", "reason", "step"},
+    "end": {"status", "step"},
+}
+
+
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDP_HPC_"))}
+
+
+def _events(root: Path) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for f in root.rglob("rank*.events.jsonl"):
+        for e in map(json.loads, f.read_text().splitlines()):
+            out.setdefault(e["rank"], []).append(e)
+    return {r: sorted(v, key=lambda e: e["time"]) for r, v in out.items()}
+
+
+def _argv(tmp: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ddp_hpc.run", DEMO, f"log.dir={tmp}/logs",
+            f"checkpoint.dir={tmp}/ckpt", "data.kwargs.size=1024", "train.epochs=2",
+            "log.every_n_steps=4", *extra]
+
+
+def test_demo_in_two_processes_writes_the_run_log_contract(tmp_path):
+    res = run_local(_argv(tmp_path), nodes=1, procs_per_node=2, log_dir=tmp_path / "out",
+                    env=_env())
+    assert res.ok, [(tmp_path / "out" / f"rank{r}.out").read_text()[-2000:] for r in (0, 1)]
+    ev = _events(tmp_path / "logs")
+    assert sorted(ev) == [0, 1]
+    for rank, events in ev.items():
+        names = [e["event"] for e in events]
+        assert names[0] == "start" and names[-1] == "end" and events[-1]["status"] == "completed"
+        assert {"step", "epoch", "eval"} <= set(names)
+        for e in events:
+            assert COMMON <= e.keys() and e["rank"] == rank and e["restart"] == 0
+            assert EXTRA.get(e["event"], set()) <= e.keys(), e
+        steps = [e for e in events if e["event"] == "step"]
+        assert steps[-1]["step"] == steps[-1]["total_steps"] == events[0]["total_steps"]
+    # loss reduced across ranks: both ranks log the same numbers
+    assert [e["loss"] for e in ev[0] if e["event"] == "step"] == \
+           [e["loss"] for e in ev[1] if e["event"] == "step"]
+    assert [e["event"] for e in ev[0]].count("checkpoint") >= 1
+    assert "checkpoint" not in [e["event"] for e in ev[1]]          # only rank 0 writes
+    assert ev[0][-2]["event"] == "eval" and ev[0][-2]["metrics"]["count"] == 102  # 10% of 1024
+    text = next((tmp_path / "logs").rglob("rank0.log")).read_text()
+    assert "epoch 1 done" in text and "end: completed" in text
+
+
+def test_usr2_outside_slurm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path):
+    argv = _argv(tmp_path, "train.epochs=50", "checkpoint.every_steps=0", "train.batch_size=16")
+    run = start_local(argv, nodes=1, procs_per_node=2, log_dir=tmp_path / "out", env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:           # wait until training is under way
+            ev = _events(tmp_path / "logs") if (tmp_path / "logs").exists() else {}
+            if any(e["event"] == "step" and e["step"] >= 8 for e in ev.get(0, [])):
+                break
+            assert all(p.poll() is None for p in run.procs), "a rank ended before the signal"
+            time.sleep(0.1)
+        run.send_signal(signal.SIGUSR2)
+        codes = [p.wait(timeout=60) for p in run.procs]
+    finally:
+        run.kill(grace=1)
+    assert codes == [75, 75]
+    ev = _events(tmp_path / "logs")
+    for rank in (0, 1):
+        pre = [e for e in ev[rank] if e["event"] == "preempt"]
+        assert len(pre) == 1 and pre[0]["signal"] == "SIGUSR2" and pre[0]["reason"] == "preemption"
+        assert ev[rank][-1]["event"] == "end" and ev[rank][-1]["status"] == "preempted"
+    stop_step = pre[0]["step"]
+    ckpts = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert ckpts[-1] == f"ckpt-{stop_step:09d}.pt"
+
+    # the same command again (shorter run): resumes from that checkpoint and completes
+    res = run_local(argv[:-3] + ["train.epochs=3", "train.batch_size=16"], nodes=1,
+                    procs_per_node=2, log_dir=tmp_path / "out2", env=_env())
+    assert res.ok
+    text = "".join(p.read_text() for p in (tmp_path / "logs").rglob("rank0.log"))
+    assert f"resumed from {tmp_path}/ckpt/ckpt-{stop_step:09d}.pt at step {stop_step}" in text
