@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -147,6 +149,7 @@ def _kill_tree(pids: Sequence[int], grace: float = KILL_GRACE_S) -> None:
 def _worker(fn: Callable, rank: int, world_size: int, args: tuple, env: dict, conn) -> None:
     """Child body: set the rank's variables, run ``fn``, send ("ok"|"err", ...) back."""
     os.environ.update(env)
+    _exit_with_launcher()
     _limit_threads()
     try:
         result = fn(rank, world_size, *args)
@@ -172,6 +175,20 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, env: dict, co
             except Exception:
                 pass
         os._exit(1)  # skip interpreter teardown: a wedged process group must not hang the exit
+
+
+def _exit_with_launcher() -> None:
+    """End this rank when the launching process dies (SIGKILL, OOM): otherwise it would stay
+    behind, possibly blocked in a collective for the full 30-minute timeout."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # returns when the launcher's end of the sentinel pipe closes
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ddp_hpc-launcher-watch", daemon=True).start()
 
 
 def _death_error(rank: int, exitcode: int | None) -> RankFailedError:
@@ -208,7 +225,13 @@ def launch_distributed(fn: Callable, world_size: int, args: tuple = (), *,
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, name=f"ddp_hpc-rank{rank}",
                             args=(fn, rank, world_size, tuple(args), envs[rank], send))
-            p.start()
+            try:
+                p.start()
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                raise TypeError(
+                    f"launch_distributed: cannot send fn={fn!r} or args to a {start_method!r} "
+                    f"process: {exc}\nHINT: use a function defined at module level (not a "
+                    "lambda or nested function) and picklable args") from exc
             send.close()
             procs.append(p)
             conns.append(recv)
@@ -395,7 +418,6 @@ class LocalRun:
 
 
 def _in_main_thread() -> bool:
-    import threading
     return threading.current_thread() is threading.main_thread()
 
 

@@ -187,6 +187,46 @@ def test_timeout_names_unfinished_ranks():
         launch_distributed(_sleep, 2, start_method=FAST, timeout=1)
 
 
+def test_unpicklable_function_is_refused_with_a_hint():
+    def nested(rank, world_size):
+        return rank
+
+    with pytest.raises(TypeError, match="cannot send fn=") as e:
+        launch_distributed(nested, 2)
+    assert "HINT: use a function defined at module level" in str(e.value)
+
+
+def _write_pid_and_sleep(rank, world_size, pid_dir):
+    Path(pid_dir, f"pid{rank}").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+LAUNCHER = ("import sys; sys.path.insert(0, sys.argv[1]); import test_launch\n"
+            "from ddp_hpc.launch import launch_distributed\n"
+            "launch_distributed(test_launch._write_pid_and_sleep, 2, (sys.argv[2],), "
+            "start_method=sys.argv[3])\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_ranks_end_when_the_launcher_is_killed(tmp_path, method):
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(Path(__file__).parent),
+                             str(tmp_path), method])
+    try:
+        _wait_for([tmp_path / "pid0", tmp_path / "pid1"], timeout=90)
+    finally:
+        proc.kill()
+        proc.wait()
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    end = time.monotonic() + 60  # no orphan may stay behind (they would sleep 600 s)
+    while not all(_gone(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    left = [p for p in pids if not _gone(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"
+
+
 def test_rank_failed_error_pickles():
     err = RankFailedError(2, "ValueError", "boom", "Traceback...", None)
     back = pickle.loads(pickle.dumps(err))
