@@ -127,7 +127,8 @@ def run(args) -> int:
     only = None if args.source == "auto" else args.source.replace("sacct-c", "sacct -c")
 
     if args.job is not None:
-        targets = job_targets(args.job, args.log_dir, current_cluster(cli))
+        targets = job_targets(args.job, args.log_dir,
+                              current_cluster(cli) if _slurm_id(args.job) else None)
         if args.logs:
             return _logs(args, targets, cli, note)
 

@@ -136,19 +136,29 @@ def current_cluster(cli) -> str | None:
     return cluster_or_reason(cli)[0]
 
 
+_CLUSTER_CACHE: dict[int, tuple[float, tuple[str | None, str | None]]] = {}
+CLUSTER_CACHE_S = 60.0
+
+
 def cluster_or_reason(cli) -> tuple[str | None, str | None]:
     """(ClusterName, None), or (None, why) when the controller does not answer: then squeue is
-    not asked either (each such command retries for many seconds before it gives up)."""
+    not asked either (each such command retries for many seconds before it gives up). Kept for
+    a minute per SlurmCLI, so one status call (or a --watch loop) asks once."""
     if cli is None or not hasattr(cli, "cluster_name"):
         return None, None
+    hit = _CLUSTER_CACHE.get(id(cli))
+    if hit and time.monotonic() - hit[0] < CLUSTER_CACHE_S:
+        return hit[1]
     try:
-        return cli.cluster_name(), None
+        answer: tuple[str | None, str | None] = (cli.cluster_name(), None)
     except Exception as exc:  # noqa: BLE001 - an unreachable controller only means "do not filter"
         text = str(exc)
+        answer = (None, None)
         if "Unable to contact slurm controller" in text or "Could not establish a configuration" in text:
-            return None, next((ln for ln in text.splitlines() if "error" in ln or "fatal" in ln),
-                              text.splitlines()[0] if text else "controller down")
-        return None, None
+            answer = (None, next((ln for ln in text.splitlines() if "error" in ln or "fatal" in ln),
+                                 text.splitlines()[0] if text else "controller down"))
+    _CLUSTER_CACHE[id(cli)] = (time.monotonic(), answer)
+    return answer
 
 
 def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float) -> JobStatus:
