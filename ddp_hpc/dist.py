@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DistContext", "setup_ddp", "cleanup_ddp", "is_main", "barrier", "device_index",
-    "select_device", "interface_for", "new_groups", "node_group", "leaders_group",
+    "select_device", "interface_for", "route_interface", "new_groups", "node_group", "leaders_group",
     "strided_groups", "gather_layout", "block_layout", "node_rank_lists", "leader_ranks",
     "strided_rank_lists", "NCCL_DEFAULTS",
 ]
@@ -170,19 +170,41 @@ def interface_for(addr: str) -> str | None:
     return None
 
 
-def _choose_ifname(backend: str, master_addr: str) -> str | None:
+def _is_loopback(ifname: str) -> bool:
+    addrs = psutil.net_if_addrs().get(ifname, [])
+    return bool(addrs) and all(a.address.startswith("127.") or a.address.split("%")[0] == "::1"
+                               for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
+
+
+def route_interface(env: DistEnv, rdzv_host: str | None = None) -> str | None:
+    """The interface this rank's peers can reach it on: the one that routes to the rendezvous
+    host (MASTER_ADDR). On the master node itself a host name often resolves to loopback
+    (Debian's ``127.0.1.1 hostname`` line); with several nodes the route to another node's
+    name decides there, so gloo does not advertise an address no other node can reach.
+    """
+    name = interface_for(rdzv_host or env.master_addr)
+    if env.num_nodes > 1 and (name is None or _is_loopback(name)):
+        for i, host in enumerate(env.hostnames):
+            other = interface_for(host) if i != env.node_rank else None
+            if other is not None and not _is_loopback(other):
+                return other
+    return name
+
+
+def _choose_ifname(backend: str, env: DistEnv, rdzv_host: str | None = None) -> str | None:
     var = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}.get(backend)
     if var is None:
         return None
     if os.environ.get(var):
         log.info("%s=%s set by the user; left alone", var, os.environ[var])
         return None
-    name = interface_for(master_addr)
+    target = rdzv_host or env.master_addr
+    name = route_interface(env, rdzv_host)
     if name is None:
-        log.warning("no local interface routes to MASTER_ADDR=%s; %s left unset", master_addr, var)
+        log.warning("no local interface routes to %s; %s left unset", target, var)
         return None
     os.environ[var] = name
-    log.info("%s=%s (the interface that routes to MASTER_ADDR=%s)", var, name, master_addr)
+    log.info("%s=%s (the interface that routes to %s)", var, name, target)
     return name
 
 
@@ -272,7 +294,7 @@ def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
         for k, v in NCCL_DEFAULTS.items():
             os.environ.setdefault(k, v)
     rdzv_host = urlparse(init_method).hostname if init_method.startswith("tcp://") else None
-    ifname = _choose_ifname(backend, rdzv_host or env.master_addr)
+    ifname = _choose_ifname(backend, env, rdzv_host)
     if init_method == "env://":
         env.export()
     kwargs = {"device_id": device} if backend == "nccl" else {}

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ddp_hpc.dist import (
     _choose_ifname, block_layout, cleanup_ddp, device_index, gather_layout, interface_for,
+    route_interface,
     leader_ranks, leaders_group, new_groups, node_group, node_rank_lists, select_device,
     setup_ddp, strided_groups, strided_rank_lists,
 )
@@ -309,8 +310,7 @@ def test_interface_for_loopback():
 
 
 def test_interface_for_own_non_loopback_address():
-    own = [(name, a.address) for name, addrs in psutil.net_if_addrs().items() for a in addrs
-           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    own = _own_ipv4()
     if not own:
         pytest.skip("this machine has no non-loopback IPv4 address")
     for name, ip in own:
@@ -321,10 +321,36 @@ def test_interface_for_unknown_host():
     assert interface_for("no-such-host.invalid") is None
 
 
+def _own_ipv4() -> list[tuple[str, str]]:
+    return [(name, a.address) for name, addrs in psutil.net_if_addrs().items() for a in addrs
+            if a.family == socket.AF_INET and not a.address.startswith("127.")]
+
+
+def test_route_interface_on_a_master_whose_name_resolves_to_loopback():
+    if not _own_ipv4():
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    name, ip = _own_ipv4()[0]
+    # rank 0 on the master node: MASTER_ADDR resolves to loopback here, the other node's name
+    # routes through `name`: peers must be given that interface, not lo
+    master = _env(rank=0, world_size=2, num_nodes=2, hostnames=("127.0.0.1", ip),
+                  master_addr="127.0.0.1")
+    assert route_interface(master) == name
+    # one node (or every node's name on loopback, as in the loopback test cluster): lo is right
+    assert route_interface(_env(master_addr="127.0.0.1")) == _loopback_ifname()
+    both_lo = _env(rank=0, world_size=2, num_nodes=2, hostnames=("127.0.0.1", "localhost"))
+    assert route_interface(both_lo) == _loopback_ifname()
+    # a tcp:// rendezvous host wins over MASTER_ADDR
+    assert route_interface(_env(master_addr="127.0.0.1"), rdzv_host=ip) == name
+
+
 def test_interface_choice_never_overrides_the_user(monkeypatch):
+    env = _env(master_addr="127.0.0.1")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "user-choice")
-    assert _choose_ifname("gloo", "127.0.0.1") is None
+    assert _choose_ifname("gloo", env) is None
     assert os.environ["GLOO_SOCKET_IFNAME"] == "user-choice"
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    assert _choose_ifname("gloo", "127.0.0.1") == _loopback_ifname()
+    assert _choose_ifname("gloo", env) == _loopback_ifname()
     assert os.environ["GLOO_SOCKET_IFNAME"] == _loopback_ifname()
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "")  # empty counts as unset (and is restored)
+    assert _choose_ifname("nccl", env) == _loopback_ifname()
+    assert os.environ["NCCL_SOCKET_IFNAME"] == _loopback_ifname()
