@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["IOCounts", "watch", "unwatch", "reset", "snapshot", "read_bytes", "open_counted", "note_open", "note_bytes"]
+__all__ = ["IOCounts", "watch", "unwatch", "reset", "snapshot", "read_bytes", "open_counted", "note_open", "note_bytes", "watching"]
 
 
 @dataclass
@@ -27,21 +27,23 @@ class IOCounts:
     bytes: int = 0
 
 
+class _State:
+    root: str | None = None      # watched shared root with a trailing "/", or None
+    delay_s: float = 0.0         # simulated metadata cost per open
+
+
 _counts = IOCounts()
-_root: str | None = None
-_delay_s: float = 0.0
+STATE = _State()
 
 
 def watch(root: str | os.PathLike, open_delay_s: float = 0.0) -> None:
     """Count opens/bytes below ``root`` (and sleep ``open_delay_s`` per open: simulated metadata cost)."""
-    global _root, _delay_s
-    _root = os.path.abspath(os.fspath(root)).rstrip("/") + "/"
-    _delay_s = float(open_delay_s)
+    STATE.root = os.path.abspath(os.fspath(root)).rstrip("/") + "/"
+    STATE.delay_s = float(open_delay_s)
 
 
 def unwatch() -> None:
-    global _root, _delay_s
-    _root, _delay_s = None, 0.0
+    STATE.root, STATE.delay_s = None, 0.0
 
 
 def reset() -> None:
@@ -53,8 +55,13 @@ def snapshot() -> dict:
     return {"opens": _counts.opens, "bytes": _counts.bytes}
 
 
+def watching() -> bool:
+    """Whether a shared root is registered (a cheap guard for hot paths)."""
+    return STATE.root is not None
+
+
 def _watched(path: str) -> bool:
-    return _root is not None and os.path.abspath(path).startswith(_root)
+    return STATE.root is not None and os.path.abspath(path).startswith(STATE.root)
 
 
 def note_open(path: str) -> bool:
@@ -62,8 +69,8 @@ def note_open(path: str) -> bool:
     if not _watched(path):
         return False
     _counts.opens += 1
-    if _delay_s:
-        time.sleep(_delay_s)
+    if STATE.delay_s:
+        time.sleep(STATE.delay_s)
     return True
 
 

@@ -5,9 +5,11 @@ per rank into one, and memory-mapped random reads stay fast.
 
 Layout of an environment written by :func:`pack`:
 
-* ``b"__meta__"`` -> JSON: format version, count, classes, kind ("images" | "files"), source.
-* ``b"%010d" % i`` -> record: header ``<qIH`` (label, crc32 of payload, name length), the
-  file's relative name (UTF-8), then the file's bytes unchanged.  Labels -1 for flat folders.
+* ``b"%010d" % i`` -> the i-th file's bytes, unchanged (a read is one ``get``, nothing to parse);
+* ``b"__meta__"`` -> JSON: format version, count, classes, kind ("images" | "files"), source, bytes;
+* ``b"__labels__"`` -> int64 array (class index per record; -1 for a flat folder),
+  ``b"__crc32__"`` -> uint32 array (per-record checksum, checked by :func:`verify`),
+  ``b"__names__"`` -> the records' relative paths, NUL-separated UTF-8.
 
 Reading rules (:class:`LMDBDataset`): the environment is opened lazily in the process that reads
 (never inherited across ``fork``: an LMDB handle must not cross a fork), read-only, ``lock=False``
@@ -22,6 +24,7 @@ import shutil
 import struct
 import tempfile
 import zlib
+from array import array
 
 import lmdb
 import torch
@@ -32,7 +35,16 @@ __all__ = ["pack", "verify", "LMDBDataset", "PackError", "VerifyError", "read_me
 
 FORMAT_VERSION = 1
 META_KEY = b"__meta__"
-_HDR = struct.Struct("<qIH")
+LABELS_KEY, CRC_KEY, NAMES_KEY = b"__labels__", b"__crc32__", b"__names__"
+
+
+def _refresh_pid() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+_PID = os.getpid()  # kept current in forked children: no getpid() syscall per sample
+os.register_at_fork(after_in_child=_refresh_pid)
 
 
 class PackError(RuntimeError):
@@ -45,19 +57,6 @@ class VerifyError(RuntimeError):
 
 def record_key(i: int) -> bytes:
     return b"%010d" % i
-
-
-def encode_record(name: str, label: int, payload: bytes) -> bytes:
-    nb = name.encode("utf-8")
-    return _HDR.pack(label, zlib.crc32(payload), len(nb)) + nb + payload
-
-
-def decode_record(value) -> tuple[str, int, int, memoryview]:
-    """-> (name, label, stored crc32, payload view)."""
-    label, crc, nlen = _HDR.unpack_from(value, 0)
-    view = memoryview(value)
-    start = _HDR.size + nlen
-    return bytes(view[_HDR.size:start]).decode("utf-8"), label, crc, view[start:]
 
 
 def _list_source(src: str) -> tuple[str, list[str], list[tuple[str, int]]]:
@@ -111,6 +110,7 @@ def pack(src: str | os.PathLike, out: str | os.PathLike, *, map_size: int = 64 <
         env = lmdb.open(tmp, map_size=int(map_size), subdir=True, lock=True, sync=False,
                         metasync=False, writemap=False, meminit=False, map_async=False)
         pending: list[tuple[bytes, bytes]] = []
+        labels, crcs = array("q"), array("I")
         pending_bytes = 0
         total_bytes = 0
 
@@ -135,16 +135,19 @@ def pack(src: str | os.PathLike, out: str | os.PathLike, *, map_size: int = 64 <
                 raise PackError(f"pack: cannot read {path!r}: {e}; HINT: fix permissions or remove the file") from e
             if check_images and kind == "images":
                 _check_image(path, payload)
-            rec = encode_record(rel, label, payload)
-            pending.append((record_key(i), rec))
-            pending_bytes += len(rec)
+            pending.append((record_key(i), payload))
+            labels.append(label)
+            crcs.append(zlib.crc32(payload))
+            pending_bytes += len(payload)
             total_bytes += len(payload)
             if pending_bytes >= txn_bytes:
                 flush()
                 pending, pending_bytes = [], 0
         meta = {"format": FORMAT_VERSION, "count": len(samples), "classes": classes, "kind": kind,
                 "source": src, "bytes": total_bytes}
-        pending.append((META_KEY, json.dumps(meta).encode()))
+        pending += [(LABELS_KEY, labels.tobytes()), (CRC_KEY, crcs.tobytes()),
+                    (NAMES_KEY, "\0".join(rel for rel, _ in samples).encode("utf-8")),
+                    (META_KEY, json.dumps(meta).encode())]
         flush()
         env.sync(True)
         env.close()
@@ -246,6 +249,24 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
+def _index_arrays(txn, path: str, count: int) -> tuple[array, array, list[str]]:
+    """(labels, crc32s, names) stored beside the records, each checked for length ``count``."""
+    raw = {k: txn.get(k) for k in (LABELS_KEY, CRC_KEY, NAMES_KEY)}
+    if any(v is None for v in raw.values()):
+        raise VerifyError(f"LMDB {path!r} lacks its label/checksum/name index; HINT: pack it again")
+    labels, crcs = array("q"), array("I")
+    try:
+        labels.frombytes(bytes(raw[LABELS_KEY]))
+        crcs.frombytes(bytes(raw[CRC_KEY]))
+        names = bytes(raw[NAMES_KEY]).decode("utf-8").split("\0")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise VerifyError(f"LMDB {path!r}: damaged index ({e}); HINT: pack it again") from e
+    if not len(labels) == len(crcs) == len(names) == count:
+        raise VerifyError(f"LMDB {path!r}: index lengths {len(labels)}/{len(crcs)}/{len(names)} != "
+                          f"count {count}; HINT: pack it again")
+    return labels, crcs, names
+
+
 def verify(path: str | os.PathLike, *, progress: bool | None = None) -> dict:
     """Check every record's presence and crc32; raise :class:`VerifyError` naming the first bad one."""
     from tqdm import tqdm
@@ -257,23 +278,28 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> dict:
     total = 0
     try:
         with env.begin(buffers=True) as txn:
+            labels, crcs, names = _index_arrays(txn, path, meta["count"])
             for i in tqdm(range(meta["count"]), desc="verify", unit="rec", disable=not show):
                 value = txn.get(record_key(i))
                 if value is None:
                     raise VerifyError(f"LMDB {path!r}: record {i} of {meta['count']} is missing; HINT: pack it again")
-                try:
-                    name, _, crc, payload = decode_record(value)
-                except (struct.error, UnicodeDecodeError) as e:
-                    raise VerifyError(f"LMDB {path!r}: record {i} is malformed ({e}); HINT: pack it again") from e
-                if zlib.crc32(payload) != crc:
-                    raise VerifyError(f"LMDB {path!r}: record {i} ({name}) fails its checksum; "
+                if zlib.crc32(value) != crcs[i]:
+                    raise VerifyError(f"LMDB {path!r}: record {i} ({names[i]}) fails its checksum; "
                                       "HINT: the file is corrupt, pack it again")
-                total += len(payload)
+                total += len(value)
     except lmdb.Error as e:
         raise VerifyError(f"LMDB {path!r} is damaged: {e}; HINT: pack it again") from e
     if total != meta.get("bytes", total):
         raise VerifyError(f"LMDB {path!r}: payload bytes {total} != recorded {meta['bytes']}; HINT: pack it again")
     return dict(meta, path=path, verified_bytes=total)
+
+
+def close_all() -> None:
+    """Close this process's LMDB handles (datasets reopen on next use): a fresh start, e.g. after
+    the file was replaced, or per benchmark scenario so opens are counted as a new job's."""
+    for env in _ENVS.values():
+        env.close()
+    _ENVS.clear()
 
 
 class LMDBDataset(torch.utils.data.Dataset):
@@ -288,10 +314,14 @@ class LMDBDataset(torch.utils.data.Dataset):
         self.path = os.path.abspath(os.fspath(path))
         self.root = self.path  # what staging copies
         meta = read_meta(self.path)
+        with _open_readonly(self.path).begin() as txn:
+            labels, _, _ = _index_arrays(txn, self.path, int(meta["count"]))
+        self._labels = labels.tolist()  # a list: the fastest per-sample lookup
         self.classes = meta["classes"]
         self._len = int(meta["count"])
         self.kind = meta["kind"]
         self._decode = decode
+        self._data_path = os.path.join(self.path, "data.mdb")
         self._env = None
         self._txn = None
         self._pid = None
@@ -305,21 +335,22 @@ class LMDBDataset(torch.utils.data.Dataset):
         return state
 
     def _begin(self):
-        if self._pid != os.getpid():  # first use in this process (after fork / in a worker)
+        if self._pid != _PID:  # first use in this process (after fork / in a worker)
             self._env = _open_readonly(self.path)
             self._txn = self._env.begin(buffers=False)  # one long read txn per process
-            self._pid = os.getpid()
+            self._pid = _PID
         return self._txn
 
     def raw_item(self, index: int) -> tuple[bytes, int]:
-        if not 0 <= index < self._len:
-            raise IndexError(f"LMDBDataset index {index} out of range 0..{self._len - 1}")
-        value = self._begin().get(record_key(index))
+        """(stored file bytes, label) of record ``index``: the hot path, kept to one ``get``."""
+        txn = self._txn if self._pid == _PID else self._begin()
+        value = txn.get(b"%010d" % index)
         if value is None:
-            raise VerifyError(f"LMDB {self.path!r}: record {index} missing; HINT: run python -m ddp_hpc.data verify")
-        _, label, _, payload = decode_record(value)
-        fsio.note_bytes(os.path.join(self.path, "data.mdb"), len(payload))
-        return bytes(payload), label
+            raise IndexError(f"LMDBDataset {self.path!r}: no record {index} (0..{self._len - 1}); "
+                             "HINT: if the index is in range run python -m ddp_hpc.data verify")
+        if fsio.STATE.root is not None:
+            fsio.note_bytes(self._data_path, len(value))
+        return value, self._labels[index]
 
     def decode_item(self, data: bytes, label: int):
         if self._decode is not None:
@@ -338,6 +369,6 @@ class LMDBDataset(torch.utils.data.Dataset):
 
     def close(self) -> None:
         """End this process's read transaction (the shared handle stays for other datasets)."""
-        if self._txn is not None and self._pid == os.getpid():
+        if self._txn is not None and self._pid == _PID:
             self._txn.abort()
         self._env = self._txn = self._pid = None
