@@ -145,3 +145,20 @@ def test_preempted_run_resumes_bitwise_equal(tmp_path):
             assert torch.equal(a["state"][k], b["state"][k]), k
     ends = [e["status"] for e in _events(Path(cut) / "logs", "end") if e["rank"] == 0]
     assert ends == ["preempted", "completed"]
+
+
+def test_seed_signature_train_ddp_runs_under_launch_distributed(tmp_path, monkeypatch):
+    from ddp_hpc.examples.models import Linear
+    from ddp_hpc.train import train_ddp
+    monkeypatch.chdir(tmp_path)                    # default log dir ./runs lands in tmp
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(90, 32, generator=g), torch.randint(0, 10, (90,), generator=g))
+    res = launch_distributed(train_ddp, 2, args=(Linear, data, 2), start_method=FAST, timeout=60)
+    assert [r.status for r in res] == ["completed", "completed"]
+    assert res[0].step == 2 * 2                      # 45 samples per rank, batch 32 -> 2 steps
+    a, b = res[0].state_dict(), res[1].state_dict()
+    assert list(a) == ["fc.weight", "fc.bias"]       # no "module." prefix
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    torch.manual_seed(0)
+    assert not torch.equal(a["fc.weight"], Linear().fc.weight.detach())
+    assert (tmp_path / "runs").is_dir()

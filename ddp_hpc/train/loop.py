@@ -53,6 +53,28 @@ class TrainResult:
     checkpoint: str | None = None
     resumed_from: str | None = None
     model: Any = None                  # the plain (unwrapped) module, in-process only
+    model_state: bytes | None = None   # set when the result was pickled (see __getstate__)
+
+    def __getstate__(self) -> dict:
+        """Pickle the weights as torch.save bytes instead of the module: results travel back
+        from spawned ranks through a pipe, and a pickled tensor would point at shared memory of
+        a process that is exiting."""
+        import io
+        state = dict(self.__dict__)
+        if state.get("model") is not None:
+            buf = io.BytesIO()
+            torch.save(state["model"].state_dict(), buf)
+            state["model_state"], state["model"] = buf.getvalue(), None
+        return state
+
+    def state_dict(self) -> dict:
+        """The trained weights (no ``module.`` prefix), in-process or after pickling."""
+        if self.model is not None:
+            return self.model.state_dict()
+        if self.model_state is None:
+            raise ValueError("this TrainResult carries no model")
+        import io
+        return torch.load(io.BytesIO(self.model_state), weights_only=True)
 
 
 def seed_everything(seed: int) -> None:
