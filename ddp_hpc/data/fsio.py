@@ -96,7 +96,7 @@ class open_counted:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self._counted = note_open(self.path)
-        self._f = open(self.path, "rb")
+        self._f = open(self.path, "rb", buffering=0)
 
     def read(self, n: int = -1) -> bytes:
         data = self._f.read(n)

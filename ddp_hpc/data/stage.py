@@ -106,35 +106,52 @@ def stage_key(src: str, job_id: str | None) -> str:
     return f"ddp_hpc-stage-{job}-{os.path.basename(src.rstrip('/'))}-{fp}"
 
 
-def _copy_stream(read, dst_path: str, total: int, progress) -> tuple[int, int]:
-    """Copy from ``read(n)`` to a new file; -> (bytes, crc32)."""
+def _copy_stream(src, dst_path: str, total: int, progress) -> tuple[int, int]:
+    """Copy from a file object to a new file through one reused buffer; -> (bytes, crc32).
+
+    ``readinto`` where the source has it (plain files): no allocation per chunk, and crc32 runs
+    at memory speed beside the write, so the copy costs little more than ``cp``'s."""
     crc = n = 0
-    with open(dst_path, "wb") as out:
-        while True:
-            buf = read(CHUNK)
-            if not buf:
-                break
-            crc = zlib.crc32(buf, crc)
-            out.write(buf)
-            n += len(buf)
-            progress(len(buf))
+    with open(dst_path, "wb", buffering=0) as out:
+        if hasattr(src, "readinto"):
+            buf = bytearray(CHUNK)
+            view = memoryview(buf)
+            while True:
+                k = src.readinto(buf)
+                if not k:
+                    break
+                crc = zlib.crc32(view[:k], crc)
+                out.write(view[:k])
+                n += k
+                progress(k)
+        else:
+            while True:
+                chunk = src.read(CHUNK)
+                if not chunk:
+                    break
+                crc = zlib.crc32(chunk, crc)
+                out.write(chunk)
+                n += len(chunk)
+                progress(len(chunk))
     return n, crc
 
 
 def _file_crc(path: str) -> tuple[int, int]:
     crc = n = 0
-    with open(path, "rb") as f:
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
         while True:
-            buf = f.read(CHUNK)
-            if not buf:
+            k = f.readinto(buf)
+            if not k:
                 return n, crc
-            crc = zlib.crc32(buf, crc)
-            n += len(buf)
+            crc = zlib.crc32(view[:k], crc)
+            n += k
 
 
 def _copy_file(src: str, dst: str, total: int, progress) -> dict:
     with fsio.open_counted(src) as f:
-        n, crc = _copy_stream(f.read, dst, total, progress)
+        n, crc = _copy_stream(f, dst, total, progress)
     if n != total:
         raise StageError(f"stage: read {n} bytes from {src!r}, expected {total} (file changed while copying?); "
                          "HINT: stage again once the source is stable")
@@ -167,7 +184,7 @@ def _copy_dir_tar(src: str, dst: str, total: int, files: int, progress) -> dict:
                     os.makedirs(target, exist_ok=True)
                 elif m.isfile():
                     os.makedirs(os.path.dirname(target), exist_ok=True)
-                    n, crc = _copy_stream(tf.extractfile(m).read, target, m.size, progress)
+                    n, crc = _copy_stream(tf.extractfile(m), target, m.size, progress)
                     manifest = _manifest_update(manifest, name, n, crc)
                     names.append(name)
                     nbytes += n
