@@ -61,11 +61,12 @@ def main() -> int:
     ex.update_parameters(
         nodes=args.nodes, tasks_per_node=args.gpus, gpus_per_node=args.gpus,
         cpus_per_task=2, timeout_min=args.time, name="ddp_hpc_submitit_example",
-        slurm_partition=args.partition,
         slurm_additional_parameters={"requeue": True},
-        slurm_srun_args=["--kill-on-bad-exit=1"],
-        slurm_setup=["export SRUN_CPUS_PER_TASK=2"],
+        slurm_srun_args=["--kill-on-bad-exit=1"],     # one dead rank ends the step
+        slurm_setup=["export SRUN_CPUS_PER_TASK=2"],  # srun no longer inherits cpus-per-task
     )
+    if args.partition:
+        ex.update_parameters(slurm_partition=args.partition)
     job = ex.submit(task, os.path.abspath(args.config), args.overrides,
                     os.path.abspath(os.path.join(args.folder, "logs")))
     print(f"submitted {job.job_id}; waiting (logs in {args.folder})", flush=True)

@@ -93,3 +93,16 @@ def test_failing_run_exits_non_zero_and_names_the_rank(tmp_path):
                 "--", *SHORT, "model.name=no_such_pkg.mod:factory")
     assert p.returncode != 0
     assert "FAILED: rank" in p.stderr and "rank" in p.stderr
+
+
+def test_local_torchrun_launcher(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDP_HPC_"))}
+    env.update(NPROC="2", PYTHON=PY, DDP_HPC_LOG_DIR=str(tmp_path / "logs"))
+    p = subprocess.run(["bash", str(ROOT / "launchers" / "local_torchrun.sh"),
+                        str(ROOT / "jobs/demo.yaml"), *SHORT], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    for r in (0, 1):
+        ev = _events(tmp_path / "logs", r)
+        assert ev[0]["launcher"] == "torchrun" and ev[0]["world_size"] == 2
+        assert ev[-1]["status"] == "completed"
