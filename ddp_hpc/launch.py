@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 KILL_GRACE_S = 3.0  # SIGTERM first, SIGKILL after this many seconds
+EXIT_GRACE_S = 30.0  # a rank that sent its result gets this long to exit before it is killed
 
 
 class RankFailedError(RuntimeError):
@@ -235,7 +236,9 @@ def launch_distributed(fn: Callable, world_size: int, args: tuple = (), *,
             send.close()
             procs.append(p)
             conns.append(recv)
-        return _collect(procs, conns, timeout)
+        results = _collect(procs, conns, timeout)
+        _join_until(procs, time.monotonic() + EXIT_GRACE_S)  # let them finish exiting
+        return results
     finally:
         live = [p.pid for p in procs if p.is_alive()]
         if live:
@@ -244,6 +247,11 @@ def launch_distributed(fn: Callable, world_size: int, args: tuple = (), *,
             p.join(timeout=KILL_GRACE_S)
         for c in conns:
             c.close()
+
+
+def _join_until(procs: list, deadline: float) -> None:
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _collect(procs: list, conns: list, timeout: float | None) -> list:
@@ -265,7 +273,7 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list:
             _, rank, t, exc_type, message, tb = msg
             errors.append((t, RankFailedError(rank, exc_type, message, tb)))
 
-    while pending_proc:
+    while len(results) < len(procs):
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready = mp_wait(list(pending_conn) + list(pending_proc), timeout=left)
         if not ready:

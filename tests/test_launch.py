@@ -177,6 +177,24 @@ def test_unpicklable_result_is_a_rank_failure():
     assert "could not send rank" in e.value.message
 
 
+def _return_but_never_exit(rank, world_size, pid_dir):
+    import threading
+
+    Path(pid_dir, f"pid{rank}").write_text(str(os.getpid()))
+    threading.Thread(target=time.sleep, args=(600,)).start()  # non-daemon: blocks the exit
+    return rank * 10
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_returned_but_cannot_exit_is_reaped(tmp_path, monkeypatch):
+    import ddp_hpc.launch
+
+    monkeypatch.setattr(ddp_hpc.launch, "EXIT_GRACE_S", 1.0)
+    assert launch_distributed(_return_but_never_exit, 2, (str(tmp_path),),
+                              start_method=FAST) == [0, 10]
+    assert all(_gone(int((tmp_path / f"pid{r}").read_text())) for r in range(2))
+
+
 def _sleep(rank, world_size):
     time.sleep(600)
 
