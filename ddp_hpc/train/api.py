@@ -149,7 +149,8 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
     env = ctx.env
     log_dir = resolve_log_dir(cfg.log.dir, _run_id(env))
     log = RunLog(log_dir, env.rank, env.job_id, env.restart_count)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else log_dir / "checkpoints"
+    log_dir = log_dir.absolute()           # events name paths other tools open from elsewhere
+    ckpt_dir = Path(cfg.checkpoint.dir).absolute() if cfg.checkpoint.dir else log_dir / "checkpoints"
     step = 0
     try:
         trainer = Trainer(cfg, ctx, model, train_ds, eval_ds, loss_fn, log, checkpoint_dir=ckpt_dir,
@@ -224,8 +225,14 @@ def run_job(cfg: JobConfig, on_step: Callable[[int, int], None] | None = None) -
     ctx, own = _context(None, None)
     try:
         train_ds, eval_ds, batches = build_datasets(cfg, ctx)
-        return _train(cfg, ctx, model, train_ds, eval_ds, loss_fn, classification,
-                      batches=batches, on_step=on_step)
+        result = _train(cfg, ctx, model, train_ds, eval_ds, loss_fn, classification,
+                        batches=batches, on_step=on_step)
+        if cfg.data.io != "direct":         # e.g. remove a staged copy once the run completed
+            from ddp_hpc.data import io as data_io
+            close = getattr(data_io, "close_train_data", None)
+            if close is not None:
+                close(train_ds, cfg.data, ctx, completed=result.status == "completed")
+        return result
     finally:
         if own:
             from ddp_hpc.dist import cleanup_ddp
