@@ -20,6 +20,7 @@ import argparse
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -500,6 +501,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
         argv, cmd = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(
         prog="python -m ddp_hpc.launch",
+        usage="python -m ddp_hpc.launch [--nodes N] [--procs-per-node G] [--log-dir DIR] "
+              "[--job-id ID] [--timeout S] [-- CMD ...]",
         description="Run a command (after --) once per rank with the local launcher's rank "
                     "variables, or, without a command, a small 2x2 DDP demo on CPU (gloo).")
     ap.add_argument("--nodes", type=int, default=2, help="pretend nodes (default 2)")
@@ -510,7 +513,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--job-id", help="DDP_HPC_JOB_ID for the ranks (default local-<time>-<hex>)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="demo only: give up after this many seconds (default 300)")
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:
+        ap.error(f"unrecognized arguments: {' '.join(extra)}; put the command after `--`, e.g. "
+                 f"python -m ddp_hpc.launch --nodes 1 --procs-per-node 2 -- {' '.join(extra)}")
+    if args.job_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.job_id):
+        ap.error(f"--job-id={args.job_id!r} may use only letters, digits, '.', '_' and '-' "
+                 "(it names the log directory)")
     for name in ("nodes", "procs_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")

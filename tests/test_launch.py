@@ -360,6 +360,11 @@ def test_cli_forwards_signals_to_the_ranks(tmp_path, sig):
 def test_cli_bad_arguments():
     p = _cli("--nodes", "0")
     assert p.returncode == 2 and "--nodes=0 must be >= 1" in p.stderr
+    p = _cli("--nodes", "1", "python", "train.py")
+    assert p.returncode == 2
+    assert "unrecognized arguments: python train.py; put the command after `--`" in p.stderr
+    p = _cli("--job-id", "../../etc", "--", "true")
+    assert p.returncode == 2 and "--job-id='../../etc' may use only letters" in p.stderr
 
 
 @pytest.mark.slow
