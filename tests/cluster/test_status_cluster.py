@@ -1,0 +1,233 @@
+"""The status command against a real Slurm: real jobs submitted with ``ddp_hpc.submit --backend
+sbatch`` (2 nodes x 2 tasks, tiny training runs), status always run from another directory.
+
+- a running job shows RUNNING with advancing progress; a finished one COMPLETED;
+- a job whose rank 3 raises ends FAILED within a minute, and status names rank 3 and the exception;
+- a cancelled job is CANCELLED; a requeued job shows its restart count and both runs' events;
+- the same answers from every source (squeue, sacct with slurmdbd, sacct -c with jobcomp only,
+  the logs), and with slurmdbd stopped.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+# small and slow-ish: 4096 samples, 4 ranks, batch 64 -> 14 steps per epoch; each fetch sleeps so
+# the job runs long enough to be watched without burning the 2 CPUs
+TINY = ["data.kwargs.size=4096", "log.every_n_steps=2", "log.progress=lines"]
+SLOW = ["data.dataset=tests.cluster.status_helpers:slow_synthetic", "data.kwargs.delay=0.008"]
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED")
+JOBS: dict[str, dict] = {}  # name -> {"id", "state", "failure_rank"} for the cross-source test
+
+
+@pytest.fixture(scope="module")
+def env(slurm_cluster):
+    home = slurm_cluster.shared_dir / "status-home"
+    return dict(slurm_cluster.env, DDP_HPC_HOME=str(home), PYTHONPATH=str(REPO))
+
+
+@pytest.fixture(scope="module")
+def elsewhere(slurm_cluster):
+    d = slurm_cluster.shared_dir / "status-elsewhere"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def submit(c, env, name, overrides, epochs=2, time_limit="00:10:00"):
+    runs = c.shared_dir / "status-runs"
+    p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "--nodes", "2", "--gpus", "2",
+               "--time", time_limit, "--job-name", name, str(REPO / "jobs" / "demo.yaml"), "--",
+               f"log.dir={runs}", f"train.epochs={epochs}", *TINY, *overrides],
+              cwd=str(REPO), env=env)
+    assert p.returncode == 0, p.stderr + p.stdout
+    return p.stdout.strip().splitlines()[-1]
+
+
+def status(c, env, cwd, *args, ok=True):
+    p = c.run([PY, "-m", "ddp_hpc.status", *args], cwd=str(cwd), env=env, timeout=120)
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def js(c, env, cwd, *args):
+    return json.loads(status(c, env, cwd, *args, "--json").stdout)
+
+
+def poll(c, env, cwd, job_id, until, timeout=180, every=1.5):
+    """Status snapshots until ``until(snapshot)`` holds; returns (last, all)."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = js(c, env, cwd, job_id)
+        seen.append(st)
+        if until(st):
+            return st, seen
+        time.sleep(every)
+    raise AssertionError(f"job {job_id}: condition not met in {timeout} s; states seen "
+                         f"{[s['state'] for s in seen]}; last:\n{json.dumps(seen[-1], indent=1)[:3000]}")
+
+
+def test_running_job_progresses_then_completed(slurm_cluster, env, elsewhere):
+    c = slurm_cluster
+    job = submit(c, env, "st-ok", SLOW)
+    steps = []
+
+    def advanced(st):
+        if st["state_name"] == "RUNNING" and st["progress"] and st["progress"]["step"]:
+            steps.append(st["progress"]["step"])
+        return len(set(steps)) >= 2 or st["state_name"] in ENDED
+
+    st, seen = poll(c, env, elsewhere, job, advanced)
+    assert len(set(steps)) >= 2, [s["state"] for s in seen]
+    assert steps == sorted(steps)
+    running = [s for s in seen if s["state_name"] == "RUNNING"][-1]
+    assert running["source"] == "squeue"
+    assert running["progress"]["total_steps"] and 0 < running["progress"]["percent"] < 100
+    assert running["nodes"] == 2 and running["gpus_per_node"] == 2
+    # the table, from another directory, lists it as RUNNING too
+    table = status(c, env, elsewhere).stdout
+    row = next(line for line in table.splitlines() if line.startswith(job + " "))
+    assert "st-ok" in row and "sbatch" in row and "2x2" in row
+    assert c.wait(job, timeout=240) == "COMPLETED"
+    st = js(c, env, elsewhere, job)
+    assert st["state_name"] == "COMPLETED", st
+    assert st["progress"]["percent"] == 100.0 and st["failure"] is None
+    assert sorted(st["last_events"]) == ["0", "1", "2", "3"]
+    assert {e["event"] for e in st["last_events"].values()} == {"end"}
+    JOBS["completed"] = {"id": job, "state": "COMPLETED"}
+
+
+def test_rank3_raises_failed_within_a_minute_naming_rank3(slurm_cluster, env, elsewhere):
+    c = slurm_cluster
+    job = submit(c, env, "st-fail", ["data.dataset=tests.cluster.status_helpers:failing_synthetic",
+                                     "data.kwargs.fail_rank=3", "data.kwargs.after=400"])
+    # wait for rank 3's error event, then for the job to end: kill-on-bad-exit, not the time limit
+    st, _ = poll(c, env, elsewhere, job, lambda s: s["failure"] is not None
+                 or s["state_name"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=180)
+    assert st["failure"] is not None, st
+    t_error = st["failure"]["time"]
+    st, _ = poll(c, env, elsewhere, job,
+                 lambda s: s["state_name"] not in ("RUNNING", "COMPLETING", "PENDING"), timeout=120)
+    ended_after = time.time() - t_error
+    assert st["state_name"] == "FAILED", st
+    assert ended_after < 60, f"job still ran {ended_after:.0f} s after rank 3 failed (limit 10 min)"
+    f = st["failure"]
+    assert f["rank"] == 3 and f["basis"] == "error event", f
+    assert f["exc_type"].endswith("InjectedFailure") and "rank 3" in f["message"]
+    assert any("InjectedFailure" in ln for ln in f["traceback_tail"])
+    text = status(c, env, elsewhere, job).stdout
+    assert "First failure: rank 3" in text and "InjectedFailure" in text
+    assert c.wait(job, timeout=120) == "FAILED"
+    st = js(c, env, elsewhere, job)
+    assert st["rank_exit_codes"].get("3") == 1, st["rank_exit_codes"]
+    assert st["exit_code"] and st["exit_code"] != "0:0", st
+    JOBS["failed"] = {"id": job, "state": "FAILED", "failure_rank": 3}
+
+
+def _wait_progress(c, env, cwd, job):
+    return poll(c, env, cwd, job, lambda s: s["state_name"] == "RUNNING" and s["progress"]
+                and (s["progress"]["step"] or 0) >= 2, timeout=180)[0]
+
+
+def test_cancelled_job_is_cancelled(slurm_cluster, env, elsewhere):
+    c = slurm_cluster
+    # preempt.requeue=false: see the next test for what the default does with a user's scancel
+    job = submit(c, env, "st-cancel", SLOW + ["preempt.requeue=false"], epochs=6)
+    _wait_progress(c, env, elsewhere, job)
+    p = c.run(["scancel", job])
+    assert p.returncode == 0, p.stderr
+    assert c.wait(job, timeout=120) == "CANCELLED"
+    st = js(c, env, elsewhere, job)
+    assert st["state_name"] == "CANCELLED" and st["state"].startswith("CANCELLED"), st
+    assert st["restarts"] == 0 and st["failure"] is None, st
+    assert "CANCELLED" in status(c, env, elsewhere, job).stdout.splitlines()[1]
+    # the logs alone cannot tell a cancel (SIGTERM) from a preemption: no "logs" answer to compare
+    JOBS["cancelled"] = {"id": job, "state": "CANCELLED", "not_from": ("logs",)}
+
+
+def test_user_scancel_with_default_config_ends_cancelled(slurm_cluster, env, elsewhere):
+    """A user's plain ``scancel`` must end the job, not requeue it (the default config)."""
+    c = slurm_cluster
+    job = submit(c, env, "st-scancel", SLOW, epochs=6)
+    _wait_progress(c, env, elsewhere, job)
+    p = c.run(["scancel", job])
+    assert p.returncode == 0, p.stderr
+    final = c.wait(job, timeout=300)
+    st = js(c, env, elsewhere, job)
+    assert final == "CANCELLED" and st["restarts"] == 0, (
+        f"after a plain `scancel {job}` the job ended {final} with {st['restarts']} restart(s): the "
+        f"training core treats the SIGTERM of scancel as a preemption and rank 0 requeues the job "
+        f"(runs in the logs: {st['runs']})")
+
+
+def test_requeued_job_shows_restarts_and_both_runs(slurm_cluster, env, elsewhere):
+    c = slurm_cluster
+    job = submit(c, env, "st-requeue", SLOW + ["checkpoint.every_steps=2"], epochs=2)
+    _wait_progress(c, env, elsewhere, job)
+    p = c.run(["scontrol", "requeue", job])
+    assert p.returncode == 0, p.stderr
+    st, seen = poll(c, env, elsewhere, job, lambda s: s["state_name"] in ENDED, timeout=300, every=3)
+    assert st["state_name"] == "COMPLETED", [s["state"] for s in seen]
+    assert st["restarts"] == 1, st
+    runs = {r["restart"]: r for r in st["runs"]}
+    assert sorted(runs) == [0, 1]
+    # the requeue's SIGTERM: the training core checkpoints and ends "preempted", or dies first
+    assert runs[0]["end_status"] in (None, "preempted") and runs[0]["last_step"], runs[0]
+    assert runs[1]["end_status"] == "completed"
+    if c.accounting == "slurmdbd":
+        c.wait(job, timeout=60)
+        st = js(c, env, elsewhere, job)
+        assert st["history_source"] == "sacct -D", st
+        assert [h["state"] for h in st["scheduler_history"]][-1] == "COMPLETED"
+        assert len(st["scheduler_history"]) == 2
+    text = status(c, env, elsewhere, job).stdout
+    assert "restarts: 1" in text and "restart 0:" in text and "restart 1:" in text
+    JOBS["requeued"] = {"id": job, "state": "COMPLETED"}
+
+
+def test_same_answers_from_every_source_and_without_slurmdbd(slurm_cluster, env, elsewhere):
+    c = slurm_cluster
+    if len(JOBS) < 4:
+        pytest.skip(f"needs the jobs of the tests above (have {sorted(JOBS)})")
+    for j in JOBS.values():
+        c.wait(j["id"], timeout=60)  # accounting has the record
+
+    def check(sources):
+        for name, j in JOBS.items():
+            for source in sources:
+                if source in j.get("not_from", ()):
+                    continue
+                st = js(c, env, elsewhere, j["id"], "--source", source)
+                if source == "squeue" and st["source"] == "logs" and \
+                        any("not listed" in t for t in st["tried"]):
+                    continue  # squeue forgets jobs MinJobAge (300 s) after they end
+                assert st["state_name"] == j["state"], (name, source, st["state"], st["tried"])
+                assert st["source"] == source.replace("sacct-c", "sacct -c"), (name, source, st["source"])
+                if "failure_rank" in j:
+                    assert st["failure"]["rank"] == j["failure_rank"], (name, source)
+            assert js(c, env, elsewhere, j["id"])["state_name"] == j["state"]
+
+    if c.accounting == "slurmdbd":
+        check(["squeue", "sacct", "sacct-c", "logs"])
+        c.stop_slurmdbd()
+        try:
+            assert c.accounting == "jobcomp"
+            check(["squeue", "sacct-c", "logs"])
+            st = js(c, env, elsewhere, JOBS["failed"]["id"], "--source", "sacct")
+            assert st["source"] == "logs" and any("accounting storage is disabled" in t for t in st["tried"])
+        finally:
+            c.start_slurmdbd()
+    else:
+        check(["squeue", "sacct-c", "logs"])
+    # the table from another directory shows all of them with those states
+    rows = {r["id"]: r for r in js(c, env, elsewhere)}
+    for j in JOBS.values():
+        assert rows[j["id"]]["state_name"] == j["state"]
