@@ -203,7 +203,10 @@ def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float)
         submitted_at=getattr(rec, "submitted_at", None), reason=sched.reason,
         node_list=sched.node_list, progress=progress, last_events=logs.last_events(),
         failure=failure, exit_code=sched.exit_code, steps=sched.steps,
-        rank_exit_codes=logs.srun_exit_codes(), scheduler_history=sched.history,
+        # srun's "task R: Exited" lines stay in the appended batch output after a requeue: only
+        # worth showing when the job did not complete
+        rank_exit_codes={} if state.state is JobState.COMPLETED else logs.srun_exit_codes(),
+        scheduler_history=sched.history,
         history_source=sched.history_source, runs=[dataclasses.asdict(r) for r in runs],
         notes=notes)
 
