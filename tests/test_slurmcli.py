@@ -240,3 +240,61 @@ def test_show_hostnames_uses_real_scontrol(no_controller_env):
     for bad in ("", "--help", "-a"):
         with pytest.raises(ValueError, match="empty or starts with '-'"):
             cli.show_hostnames(bad)
+
+
+# -- parsing of output captured from Slurm 22.05.8 on the test cluster ----------------------------
+# (tests/cluster/test_slurmcli_cluster.py parses the same commands live; these lines pin the
+# format so a parser change that breaks it fails on any machine).
+
+SQUEUE_22_05 = (
+    "2_0\x1f2\x1f2\x1f0\x1fPENDING\x1fJobHeldUser\x1f0:00\x1fUNLIMITED\x1f1\x1f0\x1f\x1fdebug\x1f"
+    "root\x1f2026-11-22T15:43:19\x1fN/A\x1fN/A\x1farr\x1f\n"
+    "1\x1f1\x1f1\x1fN/A\x1fRUNNING\x1fNone\x1f0:02\x1f2:00\x1f2\x1f0\x1fn[1-2]\x1fdebug\x1froot\x1f"
+    "2026-11-22T15:43:19\x1f2026-11-22T15:43:19\x1f2026-11-22T15:45:19\x1frun x\x1f\n"
+)
+SACCT_22_05 = (
+    "1\x1f1\x1fCOMPLETED\x1f0:0\x1f00:00:01\x1f00:02:00\x1f1\x1fn1\x1fdebug\x1f2026-11-22T15:42:21"
+    "\x1f2026-11-22T15:42:22\x1f2026-11-22T15:42:23\x1fa b|c\n"
+    "1.batch\x1f1.batch\x1fCOMPLETED\x1f0:0\x1f00:00:01\x1f\x1f1\x1fn1\x1f\x1f2026-11-22T15:42:22"
+    "\x1f2026-11-22T15:42:22\x1f2026-11-22T15:42:23\x1fbatch\n"
+)
+SINFO_22_05 = "debug\x1fdebug*\x1fup\x1finfinite\x1f4\x1fidle\x1fn[1-4]\x1fgpu:4\n"
+
+
+def test_parse_real_squeue_output():
+    rows = SlurmCLI(runner=Recorder(stdout=SQUEUE_22_05)).squeue()
+    assert rows[0] == {
+        "JobArrayID": "2_0", "JobID": "2", "ArrayJobID": "2", "ArrayTaskID": "0",
+        "State": "PENDING", "Reason": "JobHeldUser", "TimeUsed": "0:00", "TimeLimit": "UNLIMITED",
+        "NumNodes": "1", "RestartCnt": "0", "NodeList": "", "Partition": "debug",
+        "UserName": "root", "SubmitTime": "2026-11-22T15:43:19", "StartTime": "N/A",
+        "EndTime": "N/A", "Name": "arr",
+    }
+    assert rows[1]["JobArrayID"] == "1" and rows[1]["NodeList"] == "n[1-2]"
+    assert rows[1]["Name"] == "run x" and rows[1]["EndTime"] == "2026-11-22T15:45:19"
+
+
+def test_parse_real_sacct_output():
+    rows = SlurmCLI(runner=Recorder(stdout=SACCT_22_05)).sacct(["1"])
+    assert [r["JobID"] for r in rows] == ["1", "1.batch"]
+    assert rows[0]["JobName"] == "a b|c" and rows[0]["State"] == "COMPLETED"
+    assert rows[0]["Timelimit"] == "00:02:00" and rows[0]["ExitCode"] == "0:0"
+    assert rows[1]["Partition"] == "" and rows[1]["JobName"] == "batch"
+
+
+def test_parse_real_sinfo_output_and_aggregate_lines_per_partition():
+    (part,) = SlurmCLI(runner=Recorder(stdout=SINFO_22_05)).sinfo_partitions()
+    assert part == {"name": "debug", "default": True, "available": "up", "time_limit": "infinite",
+                    "nodes": 4, "node_list": "n[1-4]", "node_states": {"idle": 4},
+                    "gpus_per_node": 4}
+    # the same partition split over node states and GRES, plus a second partition
+    two = ("debug\x1fdebug*\x1fup\x1finfinite\x1f1\x1fmixed\x1fn1\x1fgpu:4\n"
+           "debug\x1fdebug*\x1fup\x1finfinite\x1f3\x1fidle\x1fn[2-4]\x1fgpu:a100:8(S:0-1)\n"
+           "cpu\x1fcpu\x1fdown\x1f1:00:00\x1f2\x1fdown*\x1fc[01-02]\x1f(null)\n")
+    parts = {p["name"]: p for p in SlurmCLI(runner=Recorder(stdout=two)).sinfo_partitions()}
+    assert parts["debug"]["nodes"] == 4 and parts["debug"]["node_list"] == "n[1-4]"
+    assert parts["debug"]["node_states"] == {"mixed": 1, "idle": 3}
+    assert parts["debug"]["gpus_per_node"] == 8
+    assert parts["cpu"] == {"name": "cpu", "default": False, "available": "down",
+                            "time_limit": "1:00:00", "nodes": 2, "node_list": "c[01-02]",
+                            "node_states": {"down*": 2}, "gpus_per_node": 0}
