@@ -25,6 +25,7 @@ from ddp_hpc import status_view as view
 from ddp_hpc.status_collect import (Target, collect, current_cluster, slurm_cli,
                                     targets_from_records)
 
+FOLLOW_STATE_S = 5.0  # --follow: how often to ask whether the job still runs
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
@@ -171,9 +172,14 @@ def _logs(args, targets, cli, note) -> int:
         raise StatusError(f"job {args.job}: no {which}log files (rank*.log, rank*.out) in {t.log_dir}.\n"
                           f"HINT: the job may not have started yet; add --follow to wait for them.")
     if args.follow:
+        last = {"at": -1e9, "active": True}
+
         def active() -> bool:  # squeue still listing it (even in a state we do not know) counts
-            st = collect([t], cli, note)[0]
-            return st.source == "squeue" or st.job_state.active
+            # ask the scheduler at most every FOLLOW_STATE_S: squeue is an RPC to slurmctld
+            if time.monotonic() - last["at"] >= FOLLOW_STATE_S:
+                st = collect([t], cli, note)[0]
+                last.update(at=time.monotonic(), active=st.source == "squeue" or st.job_state.active)
+            return last["active"]
         view.follow_logs(t.log_dir, args.rank, args.lines, active, args.json, kind=args.files)
         return 0
     recs = view.logs_tail(t.log_dir, args.rank, args.lines, args.files)
