@@ -213,7 +213,11 @@ class RunLogs:
         if stream is None:
             return None
         evs = stream.of_restart(restart) or stream.events
-        metrics = [e for e in evs if e.get("event") in ("step", "epoch", "end", "eval", "checkpoint")]
+        kinds = ("step", "epoch", "end", "eval", "checkpoint")
+        metrics = [e for e in evs if e.get("event") in kinds]
+        if not metrics:  # a requeued run that has only started: show where the last one got to
+            evs = stream.events
+            metrics = [e for e in evs if e.get("event") in kinds]
         if not metrics:
             return None
         p = Progress(updated=_float(metrics[-1].get("time"), None))
