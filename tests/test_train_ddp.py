@@ -116,9 +116,10 @@ def _events(log_root: Path, name: str) -> list[dict]:
 
 
 def test_preempted_run_resumes_bitwise_equal(tmp_path):
-    # 100 samples / 2 ranks / batch 8 -> 7 micro-batches per epoch (the last one padded),
-    # accum 2 -> 4 steps per epoch, 3 epochs = 12 steps; dropout makes the RNG state matter
-    size, world = 100, 2
+    # 198 samples / 4 ranks / batch 8 -> 7 micro-batches per epoch (the last one padded),
+    # accum 2 -> 4 steps per epoch, 3 epochs = 12 steps; dropout makes the RNG state matter, and
+    # 4 ranks make the all-reduce summation order matter (DDP's bucket layout, see loop.py)
+    size, world = 198, 4
     common = ["train.batch_size=8", "train.grad_accum=2", "train.epochs=3", "optim.momentum=0.9",
               "schedule.name=cosine", "schedule.warmup_steps=2", "checkpoint.every_epochs=1"]
     mk = {"dropout": 0.2}
@@ -126,7 +127,7 @@ def test_preempted_run_resumes_bitwise_equal(tmp_path):
     assert full[0]["status"] == "completed" and full[0]["step"] == 12
 
     cut = str(tmp_path / "cut")
-    first = _launch(world, cut, size, _cfg(cut, *common), mk, 5)   # SIGUSR2 on rank 1 at step 5
+    first = _launch(world, cut, size, _cfg(cut, *common), mk, 5)   # SIGUSR2 on rank 3 at step 5
     # the ranks agree one step later (the flag's all_reduce overlaps step 6): stop after step 6,
     # in the middle of epoch 1
     assert [r["status"] for r in first] == ["preempted"] * world
@@ -134,8 +135,9 @@ def test_preempted_run_resumes_bitwise_equal(tmp_path):
     assert first[0]["reason"] == "preemption" and not first[0]["requeued"]
     assert Path(first[0]["checkpoint"]).name == "ckpt-000000006.pt"
     pre = _events(Path(cut) / "logs", "preempt")
-    assert sorted(e["rank"] for e in pre) == [0, 1]
-    assert {e["signal"] for e in pre if e["rank"] == 1} == {"SIGUSR2"}
+    assert sorted(e["rank"] for e in pre) == [0, 1, 2, 3]
+    assert {e["signal"] for e in pre if e["rank"] == 3} == {"SIGUSR2"}   # only rank 3 got it
+    assert {e["signal"] for e in pre if e["rank"] != 3} == {None}
 
     second = _launch(world, cut, size, _cfg(cut, *common), mk)
     assert second[0]["status"] == "completed" and second[0]["step"] == 12

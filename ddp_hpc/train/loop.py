@@ -160,6 +160,32 @@ class Trainer:
                        static_graph=t.static_graph)
         return self.module
 
+    def _warm_up_buckets(self, epoch: int, start_batch: int) -> None:
+        """One discarded forward/backward so DDP settles its gradient buckets before real steps.
+
+        DDP all-reduces the first iteration with buckets in parameter order, then rebuilds them
+        in the order gradients became ready.  A resumed run would otherwise all-reduce its first
+        step with the initial layout where the uninterrupted run used the rebuilt one; with more
+        than 2 ranks the summation order per element changes and the result differs in the last
+        bit.  Warming up at every (re)start makes every real step use the rebuilt layout, so a
+        resumed run stays bitwise equal.  RNG states, buffers and gradients are restored."""
+        batch = next(iter(self._epoch_batches(epoch, start_batch)), None)
+        flag = torch.tensor([0 if batch is None else 1], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)        # every rank must take part, or none
+        if not flag.item():
+            return
+        rng = ckpt.rng_state()
+        buffers = {k: b.detach().clone() for k, b in self.module.named_buffers()}
+        inputs, targets = batch[0].to(self.device), batch[1].to(self.device)
+        with self.autocast() if self.autocast is not None else contextlib.nullcontext():
+            loss = self.loss_fn(self.model(inputs), targets)
+        loss.backward()
+        self.model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for k, b in self.module.named_buffers():
+                b.copy_(buffers[k])
+        ckpt.set_rng_state(rng)
+
     def _resume(self) -> tuple[str | None, dict | None]:
         """Rank 0 picks the newest valid checkpoint and tells the others; each rank loads it."""
         if not self.cfg.checkpoint.resume:
@@ -245,6 +271,8 @@ class Trainer:
             log.info(f"resumed from {resumed_from} at step {step} (epoch {epoch}, batch {start_batch})")
         self._last_saved = step
         del state
+        if isinstance(self.model, DDP) and step < self.total_steps:
+            self._warm_up_buckets(epoch, start_batch)
 
         flag = PreemptionFlag(cfg.preempt.signal).install()
         end_time = self._end_time()
