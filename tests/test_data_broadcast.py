@@ -52,6 +52,14 @@ def _rank_main(rank, world_size, image_root):
                                                               epoch=1, start_batch=2) for i in y.tolist()]
             out[mode] = got
             out[mode + "_readers"] = ds.plan.readers
+        # slots that start far too small grow on the fly (resize slots) without losing a step
+        from ddp_hpc.data.broadcast import BroadcastDataset, build_plan
+
+        for mode in ("node", "two_level"):
+            for coll in ("scatter", "broadcast"):
+                tiny = BroadcastDataset(IndexDataset(), build_plan(ctx.env, mode), capacity=40, collective=coll)
+                out[f"{mode}_{coll}_tiny"] = [i for _, y in tiny.batches(batch_size=BATCH, seed=5, epoch=0)
+                                              for i in y.tolist()]
         # encoded image bytes through the two-level path; count opens below the shared root
         fsio.watch(image_root)
         cfg = DataConfig(io="broadcast", broadcast_groups="two_level")
@@ -104,6 +112,13 @@ def test_each_rank_gets_exactly_its_distributed_sampler_samples(results, mode):
 def test_mid_epoch_start_skips_exactly_the_done_batches(results, mode):
     for rank, r in enumerate(results):
         assert r[mode]["resume"] == _expected(rank, 1)[2 * BATCH:]
+
+
+@pytest.mark.parametrize("coll", ["scatter", "broadcast"])
+@pytest.mark.parametrize("mode", ["node", "two_level"])
+def test_buffers_grow_when_a_step_outgrows_them_with_either_collective(results, mode, coll):
+    for rank, r in enumerate(results):
+        assert r[f"{mode}_{coll}_tiny"] == _expected(rank, 0)
 
 
 def test_readers_per_mode(results):

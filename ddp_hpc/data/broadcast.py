@@ -25,11 +25,12 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from ddp_hpc.data.samplers import batches_per_rank, epoch_indices
+from ddp_hpc.data.samplers import batches_per_rank, epoch_permutation
 
 __all__ = ["BroadcastDataset", "GroupPlan", "build_plan", "encode_samples", "decode_samples", "MODES"]
 
@@ -166,27 +167,92 @@ def _unbundle(buf: bytes) -> list[bytes]:
 
 
 # ----------------------------------------------------------------------------- collectives
-def scatter_bytes(group, ranks: list, rank: int, messages: list[bytes] | None, device) -> bytes:
-    """The reader (``ranks[0]``) sends ``messages[i]`` to ``ranks[i]``; returns this rank's."""
-    me = ranks.index(rank)
-    if len(ranks) == 1:
-        return messages[0]
-    sizes = torch.zeros(len(ranks), dtype=torch.int64, device=device)
-    if me == 0:
-        sizes.copy_(torch.tensor([len(m) for m in messages], dtype=torch.int64))
-    dist.broadcast(sizes, group=group, group_src=0)
-    sizes = sizes.cpu().tolist()
-    width = max(1, max(sizes))
-    out = torch.empty(width, dtype=torch.uint8, device=device)
-    chunks = None
-    if me == 0:
-        flat = torch.zeros((len(ranks), width), dtype=torch.uint8)
-        for i, m in enumerate(messages):
-            if m:
-                flat[i, :len(m)] = torch.frombuffer(bytearray(m), dtype=torch.uint8)
-        chunks = list(flat.to(device).unbind(0))
-    dist.scatter(out, chunks, group=group, group_src=0)
-    return out[:sizes[me]].cpu().numpy().tobytes()
+class Channel:
+    """One collective per step from the reader ``ranks[0]`` to every member of ``ranks``.
+
+    ``collective="scatter"``: each member's slot is a 16-byte header (payload length, capacity)
+    and its payload; members receive only their own bytes (best across nodes).
+    ``collective="broadcast"``: one buffer (status, capacity, every member's length, then the
+    payloads back to back) goes to all members, each slices its own (gloo's broadcast is the
+    faster primitive for small groups inside a node, where the extra bytes cost no network).
+
+    Buffers have a capacity every member agrees on and are reused across steps.  When a step
+    outgrows it, the reader first sends a resize header (status -1, new capacity, at least 1.5x)
+    and then the step: steady state is ONE collective per step, no separate size exchange.
+    """
+
+    def __init__(self, group, ranks: list, rank: int, device, capacity: int = 64 << 10,
+                 collective: str = "scatter"):
+        if collective not in ("scatter", "broadcast"):
+            raise ValueError(f"Channel collective={collective!r}: use scatter or broadcast")
+        self.group, self.ranks, self.device = group, ranks, torch.device(device)
+        self.me, self.collective = ranks.index(rank), collective
+        self.head = 16 if collective == "scatter" else 8 * (2 + len(ranks))
+        self.cap = max(capacity, self.head + 1)
+        self._alloc()
+
+    def _alloc(self) -> None:
+        rows = len(self.ranks) if (self.collective == "scatter" and self.me == 0) else 0
+        self.out = torch.empty(self.cap, dtype=torch.uint8)  # broadcast: the shared buffer
+        self.flat = torch.empty((rows, self.cap), dtype=torch.uint8) if rows else None
+
+    def _run(self) -> np.ndarray:
+        """Run the collective; returns this rank's received buffer as a numpy view."""
+        dev = self.device.type != "cpu"
+        if self.collective == "broadcast":
+            t = self.out.to(self.device) if dev else self.out
+            dist.broadcast(t, group=self.group, group_src=0)
+            return (t.cpu() if dev else t).numpy()
+        out = torch.empty(self.cap, dtype=torch.uint8, device=self.device) if dev else self.out
+        chunks = None
+        if self.me == 0:
+            chunks = list((self.flat.to(self.device) if dev else self.flat).unbind(0))
+        dist.scatter(out, chunks, group=self.group, group_src=0)
+        return (out.cpu() if dev else out).numpy()
+
+    def _write_header(self, values) -> None:
+        if self.collective == "scatter":
+            for row in self.flat.numpy():
+                row[:16].view(np.int64)[:] = values[:2]
+        else:
+            self.out.numpy()[:self.head].view(np.int64)[:] = values
+
+    def send(self, messages: list[bytes] | None) -> bytes:
+        """Reader: pass one message per member (in ``ranks`` order); members pass None."""
+        if len(self.ranks) == 1:
+            return messages[0]
+        g = len(self.ranks)
+        if self.me == 0:
+            lens = [len(m) for m in messages]
+            need = self.head + (max(lens) if self.collective == "scatter" else sum(lens))
+            if need > self.cap:
+                new_cap = max(need, self.cap * 3 // 2)
+                self._write_header([-1, new_cap] + [0] * (self.head // 8 - 2))
+                self._run()
+                self.cap = new_cap
+                self._alloc()
+            if self.collective == "scatter":
+                view = self.flat.numpy()
+                for i, m in enumerate(messages):
+                    view[i, :16].view(np.int64)[:] = (len(m), self.cap)
+                    view[i, 16:16 + len(m)] = np.frombuffer(m, dtype=np.uint8)
+            else:
+                self._write_header([0, self.cap] + lens)
+                self.out.numpy()[self.head:self.head + sum(lens)] = np.frombuffer(b"".join(messages), dtype=np.uint8)
+        while True:
+            buf = self._run()
+            status, cap = buf[:16].view(np.int64).tolist()
+            if status < 0:  # the reader grew the buffers: receive this step again at the new size
+                self.cap = cap
+                self._alloc()
+                continue
+            if self.me == 0:
+                return messages[0]
+            if self.collective == "scatter":
+                return buf[16:16 + status].tobytes()
+            lens = buf[16:self.head].view(np.int64).tolist()
+            off = self.head + sum(lens[:self.me])
+            return buf[off:off + lens[self.me]].tobytes()
 
 
 class BroadcastDataset(torch.utils.data.Dataset):
@@ -196,9 +262,16 @@ class BroadcastDataset(torch.utils.data.Dataset):
     single sample is unaffected.
     """
 
-    def __init__(self, inner, plan: GroupPlan):
+    def __init__(self, inner, plan: GroupPlan, capacity: int = 64 << 10, collective: str = "auto"):
+        """``collective``: auto (broadcast+slice inside a node: node groups and the second level
+        of two_level; scatter across nodes: strided groups and the leaders level), or force
+        scatter / broadcast everywhere."""
         self.inner, self.plan = inner, plan
         self.raw = hasattr(inner, "raw_item") and hasattr(inner, "decode_item")
+        first = collective if collective != "auto" else ("broadcast" if plan.mode == "node" else "scatter")
+        second = collective if collective != "auto" else "broadcast"
+        self._ch1 = Channel(*plan.level1, plan.rank, plan.comm_device, capacity, first) if plan.level1 else None
+        self._ch2 = Channel(*plan.level2, plan.rank, plan.comm_device, capacity, second) if plan.level2 else None
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -208,37 +281,48 @@ class BroadcastDataset(torch.utils.data.Dataset):
 
     def _read(self, idx: list[int], pool) -> list:
         get = self.inner.raw_item if self.raw else self.inner.__getitem__
-        return list(pool.map(get, idx)) if pool is not None else [get(i) for i in idx]
+        return list(pool.map(get, idx) if pool is not None else map(get, idx))
 
     def messages(self, *, batch_size: int, seed: int, epoch: int, start_batch: int = 0, num_workers: int = 0):
-        """Per step, this rank's encoded message (the part without decoding)."""
+        """Per step, this rank's encoded message (the part without decoding).
+
+        A reader prepares step b+1 (reads and encodes, in a helper thread) while step b's
+        collective runs, so shared-filesystem latency overlaps the transfer."""
         p, n = self.plan, len(self.inner)
         steps = batches_per_rank(n, p.world_size, batch_size)
-        perm = {r: epoch_indices(n, p.world_size, r, seed, epoch) for r in p.serves}
+        full = epoch_permutation(n, p.world_size, seed, epoch) if p.serves else []
+        perm = {r: full[r::p.world_size] for r in p.serves}  # DistributedSampler's slices
         pool = ThreadPoolExecutor(num_workers) if (num_workers and p.serves) else None
+        ahead = ThreadPoolExecutor(1) if p.serves else None
+
+        def prepare(b: int) -> dict:
+            lo, hi = b * batch_size, (b + 1) * batch_size
+            return {r: encode_samples(self._read(perm[r][lo:hi], pool), self.raw) for r in p.serves}
+
         try:
+            nxt = ahead.submit(prepare, start_batch) if ahead and start_batch < steps else None
             for b in range(start_batch, steps):
-                lo, hi = b * batch_size, (b + 1) * batch_size
-                msgs = {r: encode_samples(self._read(perm[r][lo:hi], pool), self.raw) for r in p.serves}
+                msgs = {}
+                if nxt is not None:
+                    msgs = nxt.result()
+                    nxt = ahead.submit(prepare, b + 1) if b + 1 < steps else None
                 yield self._deliver(msgs)
         finally:
-            if pool is not None:
-                pool.shutdown()
+            for ex in (ahead, pool):
+                if ex is not None:
+                    ex.shutdown(wait=True, cancel_futures=True)
 
     def _deliver(self, msgs: dict) -> bytes:
         p = self.plan
         if p.mode != "two_level":
-            g, ranks = p.level1
-            return scatter_bytes(g, ranks, p.rank, [msgs[r] for r in ranks] if msgs else None, p.comm_device)
-        gn, node = p.level2
+            return self._ch1.send([msgs[r] for r in self._ch1.ranks] if msgs else None)
         bundle = None
-        if p.level1 is not None:  # node leaders: receive this node's bundle from the reader
-            gl, leaders = p.level1
+        if self._ch1 is not None:  # node leaders: receive this node's bundle from the reader
             per_node = None
             if msgs:
                 per_node = [_bundle([msgs[r] for r in node_ranks]) for node_ranks in p.node_lists]
-            bundle = _unbundle(scatter_bytes(gl, leaders, p.rank, per_node, p.comm_device))
-        return scatter_bytes(gn, node, p.rank, bundle, p.comm_device)
+            bundle = _unbundle(self._ch1.send(per_node))
+        return self._ch2.send(bundle)
 
     def batches(self, *, batch_size: int, seed: int, epoch: int, start_batch: int = 0, num_workers: int = 0):
         """Collated (inputs, targets) batches: this rank's DistributedSampler samples, in order."""

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
+import queue
 import shutil
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 import zlib
 
@@ -106,24 +109,52 @@ def stage_key(src: str, job_id: str | None) -> str:
     return f"ddp_hpc-stage-{job}-{os.path.basename(src.rstrip('/'))}-{fp}"
 
 
-def _copy_stream(src, dst_path: str, total: int, progress) -> tuple[int, int]:
-    """Copy from a file object to a new file through one reused buffer; -> (bytes, crc32).
+def _read_ahead(src, bufs: list, q: "queue.Queue") -> None:
+    """Reader thread: fill the rotating buffers; the disk/network read overlaps crc + write."""
+    try:
+        i = 0
+        while True:
+            buf = bufs[i % len(bufs)]
+            k = src.readinto(buf)
+            q.put((buf, k))
+            if not k:
+                return
+            i += 1
+    except BaseException as e:  # handed to the writer, which re-raises it
+        q.put((e, 0))
 
-    ``readinto`` where the source has it (plain files): no allocation per chunk, and crc32 runs
-    at memory speed beside the write, so the copy costs little more than ``cp``'s."""
+
+def _copy_stream(src, dst_path: str, total: int, progress) -> tuple[int, int]:
+    """Copy from a file object to a new file; -> (bytes, crc32).
+
+    Plain files (``readinto``): a reader thread fills rotating buffers while this thread
+    checksums and writes (zlib and file IO release the GIL), so a cold read overlaps the rest and
+    nothing is allocated per chunk.  Other streams (tar members): a simple read loop."""
     crc = n = 0
     with open(dst_path, "wb", buffering=0) as out:
-        if hasattr(src, "readinto"):
-            buf = bytearray(CHUNK)
-            view = memoryview(buf)
-            while True:
-                k = src.readinto(buf)
-                if not k:
-                    break
-                crc = zlib.crc32(view[:k], crc)
-                out.write(view[:k])
-                n += k
-                progress(k)
+        if hasattr(src, "readinto") and not isinstance(src, io.BufferedReader):
+            bufs = [bytearray(CHUNK) for _ in range(4)]  # queue of 2 + one being read + one written
+            q: queue.Queue = queue.Queue(maxsize=2)
+            reader = threading.Thread(target=_read_ahead, args=(src, bufs, q), daemon=True)
+            reader.start()
+            try:
+                while True:
+                    buf, k = q.get()
+                    if isinstance(buf, BaseException):
+                        raise buf
+                    if not k:
+                        break
+                    view = memoryview(buf)[:k]
+                    crc = zlib.crc32(view, crc)
+                    out.write(view)
+                    n += k
+                    progress(k)
+            finally:
+                while reader.is_alive():  # let the reader finish (drain so it never blocks)
+                    try:
+                        q.get(timeout=0.1)
+                    except queue.Empty:
+                        pass
         else:
             while True:
                 chunk = src.read(CHUNK)

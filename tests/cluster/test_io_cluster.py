@@ -1,0 +1,81 @@
+"""IO techniques on the real test cluster: 2 nodes x 2 tasks train jobs/images.yaml with direct
+reads, with stage+lmdb and with group broadcast, and reach the same final metrics.  Each node
+stages into its own folder (TMPDIR=<shared>/nodelocal/$SLURMD_NODENAME, standing in for a
+node-local disk), so the staging markers show one verified copy per node."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script(run_dir: Path, data: Path, overrides: list[str]) -> str:
+    argv = [sys.executable, "-m", "ddp_hpc.run", str(REPO / "jobs" / "images.yaml"),
+            f"data.kwargs.root={data / 'train'}", f"data.eval_kwargs.root={data / 'eval'}",
+            f"checkpoint.dir={run_dir / 'ckpt'}", "train.epochs=2", "log.progress=lines",
+            "log.every_n_steps=4", *overrides]
+    task = ('export TMPDIR="$0/$SLURMD_NODENAME"; mkdir -p "$TMPDIR"; exec "$@"')
+    return (
+        "#!/bin/bash\n"
+        f"export DDP_HPC_LOG_DIR={shlex.quote(str(run_dir / 'logs'))}\n"
+        'mkdir -p "$DDP_HPC_LOG_DIR"\n'
+        f"cd {shlex.quote(str(REPO))}\n"
+        'srun --output="$DDP_HPC_LOG_DIR/rank%t.out" bash -c '
+        + shlex.quote(task) + " " + shlex.quote(str(run_dir / "nodelocal")) + " "
+        + " ".join(shlex.quote(a) for a in argv) + "\n")
+
+
+def _final_eval(run_dir: Path) -> dict:
+    evals = [json.loads(line) for line in (run_dir / "logs" / "rank0.events.jsonl").read_text().splitlines()
+             if '"eval"' in line]
+    assert evals, f"no eval event in {run_dir / 'logs'}"
+    return evals[-1]["metrics"]
+
+
+def _diag(c, jid: str, run_dir: Path) -> str:
+    outs = "".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run_dir / "logs").glob("rank*.out")))
+    return f"{c.output(jid)[-1500:]}\n{outs}"
+
+
+def test_stage_lmdb_and_broadcast_train_to_the_same_metrics_as_direct(slurm_cluster):
+    from ddp_hpc.data.lmdb import pack
+    from ddp_hpc.examples.images import make_images
+
+    c = slurm_cluster
+    data = c.shared_dir / "io-images"
+    make_images(data / "train", count=512, classes=10, size=16, seed=0, progress=False)
+    make_images(data / "eval", count=128, classes=10, size=16, seed=1, progress=False)
+    pack(data / "train", data / "train.lmdb", progress=False)
+    runs = {
+        "direct": ["data.io=direct"],
+        "stage_lmdb": ["data.io=stage", f"data.lmdb_path={data / 'train.lmdb'}", "data.stage_to=tmpdir",
+                       "data.stage_cleanup=false"],
+        "broadcast": ["data.io=broadcast", "data.broadcast_groups=node"],
+    }
+    metrics = {}
+    for name, overrides in runs.items():
+        run_dir = c.shared_dir / f"io-{name}"
+        jid = c.sbatch(_script(run_dir, data, overrides), "-N2", "--ntasks-per-node=2", "--time=10")
+        assert c.wait(jid, timeout=400) == "COMPLETED", _diag(c, jid, run_dir)
+        metrics[name] = _final_eval(run_dir)
+        if name == "stage_lmdb":
+            nodes = sorted(p.name for p in (run_dir / "nodelocal").iterdir())
+            assert len(nodes) == 2, nodes
+            for node in nodes:  # one verified copy per node, made by this job
+                markers = list((run_dir / "nodelocal" / node).glob("ddp_hpc-stage-*/COMPLETE.json"))
+                assert len(markers) == 1, (node, markers)
+                marker = json.loads(markers[0].read_text())
+                assert marker["kind"] == "lmdb" and marker["attempt"] == f"{jid}:0"
+                assert marker["bytes"] == (data / "train.lmdb" / "data.mdb").stat().st_size
+    base = metrics["direct"]
+    assert base["count"] == 128
+    for name in ("stage_lmdb", "broadcast"):
+        assert metrics[name]["correct"] == base["correct"], metrics
+        assert metrics[name]["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6), metrics
