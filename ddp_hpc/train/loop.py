@@ -160,8 +160,8 @@ class Trainer:
                        static_graph=t.static_graph)
         return self.module
 
-    def _warm_up_buckets(self, epoch: int, start_batch: int) -> None:
-        """One discarded forward/backward so DDP settles its gradient buckets before real steps.
+    def _warm_up_buckets(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """One discarded forward/backward (on the first real batch) so DDP settles its buckets.
 
         DDP all-reduces the first iteration with buckets in parameter order, then rebuilds them
         in the order gradients became ready.  A resumed run would otherwise all-reduce its first
@@ -169,14 +169,8 @@ class Trainer:
         than 2 ranks the summation order per element changes and the result differs in the last
         bit.  Warming up at every (re)start makes every real step use the rebuilt layout, so a
         resumed run stays bitwise equal.  RNG states, buffers and gradients are restored."""
-        batch = next(iter(self._epoch_batches(epoch, start_batch)), None)
-        flag = torch.tensor([0 if batch is None else 1], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)        # every rank must take part, or none
-        if not flag.item():
-            return
         rng = ckpt.rng_state()
         buffers = {k: b.detach().clone() for k, b in self.module.named_buffers()}
-        inputs, targets = batch[0].to(self.device), batch[1].to(self.device)
         with self.autocast() if self.autocast is not None else contextlib.nullcontext():
             loss = self.loss_fn(self.model(inputs), targets)
         loss.backward()
@@ -271,8 +265,6 @@ class Trainer:
             log.info(f"resumed from {resumed_from} at step {step} (epoch {epoch}, batch {start_batch})")
         self._last_saved = step
         del state
-        if isinstance(self.model, DDP) and step < self.total_steps:
-            self._warm_up_buckets(epoch, start_batch)
 
         flag = PreemptionFlag(cfg.preempt.signal).install()
         end_time = self._end_time()
@@ -294,7 +286,7 @@ class Trainer:
         cfg, t, log = self.cfg, self.cfg.train, self.log
         model, opt, sched = self.model, self.optimizer, self.scheduler
         accum, nb, bs = t.grad_accum, self.batches_per_epoch, t.batch_size
-        can_skip_sync = isinstance(model, DDP)
+        can_skip_sync = warm_up = isinstance(model, DDP)
         every = cfg.log.every_n_steps
         zero = torch.zeros((), device=self.device)
         win_loss, win_micro, win_samples, win_t0 = zero.clone(), 0, 0, time.perf_counter()
@@ -309,6 +301,9 @@ class Trainer:
                 last = micro - group_start == group_len - 1
                 inputs = inputs.to(self.device, non_blocking=True)
                 targets = targets.to(self.device, non_blocking=True)
+                if warm_up:                   # once per (re)start, identically on every rank
+                    self._warm_up_buckets(inputs, targets)
+                    warm_up = False
                 sync = contextlib.nullcontext() if last or not can_skip_sync else model.no_sync()
                 with sync:
                     if self.autocast is not None:
