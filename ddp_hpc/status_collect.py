@@ -16,6 +16,12 @@ from ddp_hpc.runlogs import Failure, Progress, RunLogs
 from ddp_hpc.states import JobState
 
 
+#: terminal states in which the job itself broke (rather than being stopped from outside): here
+#: the rank whose events stopped first is a suspect even without an error event
+CRASHED = frozenset({JobState.FAILED, JobState.NODE_FAIL, JobState.OUT_OF_MEMORY,
+                     JobState.BOOT_FAIL, JobState.LAUNCH_FAILED})
+
+
 @dataclass
 class Target:
     """A job to look at: its id, the record it came from (if any) and its log directory."""
@@ -175,8 +181,12 @@ def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float)
         sched = src.from_logs(logs, tried)
     state = sched.state
     failure = None
-    if state.state.failed or logs.outcome() == "failed" or state.state is JobState.UNKNOWN:
-        failure = logs.first_failure(assume_failed=state.state.failed)
+    if state.state in CRASHED or logs.outcome() == "failed":
+        failure = logs.first_failure(assume_failed=state.state in CRASHED)
+    elif state.state.terminal or state.state is JobState.UNKNOWN:
+        # cancelled, timed out, preempted: every rank was stopped from outside, so only a rank
+        # that raised on its own (an error event, a traceback) counts as a failure
+        failure = logs.first_failure(evidence_only=True)
     elif state.state.active:
         failure = logs.first_failure(evidence_only=True)
         if failure is not None:

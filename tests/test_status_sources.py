@@ -174,3 +174,24 @@ def test_only_one_source_is_asked_when_named():
     found, _ = query(sched, only="sacct -c")
     assert (found["5"].state.state, found["5"].source) == (JobState.COMPLETED, "sacct -c")
     assert [c[0] for c in sched.calls] == ["sacct"] and "--completion" in sched.calls[0]
+
+
+def _events(d, rank, *evs):
+    import json
+    with open(d / f"rank{rank}.events.jsonl", "a") as f:
+        for i, (event, kw) in enumerate(evs):
+            f.write(json.dumps({"time": 100 + rank + i, "event": event, "rank": rank, "job_id": "5",
+                                "restart": 0, "host": "n1", **kw}) + "\n")
+
+
+def test_failing_rank_guess_only_for_jobs_that_broke(tmp_path):
+    """A cancelled job's ranks all stop without `end`: no rank is blamed. A FAILED job with the
+    same logs gets the rank whose events stopped first as the suspect."""
+    from ddp_hpc.status_collect import Target, collect
+    for r in range(2):
+        _events(tmp_path, r, ("start", {"world_size": 2}), ("step", {"step": 4 + r, "total_steps": 9}))
+    for state, blamed in (("CANCELLED by 0", None), ("TIMEOUT", None), ("FAILED", 0), ("NODE_FAIL", 0)):
+        sched = Scheduler(sacct=[sacct_row(State=state, ExitCode="0:15")])
+        (st,) = collect([Target("5", None, str(tmp_path))], slurmcli.SlurmCLI(runner=sched))
+        assert st.state.split()[0] == state.split()[0]
+        assert (st.failure.rank if st.failure else None) == blamed, state
