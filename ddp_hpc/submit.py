@@ -154,10 +154,12 @@ def _local(spec: JobSpec, args, run_id: str) -> int:
     job_id = f"local-{run_id}"
     env, removed = clean_slurm_env(os.environ)
     if args.dry_run:
-        for t in spec.tasks:
-            print(f"DDP_HPC_LOG_DIR={shlex.quote(t.log_dir)} python -m ddp_hpc.launch "
-                  f"--nodes {spec.nodes} --procs-per-node {spec.gpus_per_node} "
-                  f"--log-dir {shlex.quote(t.log_dir)} -- {shlex.join(spec.task_argv(t))}")
+        for t in spec.tasks:   # what the local driver runs, as the equivalent launcher command
+            tid = job_id if t.task_id is None else f"{job_id}_{t.task_id}"
+            print(f"DDP_HPC_LOG_DIR={shlex.quote(t.log_dir)} {shlex.quote(spec.python)} -m "
+                  f"ddp_hpc.launch --nodes {spec.nodes} --procs-per-node {spec.gpus_per_node} "
+                  f"--log-dir {shlex.quote(t.log_dir)} --job-id {tid} -- "
+                  f"{shlex.join(spec.task_argv(t))}")
         return 0
     if removed:
         _say(f"removed {len(removed)} SLURM_* variables of an enclosing job: {', '.join(removed[:6])}"
