@@ -258,8 +258,9 @@ class RunLogs:
         ``rank{R}.out`` (the earliest such rank by its event stream's last time); else srun's
         "task R: Exited with exit code" report; else, when the job failed (``assume_failed``: the
         scheduler says so) or some ranks ended while others did not, the rank whose event stream
-        stopped first. ``evidence_only`` (the job still runs) skips that last guess: a rank
-        that has not written ``end`` yet may just be slower.
+        stopped first. ``evidence_only`` (the job still runs, or was stopped from outside) skips
+        the last two: a rank that has not written ``end`` yet may just be slower, and srun reports
+        the ranks a cancel or a preemption stopped as well.
         """
         restart = self.current_restart()
         errors = [e for e in self.all_events()
@@ -281,14 +282,14 @@ class RunLogs:
                            message=message, traceback_tail=tail_lines("\n".join(block), 12),
                            time=_float(last.get("time"), None) if last else None,
                            host=last.get("host") if last else None, restart=restart)
+        if evidence_only:  # srun reports every rank stopped from outside too (exit 75, Killed)
+            return None
         codes = {r: c for r, c in self.srun_exit_codes().items() if c != 0}
         codes = {r: c for r, c in codes.items() if c > 0} or codes  # an exit code beats "Killed"
         if codes:
             rank = min(codes, key=lambda r: (self._stop_time(r), r))
             return Failure(rank=rank, basis="srun exit report", restart=restart,
                            message=f"exit code {codes[rank]}" if codes[rank] >= 0 else "killed")
-        if evidence_only:
-            return None
         if assume_failed or self.outcome() == "failed" or self._some_stopped_without_end():
             cands = [r for r, s in self.ranks.items()
                      if s.of_restart(restart) and not any(
