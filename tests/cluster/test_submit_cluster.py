@@ -56,13 +56,13 @@ def _events(log_dir: Path, rank: int) -> list[dict]:
     return out
 
 
-def _assert_2x2_completed(log_dir: Path, job_id: str | None = None):
+def _assert_2x2_completed(log_dir: Path, job_id: str | None = None, outs: bool = True):
     starts = []
     for r in range(4):
         ev = _events(log_dir, r)
         assert ev and ev[-1]["event"] == "end" and ev[-1]["status"] == "completed", (r, ev[-1:])
         starts.append(next(e for e in ev if e["event"] == "start"))
-        assert (log_dir / f"rank{r}.out").exists()
+        assert not outs or (log_dir / f"rank{r}.out").exists()
     assert {s["world_size"] for s in starts} == {4} and {s["num_nodes"] for s in starts} == {2}
     hosts = [s["host"] for s in sorted(starts, key=lambda s: s["rank"])]
     assert hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[0] != hosts[2]
@@ -125,12 +125,13 @@ def test_train_sbatch_as_is_with_variables_and_arguments(slurm_cluster, where):
     script = str(ROOT / "slurm" / "train.sbatch")
     # overrides through variables ...
     p = c.run(["sbatch", "--parsable", "--time=10", script], cwd=str(d),
-              env={**env, "CONFIG": DEMO, "OVERRIDES": " ".join([*SHORT, "train.max_steps=2"])})
+              env={**env, "CONFIG": DEMO,
+                   "OVERRIDES": " ".join([*SHORT, "data.kwargs.size=4096", "train.max_steps=2"])})
     assert p.returncode == 0, p.stderr
     by_vars = p.stdout.strip().split(";")[0]
     # ... and as arguments after the script (which win)
     p = c.run(["sbatch", "--parsable", "--time=10", "--job-name=args", script, DEMO, *SHORT,
-               "train.max_steps=4"], cwd=str(d), env=env)
+               "data.kwargs.size=4096", "train.max_steps=4"], cwd=str(d), env=env)
     assert p.returncode == 0, p.stderr
     by_args = p.stdout.strip().split(";")[0]
     for job_id, name, steps in ((by_vars, "ddp_hpc", 2), (by_args, "args", 4)):
@@ -219,3 +220,20 @@ def test_bad_requests_fail_before_submitting(slurm_cluster, where):
     assert len(SlurmCLI(env=c.env).squeue()) == before
     assert _records(where) == []
     assert marker.exists() == existed
+
+
+def test_launchers_srun_and_submitit_example(slurm_cluster, where):
+    c = slurm_cluster
+    d, env = where
+    # launchers/srun.sh inside an allocation of 2 nodes x 2 tasks
+    job = c.sbatch(f"#!/bin/bash\nexec {ROOT / 'launchers' / 'srun.sh'} {DEMO} {' '.join(SHORT)}\n",
+                   "-N2", "--ntasks-per-node=2", "--gpus-per-node=2", "--time=10", cwd=d)
+    # launchers/submitit_example.py: submitit's own executor + ddp_hpc.env, waits for the results
+    p = c.run([PY, str(ROOT / "launchers" / "submitit_example.py"), "--nodes", "2", "--gpus", "2",
+               "--time", "10", "--config", DEMO, "--folder", str(d / "ex"), *SHORT],
+              cwd=str(d), env=env, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "results:" in p.stdout and "'rank': 3" in p.stdout
+    _assert_2x2_completed(d / "ex" / "logs", outs=False)   # submitit keeps its own *_log.out
+    assert c.wait(job, timeout=240) == "COMPLETED", c.output(job, cwd=d)
+    _assert_2x2_completed(d / "runs" / f"srun-{job}", job)
