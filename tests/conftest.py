@@ -7,6 +7,9 @@ when MariaDB + slurmdbd are installed, full accounting (plain ``sacct``, ``sacct
 tears it down when the session ends.  Only one cluster can run on a machine, so the fixture holds
 an exclusive ``fcntl.flock`` on /tmp/ddp_hpc_testcluster.lock for the whole session; another
 session waits for it (up to ``DDP_HPC_CLUSTER_LOCK_WAIT`` seconds, default 1200) and then skips.
+The netns layout is used when ``ip`` and ``nsenter`` exist, the loopback one otherwise or when it
+fails (``DDP_HPC_TESTCLUSTER_LAYOUT=loopback`` forces it); slurmdbd when it is installed and
+starts.  ``DDP_HPC_TESTCLUSTER_DIR`` moves the state directory.
 
 Without root, or without slurmd / slurmctld / munged, every test that uses the fixture or is marked
 ``@pytest.mark.cluster`` is skipped with the reason shown by ``pytest -ra``.  A test marked
@@ -41,7 +44,6 @@ job is the venv's.  sacct lags squeue by seconds and ``sbatch --wait`` notices t
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
@@ -51,7 +53,6 @@ from pathlib import Path
 
 import pytest
 
-LOCK_FILE = Path("/tmp/ddp_hpc_testcluster.lock")
 LOCK_WAIT_S = float(os.environ.get("DDP_HPC_CLUSTER_LOCK_WAIT", "1200"))
 TERMINAL = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY",
             "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
@@ -151,17 +152,18 @@ class SlurmTestCluster:
                 return word.split("=", 1)[1]
         return None
 
-    def accounting_state(self, job_id: str) -> str | None:
-        """Final state from accounting: plain sacct with slurmdbd, ``sacct -c`` otherwise."""
-        base = ["sacct", "-n", "-P", "-j", str(job_id)]
-        argv = base + ["-X", "-o", "JobID,State"] if self.accounting == "slurmdbd" \
-            else base[:1] + ["-c"] + base[1:] + ["-o", "JobID,State"]
-        p = self.run(argv, timeout=30)
+    def accounting_state(self, job_id: str, completion: bool | None = None) -> str | None:
+        """Final state from accounting: plain ``sacct`` with slurmdbd, ``sacct -c`` (the jobcomp
+        file) otherwise or when ``completion`` is true.  None while there is no record yet."""
+        if completion is None:
+            completion = self.accounting != "slurmdbd"
+        argv = ["sacct", *(["-c"] if completion else ["-X"]), "-n", "-P", "-o", "JobID,State",
+                "-j", str(job_id)]
         state = None
-        for line in p.stdout.splitlines():
+        for line in self.run(argv, timeout=30).stdout.splitlines():
             jid, _, st = line.partition("|")
             if jid == str(job_id) and st:
-                state = st.split()[0]  # "CANCELLED by 0" -> CANCELLED; last record wins
+                state = st.split()[0]  # "CANCELLED by 0" -> CANCELLED; the last record wins
         return state
 
     def wait(self, job_id: str, timeout: float = 120) -> str:
@@ -180,8 +182,12 @@ class SlurmTestCluster:
             raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s; output so far:\n"
                                f"{self.output(job_id)[-2000:]}")
         final = self.controller_state(job_id) or state
-        while time.monotonic() < deadline:  # accounting lags: wait until it has the record
-            acct = self.accounting_state(job_id)
+        # Accounting lags squeue: wait until it has the record, so that a test may query it next.
+        # slurmdbd misses jobs that ran while it was stopped; the jobcomp file never does.
+        dbd_deadline = min(deadline, time.monotonic() + 20)
+        while time.monotonic() < deadline:
+            acct = self.accounting_state(job_id, completion=(self.accounting != "slurmdbd"
+                                                             or time.monotonic() > dbd_deadline))
             if acct in TERMINAL:
                 return acct
             time.sleep(0.3)
@@ -215,31 +221,14 @@ class SlurmTestCluster:
 
 
 def _acquire_lock():
-    LOCK_FILE.touch(exist_ok=True)
-    try:
-        os.chmod(LOCK_FILE, 0o666)
-    except OSError:
-        pass
-    f = open(LOCK_FILE, "r+")
-    deadline, told = time.monotonic() + LOCK_WAIT_S, False
-    while True:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            holder = LOCK_FILE.read_text().strip() or "another pytest session"
-            if time.monotonic() > deadline:
-                f.close()
-                pytest.skip(f"the Slurm test cluster stayed busy for {LOCK_WAIT_S:.0f} s "
-                            f"({LOCK_FILE} held by {holder}); only one may run per machine")
-            if not told:
-                sys.stderr.write(f"\n[slurm_cluster] waiting for {LOCK_FILE} (held by {holder})\n")
-                told = True
-            time.sleep(2)
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} ({' '.join(sys.argv[:3])[:200]})\n")
-    f.flush()
+    from ddp_hpc.testcluster import lock
+
+    def tell(holder):
+        sys.stderr.write(f"\n[slurm_cluster] waiting for {lock.LOCK_FILE} (held by {holder})\n")
+    f = lock.acquire(LOCK_WAIT_S, on_wait=tell)
+    if f is None:
+        pytest.skip(f"the Slurm test cluster stayed busy for {LOCK_WAIT_S:.0f} s ({lock.LOCK_FILE} "
+                    f"held by {lock.holder()}); only one may run per machine")
     return f
 
 
@@ -253,22 +242,30 @@ def slurm_cluster():
     lock = _acquire_lock()
     try:
         state_dir = Path(os.environ.get("DDP_HPC_TESTCLUSTER_DIR", "/tmp/ddp_hpc_testcluster"))
-        layout = "netns" if _which_all("ip", "nsenter") else "loopback"
+        layouts = ["netns", "loopback"] if _which_all("ip", "nsenter") else ["loopback"]
+        if os.environ.get("DDP_HPC_TESTCLUSTER_LAYOUT") in layouts:
+            layouts = [os.environ["DDP_HPC_TESTCLUSTER_LAYOUT"]]
         dbd = _which_all("slurmdbd", "mariadbd", "mariadb-install-db", "sacctmgr")
+        attempts = [(lay, d) for lay in layouts for d in ([True, False] if dbd else [False])]
         down(state_dir)  # we hold the lock: anything recorded there is stale
         t0 = time.monotonic()
-        spec = ClusterSpec(nodes=4, gpus_per_node=4, layout=layout, slurmdbd=dbd, state_dir=state_dir)
-        try:
-            up(spec)
-        except ClusterError as exc:
-            if not dbd:
-                raise
-            sys.stderr.write(f"\n[slurm_cluster] slurmdbd start failed, using jobcomp only: {exc}\n")
-            spec = ClusterSpec(nodes=4, gpus_per_node=4, layout=layout, slurmdbd=False,
-                               state_dir=state_dir)
-            up(spec)
+        notes, spec = [], None
+        for layout, with_dbd in attempts:  # best first; fall back rather than lose every test
+            candidate = ClusterSpec(nodes=4, gpus_per_node=4, layout=layout, slurmdbd=with_dbd,
+                                    state_dir=state_dir)
+            try:
+                up(candidate)
+            except ClusterError as exc:
+                notes.append(f"{layout}{' + slurmdbd' if with_dbd else ''}: {exc}")
+                sys.stderr.write(f"\n[slurm_cluster] could not start {notes[-1]}\n")
+                continue
+            spec = candidate
+            break
+        if spec is None:
+            raise ClusterError("the Slurm test cluster did not start:\n" + "\n".join(notes))
         _timings["up"] = time.monotonic() - t0
         cluster = SlurmTestCluster(spec, {})
+        cluster.startup_notes = notes
         try:
             yield cluster
         finally:
@@ -284,6 +281,11 @@ def _cluster_marker(request):
     """Tests marked ``cluster`` get the cluster (and its skip logic) without naming the fixture."""
     if request.node.get_closest_marker("cluster") is not None:
         request.getfixturevalue("slurm_cluster")
+    yield
+    if "slurm_cluster" in request.fixturenames:
+        cluster = request.getfixturevalue("slurm_cluster")
+        if cluster.slurmdbd_available and cluster.accounting != "slurmdbd":
+            cluster.start_slurmdbd()  # a test switched accounting off and did not switch it back
 
 
 def pytest_collection_modifyitems(config, items):

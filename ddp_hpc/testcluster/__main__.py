@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import lock
 from .cluster import down, set_accounting, status, up
 from .spec import DEFAULT_PORT_BASE, DEFAULT_STATE_DIR, DEFAULT_SUBNET, LAYOUTS, ClusterError, ClusterSpec
 
@@ -47,14 +48,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="slurmctld listens on base+17, slurmdbd base+19, MariaDB base+6")
     p.add_argument("--node-prefix", default="n", help="node names are PREFIX1..PREFIXN (default n)")
     p.add_argument("--json", action="store_true", help="status as JSON")
+    p.add_argument("--lock-wait", type=float, default=0.0, metavar="SECONDS",
+                   help=f"wait this long for {lock.LOCK_FILE} when a test session holds it (default 0)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    held = None
     try:
         if args.command == "install":
             return install(args.slurmdbd)
+        if args.command != "status":
+            held = lock.acquire(args.lock_wait)
+            if held is None:
+                raise ClusterError(f"the test cluster is in use: {lock.LOCK_FILE} is held by "
+                                   f"{lock.holder()}\nHINT: wait for that test session to end "
+                                   "(or pass --lock-wait SECONDS).")
         if args.command == "down":
             t0 = time.monotonic()
             done = down(args.state_dir)
@@ -75,11 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         st = up(spec)
         print(_describe(st))
-        print(f"up in {time.monotonic() - t0:.1f} s; use it with:\n  export SLURM_CONF={st['slurm_conf']}")
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in st.get("timings", {}).items())
+        print(f"up in {time.monotonic() - t0:.1f} s ({phases or 'reused'}); use it with:\n  export SLURM_CONF={st['slurm_conf']}")
         return 0
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        lock.release(held)
 
 
 def _describe(st: dict) -> str:

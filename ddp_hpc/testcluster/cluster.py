@@ -13,7 +13,6 @@ import os
 import shlex
 import shutil
 import stat
-import subprocess
 import time
 from pathlib import Path
 
@@ -51,7 +50,7 @@ def require_root_and_programs(spec: ClusterSpec) -> None:
     if os.geteuid() != 0:
         raise ClusterError(f"the test cluster needs root (running as uid {os.geteuid()})\n"
                            "HINT: run it as root, e.g. `sudo .venv/bin/python -m ddp_hpc.testcluster up`.")
-    need = ["slurmctld", "slurmd", "munged", "sinfo", "scontrol", "unshare"]
+    need = ["slurmctld", "slurmd", "munged", "sinfo", "scontrol", "scancel", "squeue", "unshare", "setsid"]
     if spec.layout == "netns":
         need += ["ip", "nsenter"]
     if spec.slurmdbd:
@@ -101,7 +100,8 @@ def status(state_dir: Path) -> dict:
         set(nodes) == set(spec.node_names) and all(s.rstrip("*") in usable for s in nodes.values())
     return {"up": True, "healthy": healthy, "state_dir": str(spec.state_dir), "spec": spec.to_json(),
             "daemons": procs, "nodes": nodes, "slurm_conf": str(spec.slurm_conf),
-            "accounting": accounting_mode(spec, state), "created": state.get("created", {})}
+            "accounting": accounting_mode(spec, state), "created": state.get("created", {}),
+            "timings": state.get("timings", {})}
 
 
 def accounting_mode(spec: ClusterSpec, state: dict) -> str:
@@ -161,8 +161,8 @@ def _start_mariadb(spec: ClusterSpec) -> None:
             f"--init-file={init}", "--skip-name-resolve", "--skip-log-bin",
             "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=16M",
             "--innodb-lock-wait-timeout=900"]
-    subprocess.Popen(argv, env=daemons.daemon_env(spec), stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # setsid -f: MariaDB does not daemonize itself; this way it is not our child (no zombie).
+    daemons.run(["setsid", "-f", *argv], spec, "mariadbd", log=log)
     daemons.wait_for(lambda: daemons.port_in_use(spec.mysql_port, "127.0.0.1")
                      and daemons.alive(spec.path("run", "mysqld.pid"), "mariadbd"),
                      60, "MariaDB did not start listening", f"see {log}.", log=log)
@@ -260,14 +260,29 @@ def up(spec: ClusterSpec) -> dict:
     return status(spec.state_dir)
 
 
+class _Clock:
+    """Seconds spent per start-up phase, kept in state.json (``status --json`` shows them)."""
+
+    def __init__(self, state: dict):
+        self.timings = state.setdefault("timings", {})
+        self.t = time.monotonic()
+
+    def __call__(self, phase: str) -> None:
+        now = time.monotonic()
+        self.timings[phase] = round(now - self.t, 3)
+        self.t = now
+
+
 def _build(spec: ClusterSpec, state: dict) -> None:
     created = state["created"]
+    lap = _Clock(state)
     for f in spec.gpu_files():
         os.mknod(f, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     _write(spec.slurm_conf, render_slurm_conf(spec))
     _write(spec.path("etc", "gres.conf"), render_gres_conf(spec))
     _write(spec.path("etc", "plugstack.conf"), "")
     _start_munge(spec)
+    lap("munge")
     if spec.layout == "netns":
         try:
             network.create(spec, created)
@@ -276,15 +291,22 @@ def _build(spec: ClusterSpec, state: dict) -> None:
     created["hosts_block"] = True
     _save_state(spec, state)
     network.add_hosts_block(spec)
+    lap("network")
     if spec.slurmdbd:
         _start_mariadb(spec)
+        lap("mariadb")
         _start_slurmdbd(spec)
+        lap("slurmdbd")
     _start_slurmctld(spec, clean=True)
+    lap("slurmctld")
     for i, node in enumerate(spec.node_names, 1):
         _start_slurmd(spec, i, node)
+    lap("slurmd")
     _wait_idle(spec)
+    lap("nodes idle")
     if spec.slurmdbd:
         _ensure_dbd_cluster(spec)
+        lap("dbd cluster")
 
 
 # -- accounting switch -------------------------------------------------------------------------------

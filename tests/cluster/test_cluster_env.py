@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc.env import derive_port
-
-pytestmark = pytest.mark.cluster
+from ddp_hpc.testcluster import ClusterError, ClusterSpec, network
+from ddp_hpc.testcluster.spec import render_gres_conf, render_slurm_conf
 
 ALLREDUCE_JOB = Path(__file__).with_name("_allreduce_job.py")
 
@@ -23,6 +23,63 @@ def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
+# ---------------------------------------------------------------------------- harness, no cluster needed
+def test_hosts_block_is_added_and_removed_leaving_the_file_as_found(tmp_path, monkeypatch):
+    hosts = tmp_path / "hosts"
+    original = "127.0.0.1 localhost\n# a comment\n10.1.2.3 other\n"
+    hosts.write_text(original)
+    monkeypatch.setattr(network, "HOSTS_FILE", hosts)
+    spec = ClusterSpec(nodes=2, state_dir=tmp_path / "state")
+    network.add_hosts_block(spec)
+    network.add_hosts_block(spec)                       # idempotent: one block
+    text = hosts.read_text()
+    assert text.startswith(original) and text.count("10.77.0.11 n1") == 1
+    assert "10.77.0.1 ddpctl" in text and "10.77.0.12 n2" in text
+    with open(hosts, "a") as f:                        # someone else edits meanwhile
+        f.write("10.9.9.9 later\n")
+    assert network.remove_hosts_block(spec)
+    assert hosts.read_text() == original + "10.9.9.9 later\n"
+    assert not network.remove_hosts_block(spec)
+
+
+def test_names_already_in_hosts_are_refused(tmp_path, monkeypatch):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n10.0.0.5 n2 n2.example\n")
+    monkeypatch.setattr(network, "HOSTS_FILE", hosts)
+    with pytest.raises(ClusterError, match=r"\['n2'\] already in /etc/hosts.*\nHINT: .*--node-prefix"):
+        network.check_names_free(ClusterSpec(nodes=2, state_dir=tmp_path))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nodes": 0}, "--nodes 0 is out of range"),
+    ({"layout": "bridge"}, "--layout 'bridge' is unknown"),
+    ({"subnet": "8.8.8.0/24"}, "not a private IPv4 /24"),
+    ({"subnet": "10.0.0.0/16"}, "not a private IPv4 /24"),
+    ({"state_dir": "/tmp/a b"}, "contains a space"),
+])
+def test_bad_spec_names_the_value_and_the_fix(kwargs, message):
+    with pytest.raises(ClusterError, match="HINT:") as err:
+        ClusterSpec(**kwargs)
+    assert message in str(err.value)
+
+
+def test_rendered_config_has_fast_requeue_fake_gpus_and_per_node_ports(tmp_path):
+    net = ClusterSpec(nodes=3, gpus_per_node=2, slurmdbd=True, state_dir=tmp_path)
+    conf = render_slurm_conf(net)
+    for line in ("SchedulerParameters=sched_interval=2,bf_interval=2", "JobRequeue=1", "KillWait=10",
+                 "JobCompType=jobcomp/filetxt", "AccountingStorageType=accounting_storage/slurmdbd",
+                 "NodeName=n3 NodeAddr=10.77.0.13 NodeHostname=n3 Port=16818"):
+        assert line in conf
+    assert f"AuthInfo=socket={tmp_path}/munge/munged.sock,cred_expire=10" in conf
+    assert "AccountingStorageType" not in render_slurm_conf(net, accounting=False)
+    assert f"NodeName=n[1-3] Name=gpu File={tmp_path}/dev/nvidia[0-1]" in render_gres_conf(net)
+    loop = render_slurm_conf(ClusterSpec(nodes=2, layout="loopback", state_dir=tmp_path))
+    assert "NodeName=n2 NodeAddr=127.0.0.1 NodeHostname=localhost Port=16902" in loop
+    assert "Gres=gpu:4" in loop
+
+
+# ---------------------------------------------------------------------------- the cluster itself
+@pytest.mark.cluster
 def test_each_task_runs_on_its_own_node_with_its_own_address(slurm_cluster):
     c = slurm_cluster
     p = c.run(["srun", f"-N{len(c.nodes)}", "--ntasks-per-node=1", "sh", "-c",
@@ -38,21 +95,25 @@ def test_each_task_runs_on_its_own_node_with_its_own_address(slurm_cluster):
         assert addrs == [socket.gethostbyname(n) for n in c.nodes]  # ... the one its name resolves to
 
 
+@pytest.mark.cluster
 def test_fake_gpus_are_handed_out_by_gres(slurm_cluster):
     c = slurm_cluster
     p = c.run(["srun", "-N2", "--ntasks-per-node=1", "--gpus-per-node=2", "sh", "-c",
                'echo "$(hostname) $CUDA_VISIBLE_DEVICES"'], timeout=60)
-    assert p.returncode == 0, p.stderr
-    assert sorted(p.stdout.split("\n")[:2]) == ["n1 0,1", "n2 0,1"]
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = sorted(p.stdout.splitlines())
+    assert len(rows) == 2 and [r.split()[1] for r in rows] == ["0,1", "0,1"], p.stdout + p.stderr
+    assert len({r.split()[0] for r in rows}) == 2
     p = c.run(["srun", "-N1", "-n2", "--gpus-per-task=2", "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES"'],
               timeout=60)
-    assert p.returncode == 0, p.stderr
-    assert sorted(p.stdout.split()) == ["0,1", "2,3"]
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(p.stdout.split()) == ["0,1", "2,3"], p.stdout + p.stderr
     p = c.run(["srun", "-N1", f"--gpus-per-node={c.gpus_per_node + 1}", "true"], timeout=60)
     assert p.returncode != 0
-    assert "Requested node configuration is not available" in p.stderr
+    assert "Requested node configuration is not available" in p.stderr, p.stderr
 
 
+@pytest.mark.cluster
 def test_batch_job_states_reach_accounting(slurm_cluster):
     c = slurm_cluster
     ok = c.sbatch("#!/bin/bash\nsrun hostname\n", "-N2", "--ntasks-per-node=1")
@@ -66,6 +127,7 @@ def test_batch_job_states_reach_accounting(slurm_cluster):
         (ok, "COMPLETED", "0:0"), (bad, "FAILED", "3:0")}
 
 
+@pytest.mark.cluster
 def test_accounting_can_be_switched_off_and_on(slurm_cluster):
     c = slurm_cluster
     if c.accounting != "slurmdbd":
@@ -87,6 +149,7 @@ def test_accounting_can_be_switched_off_and_on(slurm_cluster):
 
 
 # ---------------------------------------------------------------------------- ddp_hpc.env for real
+@pytest.mark.cluster
 def test_env_json_on_two_nodes_by_two_tasks(slurm_cluster):
     c = slurm_cluster
     p = c.run(["srun", "-N2", "--ntasks-per-node=2", "python", "-m", "ddp_hpc.env", "--json"], timeout=180)
@@ -115,6 +178,7 @@ def _run_allreduce(c, nodes: int, per_node: int) -> list[dict]:
     return sorted(json_lines(p.stdout), key=lambda r: r["rank"])
 
 
+@pytest.mark.cluster
 def test_gloo_all_reduce_two_nodes_by_two_tasks(slurm_cluster):
     rows = _run_allreduce(slurm_cluster, 2, 2)
     assert [r["rank"] for r in rows] == [0, 1, 2, 3]
@@ -125,6 +189,7 @@ def test_gloo_all_reduce_two_nodes_by_two_tasks(slurm_cluster):
     assert rows[0]["host"] == rows[1]["host"] != rows[2]["host"] == rows[3]["host"]
 
 
+@pytest.mark.cluster
 def test_gloo_all_reduce_on_four_nodes(slurm_cluster):
     c = slurm_cluster
     rows = _run_allreduce(c, 4, 1)
@@ -153,6 +218,7 @@ def _probe_devices(c, *gpu_args: str) -> list[dict]:
     return rows
 
 
+@pytest.mark.cluster
 def test_gpus_per_node_binds_local_rank(slurm_cluster):
     rows = _probe_devices(slurm_cluster, "--gpus-per-node=2")
     for r in rows:
@@ -160,6 +226,7 @@ def test_gpus_per_node_binds_local_rank(slurm_cluster):
         assert r["index"] == r["local_rank"]         # ... and each takes its own: cuda:local_rank
 
 
+@pytest.mark.cluster
 def test_gpus_per_task_binds_its_only_device(slurm_cluster):
     rows = _probe_devices(slurm_cluster, "--gpus-per-task=1")
     for node in {r["host"] for r in rows}:
