@@ -166,11 +166,12 @@ def _local(spec: JobSpec, args, run_id: str) -> int:
              + (" ..." if len(removed) > 6 else ""))
     _make_dirs(spec)
     rec = _record(spec, job_id, "local", socket.gethostname())
-    plan = submit_local.write_plan(spec, job_id, env, record_id=job_id)
+    plan = submit_local.write_plan(spec, job_id, record_id=job_id,
+                                   ddp_hpc_home=os.environ.get("DDP_HPC_HOME"))
     _say(f"job {job_id}: {spec.world_size} processes ({spec.nodes} pretend node(s) x "
          f"{spec.gpus_per_node}), logs in {spec.log_dir}")
     if args.wait:
-        rc = submit_local.run_plan(plan, follow=True)
+        rc = submit_local.run_plan(plan, follow=True, env=env)
         _say(f"job {job_id} {'completed' if rc == 0 else f'failed (exit status {rc})'}")
         return rc
     pid = submit_local.start_detached(plan, env, spec.python)

@@ -27,8 +27,10 @@ __all__ = ["write_plan", "run_plan", "start_detached", "main"]
 PLAN_NAME = "local-plan.json"
 
 
-def write_plan(spec: JobSpec, job_id: str, env: Mapping[str, str], record_id: str | None = None) -> Path:
-    """One entry per run: argv, log dir, DDP_HPC_JOB_ID. Written atomically."""
+def write_plan(spec: JobSpec, job_id: str, record_id: str | None = None,
+               ddp_hpc_home: str | None = None) -> Path:
+    """One entry per run: argv, log dir, DDP_HPC_JOB_ID. Written atomically. The environment is
+    not stored (it may hold secrets): the driver passes its own on to the ranks."""
     runs = []
     for task in spec.tasks:
         runs.append({
@@ -38,8 +40,7 @@ def write_plan(spec: JobSpec, job_id: str, env: Mapping[str, str], record_id: st
             "task_id": task.task_id,
         })
     plan = {"nodes": spec.nodes, "procs_per_node": spec.gpus_per_node, "runs": runs,
-            "env": dict(env), "record_id": record_id, "workdir": spec.workdir,
-            "ddp_hpc_home": env.get("DDP_HPC_HOME")}
+            "record_id": record_id, "workdir": spec.workdir, "ddp_hpc_home": ddp_hpc_home}
     path = Path(spec.log_dir) / PLAN_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -87,8 +88,10 @@ def _set_pids(plan: dict, pids: list[int]) -> None:
         print(f"ddp_hpc: could not update the job record: {exc}", file=sys.stderr)
 
 
-def run_plan(plan_path: str | os.PathLike, follow: bool = False) -> int:
-    """Run every run of the plan in turn; the exit status of the first failing run, else 0."""
+def run_plan(plan_path: str | os.PathLike, follow: bool = False,
+             env: Mapping[str, str] | None = None) -> int:
+    """Run every run of the plan in turn with ``env`` (default: this process's environment);
+    the exit status of the first failing run, else 0."""
     from ddp_hpc.launch import start_local
 
     plan = json.loads(Path(plan_path).read_text())
@@ -98,8 +101,8 @@ def run_plan(plan_path: str | os.PathLike, follow: bool = False) -> int:
         label = f"task {run['task_id']}" if run["task_id"] is not None else "job"
         print(f"ddp_hpc local: {label} {run['job_id']}: {n * g} processes on {n} pretend node(s), "
               f"logs in {run['log_dir']}", flush=True)
-        env = {**plan["env"], "DDP_HPC_LOG_DIR": run["log_dir"]}
-        lr = start_local(run["argv"], nodes=n, procs_per_node=g, log_dir=run["log_dir"], env=env,
+        run_env = {**(os.environ if env is None else env), "DDP_HPC_LOG_DIR": run["log_dir"]}
+        lr = start_local(run["argv"], nodes=n, procs_per_node=g, log_dir=run["log_dir"], env=run_env,
                          job_id=run["job_id"])
         _set_pids(plan, [os.getpid(), *lr.pids])
         tail = _Follow(Path(run["log_dir"]) / "rank0.out") if follow else None
