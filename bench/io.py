@@ -144,7 +144,7 @@ def _delivery(ctx, imgs, max_steps):
     total = sum(len(m) for step in msgs for m in step)
     me = ranks.index(rank)
     res = {}
-    for rep in range(5):
+    for rep in range(7):
         dist.barrier()
         t = time.perf_counter()
         got = 0
@@ -194,7 +194,7 @@ def bench_stage_vs_cp(work: str, mib: int, cold: bool) -> dict:
     res = {}
     for mode in (["warm", "cold"] if cold else ["warm"]):
         best_cp = best_st = 1e9
-        for rep in range(3 if mode == "warm" else 2):
+        for rep in range(7 if mode == "warm" else 3):
             if mode == "cold":
                 drop_caches()
             else:
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
     p.add_argument("--procs-per-node", type=int, default=2)
     p.add_argument("--delay-ms", type=float, default=1.0, help="simulated metadata cost per shared open")
     p.add_argument("--stage-mib", type=int, default=256)
-    p.add_argument("--delivery-steps", type=int, default=40)
+    p.add_argument("--delivery-steps", type=int, default=10**6, help="cap on steps timed (default: the epoch)")
     p.add_argument("--no-drop-caches", action="store_true", help="skip the cold-cache runs")
     p.add_argument("--workdir", default="/tmp/ddp_hpc_io_bench")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "io"))

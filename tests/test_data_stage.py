@@ -63,7 +63,7 @@ def test_waiter_polls_until_copier_is_done(tmp_path):
 KILLED_CHILD = r"""
 import sys, time
 from ddp_hpc.data import stage as S
-S.CHUNK = 1 << 16
+S.CHUNK = S.KERNEL_CHUNK = 1 << 16
 orig = S._Progress.__call__
 def slow(self, n):
     time.sleep(0.01)

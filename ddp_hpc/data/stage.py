@@ -21,11 +21,12 @@ shared side) unpacked here with a crc32 manifest re-checked from disk.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
-import io
 import json
 import logging
+import mmap
 import os
 import queue
 import shutil
@@ -42,6 +43,7 @@ __all__ = ["stage", "resolve_stage_dir", "cleanup_staged", "StageError", "stage_
 
 log = logging.getLogger("ddp_hpc.data.stage")
 CHUNK = 8 << 20
+KERNEL_CHUNK = 64 << 20  # in-kernel copies: fewer, larger calls (progress still every 64 MiB)
 MARKER = "COMPLETE.json"
 FAILED = "FAILED.json"
 SPACE_MARGIN = 16 << 20
@@ -109,62 +111,120 @@ def stage_key(src: str, job_id: str | None) -> str:
     return f"ddp_hpc-stage-{job}-{os.path.basename(src.rstrip('/'))}-{fp}"
 
 
-def _read_ahead(src, bufs: list, q: "queue.Queue") -> None:
-    """Reader thread: fill the rotating buffers; the disk/network read overlaps crc + write."""
-    try:
-        i = 0
-        while True:
-            buf = bufs[i % len(bufs)]
-            k = src.readinto(buf)
-            q.put((buf, k))
-            if not k:
-                return
-            i += 1
-    except BaseException as e:  # handed to the writer, which re-raises it
-        q.put((e, 0))
-
-
 def _copy_stream(src, dst_path: str, total: int, progress) -> tuple[int, int]:
-    """Copy from a file object to a new file; -> (bytes, crc32).
-
-    Plain files (``readinto``): a reader thread fills rotating buffers while this thread
-    checksums and writes (zlib and file IO release the GIL), so a cold read overlaps the rest and
-    nothing is allocated per chunk.  Other streams (tar members): a simple read loop."""
+    """Copy a stream (a tar member) to a new file; -> (bytes, crc32)."""
     crc = n = 0
     with open(dst_path, "wb", buffering=0) as out:
-        if hasattr(src, "readinto") and not isinstance(src, io.BufferedReader):
-            bufs = [bytearray(CHUNK) for _ in range(4)]  # queue of 2 + one being read + one written
-            q: queue.Queue = queue.Queue(maxsize=2)
-            reader = threading.Thread(target=_read_ahead, args=(src, bufs, q), daemon=True)
-            reader.start()
-            try:
-                while True:
-                    buf, k = q.get()
-                    if isinstance(buf, BaseException):
-                        raise buf
-                    if not k:
-                        break
-                    view = memoryview(buf)[:k]
-                    crc = zlib.crc32(view, crc)
-                    out.write(view)
-                    n += k
-                    progress(k)
-            finally:
-                while reader.is_alive():  # let the reader finish (drain so it never blocks)
-                    try:
-                        q.get(timeout=0.1)
-                    except queue.Empty:
-                        pass
-        else:
-            while True:
-                chunk = src.read(CHUNK)
-                if not chunk:
-                    break
-                crc = zlib.crc32(chunk, crc)
-                out.write(chunk)
-                n += len(chunk)
-                progress(len(chunk))
+        while True:
+            chunk = src.read(CHUNK)
+            if not chunk:
+                break
+            crc = zlib.crc32(chunk, crc)
+            out.write(chunk)
+            n += len(chunk)
+            progress(len(chunk))
     return n, crc
+
+
+class _NoKernelCopy(Exception):
+    """Neither copy_file_range nor sendfile works between these two files."""
+
+
+def _kernel_copy_chunk(sfd: int, dfd: int, off: int, count: int, mode: list) -> int:
+    """Copy [off, off+count) in the kernel like ``cp`` (copy_file_range, else sendfile)."""
+    if mode[0] == "cfr":
+        try:
+            return os.copy_file_range(sfd, dfd, count, off, off)
+        except OSError as e:
+            if off or e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+            mode[0] = "sendfile"
+    try:
+        os.lseek(dfd, off, os.SEEK_SET)
+        return os.sendfile(dfd, sfd, off, count)
+    except OSError as e:
+        if off == 0 and e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise _NoKernelCopy from e
+        raise
+
+
+def _copy_file_kernel(src: str, dst: str, total: int, progress) -> tuple[int, int, int]:
+    """In-kernel copy with both checksums computed beside it; -> (bytes, src crc32, dst crc32).
+
+    The data never passes through Python: the kernel copies chunk by chunk while one thread
+    checksums the source and another the copy as far as it is written, both through read-only
+    memory maps (zlib releases the GIL), so verifying costs little more than ``cp`` itself."""
+    with open(src, "rb") as fs, open(dst, "wb+") as fd:
+        size = os.fstat(fs.fileno()).st_size
+        if size != total:
+            raise StageError(f"stage: {src!r} is {size} bytes, expected {total} (file changed?); "
+                             "HINT: stage again once the source is stable")
+        if size == 0:
+            return 0, 0, 0
+        os.ftruncate(fd.fileno(), size)
+        md = mmap.mmap(fd.fileno(), size, access=mmap.ACCESS_READ)
+        written: queue.Queue = queue.Queue()
+        out: dict = {}
+
+        def crc_of(m, key, ends):
+            if m is None:  # the source, mapped here so a cold read overlaps the copy
+                populate = getattr(mmap, "MAP_POPULATE", 0)  # fault it in one go, not page by page
+                m = mmap.mmap(fs.fileno(), size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+                maps.append(m)
+            view, crc, pos = memoryview(m), 0, 0
+            try:
+                for end in ends:
+                    part = view[pos:end]
+                    crc = zlib.crc32(part, crc)
+                    part.release()
+                    pos = end
+                out[key] = (pos, crc)
+            finally:
+                view.release()
+
+        maps = [md]
+        threads = [threading.Thread(target=crc_of, args=(None, "src", [size]), daemon=True),
+                   threading.Thread(target=crc_of, args=(md, "dst", iter(written.get, None)), daemon=True)]
+        for t in threads:
+            t.start()
+        off, mode = 0, ["cfr"]
+        try:
+            while off < size:
+                k = _kernel_copy_chunk(fs.fileno(), fd.fileno(), off, min(KERNEL_CHUNK, size - off), mode)
+                if k <= 0:
+                    raise StageError(f"stage: {src!r} ended at {off} of {size} bytes (truncated while copying?)")
+                off += k
+                written.put(off)
+                progress(k)
+        finally:
+            written.put(None)
+            for t in threads:
+                t.join()
+            for m in maps:
+                m.close()
+        if "src" not in out or "dst" not in out:
+            raise StageError(f"stage: checksumming {src!r} -> {dst!r} failed (see the thread error above)")
+        (sn, scrc), (dn, dcrc) = out["src"], out["dst"]
+        return off, scrc, dcrc if dn == off else -1
+
+
+def _copy_file(src: str, dst: str, total: int, progress) -> dict:
+    fsio.note_open(src)
+    try:
+        n, crc, dcrc = _copy_file_kernel(src, dst, total, progress)
+    except _NoKernelCopy:  # e.g. a filesystem without sendfile support: stream through Python
+        with open(src, "rb") as f:
+            n, crc = _copy_stream(f, dst, total, progress)
+        dcrc = _file_crc(dst)[1]
+    fsio.note_bytes(src, n)
+    if n != total:
+        raise StageError(f"stage: read {n} bytes from {src!r}, expected {total} (file changed while copying?); "
+                         "HINT: stage again once the source is stable")
+    dn = os.path.getsize(dst)
+    if (dn, dcrc) != (n, crc):
+        raise StageError(f"stage: copy {dst!r} has {dn} bytes crc {dcrc:08x}, source {n} bytes crc "
+                         f"{crc:08x}; HINT: the node-local disk may be faulty, try data.stage_to=shm")
+    return {"bytes": n, "crc32": crc, "files": 1}
 
 
 def _file_crc(path: str) -> tuple[int, int]:
@@ -178,19 +238,6 @@ def _file_crc(path: str) -> tuple[int, int]:
                 return n, crc
             crc = zlib.crc32(view[:k], crc)
             n += k
-
-
-def _copy_file(src: str, dst: str, total: int, progress) -> dict:
-    with fsio.open_counted(src) as f:
-        n, crc = _copy_stream(f, dst, total, progress)
-    if n != total:
-        raise StageError(f"stage: read {n} bytes from {src!r}, expected {total} (file changed while copying?); "
-                         "HINT: stage again once the source is stable")
-    dn, dcrc = _file_crc(dst)
-    if (dn, dcrc) != (n, crc):
-        raise StageError(f"stage: copy {dst!r} has {dn} bytes crc {dcrc:08x}, source stream {n} bytes crc "
-                         f"{crc:08x}; HINT: the node-local disk may be faulty, try data.stage_to=shm")
-    return {"bytes": n, "crc32": crc, "files": 1}
 
 
 def _manifest_update(crc: int, name: str, size: int, content_crc: int) -> int:
