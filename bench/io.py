@@ -111,8 +111,9 @@ def _rank(rank, world_size, a):
 
 
 def _delivery(ctx, imgs, max_steps):
-    """Broadcast loader delivery (encode, sizes, scatter, slice; no file reads, no decode) vs a
-    bare gloo broadcast of the same bytes, and vs a bare scatter of the same padded buffers."""
+    """Broadcast loader delivery with node groups (encode, header, one broadcast, slice; samples
+    from memory, no decode) vs a bare gloo broadcast of the same bytes per step, and vs a bare
+    scatter of the same per-member buffers."""
     import torch
     import torch.distributed as dist
 
@@ -286,7 +287,7 @@ def markdown(rows, stage_res, deliv, lmdb_res, a, cold_note) -> str:
                    f"{s['ratio']:.2f} ({s['cp_s']:.2f} s vs {s['stage_s']:.2f} s) | >= 0.9 |")
     out.append(f"| broadcast delivery / bare gloo broadcast of the same bytes ({deliv['steps']} steps, "
                f"{deliv['group_bytes'] / 1e6:.1f} MB per group) | {deliv['bare_broadcast_s'] / deliv['ours_s']:.2f} | >= 0.8 |")
-    out.append(f"| broadcast delivery / bare gloo scatter of the same padded buffers (the collective it uses) | "
+    out.append(f"| broadcast delivery / bare gloo scatter of the same padded buffers (what strided groups use) | "
                f"{deliv['bare_scatter_s'] / deliv['ours_s']:.2f} | (info) |")
     out.append(f"| LMDBDataset.raw_item / bare py-lmdb txn.get, {lmdb_res['reads']} random reads | "
                f"{lmdb_res['ratio']:.2f} ({lmdb_res['ours_per_s'] / 1e6:.2f} vs {lmdb_res['bare_per_s'] / 1e6:.2f} M/s) | >= 0.8 |")
