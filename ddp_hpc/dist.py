@@ -40,7 +40,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ddp_hpc.env import DistEnv, EnvError
+from ddp_hpc.env import DistEnv, EnvError, gpu_index, visible_gpus
 
 log = logging.getLogger(__name__)
 
@@ -80,61 +80,18 @@ class DistContext:
 
 
 # ----------------------------------------------------------------------------- device binding
-def _visible(environ: Mapping[str, str] | None) -> int:
-    """How many GPUs this process can use: CUDA_VISIBLE_DEVICES when given, else torch's count."""
-    if environ is not None and "CUDA_VISIBLE_DEVICES" in environ:
-        raw = environ["CUDA_VISIBLE_DEVICES"].strip()
-        if raw in ("", "NoDevFiles") or raw.startswith("-"):
-            return 0
-        ids = [d for d in raw.split(",") if d.strip()]
-        # CUDA stops at the first invalid entry (e.g. "0,-1,2" -> one device)
-        return next((i for i, d in enumerate(ids) if d.strip().startswith("-")), len(ids))
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def device_index(env: DistEnv, environ: Mapping[str, str] | None = None) -> int | None:
     """The CUDA device index this rank should use, or None to run on CPU (no GPU visible).
 
-    Pure in its arguments (``environ`` defaults to this process's environment for the GPU
-    variables only; rank facts come from ``env``). What Slurm 22.05 sets (seen on the test
-    cluster, 2 tasks per node):
-
-    =================================  ====================  ==================  =========
-    request                            CUDA_VISIBLE_DEVICES  SLURM_GPUS_ON_NODE  index
-    =================================  ====================  ==================  =========
-    --gpus-per-node=2                  0,1 (every task)      2                   local rank
-    --gpus-per-task=1                  0 / 1                 2                   0
-    --gpus-per-task=2                  0,1 / 2,3             4                   0
-    --gpus-per-node=4 --gpu-bind=...   0 / 1                 4                   0
-    =================================  ====================  ==================  =========
-
-    So: a task that sees fewer GPUs than its node has (or one GPU, or SLURM_GPUS_PER_TASK is
-    set) owns them and takes cuda:0; tasks that all see the node's GPUs take cuda:local_rank;
-    fewer GPUs than tasks on the node is an EnvError with a HINT.
+    The rule is `ddp_hpc.env.gpu_index` (shared with preflight, so both agree); ``environ``
+    defaults to this process's environment for the GPU variables only (rank facts come from
+    ``env``); without CUDA_VISIBLE_DEVICES the count is torch's.
     """
     gpu_vars = os.environ if environ is None else environ
-    count = _visible(environ)
-    if count == 0:
-        return None
-    seen = (f"CUDA_VISIBLE_DEVICES={gpu_vars.get('CUDA_VISIBLE_DEVICES', '<unset>')!s} "
-            f"({count} visible)")
-    raw_on_node = gpu_vars.get("SLURM_GPUS_ON_NODE", "")
-    on_node = int(raw_on_node) if raw_on_node.isdigit() else 0
-    if 0 < on_node < env.local_world_size:
-        raise EnvError(
-            f"{env.local_world_size} tasks on node {env.node_rank} but only SLURM_GPUS_ON_NODE="
-            f"{on_node} GPUs there ({seen}): local rank {env.local_rank} has no GPU of its own.",
-            f"Request one GPU per task: --ntasks-per-node={on_node} with --gpus-per-node={on_node}"
-            ", or --gpus-per-task=1.")
-    if count == 1 or count < on_node or gpu_vars.get("SLURM_GPUS_PER_TASK"):
-        return 0  # this task's own device(s): the first is cuda:0
-    if env.local_rank < count:
-        return env.local_rank
-    raise EnvError(
-        f"local rank {env.local_rank} (rank {env.rank}, {env.local_world_size} tasks on node "
-        f"{env.node_rank}) has no GPU to bind: {seen}.",
-        f"Use one task per GPU: --ntasks-per-node={count} with --gpus-per-node={count}, or "
-        "--gpus-per-task=1; for CPU-only runs set CUDA_VISIBLE_DEVICES= (empty).")
+    visible = visible_gpus(gpu_vars) if environ is not None else None
+    if visible is None:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpu_index(env, gpu_vars, visible)
 
 
 def select_device(env: DistEnv, environ: Mapping[str, str] | None = None) -> torch.device:

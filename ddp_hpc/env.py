@@ -135,6 +135,9 @@ class DistEnv:
             )
         newly = {k: v for k, v in wanted.items() if k not in target}
         target.update(newly)
+        # Remember who exported, so a later detect() in this same process keeps the launcher
+        # (RANK & co. would otherwise read as torchrun's); child processes ignore the mark.
+        target["DDP_HPC_EXPORTED"] = f"{os.getpid()}:{self.launcher}"
         return newly
 
 
@@ -197,6 +200,9 @@ def _restart_count(environ: Mapping[str, str]) -> int:
 
 def launcher_of(environ: Mapping[str, str]) -> str:
     """Which launcher started this process (see the module docstring for the precedence)."""
+    pid, _, exported = environ.get("DDP_HPC_EXPORTED", "").partition(":")
+    if pid == str(os.getpid()) and exported in LAUNCHERS and exported not in ("torchrun", "local"):
+        return exported  # RANK & co. came from our own export(), not from torchrun
     if environ.get("DDP_HPC_LAUNCHER") == "local":
         return "local"
     if "RANK" in environ and "WORLD_SIZE" in environ and "LOCAL_RANK" in environ:
@@ -335,32 +341,83 @@ def _ancestors() -> list[int]:
     return [proc.pid] + [p.pid for p in proc.parents()]
 
 
+def visible_gpus(environ: Mapping[str, str]) -> int | None:
+    """GPUs CUDA will expose given CUDA_VISIBLE_DEVICES; None when the variable is unset."""
+    if "CUDA_VISIBLE_DEVICES" not in environ:
+        return None
+    raw = environ["CUDA_VISIBLE_DEVICES"].strip()
+    if raw in ("", "NoDevFiles") or raw.startswith("-"):
+        return 0
+    ids = [d.strip() for d in raw.split(",") if d.strip()]
+    # CUDA stops at the first invalid entry ("0,-1,2" exposes one device)
+    return next((i for i, d in enumerate(ids) if d.startswith("-")), len(ids))
+
+
+def gpu_index(env: DistEnv, environ: Mapping[str, str], visible: int) -> int | None:
+    """The CUDA index this rank binds among ``visible`` devices, or None for CPU; pure.
+
+    What Slurm 22.05 sets (seen on the test cluster, 2 tasks per node; srun tasks get no
+    SLURM_GPUS_PER_TASK, and SLURM_GPUS_ON_NODE counts the step's GPUs on the node):
+
+    =================================  ====================  ==================  ===========
+    request                            CUDA_VISIBLE_DEVICES  SLURM_GPUS_ON_NODE  index
+    =================================  ====================  ==================  ===========
+    --gpus-per-node=2                  0,1 (every task)      2                   local rank
+    --gpus-per-task=1                  0 / 1                 2                   0
+    --gpus-per-task=2                  0,1 / 2,3             4                   0
+    --gpus-per-node=4 --gpu-bind=...   0 / 1                 4                   0
+    =================================  ====================  ==================  ===========
+
+    A task that sees fewer GPUs than its node has (or one GPU, or SLURM_GPUS_PER_TASK is set)
+    owns them and takes cuda:0; tasks that all see the node's GPUs take cuda:local_rank. Fewer
+    GPUs than tasks on a node, and (under Slurm) more GPUs than tasks, are `EnvError`s.
+    """
+    if visible == 0:
+        return None
+    seen = f"CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', '<unset>')} ({visible} visible)"
+    raw_on_node = environ.get("SLURM_GPUS_ON_NODE", "")
+    on_node = int(raw_on_node) if raw_on_node.isdigit() else 0
+    where = f"{env.local_world_size} tasks on node {env.node_rank}"
+    if 0 < on_node < env.local_world_size:
+        raise EnvError(
+            f"{where} but only SLURM_GPUS_ON_NODE={on_node} GPUs there ({seen}): "
+            f"local rank {env.local_rank} has no GPU to bind.",
+            f"Use one task per GPU: --ntasks-per-node={on_node} with --gpus-per-node={on_node}, or --gpus-per-task=1.")
+    if visible == 1 or visible < on_node or environ.get("SLURM_GPUS_PER_TASK"):
+        return 0  # this task's own device(s): the first is cuda:0
+    if env.local_rank >= visible:
+        raise EnvError(
+            f"local rank {env.local_rank} (rank {env.rank}, {where}) has no GPU to bind: {seen}.",
+            f"Use one task per GPU: --ntasks-per-node={visible} with --gpus-per-node={visible}, or "
+            "--gpus-per-task=1; for CPU-only runs set CUDA_VISIBLE_DEVICES= (empty).")
+    if on_node and env.local_world_size < visible:
+        raise EnvError(
+            f"{where} but each sees {visible} GPUs ({seen}, SLURM_GPUS_ON_NODE={on_node}): "
+            f"{visible - env.local_world_size} GPUs would stay idle.",
+            f"Use one task per GPU: --ntasks-per-node={visible} with --gpus-per-node={visible}, or --gpus-per-task=1.")
+    return env.local_rank
+
+
 def _check_gpus(env: DistEnv, environ: Mapping[str, str]) -> EnvError | None:
-    """Tasks per node must match the GPUs each task can see when GPUs were requested."""
+    """Under Slurm, when GPUs were requested, every task must have exactly one GPU to bind."""
     requested = [k for k in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS",
                              "SLURM_GPUS_PER_TASK", "SLURM_GPUS") if environ.get(k)]
     if not requested or env.launcher not in ("slurm", "submitit"):
         return None
-    raw = environ.get("CUDA_VISIBLE_DEVICES", "")
-    visible = [d for d in raw.split(",") if d.strip()] if raw not in ("", "NoDevFiles") else []
-    seen = ", ".join(f"{k}={environ[k]}" for k in requested)
+    visible = visible_gpus(environ) or 0
     if not visible:
+        seen = ", ".join(f"{k}={environ[k]}" for k in requested)
         return EnvError(
-            f"GPUs were requested ({seen}) but this task sees none (CUDA_VISIBLE_DEVICES={raw!r}), "
+            f"GPUs were requested ({seen}) but this task sees none "
+            f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}), "
             f"local rank {env.local_rank} on {env.hostnames[env.node_rank]}.",
             "Check --gpus-per-node/--gres on the sbatch line and that srun does not override it "
             "(e.g. --gpus=0 or --gres=none in the srun line).",
         )
-    if len(visible) == 1:  # --gpus-per-task=1 or --gpu-bind: each task owns its device
-        return None
-    if env.local_rank >= len(visible) or env.local_world_size != len(visible):
-        return EnvError(
-            f"{env.local_world_size} tasks on node {env.hostnames[env.node_rank]} but each sees {len(visible)} GPUs "
-            f"(CUDA_VISIBLE_DEVICES={raw}, {seen}); local rank {env.local_rank} "
-            + ("has no GPU to bind." if env.local_rank >= len(visible) else "would leave GPUs idle or shared."),
-            f"Use one task per GPU: --ntasks-per-node={len(visible)} with --gpus-per-node={len(visible)}, "
-            "or --gpus-per-task=1.",
-        )
+    try:
+        gpu_index(env, environ, visible)
+    except EnvError as e:
+        return e
     return None
 
 

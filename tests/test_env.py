@@ -139,6 +139,7 @@ def test_export_sets_and_never_replaces():
     env = envmod.detect(srun_task(3, 1, 1), ancestors=ancestors_ok)
     target = {"RANK": "3"}
     newly = env.export(target)
+    assert target.pop("DDP_HPC_EXPORTED").endswith(":slurm")
     assert target == {"MASTER_ADDR": "n1", "MASTER_PORT": str(PORT_4242), "RANK": "3", "WORLD_SIZE": "4",
                       "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert "RANK" not in newly
@@ -179,8 +180,20 @@ def test_uneven_tasks_per_node():
 def test_tasks_per_node_not_equal_to_visible_gpus():
     msg = only_error(srun_task(1, 1, 0, extra={"SLURM_GPUS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "4",
                                                "CUDA_VISIBLE_DEVICES": "0,1,2,3"}))
-    assert "2 tasks on node n1 but each sees 4 GPUs" in msg and "idle" in msg
+    assert "2 tasks on node 0 but each sees 4 GPUs" in msg and "2 GPUs would stay idle" in msg
     assert "HINT: Use one task per GPU: --ntasks-per-node=4" in msg
+
+
+def test_two_tasks_sharing_one_gpu():
+    msg = only_error(srun_task(1, 1, 0, extra={"SLURM_GPUS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "1",
+                                               "CUDA_VISIBLE_DEVICES": "0"}))
+    assert "2 tasks on node 0 but only SLURM_GPUS_ON_NODE=1 GPUs" in msg and "has no GPU to bind" in msg
+
+
+def test_gpus_per_task_two_each_is_fine():
+    # --gpus-per-task=2 --ntasks-per-node=2: each task owns two of the node's four GPUs
+    e = srun_task(1, 1, 0, extra={"SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "2,3"})
+    assert preflight(e, ancestors=ancestors_ok) == []
 
 
 def test_local_rank_without_gpu():
@@ -188,6 +201,7 @@ def test_local_rank_without_gpu():
                   extra={"SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1", "SLURM_STEP_NUM_NODES": "1"})
     msg = only_error(e)
     assert "local rank 3 has no GPU to bind" in msg and "CUDA_VISIBLE_DEVICES=0,1" in msg
+    assert "4 tasks on node 0 but only SLURM_GPUS_ON_NODE=2 GPUs" in msg
 
 
 def test_gpus_requested_none_visible():
@@ -218,6 +232,17 @@ def test_bad_values_are_named():
         envmod.detect({"MASTER_PORT": "70000"})
     problems = preflight(srun_task(0, 0, 0, nodes="n[1-"), ancestors=ancestors_ok)
     assert problems and "n[1-" in str(problems[0])
+
+
+def test_detect_after_export_keeps_the_launcher():
+    environ: dict[str, str] = {}
+    single = detect(environ)
+    single.export(environ)
+    again = detect(environ)
+    assert again == single  # not re-read as torchrun, same port
+    slurm_env = srun_task(1, 1, 0)
+    envmod.detect(slurm_env, ancestors=ancestors_ok).export(slurm_env)
+    assert envmod.detect(slurm_env, ancestors=ancestors_ok).launcher == "slurm"
 
 
 def test_distenv_is_frozen():
