@@ -283,7 +283,7 @@ def markdown(rows, stage_res, deliv, lmdb_res, a, cold_note) -> str:
                    f"{r['processes_reading_shared']} | {r['open_s_max']:.2f} |")
     out += ["", "| ratio (same run) | measured | target |", "|---|---:|---:|"]
     for mode, s in stage_res.items():
-        out.append(f"| staging / cp, {s['bytes'] >> 20} MiB, {mode} cache (copy + crc32 + re-read verify) | "
+        out.append(f"| staging / cp, {s['bytes'] >> 20} MiB, {mode} cache (in-kernel copy + crc32 of source and copy) | "
                    f"{s['ratio']:.2f} ({s['cp_s']:.2f} s vs {s['stage_s']:.2f} s) | >= 0.9 |")
     out.append(f"| broadcast delivery / bare gloo broadcast of the same bytes ({deliv['steps']} steps, "
                f"{deliv['group_bytes'] / 1e6:.1f} MB per group) | {deliv['bare_broadcast_s'] / deliv['ours_s']:.2f} | >= 0.8 |")
