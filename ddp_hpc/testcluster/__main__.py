@@ -1,4 +1,8 @@
-"""Command line: ``python -m ddp_hpc.testcluster up|down|status|install`` (see the package docstring)."""
+"""Command line: ``python -m ddp_hpc.testcluster up|down|status|run|install`` (see the package docstring).
+
+``run [options] -- CMD ...`` holds the machine's cluster lock for the whole command, so a pytest
+session cannot replace the cluster under it.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +39,10 @@ def install(slurmdbd: bool) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ddp_hpc.testcluster", description=__doc__)
-    p.add_argument("command", choices=["up", "down", "status", "install", "accounting-on", "accounting-off"])
+    p.add_argument("command", choices=["up", "down", "status", "run", "install", "accounting-on",
+                                       "accounting-off"],
+                   help="run: hold the cluster (lock), bring it up, run the command after `--` with "
+                        "SLURM_CONF set, then take it down (unless --keep)")
     p.add_argument("--nodes", type=int, default=4, help="number of nodes n1..nN (default 4)")
     p.add_argument("--gpus-per-node", type=int, default=4, help="fake GPUs per node (default 4)")
     p.add_argument("--layout", choices=LAYOUTS, default="netns",
@@ -50,15 +57,53 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="status as JSON")
     p.add_argument("--lock-wait", type=float, default=0.0, metavar="SECONDS",
                    help=f"wait this long for {lock.LOCK_FILE} when a test session holds it (default 0)")
+    p.add_argument("--keep", action="store_true", help="run: leave the cluster up afterwards")
     return p
 
 
+def _spec(args) -> ClusterSpec:
+    return ClusterSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node, layout=args.layout,
+                       slurmdbd=args.slurmdbd, state_dir=args.state_dir, subnet=args.subnet,
+                       port_base=args.port_base, node_prefix=args.node_prefix)
+
+
+def _up(spec: ClusterSpec) -> dict:
+    t0 = time.monotonic()
+    st = up(spec)
+    print(_describe(st))
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in st.get("timings", {}).items())
+    print(f"up in {time.monotonic() - t0:.1f} s ({phases or 'reused'}); use it with:\n"
+          f"  export SLURM_CONF={st['slurm_conf']}", flush=True)
+    return st
+
+
+def _run(args) -> int:
+    """Run one command against the cluster while holding the lock (no test session interferes)."""
+    cmd = args.cmd
+    if not cmd:
+        raise ClusterError("run needs a command\nHINT: python -m ddp_hpc.testcluster run -- srun -N2 hostname")
+    st = _up(_spec(args))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["SLURM_CONF"] = st["slurm_conf"]
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    try:
+        return subprocess.run(cmd, env=env).returncode
+    finally:
+        if not args.keep:
+            print("\n".join(down(args.state_dir)), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = _parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.cmd = cmd
     held = None
     try:
         if args.command == "install":
             return install(args.slurmdbd)
+        if args.cmd and args.command != "run":
+            raise ClusterError(f"unexpected command {args.cmd} after `--`\nHINT: only `run` takes one.")
         if args.command != "status":
             held = lock.acquire(args.lock_wait)
             if held is None:
@@ -79,14 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             set_accounting(args.state_dir, args.command == "accounting-on")
             print(_describe(status(args.state_dir)))
             return 0
-        spec = ClusterSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node, layout=args.layout,
-                           slurmdbd=args.slurmdbd, state_dir=args.state_dir, subnet=args.subnet,
-                           port_base=args.port_base, node_prefix=args.node_prefix)
-        t0 = time.monotonic()
-        st = up(spec)
-        print(_describe(st))
-        phases = ", ".join(f"{k} {v:.1f}" for k, v in st.get("timings", {}).items())
-        print(f"up in {time.monotonic() - t0:.1f} s ({phases or 'reused'}); use it with:\n  export SLURM_CONF={st['slurm_conf']}")
+        if args.command == "run":
+            return _run(args)
+        _up(_spec(args))
         return 0
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)

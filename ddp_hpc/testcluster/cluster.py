@@ -42,7 +42,7 @@ def load_state(state_dir: Path) -> dict | None:
 def _save_state(spec: ClusterSpec, state: dict) -> None:
     path = _state_path(spec.state_dir)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+    tmp.write_text(json.dumps(state, indent=1))
     os.replace(tmp, path)
 
 
