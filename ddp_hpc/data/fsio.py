@@ -37,7 +37,9 @@ STATE = _State()
 
 
 def watch(root: str | os.PathLike, open_delay_s: float = 0.0) -> None:
-    """Count opens/bytes below ``root`` (and sleep ``open_delay_s`` per open: simulated metadata cost)."""
+    """Start counting opens/bytes below ``root`` from zero (and sleep ``open_delay_s`` per open:
+    the simulated metadata cost)."""
+    reset()
     STATE.root = os.path.abspath(os.fspath(root)).rstrip("/") + "/"
     STATE.delay_s = float(open_delay_s)
 
