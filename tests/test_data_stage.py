@@ -173,3 +173,16 @@ def test_resolve_stage_dir():
         resolve_stage_dir("slurm_tmpdir", {})
     with pytest.raises(StageError, match="'relative' is not"):
         resolve_stage_dir("relative", {})
+
+
+def test_cli_stage_prints_the_local_path(tmp_path, capsys):
+    from ddp_hpc.data.__main__ import main as cli
+
+    src = _big_file(tmp_path / "shared.bin", 1)
+    dest = tmp_path / "local"
+    dest.mkdir()
+    assert cli(["stage", src, "--to", str(dest), "--json"]) == 0
+    path = json.loads(capsys.readouterr().out)["path"]
+    assert path.startswith(str(dest) + "/") and open(path, "rb").read() == open(src, "rb").read()
+    assert cli(["stage", src, "--to", "relative/dir"]) == 2
+    assert "HINT" in capsys.readouterr().err

@@ -13,6 +13,7 @@ spend most of a small-file read on the metadata server, not on the bytes).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class _State:
 
 _counts = IOCounts()
 STATE = _State()
+_lock = threading.Lock()  # reader threads (broadcast readers, staging) count concurrently
 
 
 def watch(root: str | os.PathLike, open_delay_s: float = 0.0) -> None:
@@ -70,7 +72,8 @@ def note_open(path: str) -> bool:
     """Record one open of ``path`` if it is below the watched root; returns whether it was counted."""
     if not _watched(path):
         return False
-    _counts.opens += 1
+    with _lock:
+        _counts.opens += 1
     if STATE.delay_s:
         time.sleep(STATE.delay_s)
     return True
@@ -78,7 +81,8 @@ def note_open(path: str) -> bool:
 
 def note_bytes(path: str, n: int) -> None:
     if _watched(path):
-        _counts.bytes += int(n)
+        with _lock:
+            _counts.bytes += int(n)
 
 
 def read_bytes(path: str | os.PathLike) -> bytes:
@@ -88,7 +92,8 @@ def read_bytes(path: str | os.PathLike) -> bytes:
     with open(path, "rb") as f:
         data = f.read()
     if counted:
-        _counts.bytes += len(data)
+        with _lock:
+            _counts.bytes += len(data)
     return data
 
 
@@ -103,13 +108,15 @@ class open_counted:
     def read(self, n: int = -1) -> bytes:
         data = self._f.read(n)
         if self._counted:
-            _counts.bytes += len(data)
+            with _lock:
+                _counts.bytes += len(data)
         return data
 
     def readinto(self, buf) -> int:
         n = self._f.readinto(buf)
         if self._counted and n:
-            _counts.bytes += n
+            with _lock:
+                _counts.bytes += n
         return n
 
     def close(self) -> None:
