@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ddp_hpc.runlogs import tail_file
+from ddp_hpc.rankout import tail_file
 from ddp_hpc.status_collect import JobStatus, fmt_duration
 
 COLUMNS = ("ID", "NAME", "BACKEND", "STATE", "NODESxGPUS", "ELAPSED/LIMIT", "RESTARTS",
