@@ -7,6 +7,7 @@
     python -m ddp_hpc.status 1234 --logs -n 20    # rank-prefixed tails of the rank logs
     python -m ddp_hpc.status 1234 --logs --rank 3 --follow
     python -m ddp_hpc.status --watch 5            # refresh the table every 5 s
+    python -m ddp_hpc.status 1234 --source sacct-c  # ask one source only (compare them)
     ... --json                                    # every view as JSON
 
 Jobs are found through their job records (``$DDP_HPC_HOME/jobs``, written by ddp_hpc.submit), so
