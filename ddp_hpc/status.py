@@ -80,6 +80,8 @@ def _check(args, parser) -> None:
         bad("--follow and --watch do not combine: --follow already keeps printing")
     if args.lines < 0:
         bad(f"-n {args.lines}: the number of lines must be 0 or more")
+    if args.limit < 0:
+        bad(f"--limit {args.limit}: give 0 (all jobs) or a positive number")
     if args.rank is not None and args.rank < 0:
         bad(f"--rank {args.rank}: ranks start at 0")
     if args.watch is not None and args.watch <= 0:

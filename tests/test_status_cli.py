@@ -258,6 +258,7 @@ def test_damaged_event_lines_are_skipped_and_reported(home):
     (["101", "--logs", "-n", "-1"], 2, "-n -1"),
     (["101", "--logs", "--follow", "--watch"], 2, "do not combine"),
     (["424242"], 1, "job '424242': no job record in"),
+    (["--limit", "-3"], 2, "--limit -3"),
     (["local-nothing"], 1, "HINT"),
 ])
 def test_bad_requests_fail_with_the_value_and_the_fix(home, args, code, needle):
