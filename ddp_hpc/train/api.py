@@ -134,6 +134,21 @@ def _context(rank: int | None, world_size: int | None):
     return ddp_dist.setup_ddp(rank, world_size), True
 
 
+def _teardown(ok: bool) -> None:
+    """Free the DDP wrapper, then destroy our process group (after a clean run, behind a barrier).
+
+    DDP sits in a reference cycle; left to the collector at interpreter exit, its reducer is
+    destroyed after torch's own state and the process aborts ("terminate called without an
+    active exception") in about one run of ten with 2 gloo ranks.  gc.collect() here frees it
+    while everything is alive.  After an error there is no barrier: a peer may be dead."""
+    import gc
+    from ddp_hpc.dist import cleanup_ddp
+    gc.collect()
+    if ok and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    cleanup_ddp()
+
+
 def _run_id(env) -> str:
     """The job id, or one timestamp agreed by all ranks."""
     if env.job_id:
@@ -190,13 +205,16 @@ def fit(model: nn.Module, train_dataset: Dataset, *, eval_dataset: Dataset | Non
         loss_fn, is_cls = build_loss(cfg)
         classification = is_cls if classification is None else classification
     ctx, own = _context(rank, world_size)
+    ok = False
     try:
-        return _train(cfg, ctx, model, train_dataset, eval_dataset, loss_fn,
-                      bool(classification if classification is not None else True), on_step=on_step)
+        result = _train(cfg, ctx, model, train_dataset, eval_dataset, loss_fn,
+                        bool(classification if classification is not None else True),
+                        on_step=on_step)
+        ok = True
+        return result
     finally:
         if own:
-            from ddp_hpc.dist import cleanup_ddp
-            cleanup_ddp()
+            _teardown(ok)
 
 
 def train_ddp(rank: int, world_size: int, model_class: Callable[..., nn.Module], data: Any,
@@ -223,6 +241,7 @@ def run_job(cfg: JobConfig, on_step: Callable[[int, int], None] | None = None) -
     if cfg.data.eval_dataset:
         _dataset_factory(cfg.data.eval_dataset, cfg.data.eval_kwargs, "data.eval_dataset")
     ctx, own = _context(None, None)
+    ok = False
     try:
         train_ds, eval_ds, batches = build_datasets(cfg, ctx)
         result = _train(cfg, ctx, model, train_ds, eval_ds, loss_fn, classification,
@@ -232,8 +251,8 @@ def run_job(cfg: JobConfig, on_step: Callable[[int, int], None] | None = None) -
             close = getattr(data_io, "close_train_data", None)
             if close is not None:
                 close(train_ds, cfg.data, ctx, completed=result.status == "completed")
+        ok = True
         return result
     finally:
         if own:
-            from ddp_hpc.dist import cleanup_ddp
-            cleanup_ddp()
+            _teardown(ok)

@@ -264,6 +264,7 @@ class Trainer:
                 start_batch = 0
             log.info(f"resumed from {resumed_from} at step {step} (epoch {epoch}, batch {start_batch})")
         self._last_saved = step
+        self._last_epoch = epoch - 1        # the last epoch trained in (for the final eval's label)
         del state
 
         flag = PreemptionFlag(cfg.preempt.signal).install()
@@ -273,13 +274,16 @@ class Trainer:
         result = TrainResult("completed", step, epoch, resumed_from=resumed_from)
         try:
             result = self._loop(step, epoch, start_batch, flag, progress, res, result, end_time)
+            flag.drain()         # not on errors: a peer that died may never join that collective
         finally:
-            flag.drain()
             flag.restore()
             progress.close()
         if result.status == "completed":
             self._finish(result)
         result.model = self.module
+        # drop the DDP wrapper now, while the process group is alive: freed later (at interpreter
+        # exit, after destroy_process_group) its reducer aborts the process now and then
+        self.model = None
         return result
 
     def _loop(self, step, epoch, start_batch, flag, progress, res, result, end_time) -> TrainResult:
@@ -376,7 +380,7 @@ class Trainer:
             log.event("epoch", epoch=epoch, step=step, loss=ep_mean, samples_per_s=ep_sps)
             log.info(f"epoch {epoch} done: step {step}/{self.total_steps} loss {ep_mean:.4f} "
                      f"{ep_sps:.0f} samples/s")
-            result.epoch = epoch
+            result.epoch = self._last_epoch = epoch
             if not finished_epoch:          # max_steps reached mid-epoch
                 result.step = step
                 if step != self._last_saved:
@@ -460,4 +464,4 @@ class Trainer:
         if self.cfg.train.sync_buffers_at_end:
             self._sync_buffers()
         if self.eval_data is not None:
-            result.eval_metrics = self._evaluate(result.epoch - 1, result.step)
+            result.eval_metrics = self._evaluate(self._last_epoch, result.step)
