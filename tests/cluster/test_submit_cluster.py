@@ -186,8 +186,11 @@ def test_torchrun_variant_completes_and_usr2_checkpoints_and_requeues(slurm_clus
         pytest.fail(f"no step events in {log_dir}: {(d / f'slurm-ddp_hpc_torchrun-{job_id}.out').read_text()}")
     s = c.run(["scancel", "--signal=USR2", job_id], timeout=30)
     assert s.returncode == 0, s.stderr
-    assert c.wait(job_id, timeout=400) == "COMPLETED", (log_dir / "node0.out").read_text()[-3000:]
+    state = c.wait(job_id, timeout=400)
     ev = _events(log_dir, 0)
+    assert state == "COMPLETED", (
+        [(e["event"], e["restart"], e.get("step")) for e in ev if e["event"] != "step"],
+        [l for l in (log_dir / "node0.out").read_text().splitlines() if "step" not in l][-60:])
     kinds = [(e["event"], e["restart"]) for e in ev]
     assert ("preempt", 0) in kinds and ("checkpoint", 0) in kinds and ("requeue", 0) in kinds, kinds
     assert ("start", 1) in kinds and ev[-1]["event"] == "end" and ev[-1]["status"] == "completed"
