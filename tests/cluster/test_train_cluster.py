@@ -15,10 +15,10 @@ import torch
 
 from ddp_hpc.train.checkpoint import find_latest_valid
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]   # includes waiting for the lock
 
 REPO = Path(__file__).resolve().parents[2]
-OVERRIDES = ["data.kwargs.size=4096", "train.epochs=4", "train.batch_size=16",
+OVERRIDES = ["data.kwargs.size=2048", "train.epochs=6", "train.batch_size=16",
              "log.every_n_steps=5", "checkpoint.every_steps=0", "log.progress=lines"]
 
 
@@ -63,9 +63,12 @@ def test_usr2_mid_run_checkpoints_requeues_resumes_and_matches_an_uninterrupted_
     sbatch_args = ("-N2", "--ntasks-per-node=2", "--requeue", "--open-mode=append", "--time=10")
     plain_dir, cut_dir = c.shared_dir / "train-plain", c.shared_dir / "train-cut"
 
+    t0 = time.monotonic()
     plain = c.sbatch(_script(plain_dir), *sbatch_args)
     assert c.wait(plain, timeout=300) == "COMPLETED", _diagnostics(c, plain, plain_dir)
+    print(f"uninterrupted job {plain}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
 
+    t0 = time.monotonic()
     cut = c.sbatch(_script(cut_dir), *sbatch_args)
     deadline = time.monotonic() + 240
     while True:                                     # wait until training is under way
@@ -73,10 +76,15 @@ def test_usr2_mid_run_checkpoints_requeues_resumes_and_matches_an_uninterrupted_
         if steps and steps[-1] >= 10:
             break
         assert time.monotonic() < deadline, _diagnostics(c, cut, cut_dir)
+        assert not any(e["event"] == "end" for e in _events(cut_dir / "logs").get(0, [])), \
+            "the job ended before the signal: " + _diagnostics(c, cut, cut_dir)
         time.sleep(0.2)
     p = c.run(["scancel", "--signal=USR2", cut])
     assert p.returncode == 0, p.stderr
+    print(f"job {cut}: USR2 sent at step {steps[-1]} after {time.monotonic() - t0:.1f} s",
+          file=sys.stderr)
     assert c.wait(cut, timeout=300) == "COMPLETED", _diagnostics(c, cut, cut_dir)
+    print(f"job {cut}: completed after {time.monotonic() - t0:.1f} s", file=sys.stderr)
 
     ev = _events(cut_dir / "logs")
     assert sorted(ev) == [0, 1, 2, 3]
