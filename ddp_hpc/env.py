@@ -76,6 +76,9 @@ class DistEnv:
     restart_count: int
     """How often the job was requeued (SLURM_RESTART_COUNT) or restarted by torchrun."""
     launcher: str
+    in_slurm: bool = False
+    """True inside a Slurm job step (srun, submitit's Slurm executor, torchrun under srun): the
+    job can be requeued with scontrol and its time limit read from squeue."""
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
@@ -239,6 +242,7 @@ def _from_torchrun(environ: Mapping[str, str], launcher: str) -> DistEnv:
         node_rank=node_rank, num_nodes=num_nodes, master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_port(environ, job_key), hostnames=hosts, job_id=job_key,
         restart_count=_restart_count(environ), launcher=launcher,
+        in_slurm=launcher == "torchrun" and _slurm_job_key(environ) is not None,
     )
 
 
@@ -277,6 +281,7 @@ def _from_slurm(environ: Mapping[str, str], launcher: str) -> DistEnv:
             rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
             master_addr=environ.get("MASTER_ADDR", hosts[0]), master_port=_port(environ, job_key),
             hostnames=hosts[:1], job_id=job_key, restart_count=_restart_count(environ), launcher=launcher,
+            in_slurm=True,
         )
 
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
@@ -310,7 +315,7 @@ def _from_slurm(environ: Mapping[str, str], launcher: str) -> DistEnv:
         rank=rank, local_rank=_int(environ, "SLURM_LOCALID"), world_size=world, local_world_size=per_node[node_rank],
         node_rank=node_rank, num_nodes=len(hosts), master_addr=environ.get("MASTER_ADDR") or hosts[0],
         master_port=_port(environ, job_key), hostnames=hosts, job_id=job_key,
-        restart_count=_restart_count(environ), launcher=launcher,
+        restart_count=_restart_count(environ), launcher=launcher, in_slurm=True,
     )
 
 

@@ -114,6 +114,8 @@ def test_detect_table(name):
     environ, expected = CASES[name]
     env = envmod.detect(environ, ancestors=ancestors_ok)
     assert tuple(getattr(env, f) for f in FIELDS) == expected
+    slurm_step = "SLURM_STEP_ID" in environ or (env.launcher == "submitit" and "SLURM_JOB_ID" in environ)
+    assert env.in_slurm == (slurm_step and env.launcher != "local"), name
 
 
 def test_single_process_gets_a_free_port():
