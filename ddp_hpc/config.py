@@ -109,6 +109,7 @@ class PreemptConfig:
     requeue: bool = True                 # under Slurm rank 0 requeues its own job
     exit_code: int = 75                  # outside Slurm (EX_TEMPFAIL: "try again")
     timelimit_window_s: float = 180.0    # a signal this close to the job's end time = time limit
+    check_every_steps: int = 0           # all-reduce the flag every N steps; 0: auto (~every 0.2 s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,6 +254,8 @@ def _validate(cfg: JobConfig) -> None:
     _check(lg.every_n_steps > 0, "log.every_n_steps", lg.every_n_steps, "a positive integer")
     _check(cfg.preempt.timelimit_window_s >= 0, "preempt.timelimit_window_s",
            cfg.preempt.timelimit_window_s, ">= 0")
+    _check(cfg.preempt.check_every_steps >= 0, "preempt.check_every_steps",
+           cfg.preempt.check_every_steps, ">= 0 (0: automatic)")
     _check(0 <= cfg.preempt.exit_code <= 255, "preempt.exit_code", cfg.preempt.exit_code, "0..255")
     sig = cfg.preempt.signal.upper().removeprefix("SIG")
     import signal as _signal

@@ -21,7 +21,8 @@ mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_
 
 def _cfg(tmp: str, *extra: str) -> list[str]:
     return [f"log.dir={tmp}/logs", f"checkpoint.dir={tmp}/ckpt", "log.progress=off",
-            "log.every_n_steps=2", "train.eval_every_epochs=0", *extra]
+            "log.every_n_steps=2", "train.eval_every_epochs=0", "preempt.check_every_steps=1",
+            *extra]
 
 
 def _fit_worker(rank: int, world: int, tmp: str, size: int, overrides: list[str],

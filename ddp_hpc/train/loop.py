@@ -40,6 +40,12 @@ from ddp_hpc.train.preempt import (PreemptionFlag, classify, job_end_time, reque
 from ddp_hpc.train.runlog import Progress, RunLog
 
 
+#: with preempt.check_every_steps=0 the flag is all-reduced about this often (seconds of training):
+#: on fast steps a collective every step would cost measurable throughput, on slow steps (>= this)
+#: every step is checked
+PREEMPT_CHECK_S = 0.2
+
+
 @dataclass
 class TrainResult:
     """What a rank's training ended with. `status`: completed | preempted."""
@@ -292,6 +298,9 @@ class Trainer:
         accum, nb, bs = t.grad_accum, self.batches_per_epoch, t.batch_size
         can_skip_sync = warm_up = isinstance(model, DDP)
         every = cfg.log.every_n_steps
+        auto_check = cfg.preempt.check_every_steps == 0
+        check_every = cfg.preempt.check_every_steps or 1    # auto: every step until measured
+        win_steps = 0
         zero = torch.zeros((), device=self.device)
         win_loss, win_micro, win_samples, win_t0 = zero.clone(), 0, 0, time.perf_counter()
         params = [p for p in self.module.parameters()]
@@ -348,6 +357,7 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
                 sched.step()
                 step += 1
+                win_steps += 1
                 progress.update(1)
                 if self.on_step is not None:
                     self.on_step(step, epoch)
@@ -357,6 +367,9 @@ class Trainer:
                         self.device)
                     result.loss = tot_loss / max(tot_micro, 1)
                     sps = tot_samples / max(tot_time / self.world, 1e-9)
+                    if auto_check:      # same reduced numbers on every rank -> same interval
+                        step_s = tot_time / self.world / max(win_steps, 1)
+                        check_every = max(1, min(1000, int(PREEMPT_CHECK_S / max(step_s, 1e-9))))
                     log.event("step", epoch=epoch, step=step, total_steps=self.total_steps,
                               loss=result.loss, lr=sched.get_last_lr()[0], samples_per_s=sps,
                               **res.sample())
@@ -364,12 +377,13 @@ class Trainer:
                         log.info(f"epoch {epoch} step {step}/{self.total_steps} "
                                  f"loss {result.loss:.4f} {sps:.0f} samples/s")
                     win_loss, win_micro, win_samples, win_t0 = zero.clone(), 0, 0, time.perf_counter()
+                    win_steps = 0
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 \
                         and micro < nb:
                     result.checkpoint = self._save(step, epoch, micro)
                 if step >= self.total_steps:
                     break
-                if flag.poll(self.distributed):
+                if step % check_every == 0 and flag.poll(self.distributed):
                     return self._preempted(flag, step, epoch, micro, nb, result, end_time)
             # ---- end of epoch (or max_steps inside it)
             finished_epoch = micro >= nb

@@ -3,8 +3,11 @@
 Why this shape: a signal handler may run in the middle of an all_reduce or a checkpoint write, so
 it does nothing but record the signal.  The loop checks the flag at step boundaries with ONE
 all_reduce(MAX) of the flag, so every rank takes the same decision at the same step; the collective
-is started asynchronously at the end of step k and waited for at the end of step k+1, so it costs
-no synchronisation point of its own (the decision lands one step later, identically on all ranks).
+is started asynchronously at one check and waited for at the next, so it costs no synchronisation
+point of its own (the decision lands one check later, identically on all ranks).  Checks happen
+every ``preempt.check_every_steps`` steps; the default 0 means "about every 0.2 s of training"
+(every step until the first log interval has measured the step time; every step when steps are
+slower than that), because on fast steps a collective per step costs measurable throughput.
 Then: checkpoint (rank 0), every rank logs and exits cleanly, and under Slurm rank 0 requeues its
 own job (``JOBID_TASK`` inside an array) through ``ddp_hpc.slurmcli``, the one module that runs
 Slurm commands.
