@@ -3,8 +3,8 @@
 Same processes (one local launch), same model, data, batch size and optimizer; the two loops
 alternate `--reps` times and the best time of each counts (the machine is shared; the best run is
 the least disturbed).  The plain loop is the seed exercise's: DistributedSampler + DataLoader,
-zero_grad / forward / backward / step, `loss.item()` every step.  The toolkit run is `fit()` with
-its defaults (run logs every 10 steps, preemption flag every step, a final checkpoint), only the
+zero_grad / forward / backward / step, `loss.item()` every step, rank 0 saves the weights.  The toolkit run is `fit()` with
+its defaults (run logs every 10 steps, the preemption flag check, a final checkpoint), only the
 progress output off.
 
     python bench/overhead.py                 # 2 processes, prints samples/s and the ratio
@@ -22,7 +22,8 @@ import time
 import torch
 
 
-def _plain(model, data, batch_size: int, epochs: int, lr: float, rank: int, world: int) -> float:
+def _plain(model, data, batch_size: int, epochs: int, lr: float, rank: int, world: int,
+           tmp: str) -> float:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
     ddp = DDP(model)
@@ -42,6 +43,8 @@ def _plain(model, data, batch_size: int, epochs: int, lr: float, rank: int, worl
             loss.backward()
             opt.step()
             epoch_loss += loss.item()
+    if rank == 0:                        # the seed saves the trained weights from rank 0
+        torch.save(ddp.module.state_dict(), f"{tmp}/plain_model.pt")
     torch.distributed.barrier()
     return time.perf_counter() - t0
 
@@ -68,11 +71,12 @@ def _worker(rank: int, world: int, args_d: dict, tmp: str):
         data = SyntheticClassification(size=a.size, in_dim=a.in_dim, num_classes=10, seed=0)
         times = {"plain": [], "toolkit": []}
         for rep in range(a.reps):
-            for kind in ("plain", "toolkit"):
+            order = ("plain", "toolkit") if rep % 2 == 0 else ("toolkit", "plain")
+            for kind in order:                # alternate who goes first
                 torch.manual_seed(0)
                 model = MLP(in_dim=a.in_dim, hidden=a.hidden, num_classes=10, depth=a.depth)
                 if kind == "plain":
-                    t = _plain(model, data, a.batch_size, a.epochs, 0.05, rank, world)
+                    t = _plain(model, data, a.batch_size, a.epochs, 0.05, rank, world, tmp)
                 else:
                     t = _toolkit(model, data, a.batch_size, a.epochs, 0.05, f"{tmp}/rep{rep}")
                 times[kind].append(t)
@@ -90,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=4)
     a = p.parse_args(argv)
     from ddp_hpc.launch import launch_distributed
     with tempfile.TemporaryDirectory() as tmp:
