@@ -89,6 +89,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _in_slurm(env) -> bool:
+    """A Slurm job step (srun, submitit on Slurm, torchrun under srun): requeue on preemption."""
+    return bool(getattr(env, "in_slurm", env.launcher == "slurm"))
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -418,7 +423,7 @@ class Trainer:
         """When this job's time limit ends (for telling a time limit from a preemption)."""
         end = job_end_time()
         env = self.ctx.env
-        if end is None and env.launcher == "slurm" and env.job_id:
+        if end is None and _in_slurm(env) and env.job_id:
             box = [slurm_end_time(env.job_id) if self.rank == 0 else None]
             if self.distributed:
                 dist.broadcast_object_list(box, src=0)
@@ -438,7 +443,7 @@ class Trainer:
                  f"checkpoint {path or 'written by rank 0'}")
         requeued = False
         env = self.ctx.env
-        if self.rank == 0 and env.launcher == "slurm" and env.job_id and self.cfg.preempt.requeue:
+        if self.rank == 0 and _in_slurm(env) and env.job_id and self.cfg.preempt.requeue:
             try:
                 requeue(env.job_id)
                 requeued = True
