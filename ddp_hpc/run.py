@@ -18,7 +18,9 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddp_hpc.run", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m ddp_hpc.run",
+                                description="Train the job CONFIG on this rank (any launcher).",
+                                epilog=__doc__.split("\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="YAML job file, e.g. jobs/demo.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value",
