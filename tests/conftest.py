@@ -87,7 +87,7 @@ class SlurmTestCluster:
 
     partition = "debug"
 
-    def __init__(self, spec, status: dict):
+    def __init__(self, spec):
         self._spec = spec
         self.nodes: list[str] = list(spec.node_names)
         self.gpus_per_node: int = spec.gpus_per_node
@@ -220,16 +220,41 @@ class SlurmTestCluster:
         set_accounting(self.state_dir, True)
 
 
-def _acquire_lock():
+_held_lock = []  # the open lock file while this session holds the machine's cluster
+
+
+def _acquire_lock() -> str | None:
+    """Take the machine's cluster lock for this session; the skip reason when it stays busy."""
+    if _held_lock:
+        return None
     from ddp_hpc.testcluster import lock
 
     def tell(holder):
-        sys.stderr.write(f"\n[slurm_cluster] waiting for {lock.LOCK_FILE} (held by {holder})\n")
+        sys.stderr.write(f"\n[slurm_cluster] waiting up to {LOCK_WAIT_S:.0f} s for {lock.LOCK_FILE} "
+                         f"(held by {holder})\n")
     f = lock.acquire(LOCK_WAIT_S, on_wait=tell)
     if f is None:
-        pytest.skip(f"the Slurm test cluster stayed busy for {LOCK_WAIT_S:.0f} s ({lock.LOCK_FILE} "
-                    f"held by {lock.holder()}); only one may run per machine")
-    return f
+        return (f"the Slurm test cluster stayed busy for {LOCK_WAIT_S:.0f} s ({lock.LOCK_FILE} held "
+                f"by {lock.holder()}); only one may run per machine")
+    _held_lock.append(f)
+    return None
+
+
+def _wants_cluster(item) -> bool:
+    return item.get_closest_marker("cluster") is not None or \
+        "slurm_cluster" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_finish(session):
+    """Wait for the cluster lock here, before any test runs, so the wait does not count against
+    a test's pytest-timeout; only when a selected test needs the cluster."""
+    if cluster_skip_reason() or not any(_wants_cluster(i) for i in session.items):
+        return
+    reason = _acquire_lock()
+    if reason:
+        for item in session.items:
+            if _wants_cluster(item):
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")
@@ -239,7 +264,9 @@ def slurm_cluster():
     if reason:
         pytest.skip(reason)
     from ddp_hpc.testcluster import ClusterError, ClusterSpec, down, up
-    lock = _acquire_lock()
+    busy = _acquire_lock()  # normally taken at collection already
+    if busy:
+        pytest.skip(busy)
     try:
         state_dir = Path(os.environ.get("DDP_HPC_TESTCLUSTER_DIR", "/tmp/ddp_hpc_testcluster"))
         layouts = ["netns", "loopback"] if _which_all("ip", "nsenter") else ["loopback"]
@@ -264,7 +291,7 @@ def slurm_cluster():
         if spec is None:
             raise ClusterError("the Slurm test cluster did not start:\n" + "\n".join(notes))
         _timings["up"] = time.monotonic() - t0
-        cluster = SlurmTestCluster(spec, {})
+        cluster = SlurmTestCluster(spec)
         cluster.startup_notes = notes
         try:
             yield cluster
@@ -273,7 +300,7 @@ def slurm_cluster():
             down(state_dir)
             _timings["down"] = time.monotonic() - t0
     finally:
-        lock.close()
+        _held_lock.pop().close()
 
 
 @pytest.fixture(autouse=True)
@@ -293,7 +320,7 @@ def pytest_collection_modifyitems(config, items):
     if not reason:
         return
     for item in items:
-        if item.get_closest_marker("cluster") is not None or "slurm_cluster" in getattr(item, "fixturenames", ()):
+        if _wants_cluster(item):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 

@@ -367,5 +367,6 @@ def down(state_dir: Path) -> list[str]:
     done += network.destroy(created)
     if created.get("hosts_block") and network.remove_hosts_block(spec):
         done.append("removed /etc/hosts block")
+    shutil.rmtree(spec.path("db"), ignore_errors=True)  # ~100 MB of MariaDB files; logs stay
     _state_path(spec.state_dir).unlink(missing_ok=True)
     return done
