@@ -97,7 +97,7 @@ def status(state_dir: Path) -> dict:
     nodes = node_states(spec) if procs.get("slurmctld") else {}
     usable = {"idle", "mix", "alloc", "comp"}
     healthy = state.get("complete", False) and all(procs.values()) and \
-        set(nodes) == set(spec.node_names) and all(s.rstrip("*") in usable for s in nodes.values())
+        set(nodes) == set(spec.node_names) and all(s in usable for s in nodes.values())
     return {"up": True, "healthy": healthy, "state_dir": str(spec.state_dir), "spec": spec.to_json(),
             "daemons": procs, "nodes": nodes, "slurm_conf": str(spec.slurm_conf),
             "accounting": accounting_mode(spec, state), "created": state.get("created", {}),
