@@ -19,7 +19,7 @@ from . import lock
 from .cluster import down, set_accounting, status, up
 from .spec import DEFAULT_PORT_BASE, DEFAULT_STATE_DIR, DEFAULT_SUBNET, LAYOUTS, ClusterError, ClusterSpec
 
-PACKAGES = ["slurm-wlm", "munge", "iproute2", "util-linux"]
+PACKAGES = ["slurm-wlm", "munge", "iproute2"]
 DB_PACKAGES = ["mariadb-server", "slurmdbd"]
 
 
