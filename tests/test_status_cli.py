@@ -312,3 +312,4 @@ def test_local_backend_job_where_rank1_raises_is_failed_naming_rank1(home):
     assert any("InjectedFailure" in ln for ln in f["traceback_tail"])
     assert js["progress"]["step"] >= 10  # it trained a while before failing (step events every 10)
     assert js["last_events"]["1"]["event"] == "end" and js["last_events"]["1"]["status"] == "failed"
+    assert js["last_events"]["1"]["step"] >= 10  # the end event names the last finished step

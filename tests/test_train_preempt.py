@@ -20,6 +20,7 @@ def test_signal_only_sets_a_flag_and_handlers_are_restored():
         os.kill(os.getpid(), signal.SIGUSR2)        # real delivery; the process keeps running
         time.sleep(0.01)
         assert flag.poll(distributed=False) and flag.received == signal.SIGUSR2
+        assert flag.requeue_wanted                    # the preemption signal asks for a requeue
         os.kill(os.getpid(), signal.SIGTERM)        # SIGTERM is caught too; the first one wins
         time.sleep(0.01)
         assert flag.received == signal.SIGUSR2
@@ -36,6 +37,8 @@ def test_sigterm_alone_sets_the_flag_and_a_configured_signal_is_used():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
         assert flag.received == signal.SIGTERM
+        # SIGTERM (a plain scancel, Slurm's own preemption or time limit) stops without a requeue
+        assert flag.poll(distributed=False) and not flag.requeue_wanted
     finally:
         flag.restore()
     assert signal_number("usr2") == signal.SIGUSR2
@@ -56,3 +59,33 @@ def test_end_time_sources():
     assert job_end_time({"DDP_HPC_JOB_END_TIME": "12.5"}) == 12.5
     assert job_end_time({"SLURM_JOB_END_TIME": "Unknown"}) is None
     assert job_end_time({}) is None
+
+
+def _agree(rank, world_size, signals):
+    """Each rank raises its own signal (or none); returns what the flag all_reduce agreed."""
+    from ddp_hpc.dist import cleanup_ddp, setup_ddp
+
+    setup_ddp()
+    flag = PreemptionFlag("USR2").install()
+    try:
+        if signals[rank]:
+            os.kill(os.getpid(), signal_number(signals[rank]))
+            time.sleep(0.01)
+        assert not flag.poll(distributed=True)     # the decision lands one check later
+        assert flag.poll(distributed=True)
+        return flag.agreed, flag.requeue_wanted
+    finally:
+        flag.drain()
+        flag.restore()
+        cleanup_ddp()
+
+
+@pytest.mark.parametrize("signals, expected", [
+    ((None, "TERM"), (PreemptionFlag.TERMINATE, False)),
+    (("TERM", "USR2"), (PreemptionFlag.PREEMPT, True)),
+    ((None, "USR2"), (PreemptionFlag.PREEMPT, True)),
+])
+def test_all_ranks_agree_which_signal_arrived(signals, expected):
+    from ddp_hpc.launch import launch_distributed
+
+    assert launch_distributed(_agree, 2, args=(signals,), timeout=120) == [expected, expected]

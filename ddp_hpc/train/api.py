@@ -122,7 +122,7 @@ class _Context:
         self.env, self.device, self.backend = env, device, dist.get_backend() if dist.is_initialized() else None
 
 
-def _context(rank: int | None, world_size: int | None):
+def _context(rank: int | None, world_size: int | None, timeout_s: float = 1800.0):
     """(context, whether we created the group)."""
     from ddp_hpc import dist as ddp_dist
     if dist.is_available() and dist.is_initialized():
@@ -131,7 +131,7 @@ def _context(rank: int | None, world_size: int | None):
         env = DistEnv.detect()
         env = dataclasses.replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
         return _Context(env, ddp_dist.select_device(env)), False
-    return ddp_dist.setup_ddp(rank, world_size), True
+    return ddp_dist.setup_ddp(rank, world_size, timeout=timeout_s), True
 
 
 def _teardown(ok: bool) -> None:
@@ -166,7 +166,7 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
     log = RunLog(log_dir, env.rank, env.job_id, env.restart_count)
     log_dir = log_dir.absolute()           # events name paths other tools open from elsewhere
     ckpt_dir = Path(cfg.checkpoint.dir).absolute() if cfg.checkpoint.dir else log_dir / "checkpoints"
-    step = 0
+    step, trainer = 0, None
     try:
         trainer = Trainer(cfg, ctx, model, train_ds, eval_ds, loss_fn, log, checkpoint_dir=ckpt_dir,
                           batches=batches, classification=classification, on_step=on_step)
@@ -185,7 +185,7 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
     except BaseException as e:
         log.event("error", exc_type=type(e).__name__, message=str(e),
                   traceback=traceback.format_exc())
-        log.event("end", status="failed", step=step)
+        log.event("end", status="failed", step=getattr(trainer, "step_done", step))
         log.info(f"FAILED: {type(e).__name__}: {e}")
         raise
     finally:
@@ -204,7 +204,7 @@ def fit(model: nn.Module, train_dataset: Dataset, *, eval_dataset: Dataset | Non
     if loss_fn is None:
         loss_fn, is_cls = build_loss(cfg)
         classification = is_cls if classification is None else classification
-    ctx, own = _context(rank, world_size)
+    ctx, own = _context(rank, world_size, cfg.train.collective_timeout_s)
     ok = False
     try:
         result = _train(cfg, ctx, model, train_dataset, eval_dataset, loss_fn,
@@ -240,7 +240,7 @@ def run_job(cfg: JobConfig, on_step: Callable[[int, int], None] | None = None) -
     _dataset_factory(cfg.data.dataset, cfg.data.kwargs, "data.dataset")
     if cfg.data.eval_dataset:
         _dataset_factory(cfg.data.eval_dataset, cfg.data.eval_kwargs, "data.eval_dataset")
-    ctx, own = _context(None, None)
+    ctx, own = _context(None, None, cfg.train.collective_timeout_s)
     ok = False
     try:
         train_ds, eval_ds, batches = build_datasets(cfg, ctx)

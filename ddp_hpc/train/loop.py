@@ -309,6 +309,7 @@ class Trainer:
         zero = torch.zeros((), device=self.device)
         win_loss, win_micro, win_samples, win_t0 = zero.clone(), 0, 0, time.perf_counter()
         params = [p for p in self.module.parameters()]
+        self.step_done = step                                # read by the error event on failure
         while epoch < t.epochs and step < self.total_steps:
             ep_loss, ep_micro, ep_samples, ep_t0 = zero.clone(), 0, 0, time.perf_counter()
             micro = start_batch
@@ -362,6 +363,7 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
                 sched.step()
                 step += 1
+                self.step_done = step
                 win_steps += 1
                 progress.update(1)
                 if self.on_step is not None:
@@ -443,7 +445,10 @@ class Trainer:
                  f"checkpoint {path or 'written by rank 0'}")
         requeued = False
         env = self.ctx.env
-        if self.rank == 0 and _in_slurm(env) and env.job_id and self.cfg.preempt.requeue:
+        if self.rank == 0 and _in_slurm(env) and not flag.requeue_wanted:
+            log.info("not requeuing: SIGTERM (a user's scancel, or Slurm ending or requeueing the job itself)")
+        if (self.rank == 0 and _in_slurm(env) and env.job_id and self.cfg.preempt.requeue
+                and flag.requeue_wanted):
             try:
                 requeue(env.job_id)
                 requeued = True

@@ -10,7 +10,12 @@ every ``preempt.check_every_steps`` steps; the default 0 means "about every 0.2 
 slower than that), because on fast steps a collective per step costs measurable throughput.
 Then: checkpoint (rank 0), every rank logs and exits cleanly, and under Slurm rank 0 requeues its
 own job (``JOBID_TASK`` inside an array) through ``ddp_hpc.slurmcli``, the one module that runs
-Slurm commands.
+Slurm commands -- but only for the configured preemption signal (USR2 by default). SIGTERM also
+stops the run with a checkpoint, yet never requeues: it is what a user's plain ``scancel`` sends,
+and what Slurm sends before it requeues a preempted job itself (PreemptMode=REQUEUE) or ends one at
+its time limit; requeueing then would resurrect a cancelled job or requeue it twice.  The flag
+all_reduce carries a code (0 nothing, 1 SIGTERM, 2 the preemption signal) so every rank knows
+which one arrived, on whichever rank.
 
 Time limit or preemption?  Rule: the signal is a **time limit** when the job's end time is known
 and the signal arrives within ``preempt.timelimit_window_s`` (default 180 s) of it: that is what
@@ -39,8 +44,13 @@ def signal_number(name: str) -> int:
 class PreemptionFlag:
     """Installs handlers for the configured signal and SIGTERM that only record what arrived."""
 
+    NONE, TERMINATE, PREEMPT = 0, 1, 2
+
     def __init__(self, signal_name: str = "USR2") -> None:
-        self.signums = sorted({signal_number(signal_name), int(signal.SIGTERM)})
+        self.preempt_signum = signal_number(signal_name)
+        self.signums = sorted({self.preempt_signum, int(signal.SIGTERM)})
+        self.agreed = self.NONE
+        """What all ranks agreed on at the deciding step: NONE, TERMINATE or PREEMPT (requeue)."""
         self.received: int | None = None
         self.received_at: float | None = None
         self._previous: dict[int, object] = {}
@@ -70,19 +80,32 @@ class PreemptionFlag:
     def local(self) -> bool:
         return self.received is not None
 
+    @property
+    def local_code(self) -> int:
+        if self.received is None:
+            return self.NONE
+        return self.PREEMPT if self.received == self.preempt_signum else self.TERMINATE
+
+    @property
+    def requeue_wanted(self) -> bool:
+        """True when the agreed stop came from the preemption signal (not SIGTERM) on some rank."""
+        return self.agreed == self.PREEMPT
+
     def poll(self, distributed: bool) -> bool:
         """Called once per step boundary on every rank.  Returns True when all ranks must stop now.
 
         Distributed: waits for the all_reduce started at the previous boundary (its result is
         identical on every rank), then starts the next one with the current local flag."""
         if not distributed:
+            self.agreed = self.local_code
             return self.local
         decided = False
         if self._pending is not None:
             work, t = self._pending
             work.wait()
-            decided = bool(t.item() > 0)
-        t = torch.tensor([1 if self.local else 0], dtype=torch.int32)
+            self.agreed = int(t.item())
+            decided = self.agreed > self.NONE
+        t = torch.tensor([self.local_code], dtype=torch.int32)
         if _backend_needs_cuda():
             t = t.cuda()
         self._pending = (dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), t)
