@@ -92,6 +92,7 @@ class TrainConfig:
     filter_zero_grads: bool = False      # drop all-zero grads before step (seed guide, NAS-style nets)
     sync_buffers_at_end: bool = True     # broadcast rank 0's buffers after the last step
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    collective_timeout_s: float = 1800.0  # a rank stuck this long in a collective fails the job
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,6 +234,8 @@ def _validate(cfg: JobConfig) -> None:
     _check(t.epochs > 0, "train.epochs", t.epochs, "a positive integer")
     _check(t.max_steps is None or t.max_steps > 0, "train.max_steps", t.max_steps, "null or > 0")
     _check(t.grad_accum > 0, "train.grad_accum", t.grad_accum, "a positive integer")
+    _check(t.collective_timeout_s > 0, "train.collective_timeout_s", t.collective_timeout_s,
+           "> 0 seconds (e.g. 600; lower fails a hung job sooner, too low kills slow but healthy steps)")
     _check(t.clip_grad_norm is None or t.clip_grad_norm > 0, "train.clip_grad_norm",
            t.clip_grad_norm, "null or > 0")
     _check(t.eval_every_epochs >= 0, "train.eval_every_epochs", t.eval_every_epochs, ">= 0")

@@ -27,6 +27,7 @@ the wrong peers or hang.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import socket
@@ -263,8 +264,14 @@ def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
 
 
 def cleanup_ddp() -> None:
-    """Destroy the default process group without a barrier; a no-op when none exists."""
+    """Destroy the default process group without a barrier; a no-op when none exists.
+
+    A DistributedDataParallel wrapper sits in a reference cycle; freed only at interpreter exit,
+    after the group is gone, its reducer aborts the process now and then ("terminate called
+    without an active exception"). Collecting first frees it while the group still exists.
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

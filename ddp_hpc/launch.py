@@ -154,8 +154,7 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, env: dict, co
     _exit_with_launcher()
     _limit_threads()
     try:
-        result = fn(rank, world_size, *args)
-        msg = ("ok", rank, result)
+        msg = ("ok", rank, fn(rank, world_size, *args))
     except SystemExit as exc:  # sys.exit(0) in a rank is a normal end, anything else a failure
         if exc.code in (0, None):
             msg = ("ok", rank, None)
@@ -165,6 +164,8 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, env: dict, co
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
         msg = ("err", rank, time.time(), type(exc).__qualname__, str(exc), traceback.format_exc())
     try:
+        if msg[0] == "ok":  # pickled here, by value: multiprocessing would pass tensors as shared
+            msg = ("ok", rank, pickle.dumps(msg[2]))  # memory of a process about to exit
         conn.send(msg)
     except Exception as exc:  # e.g. an unpicklable return value
         conn.send(("err", rank, time.time(), type(exc).__qualname__,
@@ -269,7 +270,7 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list:
         except (EOFError, OSError):
             return  # died without a message: its sentinel reports it
         if msg[0] == "ok":
-            results[rank] = msg[2]
+            results[rank] = pickle.loads(msg[2])
         else:
             _, rank, t, exc_type, message, tb = msg
             errors.append((t, RankFailedError(rank, exc_type, message, tb)))

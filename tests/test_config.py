@@ -54,6 +54,7 @@ def test_config_is_frozen_and_round_trips():
     (["train.epochs=2.5"], ["'train.epochs' has the wrong type", "2.5"]),
     (["train.precision=fp8"], ["'train.precision'", "'fp8'", "'bf16'"]),
     (["train.batch_size=-4"], ["'train.batch_size' = -4 is invalid", "positive integer"]),
+    (["train.collective_timeout_s=0"], ["'train.collective_timeout_s' = 0", "> 0 seconds"]),
     (["checkpoint.keep_last=0"], ["'checkpoint.keep_last' = 0", ">= 1"]),
     (["preempt.signal=USR9"], ["'preempt.signal'", "USR9", "USR2"]),
     (["train.batch_size"], ["not of the form key=value"]),

@@ -166,6 +166,19 @@ def test_sys_exit():
     assert (e.value.rank, e.value.exc_type, e.value.message) == (1, "SystemExit", "exit code 4")
 
 
+def _tensor(rank, world_size):
+    import torch
+
+    return {"rank": rank, "weights": torch.full((1000,), float(rank))}
+
+
+@pytest.mark.timeout(60)
+def test_tensor_results_arrive_by_value():
+    # shared-memory tensors of an exiting process used to fail as "exited with code 0"
+    out = launch_distributed(_tensor, 2, start_method=FAST)
+    assert [o["rank"] for o in out] == [0, 1] and float(out[1]["weights"].sum()) == 1000.0
+
+
 def _unpicklable(rank, world_size):
     return lambda: rank
 
