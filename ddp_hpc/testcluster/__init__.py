@@ -5,6 +5,7 @@
     export SLURM_CONF=/tmp/ddp_hpc_testcluster/etc/slurm.conf
     srun -N2 --ntasks-per-node=2 hostname
     python -m ddp_hpc.testcluster down
+    python -m ddp_hpc.testcluster run --slurmdbd -- CMD ...   # up, CMD, down, holding the lock
 
 Each node gets its own network namespace, address and hostname (``--layout netns``; the
 ``loopback`` layout runs every slurmd on 127.0.0.1 instead), fake GPUs through GRES, job
