@@ -46,11 +46,14 @@ def _rank_main(rank, world_size, shared, local_base):
             out[name + "_open_opens"] = fsio.snapshot()["opens"]
             out[name + "_path"] = getattr(ds, "root", None)
             batches = []
+            rng = torch.get_rng_state()
             for epoch, start in ((0, 0), (1, 0), (1, 1)):
                 batches.append([(_digest(x), y.tolist()) for x, y in make_train_batches(
                     ds, cfg, ctx, batch_size=3, seed=7, epoch=epoch, start_batch=start,
                     num_workers=cfg.num_workers)])
             out[name] = batches
+            # the global RNG (dropout & co.) must not move, or mid-epoch resume is not bitwise
+            out[name + "_rng_untouched"] = torch.equal(rng, torch.get_rng_state())
             close_train_data(ds, cfg, ctx, completed=True)
     finally:
         fsio.unwatch()
@@ -92,6 +95,12 @@ def test_stage_copies_once_per_node_to_each_node_local_dir(results, name):
     # data.stage_cleanup (default true) removed the copies after a completed run
     for node in ("node0", "node1"):
         assert [n for n in os.listdir(local / node) if n.startswith("ddp_hpc-stage-")] == []
+
+
+@pytest.mark.parametrize("name", ["direct", "lmdb", "stage_lmdb", "stage_dir", "broadcast_lmdb"])
+def test_batches_leave_the_global_rng_alone(results, name):
+    per_rank, _ = results
+    assert all(r[name + "_rng_untouched"] for r in per_rank), name
 
 
 def test_bad_io_settings_name_the_key():

@@ -128,6 +128,9 @@ def make_train_batches(dataset, data_cfg, ctx, *, batch_size: int, seed: int, ep
                                num_workers=num_workers)
     loader, sampler = _loader(dataset, ctx, batch_size, seed, num_workers)
     sampler.epoch, sampler.start = epoch, start_batch * batch_size
+    # A fresh iterator draws its base seed from `generator`, or from the global torch RNG when
+    # there is none -- which would shift dropout & co. and break bitwise mid-epoch resume.
+    loader.generator = torch.Generator().manual_seed(seed * 100003 + epoch)
     return iter(loader)
 
 
