@@ -20,9 +20,10 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from ddp_hpc.fsutil import atomic_write_json
 
 __all__ = [
     "JobRecord",
@@ -104,23 +105,6 @@ def _check_id(job_id: str) -> str:
     return job_id
 
 
-def _atomic_write_json(path: Path, data: Mapping[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def write_record(rec: JobRecord | Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Path:
     """Store a new record and return its path. Never replaces an existing file: an id seen before
     (job ids repeat across cluster restarts) gets the next free ``<id>.<n>.json``."""
@@ -138,7 +122,7 @@ def write_record(rec: JobRecord | Mapping[str, Any], environ: Mapping[str, str] 
         except FileExistsError:
             continue
         os.close(fd)
-        _atomic_write_json(path, data)
+        atomic_write_json(path, data)
         rec.path = str(path)
         return path
     raise JobRecordError(f"too many records with id {job_id!r} in {d}.\nHINT: remove old records there.")
@@ -149,7 +133,7 @@ def update_record(rec: JobRecord, environ: Mapping[str, str] | None = None) -> P
     if rec.path is None:
         return write_record(rec, environ)
     path = Path(rec.path)
-    _atomic_write_json(path, rec.to_dict())
+    atomic_write_json(path, rec.to_dict())
     return path
 
 

@@ -19,7 +19,6 @@ finds it from any directory.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex

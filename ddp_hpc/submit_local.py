@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ddp_hpc.submit_spec import JobSpec
+from ddp_hpc.fsutil import atomic_write_json
 
 __all__ = ["write_plan", "run_plan", "start_detached", "main"]
 
@@ -43,10 +44,7 @@ def write_plan(spec: JobSpec, job_id: str, record_id: str | None = None,
             "record_id": record_id, "workdir": spec.workdir, "ddp_hpc_home": ddp_hpc_home}
     path = Path(spec.log_dir) / PLAN_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(plan, indent=1))
-    os.replace(tmp, path)
-    return path
+    return atomic_write_json(path, plan, indent=1)
 
 
 class _Follow(threading.Thread):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ddp_hpc.submit_spec import JobSpec, SpecError, time_to_seconds
+from ddp_hpc.fsutil import atomic_write_text
 
 __all__ = ["clean_slurm_env", "cleaned_environ", "check_against_cluster", "submitit_parameters",
            "submit_submitit", "submit_sbatch", "wait_for_jobs", "run_verdict", "run_task"]
@@ -154,9 +155,7 @@ def submit_submitit(spec: JobSpec) -> list[str]:
 def submit_sbatch(spec: JobSpec, script_text: str, cli) -> tuple[str, Path]:
     """Write the script into the log directory (kept for the record) and submit it."""
     path = Path(spec.log_dir) / "job.sbatch"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(script_text)
-    os.replace(tmp, path)
+    atomic_write_text(path, script_text)
     job_id = cli.sbatch(script_text, cwd=spec.workdir)
     return job_id, path
 

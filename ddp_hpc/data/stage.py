@@ -38,6 +38,7 @@ import time
 import zlib
 
 from ddp_hpc.data import fsio
+from ddp_hpc.fsutil import atomic_write_json
 
 __all__ = ["stage", "resolve_stage_dir", "cleanup_staged", "StageError", "stage_key"]
 
@@ -319,15 +320,6 @@ def _read_marker(folder: str) -> dict | None:
         return None
 
 
-def _write_json_atomic(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _staged_ok(folder: str, marker: dict, recheck: bool) -> bool:
     path = os.path.join(folder, marker["name"])
     try:
@@ -371,7 +363,7 @@ def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> d
     os.rename(tmp, os.path.join(folder, name))
     marker = dict(info, name=name, kind=kind, src=src, attempt=attempt, seconds=time.monotonic() - t0,
                   host=os.uname().nodename, created=time.time())
-    _write_json_atomic(os.path.join(folder, MARKER), marker)
+    atomic_write_json(os.path.join(folder, MARKER), marker, indent=None)
     return marker
 
 
@@ -406,7 +398,7 @@ def stage(src: str | os.PathLike, dest: str | None = None, *, job_id: str | None
                     try:
                         marker = _do_copy(src, kind, folder, attempt, progress)
                     except BaseException as e:
-                        _write_json_atomic(os.path.join(folder, FAILED), {"attempt": attempt, "error": str(e)})
+                        atomic_write_json(os.path.join(folder, FAILED), {"attempt": attempt, "error": str(e)}, indent=None)
                         raise
                     log.info("stage: copied %s -> %s (%d bytes, %.1f s)", src, folder, marker["bytes"], marker["seconds"])
             finally:

@@ -261,7 +261,7 @@ DB_NAME = "slurm_acct_db"
 def render_slurmdbd_conf(spec: ClusterSpec) -> str:
     p = spec.path
     return "\n".join([
-        f"AuthType=auth/munge",
+        "AuthType=auth/munge",
         f"AuthInfo=socket={spec.munge_socket}",
         f"DbdHost={CONTROLLER_NAME}",
         f"DbdAddr={spec.controller_addr}",

@@ -9,16 +9,16 @@ marker, and skip anything broken with a warning, falling back to the next newest
 """
 from __future__ import annotations
 
-import os
 import random
 import re
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from ddp_hpc.fsutil import atomic_write
 
 FORMAT = "ddp_hpc.checkpoint/1"
 REQUIRED_KEYS = ("format", "step", "epoch", "batch_in_epoch", "model", "optimizer")
@@ -30,39 +30,14 @@ def checkpoint_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"ckpt-{step:09d}.pt"
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(directory: str | Path, step: int, state: dict, keep_last: int = 3) -> Path:
     """Write `state` atomically as ckpt-<step>.pt in `directory`, then keep only the newest
     `keep_last` checkpoints.  Returns the final path.  Call from one rank only."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".pt", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **state, "step": step}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(directory)
+    atomic_write(final, lambda f: torch.save({"format": FORMAT, **state, "step": step}, f),
+                 binary=True, tmp_prefix=_TMP_PREFIX)
     prune(directory, keep_last)
     return final
 

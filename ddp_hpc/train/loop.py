@@ -300,7 +300,7 @@ class Trainer:
     def _loop(self, step, epoch, start_batch, flag, progress, res, result, end_time) -> TrainResult:
         cfg, t, log = self.cfg, self.cfg.train, self.log
         model, opt, sched = self.model, self.optimizer, self.scheduler
-        accum, nb, bs = t.grad_accum, self.batches_per_epoch, t.batch_size
+        accum, nb = t.grad_accum, self.batches_per_epoch
         can_skip_sync = warm_up = isinstance(model, DDP)
         every = cfg.log.every_n_steps
         auto_check = cfg.preempt.check_every_steps == 0
