@@ -192,3 +192,61 @@ def load_record(job_id: str, cluster: str | None = None,
         f"no job record with id {job_id!r}{where} in {d}.\n"
         f"HINT: recent ids there: {known or 'none'}; jobs submitted with ddp_hpc.submit are recorded "
         f"under $DDP_HPC_HOME/jobs (set DDP_HPC_HOME to the value used when submitting).")
+
+
+# --------------------------------------------------------------------------- jobs not submitted by us
+
+
+def record_from_slurm(log_dir: str, config: str | None, overrides: list[str],
+                      environ: Mapping[str, str] | None = None) -> JobRecord:
+    """A record for the Slurm job this batch script runs in (``sbatch slurm/train.sbatch``).
+
+    Reads the job-level variables sbatch sets in the batch script; the record id is the
+    ``ARRAYJOB_TASK`` form inside an array, the plain job id otherwise.
+    """
+    env = os.environ if environ is None else environ
+    job, array_job, task = env.get("SLURM_JOB_ID"), env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if not job:
+        raise JobRecordError("no SLURM_JOB_ID: `register` runs inside a Slurm batch script.\n"
+                             "HINT: call it from the batch script (slurm/train.sbatch does).")
+    per_node = env.get("SLURM_GPUS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or "1"
+    digits = re.search(r"(\d+)\s*$", per_node)   # "gpu:2", "2" or "a100:4"
+    return JobRecord(
+        id=f"{array_job}_{task}" if array_job and task else job,
+        cluster=env.get("SLURM_CLUSTER_NAME", ""), name=env.get("SLURM_JOB_NAME", "ddp_hpc"),
+        backend="sbatch-script", nodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1),
+        gpus_per_node=int(digits.group(1)) if digits else 1, time_limit=None,
+        log_dir=os.path.abspath(log_dir), config=config, overrides=list(overrides),
+        submitted_at=__import__("time").time(), cwd=env.get("SLURM_SUBMIT_DIR") or os.getcwd(),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ddp_hpc.jobrecord register --log-dir DIR [CONFIG [key=value ...]]``."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m ddp_hpc.jobrecord",
+                                     description="Record the Slurm job this batch script runs in, for ddp_hpc.status.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    reg = sub.add_parser("register", help="write a record for $SLURM_JOB_ID (once per job)")
+    reg.add_argument("--log-dir", required=True, help="the job's log directory ($DDP_HPC_LOG_DIR)")
+    reg.add_argument("config", nargs="?", help="the job's config file")
+    reg.add_argument("overrides", nargs="*", help="its key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        rec = record_from_slurm(args.log_dir, args.config, args.overrides)
+        try:   # a requeued job keeps its first record
+            if load_record(rec.id, cluster=rec.cluster).log_dir == rec.log_dir:
+                return 0
+        except JobRecordError:
+            pass
+        print(f"ddp_hpc: job record {write_record(rec)}")
+    except (JobRecordError, OSError, ValueError) as e:
+        print(f"ddp_hpc.jobrecord: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -73,3 +73,25 @@ def test_bad_id_refused(env):
         jobrecord.write_record(_rec(job_id="../x"), env)
     with pytest.raises(JobRecordError, match="no job record with id '77'"):
         jobrecord.load_record("77", environ=env)
+
+
+def test_register_from_a_slurm_batch_script(env, tmp_path):
+    import subprocess
+    import sys
+
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "7",
+             "SLURM_CLUSTER_NAME": "c9", "SLURM_JOB_NAME": "demo", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_GPUS_PER_NODE": "gpu:4", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "ddp_hpc.jobrecord", "register", "--log-dir", str(tmp_path / "runs" / "x"),
+            "--", "jobs/demo.yaml", "train.epochs=2"]
+    full = {**os.environ, **env, **slurm}
+    for _ in range(2):   # a requeued job runs the script again: still one record
+        p = subprocess.run(argv, env=full, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+    rec = jobrecord.load_record("70_7", environ=env)
+    assert (rec.cluster, rec.name, rec.backend, rec.nodes, rec.gpus_per_node) == ("c9", "demo", "sbatch-script", 2, 4)
+    assert rec.log_dir == str(tmp_path / "runs" / "x") and rec.overrides == ["train.epochs=2"]
+    assert len(jobrecord.list_records(env)) == 1
+    outside = {k: v for k, v in full.items() if not k.startswith("SLURM_")}
+    p = subprocess.run(argv, env=outside, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "no SLURM_JOB_ID" in p.stderr and "HINT:" in p.stderr

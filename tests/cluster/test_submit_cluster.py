@@ -138,6 +138,10 @@ def test_train_sbatch_as_is_with_variables_and_arguments(slurm_cluster, where):
         assert c.wait(job_id, timeout=240) == "COMPLETED", (d / f"slurm-{name}-{job_id}.out").read_text()
         starts = _assert_2x2_completed(d / "runs" / f"{name}-{job_id}", job_id)
         assert {s["total_steps"] for s in starts} == {steps}
+        # the script recorded the job, so status finds it and its logs from any directory
+        rec = jobrecord.load_record(job_id, environ=env)
+        assert (rec.name, rec.backend, rec.nodes, rec.gpus_per_node) == (name, "sbatch-script", 2, 2)
+        assert rec.log_dir == str(d / "runs" / f"{name}-{job_id}") and rec.config == DEMO
 
 
 def test_sweep_is_one_array_of_four_tasks_with_their_overrides(slurm_cluster, where):
