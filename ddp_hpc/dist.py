@@ -269,6 +269,10 @@ def cleanup_ddp() -> None:
     A DistributedDataParallel wrapper sits in a reference cycle; freed only at interpreter exit,
     after the group is gone, its reducer aborts the process now and then ("terminate called
     without an active exception"). Collecting first frees it while the group still exists.
+
+    Create one process group per process: a second ``setup_ddp`` on the same MASTER_PORT right
+    after this can reach a peer's old store before that peer has torn it down (no barrier here,
+    so that a failing rank can always leave) and fail with "Connection closed by peer".
     """
     if dist.is_available() and dist.is_initialized():
         gc.collect()

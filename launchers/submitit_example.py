@@ -33,12 +33,13 @@ def task(config: str, overrides: list[str], log_dir: str) -> dict:
         t = torch.tensor([float(env.rank)])
         dist.all_reduce(t)
         assert t.item() == env.world_size * (env.world_size - 1) / 2, t.item()
+        # The training core reuses this process group. One group per process: destroying it
+        # and creating another on the same MASTER_PORT races with peers still tearing down.
+        os.environ["DDP_HPC_LOG_DIR"] = log_dir
+        from ddp_hpc import run
+        rc = run.main([config, *overrides])
     finally:
         cleanup_ddp()
-    # the training core builds its own process group from the same environment
-    os.environ["DDP_HPC_LOG_DIR"] = log_dir
-    from ddp_hpc import run
-    rc = run.main([config, *overrides])
     if rc:
         raise RuntimeError(f"ddp_hpc.run exited with {rc}")
     return {"rank": env.rank, "backend": ctx.backend}
