@@ -43,6 +43,7 @@ def _refresh_pid() -> None:
     _PID = os.getpid()
 
 
+_FS = fsio.STATE  # read once per sample: is a shared root being counted?
 _PID = os.getpid()  # kept current in forked children: no getpid() syscall per sample
 os.register_at_fork(after_in_child=_refresh_pid)
 
@@ -324,6 +325,7 @@ class LMDBDataset(torch.utils.data.Dataset):
         self._data_path = os.path.join(self.path, "data.mdb")
         self._env = None
         self._txn = None
+        self._get = None
         self._pid = None
 
     def __len__(self) -> int:
@@ -331,24 +333,25 @@ class LMDBDataset(torch.utils.data.Dataset):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.update(_env=None, _txn=None, _pid=None)  # handles never cross a process boundary
+        state.update(_env=None, _txn=None, _get=None, _pid=None)  # handles never cross a process boundary
         return state
 
     def _begin(self):
         if self._pid != _PID:  # first use in this process (after fork / in a worker)
             self._env = _open_readonly(self.path)
             self._txn = self._env.begin(buffers=False)  # one long read txn per process
+            self._get = self._txn.get
             self._pid = _PID
         return self._txn
 
     def raw_item(self, index: int) -> tuple[bytes, int]:
         """(stored file bytes, label) of record ``index``: the hot path, kept to one ``get``."""
-        txn = self._txn if self._pid == _PID else self._begin()
-        value = txn.get(b"%010d" % index)
+        get = self._get if self._pid == _PID else self._begin().get
+        value = get(b"%010d" % index)
         if value is None:
             raise IndexError(f"LMDBDataset {self.path!r}: no record {index} (0..{self._len - 1}); "
                              "HINT: if the index is in range run python -m ddp_hpc.data verify")
-        if fsio.STATE.root is not None:
+        if _FS.root is not None:
             fsio.note_bytes(self._data_path, len(value))
         return value, self._labels[index]
 
@@ -371,4 +374,4 @@ class LMDBDataset(torch.utils.data.Dataset):
         """End this process's read transaction (the shared handle stays for other datasets)."""
         if self._txn is not None and self._pid == _PID:
             self._txn.abort()
-        self._env = self._txn = self._pid = None
+        self._env = self._txn = self._get = self._pid = None
