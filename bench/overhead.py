@@ -15,7 +15,6 @@ Target: ratio (toolkit / plain) >= 0.97.
 from __future__ import annotations
 
 import argparse
-import io
 import tempfile
 import time
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddp_hpc.config import (ConfigError, JobConfig, config_from_dict, config_to_dict, load_config,
+from ddp_hpc.config import (ConfigError, config_from_dict, config_to_dict, load_config,
                             resolve_factory)
 
 REPO = Path(__file__).resolve().parents[1]

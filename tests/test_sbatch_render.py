@@ -3,7 +3,6 @@ rendered script with bash (a stand-in `srun` that records its argv) proves that 
 reach the program as literal arguments and never as shell code."""
 
 import os
-import shlex
 import stat
 import subprocess
 from pathlib import Path
@@ -48,7 +47,7 @@ def test_golden(name):
     path = GOLDEN / name
     if UPDATE:
         path.write_text(text)
-    assert text == path.read_text(), f"render() changed; review and rerun with DDP_HPC_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), "render() changed; review and rerun with DDP_HPC_UPDATE_GOLDEN=1"
     assert render(CASES[name]) == text   # pure: same spec, same text
 
 

@@ -62,7 +62,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_four_ranks_equal_one_process_with_four_times_the_batch(tmp_path, accum):
     # 4 ranks x batch 8 x accum a  vs  1 process x batch 32a: each step sees the same samples
     size, b = 32 * accum * 3, 8      # 3 optimizer steps, dataset divisible (no padding)
-    common = ["optim.momentum=0.9", "optim.lr=0.2", "train.epochs=1", f"train.seed=0"]
+    common = ["optim.momentum=0.9", "optim.lr=0.2", "train.epochs=1", "train.seed=0"]
     four = _launch(4, str(tmp_path / "four"), size,
                    _cfg(str(tmp_path / "four"), *common, f"train.batch_size={b}",
                         f"train.grad_accum={accum}"), {})

@@ -144,7 +144,7 @@ def decode_samples(buf: bytes, decode_item=None) -> list:
         pair = []
         for j in range(2):
             r = rows[(2 * i + j) * _ROW:(2 * i + j + 1) * _ROW]
-            dtype, ndim, shape, nbytes = _DTYPES[r[0]], r[1], r[2:2 + r[1]], r[-1]
+            dtype, shape, nbytes = _DTYPES[r[0]], r[2:2 + r[1]], r[-1]
             t = torch.frombuffer(bytearray(buf[off:off + nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
             pair.append(t.view(dtype).reshape(shape))
             off += nbytes
@@ -221,7 +221,6 @@ class Channel:
         """Reader: pass one message per member (in ``ranks`` order); members pass None."""
         if len(self.ranks) == 1:
             return messages[0]
-        g = len(self.ranks)
         if self.me == 0:
             lens = [len(m) for m in messages]
             need = self.head + (max(lens) if self.collective == "scatter" else sum(lens))

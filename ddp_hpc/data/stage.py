@@ -206,7 +206,8 @@ def _copy_file_kernel(src: str, dst: str, total: int, progress) -> tuple[int, in
         if "src" not in out or "dst" not in out:
             raise StageError(f"stage: checksumming {src!r} -> {dst!r} failed (see the thread error above)")
         (sn, scrc), (dn, dcrc) = out["src"], out["dst"]
-        return off, scrc, dcrc if dn == off else -1
+        # a checksum that did not cover all `off` bytes can never match: verification then fails
+        return off, (scrc if sn == off else -2), (dcrc if dn == off else -1)
 
 
 def _copy_file(src: str, dst: str, total: int, progress) -> dict:

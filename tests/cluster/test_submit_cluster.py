@@ -6,7 +6,6 @@ anything is submitted. Jobs are the demo with a few steps (CPU is scarce)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
