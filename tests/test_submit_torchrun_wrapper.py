@@ -3,7 +3,6 @@ sent to the wrapper's process group (what Slurm does to a step's task) must not 
 and must reach torchrun's workers, which live in their own sessions and so never see it
 otherwise. The workers then checkpoint and stop (outside Slurm: exit code preempt.exit_code)."""
 
-import json
 import os
 import re
 import signal
@@ -13,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from ddp_hpc.runlogs import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,15 +26,7 @@ def _wrapper() -> str:
 
 
 def _events(d: Path, r: int):
-    p = d / f"rank{r}.events.jsonl"
-    out = []
-    if p.exists():
-        for line in p.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
+    return read_events(d / f"rank{r}.events.jsonl").events
 
 
 def test_usr2_to_wrapper_group_reaches_torchrun_workers(tmp_path):

@@ -5,7 +5,6 @@ anything is submitted. Jobs are the demo with a few steps (CPU is scarce)."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import jobrecord
+from ddp_hpc.runlogs import read_events
 
 pytestmark = pytest.mark.cluster
 
@@ -43,16 +43,7 @@ def _records(where):
 
 
 def _events(log_dir: Path, rank: int) -> list[dict]:
-    p = Path(log_dir) / f"rank{rank}.events.jsonl"
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return read_events(Path(log_dir) / f"rank{rank}.events.jsonl").events
 
 
 def _assert_2x2_completed(log_dir: Path, job_id: str | None = None, outs: bool = True):
