@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import ddp_hpc, torch, submitit, lmdb, pytest" 2>/dev/null \
+if ! .venv/bin/python -c "import ddp_hpc, torch, submitit, lmdb, xxhash, pytest" 2>/dev/null \
    || [ requirements-ci.txt -nt .venv/.installed ]; then
   .venv/bin/pip install -q --disable-pip-version-check -r requirements-ci.txt
   .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .

@@ -186,3 +186,31 @@ def test_cli_stage_prints_the_local_path(tmp_path, capsys):
     assert path.startswith(str(dest) + "/") and open(path, "rb").read() == open(src, "rb").read()
     assert cli(["stage", src, "--to", "relative/dir"]) == 2
     assert "HINT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mib", [1, 40])  # one chunk; several in-kernel chunks with the hash trailing
+def test_a_copy_damaged_while_written_is_refused(tmp_path, monkeypatch, mib):
+    """A disk that returns other bytes than were written (simulated: a byte of the copy flipped
+    right after each in-kernel chunk) fails the hash comparison: no marker, the error names it."""
+    import ddp_hpc.data.stage as S
+
+    src = _big_file(tmp_path / "shared.bin", mib)
+    dest = tmp_path / "local"
+    dest.mkdir()
+    real = S._kernel_copy_chunk
+
+    def faulty(sfd, dfd, off, count, mode):
+        k = real(sfd, dfd, off, count, mode)
+        byte = os.pread(dfd, 1, off + k - 1)
+        os.pwrite(dfd, bytes([byte[0] ^ 0xFF]), off + k - 1)
+        return k
+
+    monkeypatch.setattr(S, "_kernel_copy_chunk", faulty)
+    with pytest.raises(StageError, match=r"hash .* source .* hash .*HINT"):
+        stage(src, str(dest), job_id="bad")
+    folder = next(p for p in dest.iterdir() if p.is_dir())
+    assert not (folder / "COMPLETE.json").exists()
+    assert json.load(open(folder / "FAILED.json"))["attempt"] == "bad:0"
+    monkeypatch.setattr(S, "_kernel_copy_chunk", real)  # the disk is healthy again: a retry succeeds
+    good = stage(src, str(dest), job_id="bad", restart_count=1)
+    assert open(good, "rb").read() == open(src, "rb").read()

@@ -5,7 +5,7 @@ read is local.  Local rank 0 of each node copies; the other local ranks poll a c
 (a file, so no collective is open while the copy runs and no collective timeout can trip).
 
 Guarantees:
-* atomic: the copy goes to ``.tmp-*`` inside the stage folder, its size and crc32 are checked
+* atomic: the copy goes to ``.tmp-*`` inside the stage folder, its size and xxh3-64 hash are checked
   against the source stream, it is renamed, and only then ``COMPLETE.json`` is written; nobody
   uses a copy without that marker, so a copy killed half-way is never used (the next copier
   deletes the leftovers).
@@ -15,9 +15,14 @@ Guarantees:
   new ``SLURM_RESTART_COUNT``) finds the verified copy and skips the shared read.
 * free space is checked first; too little is a :class:`StageError` naming both sizes and the fix.
 
-What is copied: a file (streamed, crc32); an LMDB folder (its ``data.mdb`` only: readers open
+What is copied: a file (in-kernel, hashed); an LMDB folder (its ``data.mdb`` only: readers open
 with ``lock=False``); any other folder as one ``tar`` stream (one sequential reader on the
-shared side) unpacked here with a crc32 manifest re-checked from disk.
+shared side) unpacked here with a hash manifest re-checked from disk.
+
+The checksum is xxHash's XXH3-64 (the ``xxhash`` package): about 25 GB/s on one core, against
+about 6 GB/s for zlib's crc32, so hashing both the source and the copy costs a few percent of
+the copy instead of half of it (``bench/io.py`` measures staging against ``cp``).
+
 """
 from __future__ import annotations
 
@@ -26,7 +31,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import mmap
 import os
 import queue
 import shutil
@@ -35,7 +39,8 @@ import tarfile
 import tempfile
 import threading
 import time
-import zlib
+
+import xxhash
 
 from ddp_hpc.data import fsio
 from ddp_hpc.fsutil import atomic_write_json
@@ -44,7 +49,8 @@ __all__ = ["stage", "resolve_stage_dir", "cleanup_staged", "StageError", "stage_
 
 log = logging.getLogger("ddp_hpc.data.stage")
 CHUNK = 8 << 20
-KERNEL_CHUNK = 64 << 20  # in-kernel copies: fewer, larger calls (progress still every 64 MiB)
+KERNEL_CHUNK = 16 << 20  # in-kernel copy calls; the copy's hash trails the copy by one chunk
+HASH_BUF = 4 << 20
 MARKER = "COMPLETE.json"
 FAILED = "FAILED.json"
 SPACE_MARGIN = 16 << 20
@@ -113,18 +119,18 @@ def stage_key(src: str, job_id: str | None) -> str:
 
 
 def _copy_stream(src, dst_path: str, total: int, progress) -> tuple[int, int]:
-    """Copy a stream (a tar member) to a new file; -> (bytes, crc32)."""
-    crc = n = 0
+    """Copy a stream (a tar member) to a new file; -> (bytes, xxh3-64)."""
+    h, n = xxhash.xxh3_64(), 0
     with open(dst_path, "wb", buffering=0) as out:
         while True:
             chunk = src.read(CHUNK)
             if not chunk:
                 break
-            crc = zlib.crc32(chunk, crc)
+            h.update(chunk)
             out.write(chunk)
             n += len(chunk)
             progress(len(chunk))
-    return n, crc
+    return n, h.intdigest()
 
 
 class _NoKernelCopy(Exception):
@@ -150,11 +156,13 @@ def _kernel_copy_chunk(sfd: int, dfd: int, off: int, count: int, mode: list) -> 
 
 
 def _copy_file_kernel(src: str, dst: str, total: int, progress) -> tuple[int, int, int]:
-    """In-kernel copy with both checksums computed beside it; -> (bytes, src crc32, dst crc32).
+    """In-kernel copy with both hashes computed beside it; -> (bytes, src xxh3-64, dst xxh3-64).
 
-    The data never passes through Python: the kernel copies chunk by chunk while one thread
-    checksums the source and another the copy as far as it is written, both through read-only
-    memory maps (zlib releases the GIL), so verifying costs little more than ``cp`` itself."""
+    The data is copied in the kernel (like ``cp``) chunk by chunk; one thread follows the copy,
+    hashing each finished chunk of the source (now in the page cache: no second read of the
+    shared filesystem) and then the same chunk of the copy.  It ``pread``s into a small reused
+    buffer (cheaper than faulting in a memory map) and xxhash releases the GIL, so on a second
+    core the verification hides behind the copy."""
     with open(src, "rb") as fs, open(dst, "wb+") as fd:
         size = os.fstat(fs.fileno()).st_size
         if size != total:
@@ -162,30 +170,23 @@ def _copy_file_kernel(src: str, dst: str, total: int, progress) -> tuple[int, in
                              "HINT: stage again once the source is stable")
         if size == 0:
             return 0, 0, 0
-        os.ftruncate(fd.fileno(), size)
-        md = mmap.mmap(fd.fileno(), size, access=mmap.ACCESS_READ)
         written: queue.Queue = queue.Queue()
         out: dict = {}
 
-        def crc_of(m, key, ends):
-            if m is None:  # the source, mapped here so a cold read overlaps the copy
-                populate = getattr(mmap, "MAP_POPULATE", 0)  # fault it in one go, not page by page
-                m = mmap.mmap(fs.fileno(), size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
-                maps.append(m)
-            view, crc, pos = memoryview(m), 0, 0
-            try:
-                for end in ends:
-                    part = view[pos:end]
-                    crc = zlib.crc32(part, crc)
-                    part.release()
-                    pos = end
-                out[key] = (pos, crc)
-            finally:
-                view.release()
+        def follow(ends):
+            view = memoryview(bytearray(HASH_BUF))
+            state = {fs.fileno(): [xxhash.xxh3_64(), 0], fd.fileno(): [xxhash.xxh3_64(), 0]}
+            for end in ends:
+                for fileno, hp in state.items():
+                    while hp[1] < end:
+                        k = os.preadv(fileno, [view[:min(HASH_BUF, end - hp[1])]], hp[1])
+                        if k <= 0:
+                            break  # shorter than expected: the count stays short and verification fails
+                        hp[0].update(view[:k])
+                        hp[1] += k
+            out["src"], out["dst"] = [(n, h.intdigest()) for h, n in state.values()]
 
-        maps = [md]
-        threads = [threading.Thread(target=crc_of, args=(None, "src", [size]), daemon=True),
-                   threading.Thread(target=crc_of, args=(md, "dst", iter(written.get, None)), daemon=True)]
+        threads = [threading.Thread(target=follow, args=(iter(written.get, None),), daemon=True)]
         for t in threads:
             t.start()
         off, mode = 0, ["cfr"]
@@ -201,57 +202,56 @@ def _copy_file_kernel(src: str, dst: str, total: int, progress) -> tuple[int, in
             written.put(None)
             for t in threads:
                 t.join()
-            for m in maps:
-                m.close()
         if "src" not in out or "dst" not in out:
-            raise StageError(f"stage: checksumming {src!r} -> {dst!r} failed (see the thread error above)")
-        (sn, scrc), (dn, dcrc) = out["src"], out["dst"]
-        # a checksum that did not cover all `off` bytes can never match: verification then fails
-        return off, (scrc if sn == off else -2), (dcrc if dn == off else -1)
+            raise StageError(f"stage: hashing {src!r} -> {dst!r} failed (see the thread error above)")
+        (sn, sh), (dn, dh) = out["src"], out["dst"]
+        # a hash that did not cover all `off` bytes can never match: verification then fails
+        return off, (sh if sn == off else -2), (dh if dn == off else -1)
 
 
 def _copy_file(src: str, dst: str, total: int, progress) -> dict:
     fsio.note_open(src)
     try:
-        n, crc, dcrc = _copy_file_kernel(src, dst, total, progress)
+        n, sh, dh = _copy_file_kernel(src, dst, total, progress)
     except _NoKernelCopy:  # e.g. a filesystem without sendfile support: stream through Python
         with open(src, "rb") as f:
-            n, crc = _copy_stream(f, dst, total, progress)
-        dcrc = _file_crc(dst)[1]
+            n, sh = _copy_stream(f, dst, total, progress)
+        dh = _file_hash(dst)[1]
     fsio.note_bytes(src, n)
     if n != total:
         raise StageError(f"stage: read {n} bytes from {src!r}, expected {total} (file changed while copying?); "
                          "HINT: stage again once the source is stable")
     dn = os.path.getsize(dst)
-    if (dn, dcrc) != (n, crc):
-        raise StageError(f"stage: copy {dst!r} has {dn} bytes crc {dcrc:08x}, source {n} bytes crc "
-                         f"{crc:08x}; HINT: the node-local disk may be faulty, try data.stage_to=shm")
-    return {"bytes": n, "crc32": crc, "files": 1}
+    if (dn, dh) != (n, sh):
+        raise StageError(f"stage: copy {dst!r} has {dn} bytes hash {dh & (2**64 - 1):016x}, source {n} bytes "
+                         f"hash {sh & (2**64 - 1):016x}; HINT: the node-local disk may be faulty, try data.stage_to=shm")
+    return {"bytes": n, "xxh3_64": sh, "files": 1}
 
 
-def _file_crc(path: str) -> tuple[int, int]:
-    crc = n = 0
+def _file_hash(path: str) -> tuple[int, int]:
+    """(bytes, xxh3-64) of a file, read through a fixed buffer."""
+    h, n = xxhash.xxh3_64(), 0
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while True:
             k = f.readinto(buf)
             if not k:
-                return n, crc
-            crc = zlib.crc32(view[:k], crc)
+                return n, h.intdigest()
+            h.update(view[:k])
             n += k
 
 
-def _manifest_update(crc: int, name: str, size: int, content_crc: int) -> int:
-    return zlib.crc32(f"{name}\0{size}\0{content_crc:08x}\n".encode(), crc)
+def _manifest_line(name: str, size: int, content_hash: int) -> bytes:
+    return f"{name}\0{size}\0{content_hash:016x}\n".encode()
 
 
 def _copy_dir_tar(src: str, dst: str, total: int, files: int, progress) -> dict:
-    """One ``tar -c`` stream from the shared side, unpacked here with a crc manifest."""
+    """One ``tar -c`` stream from the shared side, unpacked here with a hash manifest."""
     fsio.note_open(src)  # counted as one stream open; tar's own opens happen outside this process
     proc = subprocess.Popen(["tar", "-C", src, "-cf", "-", "--", "."], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    manifest = nbytes = nfiles = 0
+    manifest, nbytes, nfiles = xxhash.xxh3_64(), 0, 0
     names = []
     try:
         with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
@@ -264,8 +264,8 @@ def _copy_dir_tar(src: str, dst: str, total: int, files: int, progress) -> dict:
                     os.makedirs(target, exist_ok=True)
                 elif m.isfile():
                     os.makedirs(os.path.dirname(target), exist_ok=True)
-                    n, crc = _copy_stream(tf.extractfile(m), target, m.size, progress)
-                    manifest = _manifest_update(manifest, name, n, crc)
+                    n, h = _copy_stream(tf.extractfile(m), target, m.size, progress)
+                    manifest.update(_manifest_line(name, n, h))
                     names.append(name)
                     nbytes += n
                     nfiles += 1
@@ -279,14 +279,13 @@ def _copy_dir_tar(src: str, dst: str, total: int, files: int, progress) -> dict:
     if (nbytes, nfiles) != (total, files):
         raise StageError(f"stage: unpacked {nfiles} files / {nbytes} bytes from {src!r}, expected {files} / "
                          f"{total} (source changed while copying?); HINT: stage again once it is stable")
-    check = 0
+    check = xxhash.xxh3_64()
     for name in names:  # re-read from disk: what we use is what was sent
-        n, crc = _file_crc(os.path.join(dst, name))
-        check = _manifest_update(check, name, n, crc)
-    if check != manifest:
+        check.update(_manifest_line(name, *_file_hash(os.path.join(dst, name))))
+    if check.intdigest() != manifest.intdigest():
         raise StageError(f"stage: manifest checksum of {dst!r} differs from the stream's; "
                          "HINT: the node-local disk may be faulty, try data.stage_to=shm")
-    return {"bytes": nbytes, "crc32": manifest, "files": nfiles}
+    return {"bytes": nbytes, "xxh3_64": manifest.intdigest(), "files": nfiles}
 
 
 class _Progress:
@@ -329,7 +328,7 @@ def _staged_ok(folder: str, marker: dict, recheck: bool) -> bool:
         target = os.path.join(path, "data.mdb") if marker["kind"] == "lmdb" else path
         if os.path.getsize(target) != marker["bytes"]:
             return False
-        return not recheck or _file_crc(target) == (marker["bytes"], marker["crc32"])
+        return not recheck or _file_hash(target) == (marker["bytes"], marker.get("xxh3_64"))
     except OSError:
         return False
 
@@ -375,7 +374,7 @@ def stage(src: str | os.PathLike, dest: str | None = None, *, job_id: str | None
 
     ``copier`` is True on local rank 0 of each node; others pass False and wait for the marker
     (up to ``wait_timeout`` seconds).  Reuse of a verified copy is free (``recheck`` re-reads a
-    staged file/LMDB's crc32 once, locally).
+    staged file/LMDB's hash once, locally).
     """
     src = os.path.abspath(os.fspath(src))
     dest = os.path.abspath(dest or resolve_stage_dir("auto"))
