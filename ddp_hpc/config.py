@@ -52,6 +52,7 @@ class DataConfig:
     stage_to: str = "auto"               # auto | slurm_tmpdir | tmpdir | shm | an absolute path
     stage_cleanup: bool = True
     broadcast_groups: Literal["node", "strided", "two_level"] = "node"
+    broadcast_bucket_mb: float = 1.0     # io=broadcast: ship small steps together up to this size (0: off)
     num_workers: int = 0
 
 
@@ -252,6 +253,7 @@ def _validate(cfg: JobConfig) -> None:
     _check(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, ">= 1")
     _check(0.0 <= d.eval_split < 1.0, "data.eval_split", d.eval_split, "in [0, 1)")
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")
+    _check(d.broadcast_bucket_mb >= 0, "data.broadcast_bucket_mb", d.broadcast_bucket_mb, ">= 0")
     _check(d.stage_to in ("auto", "slurm_tmpdir", "tmpdir", "shm") or d.stage_to.startswith("/"),
            "data.stage_to", d.stage_to, "auto | slurm_tmpdir | tmpdir | shm | an absolute path")
     _check(lg.every_n_steps > 0, "log.every_n_steps", lg.every_n_steps, "a positive integer")

@@ -60,6 +60,16 @@ def _rank_main(rank, world_size, image_root):
                 tiny = BroadcastDataset(IndexDataset(), build_plan(ctx.env, mode), capacity=40, collective=coll)
                 out[f"{mode}_{coll}_tiny"] = [i for _, y in tiny.batches(batch_size=BATCH, seed=5, epoch=0)
                                               for i in y.tolist()]
+        # small steps are coalesced: one collective per bucket of steps, same samples per rank
+        for mode in ("node", "strided", "two_level"):
+            plan = build_plan(ctx.env, mode)
+            for cb, mc, start in ((0, 32, 0), (1 << 20, 2, 0), (4 << 20, 32, 0), (1 << 20, 2, 1)):
+                ds = BroadcastDataset(IndexDataset(), plan, coalesce_bytes=cb, max_coalesce=mc)
+                calls, deliver = [], ds._deliver
+                ds._deliver = lambda msgs: calls.append(1) or deliver(msgs)
+                ids = [i for _, y in ds.batches(batch_size=BATCH, seed=5, epoch=0, start_batch=start)
+                       for i in y.tolist()]
+                out[f"{mode}_coalesce_{cb}_{mc}_{start}"] = (ids, len(calls))
         # encoded image bytes through the two-level path; count opens below the shared root
         fsio.watch(image_root)
         cfg = DataConfig(io="broadcast", broadcast_groups="two_level")
@@ -119,6 +129,17 @@ def test_mid_epoch_start_skips_exactly_the_done_batches(results, mode):
 def test_buffers_grow_when_a_step_outgrows_them_with_either_collective(results, mode, coll):
     for rank, r in enumerate(results):
         assert r[f"{mode}_{coll}_tiny"] == _expected(rank, 0)
+
+
+@pytest.mark.parametrize("mode", ["node", "strided", "two_level"])
+def test_small_steps_are_coalesced_into_fewer_collectives(results, mode):
+    # 29 samples, 6 ranks, batch 2: 3 steps per rank
+    for (cb, mc, start), collectives in {(0, 32, 0): 3, (1 << 20, 2, 0): 2, (4 << 20, 32, 0): 1,
+                                         (1 << 20, 2, 1): 1}.items():
+        for rank, r in enumerate(results):
+            ids, calls = r[f"{mode}_coalesce_{cb}_{mc}_{start}"]
+            assert ids == _expected(rank, 0)[start * BATCH:], (mode, cb, mc, start, rank)
+            assert calls == collectives, (mode, cb, mc, start, rank)
 
 
 def test_readers_per_mode(results):

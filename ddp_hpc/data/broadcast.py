@@ -13,8 +13,10 @@ Modes (``data.broadcast_groups``), for 2 nodes x 3 ranks:
 
 Every step the reader builds one message per member: a small header (sample count, then per
 sample either (encoded length, label) or the shapes/dtypes of its tensors) followed by the bytes;
-message sizes are broadcast in the group, then the padded messages are scattered, so each member
-receives only its own samples.  Datasets with ``raw_item(i) -> (bytes, label)`` and
+one collective delivers them (see :class:`Channel`: scatter across nodes, broadcast and slice
+inside a node), so each member keeps only its own samples.  Small steps travel in buckets (``data.broadcast_bucket_mb``,
+1 MiB by default): one collective carries several consecutive steps, as DDP buckets gradients,
+so a collective's latency is paid once per bucket.  Datasets with ``raw_item(i) -> (bytes, label)`` and
 ``decode_item(bytes, label)`` ship compact encoded bytes and decode on the receiver; any other
 dataset ships ``dataset[i]``'s tensors.  Each rank gets exactly its ``DistributedSampler``
 indices (see :mod:`ddp_hpc.data.samplers`), in order.
@@ -156,12 +158,13 @@ def _bundle(messages: list[bytes]) -> bytes:
     return _i64([len(messages)] + [len(m) for m in messages]) + b"".join(messages)
 
 
-def _unbundle(buf: bytes) -> list[bytes]:
+def _unbundle(buf: bytes) -> list[memoryview]:
+    """Split a bundle into zero-copy views (``buf`` must not be reused: pass immutable bytes)."""
     (k,) = struct.unpack_from("<q", buf, 0)
     sizes = struct.unpack_from(f"<{k}q", buf, 8)
-    off, out = 8 * (k + 1), []
+    view, off, out = memoryview(buf), 8 * (k + 1), []
     for s in sizes:
-        out.append(bytes(buf[off:off + s]))
+        out.append(view[off:off + s])
         off += s
     return out
 
@@ -195,6 +198,7 @@ class Channel:
         rows = len(self.ranks) if (self.collective == "scatter" and self.me == 0) else 0
         self.out = torch.empty(self.cap, dtype=torch.uint8)  # broadcast: the shared buffer
         self.flat = torch.empty((rows, self.cap), dtype=torch.uint8) if rows else None
+        self._np = self.flat.numpy() if rows else self.out.numpy()  # views kept: no per-step wrapping
 
     def _run(self) -> np.ndarray:
         """Run the collective; returns this rank's received buffer as a numpy view."""
@@ -212,10 +216,10 @@ class Channel:
 
     def _write_header(self, values) -> None:
         if self.collective == "scatter":
-            for row in self.flat.numpy():
+            for row in self._np:
                 row[:16].view(np.int64)[:] = values[:2]
         else:
-            self.out.numpy()[:self.head].view(np.int64)[:] = values
+            self._np[:self.head].view(np.int64)[:] = values
 
     def send(self, messages: list[bytes] | None) -> bytes:
         """Reader: pass one message per member (in ``ranks`` order); members pass None."""
@@ -230,14 +234,17 @@ class Channel:
                 self._run()
                 self.cap = new_cap
                 self._alloc()
+            view = self._np
             if self.collective == "scatter":
-                view = self.flat.numpy()
                 for i, m in enumerate(messages):
                     view[i, :16].view(np.int64)[:] = (len(m), self.cap)
                     view[i, 16:16 + len(m)] = np.frombuffer(m, dtype=np.uint8)
             else:
                 self._write_header([0, self.cap] + lens)
-                self.out.numpy()[self.head:self.head + sum(lens)] = np.frombuffer(b"".join(messages), dtype=np.uint8)
+                off = self.head
+                for m in messages:  # one copy of each message into place
+                    view[off:off + len(m)] = np.frombuffer(m, dtype=np.uint8)
+                    off += len(m)
         while True:
             buf = self._run()
             status, cap = buf[:16].view(np.int64).tolist()
@@ -261,11 +268,22 @@ class BroadcastDataset(torch.utils.data.Dataset):
     single sample is unaffected.
     """
 
-    def __init__(self, inner, plan: GroupPlan, capacity: int = 64 << 10, collective: str = "auto"):
+    def __init__(self, inner, plan: GroupPlan, capacity: int = 64 << 10, collective: str = "auto",
+                 coalesce_bytes: int = 1 << 20, max_coalesce: int = 32):
         """``collective``: auto (broadcast+slice inside a node: node groups and the second level
         of two_level; scatter across nodes: strided groups and the leaders level), or force
-        scatter / broadcast everywhere."""
+        scatter / broadcast everywhere.
+
+        ``coalesce_bytes``/``max_coalesce``: when steps are small, the reader ships consecutive
+        steps in one collective until the group's bytes reach ``coalesce_bytes`` (at most
+        ``max_coalesce`` steps), as DDP buckets gradients: a collective's fixed latency then
+        counts once per bucket, not once per step.  Steps that are already large go one per
+        collective; ``coalesce_bytes=0`` turns it off."""
+        if coalesce_bytes < 0 or max_coalesce < 1:
+            raise ValueError(f"BroadcastDataset: coalesce_bytes={coalesce_bytes} must be >= 0 and "
+                             f"max_coalesce={max_coalesce} >= 1")
         self.inner, self.plan = inner, plan
+        self.coalesce_bytes, self.max_coalesce = coalesce_bytes, max_coalesce
         self.raw = hasattr(inner, "raw_item") and hasattr(inner, "decode_item")
         first = collective if collective != "auto" else ("broadcast" if plan.mode == "node" else "scatter")
         second = collective if collective != "auto" else "broadcast"
@@ -285,8 +303,9 @@ class BroadcastDataset(torch.utils.data.Dataset):
     def messages(self, *, batch_size: int, seed: int, epoch: int, start_batch: int = 0, num_workers: int = 0):
         """Per step, this rank's encoded message (the part without decoding).
 
-        A reader prepares step b+1 (reads and encodes, in a helper thread) while step b's
-        collective runs, so shared-filesystem latency overlaps the transfer."""
+        A reader prepares the next bucket of steps (reads and encodes, in a helper thread) while
+        the current bucket's collective runs and its steps are consumed, so shared-filesystem
+        latency overlaps the transfer and the training."""
         p, n = self.plan, len(self.inner)
         steps = batches_per_rank(n, p.world_size, batch_size)
         full = epoch_permutation(n, p.world_size, seed, epoch) if p.serves else []
@@ -294,18 +313,28 @@ class BroadcastDataset(torch.utils.data.Dataset):
         pool = ThreadPoolExecutor(num_workers) if (num_workers and p.serves) else None
         ahead = ThreadPoolExecutor(1) if p.serves else None
 
-        def prepare(b: int) -> dict:
-            lo, hi = b * batch_size, (b + 1) * batch_size
-            return {r: encode_samples(self._read(perm[r][lo:hi], pool), self.raw) for r in p.serves}
+        def prepare(b: int) -> tuple[int, dict]:
+            """Steps b.. (one bucket) -> (first step after it, {member: bundle of its messages})."""
+            parts, nbytes, b0 = {r: [] for r in p.serves}, 0, b
+            while b < steps and (b == b0 or (nbytes < self.coalesce_bytes and b - b0 < self.max_coalesce)):
+                lo, hi = b * batch_size, (b + 1) * batch_size
+                for r in p.serves:
+                    parts[r].append(encode_samples(self._read(perm[r][lo:hi], pool), self.raw))
+                    nbytes += len(parts[r][-1])
+                b += 1
+            return b, {r: _bundle(ms) for r, ms in parts.items()}
 
         try:
-            nxt = ahead.submit(prepare, start_batch) if ahead and start_batch < steps else None
-            for b in range(start_batch, steps):
+            b = start_batch
+            nxt = ahead.submit(prepare, b) if ahead and b < steps else None
+            while b < steps:  # members learn each bucket's size from the bundle they receive
                 msgs = {}
                 if nxt is not None:
-                    msgs = nxt.result()
-                    nxt = ahead.submit(prepare, b + 1) if b + 1 < steps else None
-                yield self._deliver(msgs)
+                    b_next, msgs = nxt.result()
+                    nxt = ahead.submit(prepare, b_next) if b_next < steps else None
+                for part in _unbundle(self._deliver(msgs)):
+                    b += 1
+                    yield part
         finally:
             for ex in (ahead, pool):
                 if ex is not None:

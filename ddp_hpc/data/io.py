@@ -97,7 +97,8 @@ def open_train_data(data_cfg, ctx, dataset_factory):
         if not (dist.is_available() and dist.is_initialized()):
             raise IOConfigError("data.io=broadcast needs torch.distributed initialised (setup_ddp) first")
         device = ctx.device if getattr(ctx, "backend", "gloo") == "nccl" else None
-        return BroadcastDataset(inner, build_plan(ctx.env, data_cfg.broadcast_groups, device))
+        return BroadcastDataset(inner, build_plan(ctx.env, data_cfg.broadcast_groups, device),
+                                coalesce_bytes=int(data_cfg.broadcast_bucket_mb * (1 << 20)))
     raise IOConfigError(f"data.io={io!r} is not direct, lmdb, stage or broadcast; HINT: set data.io=direct")
 
 
