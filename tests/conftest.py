@@ -29,6 +29,7 @@ What the fixture yields (a :class:`SlurmTestCluster`)::
         c.wait(jid)                  # 'COMPLETED' | 'FAILED' | 'TIMEOUT' | 'CANCELLED' | ...
         c.output(jid)                # text of slurm-<jid>.out (batch jobs run in shared_dir)
         c.shared_dir                 # Path seen by every node, fresh per session (mode 1777)
+        c.local_dir                  # same path on every node, each node's own folder behind it
         c.jobcomp_file               # Path of the jobcomp/filetxt records (`sacct -c`)
         c.accounting                 # 'slurmdbd' (plain sacct works) or 'jobcomp' (sacct disabled)
         c.stop_slurmdbd()            # switch to a jobcomp-only cluster (sacct: "accounting storage
@@ -96,6 +97,7 @@ class SlurmTestCluster:
         self.state_dir: Path = spec.state_dir
         self.slurm_conf: Path = spec.slurm_conf
         self.shared_dir: Path = spec.shared_dir
+        self.local_dir: Path = spec.local_dir
         self.jobcomp_file: Path = spec.jobcomp_file
         self.log_dir: Path = spec.path("log")
         self.slurmdbd_available: bool = spec.slurmdbd

@@ -22,7 +22,7 @@ from .spec import (CONTROLLER_NAME, ClusterError, ClusterSpec, render_gres_conf,
 
 STATE_FILE = "state.json"
 STAMP = ".ddp_hpc_testcluster"
-_FRESH_DIRS = ("etc", "munge", "run", "log", "ctld", "spool", "dev", "shared", "db")
+_FRESH_DIRS = ("etc", "munge", "run", "log", "ctld", "spool", "dev", "shared", "db", "local", "nodelocal")
 
 
 def _state_path(state_dir: Path) -> Path:
@@ -126,6 +126,8 @@ def _prepare_dir(spec: ClusterSpec) -> None:
     os.chmod(d / "shared", 0o1777)
     for node in spec.node_names:
         (d / "spool" / node).mkdir()
+        spec.local_backing(node).mkdir(mode=0o1777)
+        os.chmod(spec.local_backing(node), 0o1777)
 
 
 def _write(path: Path, text: str, mode: int = 0o644) -> None:
@@ -193,9 +195,12 @@ def _start_slurmctld(spec: ClusterSpec, clean: bool) -> None:
 
 
 def _start_slurmd(spec: ClusterSpec, i: int, node: str) -> None:
-    inner = (f"hostname {shlex.quote(node)} && exec slurmd -f {shlex.quote(str(spec.slurm_conf))} "
+    # a private mount namespace: this node's local/NODE appears at nodelocal/ for slurmd and its
+    # job steps only (propagation private, so nothing leaks to the host or the other nodes)
+    inner = (f"mount --bind {shlex.quote(str(spec.local_backing(node)))} {shlex.quote(str(spec.local_dir))} && "
+             f"hostname {shlex.quote(node)} && exec slurmd -f {shlex.quote(str(spec.slurm_conf))} "
              f"-N {shlex.quote(node)}")
-    argv = ["unshare", "--uts", "sh", "-c", inner]
+    argv = ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", inner]
     if spec.layout == "netns":
         argv = ["nsenter", f"--net=/run/netns/{spec.netns_name(node)}", *argv]
     log = spec.path("log", f"slurmd-{node}.log")

@@ -164,6 +164,16 @@ class ClusterSpec:
     def shared_dir(self) -> Path:
         return self.path("shared")
 
+    @property
+    def local_dir(self) -> Path:
+        """Each node's own "local disk": the same path on every node, a different folder behind
+        it (slurmd runs in its own mount namespace with ``local/NODE`` bound here), so jobs can
+        stage or ``sbcast`` to it as to a real node-local disk."""
+        return self.path("nodelocal")
+
+    def local_backing(self, node: str) -> Path:
+        return self.path("local", node)
+
     def gpu_files(self) -> list[Path]:
         return [self.path("dev", f"nvidia{k}") for k in range(self.gpus_per_node)]
 
