@@ -195,6 +195,16 @@ class SlurmCLI:
                              f"(stderr {done.stderr!r}): no job id")
         return job_id
 
+    def sbcast(self, src: str, dest: str, *, force: bool = True, preserve: bool = False) -> None:
+        """``sbcast [--force] [--preserve] SRC DEST``: copy one file to DEST on every node of the
+        current allocation (SLURM_JOB_ID must be set).  DEST's folder must exist on each node."""
+        for what, value in (("source", src), ("destination", dest)):
+            if not isinstance(value, str) or not value or value.startswith("-") or "\n" in value:
+                raise ValueError(f"sbcast {what} {value!r} is not a usable path; HINT: pass an absolute path")
+        argv = ["sbcast"] + (["--force"] if force else []) + (["--preserve"] if preserve else []) + [src, dest]
+        self._run(argv, hint="sbcast runs inside an allocation (sbatch/salloc) and needs the destination "
+                             "folder to exist on every node; try data.stage_to=tmpdir")
+
     def requeue(self, job_id: object) -> None:
         """``scontrol requeue JOB``: the job goes back to PENDING and later runs again."""
         self._run(["scontrol", "requeue", validate_job_id(job_id)])

@@ -214,3 +214,23 @@ def test_a_copy_damaged_while_written_is_refused(tmp_path, monkeypatch, mib):
     monkeypatch.setattr(S, "_kernel_copy_chunk", real)  # the disk is healthy again: a retry succeeds
     good = stage(src, str(dest), job_id="bad", restart_count=1)
     assert open(good, "rb").read() == open(src, "rb").read()
+
+
+def test_sbcast_refuses_outside_an_allocation_and_for_folders(tmp_path):
+    from ddp_hpc.data.sbcast import sbcast_stage
+    from ddp_hpc.slurmcli import SlurmCLI
+
+    f = tmp_path / "a.bin"
+    f.write_bytes(b"x" * 100)
+    with pytest.raises(StageError, match="SLURM_JOB_ID is not set.*HINT"):
+        sbcast_stage(f, str(tmp_path), environ={})
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(StageError, match="folder.*HINT: pack it into one LMDB"):
+        sbcast_stage(tmp_path / "folder", str(tmp_path), environ={"SLURM_JOB_ID": "7"})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run([sys.executable, "-m", "ddp_hpc.data", "sbcast", str(f), "--to", str(tmp_path)],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "SLURM_JOB_ID is not set" in done.stderr
+    for bad in ("-rf", "", "a\nb"):
+        with pytest.raises(ValueError, match="not a usable path"):
+            SlurmCLI().sbcast(bad, "/tmp/x")

@@ -4,6 +4,8 @@
     python -m ddp_hpc.data pack /shared/imgs /shared/imgs.lmdb
     python -m ddp_hpc.data verify /shared/imgs.lmdb
     python -m ddp_hpc.data stage /shared/imgs.lmdb --to tmpdir     # copy once per node, print the path
+    python -m ddp_hpc.data sbcast /shared/imgs.lmdb --to tmpdir    # in a batch script: Slurm's sbcast
+                                                                   # to every node; stage adopts it
 
 Errors print one message with a HINT and exit with status 2.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -43,10 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--classes", type=int, default=10)
     m.add_argument("--size", type=int, default=16)
     m.add_argument("--seed", type=int, default=0)
-    s = sub.add_parser("stage", help="copy a file, LMDB or folder to node-local storage (single process)")
+    s = sub.add_parser("stage", help="copy a file, LMDB or folder to node-local storage (single process; "
+                       "in a Slurm job keyed by its job id, so training ranks reuse it)")
     s.add_argument("src")
     s.add_argument("--to", default="auto", help="auto | slurm_tmpdir | tmpdir | shm | an absolute path")
-    for q in (a, v, m, s):
+    b = sub.add_parser("sbcast", help="in a batch script: sbcast a file or LMDB to every node of the job")
+    b.add_argument("src")
+    b.add_argument("--to", default="auto", help="auto | slurm_tmpdir | tmpdir | shm | an absolute path "
+                   "(the same path on every node)")
+    for q in (a, v, m, s, b):
         q.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -69,8 +77,18 @@ def main(argv=None) -> int:
 
             out = {"root": make_images(args.root, args.count, args.classes, args.size, args.seed)}
             text = f"images in {out['root']}"
+        elif args.cmd == "sbcast":
+            from ddp_hpc.data.sbcast import sbcast_stage
+
+            out = sbcast_stage(args.src, S.resolve_stage_dir(args.to))
+            text = (f"sbcast {out['bytes']} bytes to {out['data']} on every node in {out['seconds']:.1f} s; "
+                    "data.io=stage (or `python -m ddp_hpc.data stage`) adopts it")
         else:
-            path = S.stage(args.src, S.resolve_stage_dir(args.to))
+            from ddp_hpc.data.sbcast import _job_key
+
+            restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+            path = S.stage(args.src, S.resolve_stage_dir(args.to), job_id=_job_key(os.environ),
+                           restart_count=int(restart) if restart.isdigit() else 0)
             out = {"path": path}
             text = f"staged at {path}"
     except (L.PackError, L.VerifyError, S.StageError, FileExistsError, FileNotFoundError, ValueError) as e:

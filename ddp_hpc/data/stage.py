@@ -15,6 +15,10 @@ Guarantees:
   new ``SLURM_RESTART_COUNT``) finds the verified copy and skips the shared read.
 * free space is checked first; too little is a :class:`StageError` naming both sizes and the fix.
 
+With ``python -m ddp_hpc.data sbcast`` run first in the batch script, Slurm's ``sbcast`` has
+already put a copy and its manifest on every node; the copier verifies and adopts it instead of
+reading the shared filesystem (see :mod:`ddp_hpc.data.sbcast`).
+
 What is copied: a file (in-kernel, hashed); an LMDB folder (its ``data.mdb`` only: readers open
 with ``lock=False``); any other folder as one ``tar`` stream (one sequential reader on the
 shared side) unpacked here with a hash manifest re-checked from disk.
@@ -333,6 +337,52 @@ def _staged_ok(folder: str, marker: dict, recheck: bool) -> bool:
         return False
 
 
+def sbcast_paths(dest: str, key: str) -> tuple[str, str]:
+    """(data, manifest) that ``ddp_hpc.data.sbcast`` leaves in ``dest`` on each node for ``key``."""
+    data = os.path.join(dest, f".{key}.sbcast")
+    return data, data + ".json"
+
+
+def _adopt_sbcast(src: str, kind: str, dest: str, folder: str, attempt: str) -> dict | None:
+    """Install a copy ``sbcast`` left on this node (verified against its manifest); None if none."""
+    data, manifest = sbcast_paths(dest, os.path.basename(folder))
+    try:
+        with open(manifest) as f:
+            m = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    t0 = time.monotonic()
+    try:
+        got = _file_hash(data)
+    except OSError:
+        got = None
+    if m.get("src") != src or m.get("kind") != kind or got != (m.get("bytes"), m.get("xxh3_64")):
+        log.warning("stage: ignoring the sbcast copy %s (manifest %s, local %s); copying instead", data,
+                    {k: m.get(k) for k in ("src", "kind", "bytes", "xxh3_64")}, got)
+        for p in (data, manifest):
+            if os.path.exists(p):
+                os.remove(p)
+        return None
+    name = os.path.basename(src.rstrip("/"))
+    for leftover in os.listdir(folder):  # we hold the lock: anything here is from a dead copier
+        p = os.path.join(folder, leftover)
+        shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+    if kind == "lmdb":
+        tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
+        os.mkdir(tmp)
+        os.rename(data, os.path.join(tmp, "data.mdb"))
+        os.rename(tmp, os.path.join(folder, name))
+    else:
+        os.rename(data, os.path.join(folder, name))
+    os.remove(manifest)
+    marker = {"bytes": got[0], "xxh3_64": got[1], "files": 1, "name": name, "kind": kind, "src": src,
+              "attempt": attempt, "method": "sbcast", "seconds": time.monotonic() - t0,
+              "host": os.uname().nodename, "created": time.time()}
+    atomic_write_json(os.path.join(folder, MARKER), marker, indent=None)
+    log.info("stage: adopted the sbcast copy of %s in %s", src, folder)
+    return marker
+
+
 def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> dict:
     name = os.path.basename(src.rstrip("/"))
     for leftover in os.listdir(folder):  # we hold the lock: anything here is from a dead copier
@@ -361,8 +411,8 @@ def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> d
     finally:
         bar.close()
     os.rename(tmp, os.path.join(folder, name))
-    marker = dict(info, name=name, kind=kind, src=src, attempt=attempt, seconds=time.monotonic() - t0,
-                  host=os.uname().nodename, created=time.time())
+    marker = dict(info, name=name, kind=kind, src=src, attempt=attempt, method="copy",
+                  seconds=time.monotonic() - t0, host=os.uname().nodename, created=time.time())
     atomic_write_json(os.path.join(folder, MARKER), marker, indent=None)
     return marker
 
@@ -392,11 +442,15 @@ def stage(src: str | os.PathLike, dest: str | None = None, *, job_id: str | None
                 marker = _read_marker(folder)
                 if marker is not None and _staged_ok(folder, marker, recheck):
                     log.info("stage: reusing %s (made by attempt %s)", folder, marker.get("attempt"))
+                    for p in sbcast_paths(dest, os.path.basename(folder)):  # a requeue's repeated sbcast
+                        if os.path.exists(p):
+                            os.remove(p)
                 else:
                     if marker is not None:
                         os.remove(os.path.join(folder, MARKER))
                     try:
-                        marker = _do_copy(src, kind, folder, attempt, progress)
+                        marker = (_adopt_sbcast(src, kind, dest, folder, attempt)
+                                  or _do_copy(src, kind, folder, attempt, progress))
                     except BaseException as e:
                         atomic_write_json(os.path.join(folder, FAILED), {"attempt": attempt, "error": str(e)}, indent=None)
                         raise

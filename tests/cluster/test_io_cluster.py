@@ -79,3 +79,40 @@ def test_stage_lmdb_and_broadcast_train_to_the_same_metrics_as_direct(slurm_clus
     for name in ("stage_lmdb", "broadcast"):
         assert metrics[name]["correct"] == base["correct"], metrics
         assert metrics[name]["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6), metrics
+
+
+def test_sbcast_copies_are_adopted_and_a_damaged_one_is_recopied(slurm_cluster):
+    """bench/sbcast.py on 2 nodes (sbcast + adopt vs per-node copy, both verified by each node's
+    marker), then: sbcast an LMDB, damage node 2's copy, stage; node 1 adopts, node 2 copies."""
+    c = slurm_cluster
+    work = c.shared_dir / "sbcast"
+    (work / "db.lmdb").mkdir(parents=True)
+    (work / "db.lmdb" / "data.mdb").write_bytes(bytes(range(256)) * 4096)
+    local = c.local_dir / "sbcast-test"
+    py = shlex.quote(sys.executable)
+    script = f"""#!/bin/bash
+set -euo pipefail
+cd {shlex.quote(str(REPO))}
+{py} bench/sbcast.py --to {shlex.quote(str(c.local_dir))} --shared {shlex.quote(str(work))} --mib 4 --reps 1 \\
+    --warm --json {shlex.quote(str(work / 'bench.json'))}
+srun -N2 --ntasks-per-node=1 mkdir -p {shlex.quote(str(local))}
+{py} -m ddp_hpc.data sbcast {shlex.quote(str(work / 'db.lmdb'))} --to {shlex.quote(str(local))} --json
+srun -N1 -w n2 sh -c 'printf X | dd of="$(ls -d {shlex.quote(str(local))}/.*.sbcast)" bs=1 seek=100 conv=notrunc'
+srun -N2 --ntasks-per-node=1 --output={shlex.quote(str(work / 'stage%t.out'))} \\
+    {py} -m ddp_hpc.data stage {shlex.quote(str(work / 'db.lmdb'))} --to {shlex.quote(str(local))} --json
+"""
+    jid = c.sbatch(script, "-N2", "--time=5")
+    assert c.wait(jid, timeout=300) == "COMPLETED", c.output(jid)[-3000:]
+    bench = json.loads((work / "bench.json").read_text())
+    assert bench["nodes"] == 2 and set(bench["best"]) == {"copy", "sbcast"}
+    print(f"sbcast bench on the test cluster: {bench}")
+    methods = {}
+    for t, node in ((0, "n1"), (1, "n2")):
+        out = (work / f"stage{t}.out").read_text().splitlines()  # stderr (warnings) is in it too
+        path = Path(json.loads(next(x for x in reversed(out) if x.startswith("{")))["path"])
+        backing = c.state_dir / "local" / node / path.relative_to(c.local_dir)  # that node's own disk
+        assert (backing / "data.mdb").read_bytes() == (work / "db.lmdb" / "data.mdb").read_bytes(), node
+        methods[node] = json.loads((backing.parent / "COMPLETE.json").read_text())["method"]
+        assert not list(backing.parent.parent.glob(".*.sbcast*")), "sbcast leftovers not cleaned up"
+    assert methods == {"n1": "sbcast", "n2": "copy"}
+    assert "ignoring the sbcast copy" in (work / "stage1.out").read_text()

@@ -1,0 +1,81 @@
+"""Stage with Slurm's ``sbcast``: the shared file is read on one node and Slurm fans it out.
+
+``stage()`` (:mod:`ddp_hpc.data.stage`) makes local rank 0 of every node read the shared file:
+``nodes x 1`` reads.  ``sbcast`` reads it once and sends it node to node over Slurm's own tree,
+so the shared filesystem sees one reader per job.  Use it from the batch script, before srun::
+
+    python -m ddp_hpc.data sbcast /shared/imgs.lmdb --to slurm_tmpdir
+    srun python -m ddp_hpc.run job.yaml        # data.io=stage finds and adopts the copies
+
+:func:`sbcast_stage` hashes the source (xxh3-64), ``sbcast``s it to ``DEST/.KEY.sbcast`` on
+every node and then a small manifest (size, hash, source) beside it.  The training ranks'
+``stage()`` on each node, under its usual lock, finds the manifest, re-hashes the local copy,
+moves it into the stage folder and writes the completion marker: from there on it is an
+ordinary staged copy (reused across requeues).  A missing manifest, a short or damaged copy,
+or a manifest for another source are ignored (logged) and ``stage()`` copies as usual, so
+``sbcast`` can only speed staging up, never make it wrong.
+
+Only files and LMDB folders (their ``data.mdb``) can be sbcast: ``sbcast`` moves single files.
+DEST must be the same path on every node (``$SLURM_TMPDIR`` or ``$TMPDIR`` usually are).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+
+from ddp_hpc.data import fsio
+from ddp_hpc.data.stage import StageError, _file_hash, _kind, resolve_stage_dir, sbcast_paths, stage_key
+
+__all__ = ["sbcast_stage", "sbcast_paths"]
+
+log = logging.getLogger("ddp_hpc.data.sbcast")
+
+
+def _job_key(environ) -> str | None:
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"  # the same key ddp_hpc.env gives the training ranks
+    return environ.get("SLURM_JOB_ID") or None
+
+
+def sbcast_stage(src: str | os.PathLike, dest: str | None = None, *, cli=None, environ=None) -> dict:
+    """Hash ``src`` once, ``sbcast`` it and its manifest to ``dest`` on every node of this job."""
+    from ddp_hpc.slurmcli import SlurmCLI, SlurmError
+
+    environ = os.environ if environ is None else environ
+    job = _job_key(environ)
+    if not job:
+        raise StageError("sbcast staging needs a Slurm allocation but SLURM_JOB_ID is not set; HINT: run "
+                         "`python -m ddp_hpc.data sbcast` inside the batch script (or salloc), or let "
+                         "data.io=stage copy once per node without it")
+    src = os.path.abspath(os.fspath(src))
+    kind = _kind(src)
+    if kind == "dir":
+        raise StageError(f"sbcast moves single files but {src!r} is a folder; HINT: pack it into one LMDB "
+                         "(python -m ddp_hpc.data pack SRC OUT.lmdb) or stage it without sbcast")
+    dest = os.path.abspath(dest or resolve_stage_dir("auto", environ))
+    key = stage_key(src, job)
+    data, manifest = sbcast_paths(dest, key)
+    source = os.path.join(src, "data.mdb") if kind == "lmdb" else src
+    t0 = time.monotonic()
+    fsio.note_open(source)
+    nbytes, digest = _file_hash(source)  # one read on this node; sbcast's own read follows it
+    fsio.note_bytes(source, nbytes)
+    cli = cli or SlurmCLI(env=environ)
+    try:
+        cli.sbcast(source, data)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump({"src": src, "kind": kind, "bytes": nbytes, "xxh3_64": digest, "job": job}, f)
+        try:
+            cli.sbcast(f.name, manifest)  # only after the data reached every node
+        finally:
+            os.remove(f.name)
+    except SlurmError as e:
+        raise StageError(f"sbcast of {source!r} to {data!r} failed: {e}") from e
+    seconds = time.monotonic() - t0
+    log.info("sbcast: %s (%d bytes) to %s on every node in %.1f s", source, nbytes, data, seconds)
+    return {"src": src, "data": data, "manifest": manifest, "bytes": nbytes, "xxh3_64": digest,
+            "seconds": seconds, "job": job}
