@@ -258,15 +258,9 @@ def bench_lmdb_reads(lmdb_path: str, n: int = 200_000) -> dict:
 
 
 def sbcast_note() -> str:
-    try:
-        from ddp_hpc.slurmcli import SlurmCLI
-    except ImportError:
-        return "sbcast: not measured (ddp_hpc.slurmcli missing)"
-    if not hasattr(SlurmCLI, "sbcast"):
-        return "sbcast: not measured (SlurmCLI has no sbcast method yet)"
-    if not os.environ.get("SLURM_JOB_ID"):
-        return "sbcast: not measured (needs a Slurm allocation: run this inside salloc/sbatch)"
-    return "sbcast: available but not measured by this version of the benchmark"
+    return ("sbcast: measured by bench/sbcast.py inside an allocation (every node copying vs one sbcast); "
+            "on the local test cluster: python -m ddp_hpc.testcluster run --nodes 2 -- sbatch -W -N2 --wrap "
+            "'.venv/bin/python bench/sbcast.py --to $STATE/nodelocal --shared $STATE/shared'")
 
 
 # ----------------------------------------------------------------------------- report
