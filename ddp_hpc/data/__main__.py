@@ -84,10 +84,10 @@ def main(argv=None) -> int:
             text = (f"sbcast {out['bytes']} bytes to {out['data']} on every node in {out['seconds']:.1f} s; "
                     "data.io=stage (or `python -m ddp_hpc.data stage`) adopts it")
         else:
-            from ddp_hpc.data.sbcast import _job_key
+            from ddp_hpc.env import _slurm_job_key
 
             restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-            path = S.stage(args.src, S.resolve_stage_dir(args.to), job_id=_job_key(os.environ),
+            path = S.stage(args.src, S.resolve_stage_dir(args.to), job_id=_slurm_job_key(os.environ),
                            restart_count=int(restart) if restart.isdigit() else 0)
             out = {"path": path}
             text = f"staged at {path}"

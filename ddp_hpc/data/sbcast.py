@@ -28,17 +28,11 @@ import time
 
 from ddp_hpc.data import fsio
 from ddp_hpc.data.stage import StageError, _file_hash, _kind, resolve_stage_dir, sbcast_paths, stage_key
+from ddp_hpc.env import _slurm_job_key
 
 __all__ = ["sbcast_stage", "sbcast_paths"]
 
 log = logging.getLogger("ddp_hpc.data.sbcast")
-
-
-def _job_key(environ) -> str | None:
-    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"  # the same key ddp_hpc.env gives the training ranks
-    return environ.get("SLURM_JOB_ID") or None
 
 
 def sbcast_stage(src: str | os.PathLike, dest: str | None = None, *, cli=None, environ=None) -> dict:
@@ -46,7 +40,7 @@ def sbcast_stage(src: str | os.PathLike, dest: str | None = None, *, cli=None, e
     from ddp_hpc.slurmcli import SlurmCLI, SlurmError
 
     environ = os.environ if environ is None else environ
-    job = _job_key(environ)
+    job = _slurm_job_key(environ)  # the key ddp_hpc.env gives the training ranks
     if not job:
         raise StageError("sbcast staging needs a Slurm allocation but SLURM_JOB_ID is not set; HINT: run "
                          "`python -m ddp_hpc.data sbcast` inside the batch script (or salloc), or let "

@@ -364,9 +364,7 @@ def _adopt_sbcast(src: str, kind: str, dest: str, folder: str, attempt: str) -> 
                 os.remove(p)
         return None
     name = os.path.basename(src.rstrip("/"))
-    for leftover in os.listdir(folder):  # we hold the lock: anything here is from a dead copier
-        p = os.path.join(folder, leftover)
-        shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+    _clear_leftovers(folder)
     if kind == "lmdb":
         tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
         os.mkdir(tmp)
@@ -383,12 +381,17 @@ def _adopt_sbcast(src: str, kind: str, dest: str, folder: str, attempt: str) -> 
     return marker
 
 
-def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> dict:
-    name = os.path.basename(src.rstrip("/"))
-    for leftover in os.listdir(folder):  # we hold the lock: anything here is from a dead copier
-        if leftover not in (MARKER,):
+def _clear_leftovers(folder: str) -> None:
+    """Delete what a dead copier left in ``folder`` (the caller holds the lock)."""
+    for leftover in os.listdir(folder):
+        if leftover != MARKER:
             p = os.path.join(folder, leftover)
             shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+
+
+def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> dict:
+    name = os.path.basename(src.rstrip("/"))
+    _clear_leftovers(folder)
     total, files = _source_size(src, kind)
     free = shutil.disk_usage(folder).free
     if free < total + SPACE_MARGIN:
