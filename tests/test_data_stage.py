@@ -218,7 +218,7 @@ def test_a_copy_damaged_while_written_is_refused(tmp_path, monkeypatch, mib):
 
 def test_sbcast_refuses_outside_an_allocation_and_for_folders(tmp_path):
     from ddp_hpc.data.sbcast import sbcast_stage
-    from ddp_hpc.slurmcli import SlurmCLI
+    from ddp_hpc.slurm.cli import SlurmCLI
 
     f = tmp_path / "a.bin"
     f.write_bytes(b"x" * 100)

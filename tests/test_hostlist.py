@@ -1,4 +1,4 @@
-"""ddp_hpc.hostlist: tables of expressions, error messages, and a differential test against the
+"""ddp_hpc.slurm.hostlist: tables of expressions, error messages, and a differential test against the
 real ``scontrol show hostnames`` / ``scontrol show hostlist`` of the installed Slurm."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from ddp_hpc.hostlist import HostlistError, compress, expand, parse_tasks_per_node
+from ddp_hpc.slurm.hostlist import HostlistError, compress, expand, parse_tasks_per_node
 
 EXPAND_CASES = [
     ("n1", ["n1"]),

@@ -200,9 +200,9 @@ def _return_but_never_exit(rank, world_size, pid_dir):
 
 @pytest.mark.timeout(60)
 def test_rank_that_returned_but_cannot_exit_is_reaped(tmp_path, monkeypatch):
-    import ddp_hpc.launch
+    import ddp_hpc.launch.core
 
-    monkeypatch.setattr(ddp_hpc.launch, "EXIT_GRACE_S", 1.0)
+    monkeypatch.setattr(ddp_hpc.launch.core, "EXIT_GRACE_S", 1.0)
     assert launch_distributed(_return_but_never_exit, 2, (str(tmp_path),),
                               start_method=FAST) == [0, 10]
     assert all(_gone(int((tmp_path / f"pid{r}").read_text())) for r in range(2))

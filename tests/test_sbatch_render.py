@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.sbatch import render, sbatch_options
-from ddp_hpc.submit_spec import JobSpec, TaskSpec
+from ddp_hpc.submit.render import render, sbatch_options
+from ddp_hpc.submit.spec import JobSpec, TaskSpec
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("DDP_HPC_UPDATE_GOLDEN") == "1"

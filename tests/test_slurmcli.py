@@ -1,4 +1,4 @@
-"""ddp_hpc.slurmcli without a running cluster: the argv each method builds (through a recording
+"""ddp_hpc.slurm.cli without a running cluster: the argv each method builds (through a recording
 runner), job-id and signal validation, error messages from real failing Slurm commands (no
 controller, no accounting), and show_hostnames through the real scontrol. Parsing of live squeue /
 sacct / sinfo output is in tests/cluster/test_slurmcli_cluster.py."""
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from ddp_hpc.slurmcli import SEP, SlurmCLI, SlurmError, gpus_in_gres, validate_job_id
+from ddp_hpc.slurm.cli import SEP, SlurmCLI, SlurmError, gpus_in_gres, validate_job_id
 
 SCRIPT = "#!/bin/bash\n#SBATCH --nodes=1\nsrun hostname\n"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc import jobrecord
+from ddp_hpc import records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def record(home, job_id, log_dir, backend="sbatch", submitted_at=None, **kw):
                config="jobs/demo.yaml", overrides=[], cwd=str(home),
                submitted_at=submitted_at or time.time() - 100)
     rec.update(kw)
-    jobrecord.write_record(rec)
+    records.write_record(rec)
 
 
 @pytest.fixture
@@ -276,7 +276,7 @@ def test_logs_of_a_job_without_files_says_so(home):
 
 def test_unrecorded_job_with_log_dir(home):
     d = completed_job(home, "606")
-    for f in Path(jobrecord.records_dir()).glob("606*.json"):
+    for f in Path(records.records_dir()).glob("606*.json"):
         f.unlink()
     js = json.loads(status(home, "606", "--log-dir", str(d), "--json").stdout)
     assert js["state_name"] == "COMPLETED" and js["log_dir"] == str(d) and js["name"] is None

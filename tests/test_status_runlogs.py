@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ddp_hpc.runlogs import RunLogs, traceback_in
+from ddp_hpc.runlogs.reader import RunLogs, traceback_in
 
 T0 = 1_800_000_000.0
 
@@ -145,7 +145,7 @@ def test_missing_dir_is_empty_not_an_error(tmp_path):
 
 
 def test_contract_with_the_training_core_writer(tmp_path):
-    runlog = pytest.importorskip("ddp_hpc.train.runlog")
+    runlog = pytest.importorskip("ddp_hpc.runlogs.writer")
     for r in range(2):
         log = runlog.RunLog(tmp_path, rank=r, job_id="7", restart=0, console=False)
         log.event("start", world_size=2, num_nodes=1, local_rank=r, pid=1, total_steps=10,

@@ -1,17 +1,17 @@
 """Which source answers: squeue, else sacct, else sacct -c, else the logs; and it is named.
 
-The Slurm side here is ddp_hpc.slurmcli.SlurmCLI with a recording process runner that answers
+The Slurm side here is ddp_hpc.slurm.cli.SlurmCLI with a recording process runner that answers
 the way Slurm 22.05 does (same separators, same error text); the real scheduler is exercised in
 tests/cluster/test_status_cluster.py. The subject, the precedence and parsing in
-ddp_hpc.status_sources, runs unmodified.
+ddp_hpc.status.sources, runs unmodified.
 """
 import subprocess
 
 import pytest
 
-slurmcli = pytest.importorskip("ddp_hpc.slurmcli")
-from ddp_hpc import status_sources as src  # noqa: E402
-from ddp_hpc.states import JobState  # noqa: E402
+slurmcli = pytest.importorskip("ddp_hpc.slurm.cli")
+from ddp_hpc.status import sources as src  # noqa: E402
+from ddp_hpc.slurm.states import JobState  # noqa: E402
 
 SEP = slurmcli.SEP
 DISABLED = "sacct: error: Slurm accounting storage is disabled\n"
@@ -159,7 +159,7 @@ def test_unknown_state_from_the_scheduler_is_shown_raw():
 
 
 def test_controller_down_skips_squeue_and_asks_the_completion_log(tmp_path):
-    from ddp_hpc.status_collect import Target, collect
+    from ddp_hpc.status.collect import Target, collect
     sched = Scheduler(sacct=None, sacct_c=[sacct_row(State="TIMEOUT", ExitCode="0:15")],
                       controller_down=True)
     (st,) = collect([Target("5", None, str(tmp_path))], slurmcli.SlurmCLI(runner=sched))
@@ -187,7 +187,7 @@ def _events(d, rank, *evs):
 def test_failing_rank_guess_only_for_jobs_that_broke(tmp_path):
     """A cancelled job's ranks all stop without `end`: no rank is blamed. A FAILED job with the
     same logs gets the rank whose events stopped first as the suspect."""
-    from ddp_hpc.status_collect import Target, collect
+    from ddp_hpc.status.collect import Target, collect
     for r in range(2):
         _events(tmp_path, r, ("start", {"world_size": 2}), ("step", {"step": 4 + r, "total_steps": 9}))
     for state, blamed in (("CANCELLED by 0", None), ("TIMEOUT", None), ("FAILED", 0), ("NODE_FAIL", 0)):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.states import COMPACT, JobState, parse_state
+from ddp_hpc.slurm.states import COMPACT, JobState, parse_state
 
 ISSUE_STATES = [
     "PENDING", "RUNNING", "SUSPENDED", "COMPLETING", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT",

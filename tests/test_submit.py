@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc import submit
+from ddp_hpc.submit import cli as submit
 from ddp_hpc.config import load_config
-from ddp_hpc.slurmcli import SlurmCLI
-from ddp_hpc.submit_slurm import check_against_cluster, clean_slurm_env, submitit_parameters
-from ddp_hpc.submit_spec import (SpecError, build_spec, merge_options, parse_signal,
+from ddp_hpc.slurm.cli import SlurmCLI
+from ddp_hpc.submit.slurm import check_against_cluster, clean_slurm_env, submitit_parameters
+from ddp_hpc.submit.spec import (SpecError, build_spec, merge_options, parse_signal,
                                  parse_sweeps, sweep_tasks, time_to_seconds)
 
 PY = sys.executable
@@ -230,7 +230,7 @@ def _write_events(d: Path, rank: int, events):
 
 
 def test_run_verdict_and_progress_from_run_logs(tmp_path):
-    from ddp_hpc.submit_slurm import latest_step, run_verdict
+    from ddp_hpc.submit.slurm import latest_step, run_verdict
     d = tmp_path / "run"
     _write_events(d, 0, [{"event": "start"}, {"event": "step", "step": 5, "total_steps": 9, "loss": 0.5},
                          {"event": "end", "status": "completed", "step": 9}])

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from ddp_hpc import jobrecord
-from ddp_hpc.jobrecord import JobRecord, JobRecordError
+from ddp_hpc import records
+from ddp_hpc.records import JobRecord, JobRecordError
 
 
 def _rec(job_id="123", cluster="c1", t=100.0, **kw):
@@ -23,56 +23,56 @@ def env(tmp_path):
 
 
 def test_records_dir_default_and_env(env, tmp_path):
-    assert jobrecord.records_dir(env) == tmp_path / "home" / "jobs"
-    assert str(jobrecord.records_dir({})).endswith(os.path.join(".ddp_hpc", "jobs"))
+    assert records.records_dir(env) == tmp_path / "home" / "jobs"
+    assert str(records.records_dir({})).endswith(os.path.join(".ddp_hpc", "jobs"))
 
 
 def test_roundtrip_and_load_from_other_cwd(env, tmp_path, monkeypatch):
-    path = jobrecord.write_record(_rec(array=[{"task_id": 0, "overrides": ["seed=0"], "log_dir": "/l/0"}]), env)
+    path = records.write_record(_rec(array=[{"task_id": 0, "overrides": ["seed=0"], "log_dir": "/l/0"}]), env)
     assert path == tmp_path / "home" / "jobs" / "123.json"
     data = json.loads(path.read_text())
     assert data["id"] == "123" and data["nodes"] == 2 and data["array"][0]["overrides"] == ["seed=0"]
     monkeypatch.chdir(tmp_path)
-    r = jobrecord.load_record("123", environ=env)
+    r = records.load_record("123", environ=env)
     assert r.to_dict() == _rec(array=[{"task_id": 0, "overrides": ["seed=0"], "log_dir": "/l/0"}]).to_dict()
     assert r.path == str(path)
     # an array task id finds its parent record
-    assert jobrecord.load_record("123_0", environ=env).id == "123"
+    assert records.load_record("123_0", environ=env).id == "123"
 
 
 def test_repeated_id_keeps_both_and_newest_wins(env):
-    p1 = jobrecord.write_record(_rec(cluster="c1", t=100.0), env)
-    p2 = jobrecord.write_record(_rec(cluster="c1", t=200.0, name="second"), env)
+    p1 = records.write_record(_rec(cluster="c1", t=100.0), env)
+    p2 = records.write_record(_rec(cluster="c1", t=200.0, name="second"), env)
     assert p1 != p2 and p1.exists() and p2.exists()
     assert json.loads(p1.read_text())["submitted_at"] == 100.0
-    assert jobrecord.load_record("123", environ=env).name == "second"
-    assert jobrecord.load_record("123", cluster="c1", environ=env).name == "second"
-    jobrecord.write_record(_rec(cluster="c2", t=50.0, name="other"), env)
-    assert jobrecord.load_record("123", cluster="c2", environ=env).name == "other"
-    assert [r.submitted_at for r in jobrecord.list_records(env)] == [50.0, 100.0, 200.0]
+    assert records.load_record("123", environ=env).name == "second"
+    assert records.load_record("123", cluster="c1", environ=env).name == "second"
+    records.write_record(_rec(cluster="c2", t=50.0, name="other"), env)
+    assert records.load_record("123", cluster="c2", environ=env).name == "other"
+    assert [r.submitted_at for r in records.list_records(env)] == [50.0, 100.0, 200.0]
     # "12" must not match "123"
     with pytest.raises(JobRecordError, match="'12'"):
-        jobrecord.load_record("12", environ=env)
+        records.load_record("12", environ=env)
 
 
 def test_update_unknown_keys_and_damaged_files(env):
     rec = _rec(job_id="local-abc", backend="local", extra={"future_key": 1})
-    path = jobrecord.write_record(rec, env)
+    path = records.write_record(rec, env)
     rec.pids = [11, 12]
-    jobrecord.update_record(rec, env)
+    records.update_record(rec, env)
     data = json.loads(path.read_text())
     assert data["pids"] == [11, 12] and data["future_key"] == 1
     (path.parent / "999.json").write_text("{not json")
     (path.parent / "998.json").write_text(json.dumps({"id": "998"}))
-    assert [r.id for r in jobrecord.list_records(env)] == ["local-abc"]
+    assert [r.id for r in records.list_records(env)] == ["local-abc"]
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_bad_id_refused(env):
     with pytest.raises(JobRecordError, match=r"'\.\./x'"):
-        jobrecord.write_record(_rec(job_id="../x"), env)
+        records.write_record(_rec(job_id="../x"), env)
     with pytest.raises(JobRecordError, match="no job record with id '77'"):
-        jobrecord.load_record("77", environ=env)
+        records.load_record("77", environ=env)
 
 
 def test_register_from_a_slurm_batch_script(env, tmp_path):
@@ -82,16 +82,16 @@ def test_register_from_a_slurm_batch_script(env, tmp_path):
     slurm = {"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "7",
              "SLURM_CLUSTER_NAME": "c9", "SLURM_JOB_NAME": "demo", "SLURM_JOB_NUM_NODES": "2",
              "SLURM_GPUS_PER_NODE": "gpu:4", "SLURM_SUBMIT_DIR": str(tmp_path)}
-    argv = [sys.executable, "-m", "ddp_hpc.jobrecord", "register", "--log-dir", str(tmp_path / "runs" / "x"),
+    argv = [sys.executable, "-m", "ddp_hpc.records", "register", "--log-dir", str(tmp_path / "runs" / "x"),
             "--", "jobs/demo.yaml", "train.epochs=2"]
     full = {**os.environ, **env, **slurm}
     for _ in range(2):   # a requeued job runs the script again: still one record
         p = subprocess.run(argv, env=full, capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr
-    rec = jobrecord.load_record("70_7", environ=env)
+    rec = records.load_record("70_7", environ=env)
     assert (rec.cluster, rec.name, rec.backend, rec.nodes, rec.gpus_per_node) == ("c9", "demo", "sbatch-script", 2, 4)
     assert rec.log_dir == str(tmp_path / "runs" / "x") and rec.overrides == ["train.epochs=2"]
-    assert len(jobrecord.list_records(env)) == 1
+    assert len(records.list_records(env)) == 1
     outside = {k: v for k, v in full.items() if not k.startswith("SLURM_")}
     p = subprocess.run(argv, env=outside, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "no SLURM_JOB_ID" in p.stderr and "HINT:" in p.stderr

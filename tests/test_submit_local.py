@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 
-from ddp_hpc import jobrecord
+from ddp_hpc import records
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -40,7 +40,7 @@ def test_main_command_runs_four_local_processes(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "backend local: no `sbatch` on PATH" in p.stderr
     assert "end: completed" in p.stdout            # rank 0's output followed on the terminal
-    (rec,) = jobrecord.list_records({"DDP_HPC_HOME": str(tmp_path / "home")})
+    (rec,) = records.list_records({"DDP_HPC_HOME": str(tmp_path / "home")})
     assert rec.backend == "local" and rec.id.startswith("local-") and (rec.nodes, rec.gpus_per_node) == (2, 2)
     log_dir = Path(rec.log_dir)
     assert log_dir.parent == tmp_path / "runs"
@@ -59,12 +59,12 @@ def test_background_run_records_driver_and_finishes(tmp_path):
                 "--", *SHORT)
     assert p.returncode == 0, p.stderr
     job_id = p.stdout.strip().splitlines()[-1]
-    rec = jobrecord.load_record(job_id, environ={"DDP_HPC_HOME": str(tmp_path / "home")})
+    rec = records.load_record(job_id, environ={"DDP_HPC_HOME": str(tmp_path / "home")})
     assert rec.pids and rec.pids[0] > 0
-    from ddp_hpc.submit_slurm import run_verdict
+    from ddp_hpc.submit.slurm import run_verdict
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        rec = jobrecord.load_record(job_id, environ={"DDP_HPC_HOME": str(tmp_path / "home")})
+        rec = records.load_record(job_id, environ={"DDP_HPC_HOME": str(tmp_path / "home")})
         if rec.pids == []:          # the driver clears them when the last run ended
             break
         time.sleep(0.5)
@@ -77,7 +77,7 @@ def test_local_sweep_runs_each_task_with_its_overrides(tmp_path):
     p = _submit(tmp_path, "--nodes", "1", "--gpus", "2", str(ROOT / "jobs/demo.yaml"), "--wait",
                 "--sweep", "train.max_steps=2,3", "--", *SHORT[1:])
     assert p.returncode == 0, p.stdout + p.stderr
-    (rec,) = jobrecord.list_records({"DDP_HPC_HOME": str(tmp_path / "home")})
+    (rec,) = records.list_records({"DDP_HPC_HOME": str(tmp_path / "home")})
     assert [a["overrides"] for a in rec.array] == [["train.max_steps=2"], ["train.max_steps=3"]]
     for task, steps in zip(rec.array, (2, 3)):
         d = Path(task["log_dir"])

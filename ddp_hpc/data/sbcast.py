@@ -37,7 +37,7 @@ log = logging.getLogger("ddp_hpc.data.sbcast")
 
 def sbcast_stage(src: str | os.PathLike, dest: str | None = None, *, cli=None, environ=None) -> dict:
     """Hash ``src`` once, ``sbcast`` it and its manifest to ``dest`` on every node of this job."""
-    from ddp_hpc.slurmcli import SlurmCLI, SlurmError
+    from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 
     environ = os.environ if environ is None else environ
     job = _slurm_job_key(environ)  # the key ddp_hpc.env gives the training ranks

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from ddp_hpc.config import (ConfigError, JobConfig, apply_overrides, config_from_dict,
                             config_to_dict, load_config, resolve_factory)
 from ddp_hpc.train.loop import Trainer, TrainResult, seed_everything
-from ddp_hpc.train.runlog import RunLog, resolve_log_dir
+from ddp_hpc.runlogs.writer import RunLog, resolve_log_dir
 
 __all__ = ["fit", "train_ddp", "run_job", "make_config", "build_model", "build_datasets",
            "build_loss", "TrainResult"]

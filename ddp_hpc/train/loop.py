@@ -37,7 +37,7 @@ from ddp_hpc.train import checkpoint as ckpt
 from ddp_hpc.train.metrics import ResourceSampler, all_reduce_sum, evaluate
 from ddp_hpc.train.preempt import (PreemptionFlag, classify, job_end_time, requeue,
                                     slurm_end_time)
-from ddp_hpc.train.runlog import Progress, RunLog
+from ddp_hpc.runlogs.writer import Progress, RunLog
 
 
 #: with preempt.check_every_steps=0 the flag is all-reduced about this often (seconds of training):

@@ -9,7 +9,7 @@ every ``preempt.check_every_steps`` steps; the default 0 means "about every 0.2 
 (every step until the first log interval has measured the step time; every step when steps are
 slower than that), because on fast steps a collective per step costs measurable throughput.
 Then: checkpoint (rank 0), every rank logs and exits cleanly, and under Slurm rank 0 requeues its
-own job (``JOBID_TASK`` inside an array) through ``ddp_hpc.slurmcli``, the one module that runs
+own job (``JOBID_TASK`` inside an array) through ``ddp_hpc.slurm.cli``, the one module that runs
 Slurm commands -- but only for the configured preemption signal (USR2 by default). SIGTERM also
 stops the run with a checkpoint, yet never requeues: it is what a user's plain ``scancel`` sends,
 and what Slurm sends before it requeues a preempted job itself (PreemptMode=REQUEUE) or ends one at
@@ -135,10 +135,10 @@ def job_end_time(environ: Mapping[str, str] | None = None) -> float | None:
 
 
 def slurm_end_time(job_id: str) -> float | None:
-    """The job's EndTime from squeue (start + time limit while it runs), via ddp_hpc.slurmcli."""
+    """The job's EndTime from squeue (start + time limit while it runs), via ddp_hpc.slurm.cli."""
     import datetime
     try:
-        from ddp_hpc.slurmcli import SlurmCLI
+        from ddp_hpc.slurm.cli import SlurmCLI
         rows = SlurmCLI().squeue([job_id])
     except Exception:  # noqa: BLE001 - no squeue here: the reason falls back to "preemption"
         return None
@@ -158,9 +158,9 @@ def classify(received_at: float | None, end_time: float | None, window_s: float)
 
 
 def requeue(job_id: str) -> None:
-    """Requeue this Slurm job (``JOBID_TASK`` for an array task) through ddp_hpc.slurmcli."""
+    """Requeue this Slurm job (``JOBID_TASK`` for an array task) through ddp_hpc.slurm.cli."""
     try:
-        from ddp_hpc.slurmcli import SlurmCLI
+        from ddp_hpc.slurm.cli import SlurmCLI
     except ImportError as e:   # the module is built separately (issue "Slurm CLI")
-        raise RuntimeError(f"cannot requeue job {job_id}: ddp_hpc.slurmcli is missing ({e})") from e
+        raise RuntimeError(f"cannot requeue job {job_id}: ddp_hpc.slurm.cli is missing ({e})") from e
     SlurmCLI().requeue(job_id)

@@ -1,4 +1,4 @@
-"""ddp_hpc.slurmcli against the real local Slurm 22.05 test cluster: every parser reads live
+"""ddp_hpc.slurm.cli against the real local Slurm 22.05 test cluster: every parser reads live
 squeue / sacct / sacct -c / sinfo / scontrol output, and sbatch / scancel / requeue act on real
 jobs."""
 
@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from ddp_hpc.slurmcli import SlurmCLI
+from ddp_hpc.slurm.cli import SlurmCLI
 
 pytestmark = pytest.mark.cluster
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc import jobrecord
-from ddp_hpc.runlogs import read_events
+from ddp_hpc import records
+from ddp_hpc.runlogs.reader import read_events
 
 pytestmark = pytest.mark.cluster
 
@@ -39,7 +39,7 @@ def _submit(c, where, *args, extra_env=None, timeout=300):
 
 
 def _records(where):
-    return jobrecord.list_records({"DDP_HPC_HOME": str(where[0] / "home")})
+    return records.list_records({"DDP_HPC_HOME": str(where[0] / "home")})
 
 
 def _events(log_dir: Path, rank: int) -> list[dict]:
@@ -84,7 +84,7 @@ def test_auto_submitit_2x2_completes_with_logs_and_record(slurm_cluster, where):
     assert not marker.exists()
     assert _config_in_checkpoint(log_dir)["name"] == f"$(touch {marker})"
     # from any directory: the record names the log dir
-    assert jobrecord.load_record(rec.id, cluster=c.cluster_name,
+    assert records.load_record(rec.id, cluster=c.cluster_name,
                                  environ={"DDP_HPC_HOME": str(where[0] / "home")}).log_dir == str(log_dir)
 
 
@@ -129,7 +129,7 @@ def test_train_sbatch_as_is_with_variables_and_arguments(slurm_cluster, where):
         starts = _assert_2x2_completed(d / "runs" / f"{name}-{job_id}", job_id)
         assert {s["total_steps"] for s in starts} == {steps}
         # the script recorded the job, so status finds it and its logs from any directory
-        rec = jobrecord.load_record(job_id, environ=env)
+        rec = records.load_record(job_id, environ=env)
         assert (rec.name, rec.backend, rec.nodes, rec.gpus_per_node) == (name, "sbatch-script", 2, 2)
         assert rec.log_dir == str(d / "runs" / f"{name}-{job_id}") and rec.config == DEMO
 
@@ -142,7 +142,7 @@ def test_sweep_is_one_array_of_four_tasks_with_their_overrides(slurm_cluster, wh
     assert p.returncode == 0, p.stdout + p.stderr
     (rec,) = _records(where)
     job_id = rec.id
-    from ddp_hpc.slurmcli import SlurmCLI
+    from ddp_hpc.slurm.cli import SlurmCLI
     rows = SlurmCLI(env=c.env).squeue([job_id])
     assert sorted(r["JobArrayID"] for r in rows) == [f"{job_id}_{i}" for i in range(4)] or \
         {r["ArrayJobID"] for r in rows} == {job_id}
@@ -199,7 +199,7 @@ def test_torchrun_variant_completes_and_usr2_checkpoints_and_requeues(slurm_clus
 
 def test_bad_requests_fail_before_submitting(slurm_cluster, where):
     c = slurm_cluster
-    from ddp_hpc.slurmcli import SlurmCLI
+    from ddp_hpc.slurm.cli import SlurmCLI
     # finished jobs of earlier tests may leave squeue meanwhile (MinJobAge): compare ids, not counts
     before = {j["JobID"] for j in SlurmCLI(env=c.env).squeue()}
     marker = Path("/tmp/pwned")

@@ -15,14 +15,14 @@ why:
 - logs: the batch output and one ``rank%t.out`` per rank in the job's log directory, which is
   also ``DDP_HPC_LOG_DIR`` for the run logs; an array task gets its own directory;
 - safety: every value that reaches shell code goes through ``shlex.quote``; values in
-  ``#SBATCH`` lines were validated by ``ddp_hpc.submit_spec`` (no blanks, quotes or ``#``).
+  ``#SBATCH`` lines were validated by ``ddp_hpc.submit.spec`` (no blanks, quotes or ``#``).
 """
 
 from __future__ import annotations
 
 import shlex
 
-from ddp_hpc.submit_spec import JobSpec
+from ddp_hpc.submit.spec import JobSpec
 
 __all__ = ["render", "sbatch_options"]
 

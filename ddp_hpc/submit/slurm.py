@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from ddp_hpc.submit_spec import JobSpec, SpecError, time_to_seconds
+from ddp_hpc.submit.spec import JobSpec, SpecError, time_to_seconds
 from ddp_hpc.fsutil import atomic_write_text
 
 __all__ = ["clean_slurm_env", "cleaned_environ", "check_against_cluster", "submitit_parameters",
@@ -162,7 +162,7 @@ def submit_sbatch(spec: JobSpec, script_text: str, cli) -> tuple[str, Path]:
 
 # ----------------------------------------------------------------------------- waiting
 def _state_of(row: Mapping[str, str]):
-    from ddp_hpc.states import parse_state
+    from ddp_hpc.slurm.states import parse_state
     return parse_state(row.get("State"))
 
 

@@ -5,7 +5,7 @@ Why a driver process: a sweep is several runs one after another, and without ``-
 submit command must return at once while the runs go on. So the submitter writes a small plan
 (``local-plan.json`` in the job's log directory) and runs this module's driver on it, in the
 foreground with ``--wait`` (following rank 0's output on the terminal) or detached in its own
-session otherwise (``python -m ddp_hpc.submit_local PLAN``). The driver keeps the job record's
+session otherwise (``python -m ddp_hpc.submit.local PLAN``). The driver keeps the job record's
 ``pids`` current, so ``ddp_hpc.status`` can tell a running local job from a dead one.
 """
 
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ddp_hpc.submit_spec import JobSpec
+from ddp_hpc.submit.spec import JobSpec
 from ddp_hpc.fsutil import atomic_write_json
 
 __all__ = ["write_plan", "run_plan", "start_detached", "main"]
@@ -76,13 +76,13 @@ class _Follow(threading.Thread):
 def _set_pids(plan: dict, pids: list[int]) -> None:
     if not plan.get("record_id"):
         return
-    from ddp_hpc import jobrecord
+    from ddp_hpc import records
     env = {"DDP_HPC_HOME": plan["ddp_hpc_home"]} if plan.get("ddp_hpc_home") else None
     try:
-        rec = jobrecord.load_record(plan["record_id"], environ=env)
+        rec = records.load_record(plan["record_id"], environ=env)
         rec.pids = pids
-        jobrecord.update_record(rec, env)
-    except (jobrecord.JobRecordError, OSError) as exc:
+        records.update_record(rec, env)
+    except (records.JobRecordError, OSError) as exc:
         print(f"ddp_hpc: could not update the job record: {exc}", file=sys.stderr)
 
 
@@ -132,7 +132,7 @@ def start_detached(plan_path: Path, env: Mapping[str, str], python: str = sys.ex
     """Start the driver in its own session (it outlives this command); returns its pid."""
     out = Path(plan_path).parent / "local-driver.out"
     with open(out, "ab") as f:
-        proc = subprocess.Popen([python, "-m", "ddp_hpc.submit_local", str(plan_path)],
+        proc = subprocess.Popen([python, "-m", "ddp_hpc.submit.local", str(plan_path)],
                                 env=dict(env), stdin=subprocess.DEVNULL, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     return proc.pid
@@ -141,7 +141,7 @@ def start_detached(plan_path: Path, env: Mapping[str, str], python: str = sys.ex
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m ddp_hpc.submit_local PLAN.json  (written by ddp_hpc.submit)",
+        print("usage: python -m ddp_hpc.submit.local PLAN.json  (written by ddp_hpc.submit)",
               file=sys.stderr)
         return 2
     started = time.time()

@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc import status_sources as src
-from ddp_hpc.runlogs import Failure, Progress, RunLogs
-from ddp_hpc.states import JobState
+from ddp_hpc.status import sources as src
+from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
+from ddp_hpc.slurm.states import JobState
 
 
 #: terminal states in which the job itself broke (rather than being stopped from outside): here
@@ -27,7 +27,7 @@ class Target:
     """A job to look at: its id, the record it came from (if any) and its log directory."""
 
     id: str
-    record: object | None = None  # ddp_hpc.jobrecord.JobRecord
+    record: object | None = None  # ddp_hpc.records.JobRecord
     log_dir: str | None = None
 
     @property
@@ -95,9 +95,9 @@ def targets_from_records(records) -> list[Target]:
 def slurm_cli():
     """A SlurmCLI when Slurm commands are reachable, else (None, reason)."""
     try:
-        from ddp_hpc.slurmcli import SlurmCLI
+        from ddp_hpc.slurm.cli import SlurmCLI
     except ImportError as exc:
-        return None, f"slurm: ddp_hpc.slurmcli unavailable ({exc})"
+        return None, f"slurm: ddp_hpc.slurm.cli unavailable ({exc})"
     cli = SlurmCLI()
     try:
         ok = cli.available()

@@ -9,10 +9,10 @@ the same job on this machine when there is no Slurm.
     python -m ddp_hpc.submit --backend sbatch --dry-run jobs/demo.yaml   # print the script
 
 Backends: ``submitit`` (Slurm through submitit), ``sbatch`` (a rendered batch script, see
-``ddp_hpc.sbatch``), ``local`` (N x G processes on this machine as N pretend nodes, gloo on CPU),
+``ddp_hpc.submit.render``), ``local`` (N x G processes on this machine as N pretend nodes, gloo on CPU),
 ``auto`` (submitit when sbatch is installed and the controller answers, else local; it says which
 and why). Options may also come from the job YAML's ``slurm:`` section; the command line wins.
-Every submission leaves a job record (``ddp_hpc.jobrecord``) so ``python -m ddp_hpc.status``
+Every submission leaves a job record (``ddp_hpc.records``) so ``python -m ddp_hpc.status``
 finds it from any directory.
 """
 
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ddp_hpc.submit_spec import (BACKENDS, JobSpec, SpecError, build_spec, merge_options,
+from ddp_hpc.submit.spec import (BACKENDS, JobSpec, SpecError, build_spec, merge_options,
                                  parse_sbatch_args, parse_sweeps)
 
 __all__ = ["main", "choose_backend", "parse_args"]
@@ -100,7 +100,7 @@ def _say(msg: str) -> None:
 def choose_backend(requested: str, cli) -> tuple[str, str]:
     """(backend, why). ``auto`` needs both an sbatch on PATH and a controller that answers
     sinfo: Slurm's client tools are often installed where no cluster is configured."""
-    from ddp_hpc.slurmcli import SlurmError
+    from ddp_hpc.slurm.cli import SlurmError
     if requested != "auto":
         return requested, "asked for with --backend" if requested else "default"
     if not cli.available():
@@ -125,17 +125,17 @@ def _load(config: str, overrides: Sequence[str], tasks: Sequence[Sequence[str]])
 
 def _record(spec: JobSpec, job_id: str, backend: str, cluster: str, *, script: str | None = None,
             pids=None, overrides: Sequence[str] = ()):
-    from ddp_hpc import jobrecord
+    from ddp_hpc import records
     array = None
     if spec.is_array:
         array = [{"task_id": t.task_id, "overrides": list(t.overrides), "log_dir": t.log_dir}
                  for t in spec.tasks]
-    rec = jobrecord.JobRecord(
+    rec = records.JobRecord(
         id=job_id, cluster=cluster, name=spec.name, backend=backend, nodes=spec.nodes,
         gpus_per_node=spec.gpus_per_node, time_limit=spec.time if backend != "local" else None,
         log_dir=spec.log_dir, config=spec.config, overrides=list(spec.overrides),
         submitted_at=time.time(), cwd=spec.workdir, array=array, pids=pids, script=script)
-    jobrecord.write_record(rec)
+    records.write_record(rec)
     return rec
 
 
@@ -147,8 +147,8 @@ def _make_dirs(spec: JobSpec) -> None:
 
 
 def _local(spec: JobSpec, args, run_id: str) -> int:
-    from ddp_hpc import submit_local
-    from ddp_hpc.submit_slurm import clean_slurm_env
+    from ddp_hpc.submit import local as submit_local
+    from ddp_hpc.submit.slurm import clean_slurm_env
 
     job_id = f"local-{run_id}"
     env, removed = clean_slurm_env(os.environ)
@@ -174,9 +174,9 @@ def _local(spec: JobSpec, args, run_id: str) -> int:
         _say(f"job {job_id} {'completed' if rc == 0 else f'failed (exit status {rc})'}")
         return rc
     pid = submit_local.start_detached(plan, env, spec.python)
-    from ddp_hpc import jobrecord
+    from ddp_hpc import records
     rec.pids = [pid]
-    jobrecord.update_record(rec)
+    records.update_record(rec)
     _say(f"started in the background (driver pid {pid}); follow it with "
          f"`python -m ddp_hpc.status {job_id}`")
     print(job_id)
@@ -184,16 +184,16 @@ def _local(spec: JobSpec, args, run_id: str) -> int:
 
 
 def _slurm(spec: JobSpec, args, backend: str, cli) -> int:
-    from ddp_hpc import sbatch, submit_slurm
-    from ddp_hpc.slurmcli import SlurmError
+    from ddp_hpc.submit import render, slurm as submit_slurm
+    from ddp_hpc.slurm.cli import SlurmError
 
-    script = sbatch.render(spec) if backend == "sbatch" else None
+    script = render.render(spec) if backend == "sbatch" else None
     if args.dry_run:
         if script is not None:
             sys.stdout.write(script)
         else:
             params = submit_slurm.submitit_parameters(spec)
-            calls = [{"task_id": t.task_id, "function": "ddp_hpc.submit_slurm.run_task",
+            calls = [{"task_id": t.task_id, "function": "ddp_hpc.submit.slurm.run_task",
                       "args": [spec.config, [*spec.overrides, *t.overrides], t.log_dir]}
                      for t in spec.tasks]
             print(json.dumps({"executor": "submitit.SlurmExecutor", "folder": spec.log_dir,
@@ -209,7 +209,7 @@ def _slurm(spec: JobSpec, args, backend: str, cli) -> int:
         _say(f"removed {len(removed)} SLURM_* variables of an enclosing job before submitting: "
              f"{', '.join(removed[:6])}" + (" ..." if len(removed) > 6 else ""))
     if backend == "sbatch":
-        from ddp_hpc.slurmcli import SlurmCLI
+        from ddp_hpc.slurm.cli import SlurmCLI
         job_id, path = submit_slurm.submit_sbatch(spec, script, SlurmCLI(env=env_clean))
         script_path = str(path)
     else:
@@ -241,12 +241,12 @@ def _slurm(spec: JobSpec, args, backend: str, cli) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from ddp_hpc.config import ConfigError
-    from ddp_hpc.slurmcli import SlurmCLI, SlurmError
+    from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 
     config = args.config or DEFAULT_CONFIG
     try:
         sweeps = parse_sweeps(args.sweep)
-        from ddp_hpc.submit_spec import check_overrides, sweep_tasks
+        from ddp_hpc.submit.spec import check_overrides, sweep_tasks
         check_overrides(overrides)
         cfg = _load(config, overrides, sweep_tasks(sweeps))
         cli_opts = {
@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = build_spec(opts, config_path=config, cfg=cfg, overrides=overrides, sweeps=sweeps)
         if backend == "local":
             return _local(spec, args, Path(spec.log_dir).name)
-        from ddp_hpc.submit_slurm import check_against_cluster
+        from ddp_hpc.submit.slurm import check_against_cluster
         try:
             if not cli.available():
                 raise SpecError(f"--backend {backend} needs Slurm but `sbatch` is not on PATH.\n"
@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _clean_env() -> dict[str, str]:
-    from ddp_hpc.submit_slurm import clean_slurm_env
+    from ddp_hpc.submit.slurm import clean_slurm_env
     return clean_slurm_env(os.environ)[0]
 
 

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ddp_hpc.rankout import tail_file
-from ddp_hpc.status_collect import JobStatus, fmt_duration
+from ddp_hpc.runlogs.srun import tail_file
+from ddp_hpc.status.collect import JobStatus, fmt_duration
 
 COLUMNS = ("ID", "NAME", "BACKEND", "STATE", "NODESxGPUS", "ELAPSED/LIMIT", "RESTARTS",
            "PROGRESS", "LOSS", "SAMPLES/S", "ETA", "LOG DIR")

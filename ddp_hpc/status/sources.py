@@ -6,7 +6,7 @@ otherwise), ``sacct -c`` needs a job completion plugin, and a local-backend job 
 process ids and its run logs. The status command asks them in that order, stops at the first that
 knows the job, and says which one answered, so a user can judge how fresh the answer is.
 
-All Slurm commands go through :class:`ddp_hpc.slurmcli.SlurmCLI` (the one module that runs them);
+All Slurm commands go through :class:`ddp_hpc.slurm.cli.SlurmCLI` (the one module that runs them);
 its rows are dicts whose key spelling (``JobID``/``job_id``/``JobId``) this module does not assume.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import datetime as _dt
 import socket
 from dataclasses import dataclass, field
 
-from ddp_hpc.runlogs import RunLogs
-from ddp_hpc.states import JobState, StateInfo, parse_state
+from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.slurm.states import JobState, StateInfo, parse_state
 
 SQUEUE, SACCT, SACCT_C, PROCESSES, LOGS, NONE = (
     "squeue", "sacct", "sacct -c", "processes", "logs", "none")

@@ -26,7 +26,7 @@ import shutil
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from ddp_hpc.hostlist import HostlistError, compress, expand
+from ddp_hpc.slurm.hostlist import HostlistError, compress, expand
 
 __all__ = ["SlurmCLI", "SlurmError", "validate_job_id", "gpus_in_gres"]
 

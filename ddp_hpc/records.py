@@ -222,11 +222,11 @@ def record_from_slurm(log_dir: str, config: str | None, overrides: list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ddp_hpc.jobrecord register --log-dir DIR [CONFIG [key=value ...]]``."""
+    """``python -m ddp_hpc.records register --log-dir DIR [CONFIG [key=value ...]]``."""
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m ddp_hpc.jobrecord",
+    parser = argparse.ArgumentParser(prog="python -m ddp_hpc.records",
                                      description="Record the Slurm job this batch script runs in, for ddp_hpc.status.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     reg = sub.add_parser("register", help="write a record for $SLURM_JOB_ID (once per job)")
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         print(f"ddp_hpc: job record {write_record(rec)}")
     except (JobRecordError, OSError, ValueError) as e:
-        print(f"ddp_hpc.jobrecord: {e}", file=sys.stderr)
+        print(f"ddp_hpc.records: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
-from ddp_hpc import hostlist
+from ddp_hpc.slurm import hostlist
 
 LAUNCHERS = ("slurm", "torchrun", "submitit", "local", "single")
 

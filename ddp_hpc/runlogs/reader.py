@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.rankout import exception_of, srun_exit_codes, tail_file, tail_lines, traceback_in
+from ddp_hpc.runlogs.srun import exception_of, srun_exit_codes, tail_file, tail_lines, traceback_in
 
 __all__ = ["RunLogs", "RankStream", "Failure", "Progress", "RunSummary", "read_events",
            "traceback_in", "exception_of", "tail_file", "tail_lines"]

@@ -21,9 +21,9 @@ import re
 import sys
 import time
 
-from ddp_hpc import jobrecord
-from ddp_hpc import status_view as view
-from ddp_hpc.status_collect import (Target, collect, current_cluster, slurm_cli,
+from ddp_hpc import records
+from ddp_hpc.status import view
+from ddp_hpc.status.collect import (Target, collect, current_cluster, slurm_cli,
                                     targets_from_records)
 
 FOLLOW_STATE_S = 5.0  # --follow: how often to ask whether the job still runs
@@ -95,11 +95,11 @@ def job_targets(job_id: str, log_dir: str | None, cluster: str | None = None) ->
     across clusters), or a bare id (+ --log-dir)."""
     try:
         try:
-            rec = jobrecord.load_record(job_id, cluster=cluster) if cluster else None
-        except jobrecord.JobRecordError:
+            rec = records.load_record(job_id, cluster=cluster) if cluster else None
+        except records.JobRecordError:
             rec = None
-        rec = rec or jobrecord.load_record(job_id)
-    except jobrecord.JobRecordError as exc:
+        rec = rec or records.load_record(job_id)
+    except records.JobRecordError as exc:
         return [Target(job_id, None, log_dir)] if log_dir or _slurm_id(job_id) else _raise(exc)
     tasks = targets_from_records([rec])
     if "_" in job_id and rec.array:
@@ -119,7 +119,7 @@ def _raise(exc):
 
 
 def recent_targets(limit: int) -> list[Target]:
-    recs = list(reversed(jobrecord.list_records()))  # newest first
+    recs = list(reversed(records.list_records()))  # newest first
     if limit:
         recs = recs[:limit]
     return targets_from_records(recs)
@@ -142,7 +142,7 @@ def run(args) -> int:
                                           and not s.last_events) for s in sts) and \
                     all(t.record is None for t in targets) and not args.log_dir:
                 raise StatusError(
-                    f"job {args.job!r}: no job record in {jobrecord.records_dir()}, and neither "
+                    f"job {args.job!r}: no job record in {records.records_dir()}, and neither "
                     f"squeue, sacct nor sacct -c could tell about it"
                     + (f" ({'; '.join(sts[0].tried)})" if sts and sts[0].tried else "")
                     + ".\nHINT: check the id with `python -m ddp_hpc.status`; for a job submitted "

@@ -1,0 +1,5 @@
+import sys
+
+from ddp_hpc.env.core import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Slurm: the one command runner (cli), host lists, job states."""

@@ -1,0 +1,1 @@
+"""The job status command: scheduler + job records + run logs -> table, detail, verdict."""

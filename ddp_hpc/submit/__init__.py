@@ -1,0 +1,1 @@
+"""Submission: job spec -> sbatch script / submitit executor / local processes."""
