@@ -31,6 +31,7 @@ import zlib
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
+from ddp_hpc.env.job import job_key
 from ddp_hpc.slurm import hostlist
 
 LAUNCHERS = ("slurm", "torchrun", "submitit", "local", "single")
@@ -189,10 +190,7 @@ def _this_host() -> str:
 
 
 def _slurm_job_key(environ: Mapping[str, str]) -> str | None:
-    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"
-    return environ.get("SLURM_JOB_ID") or None
+    return job_key(environ)
 
 
 def _restart_count(environ: Mapping[str, str]) -> int:

@@ -1,0 +1,67 @@
+"""Job-level facts (not rank facts): which job this is, how often it restarted, when it must end,
+where its node-local disk and log directory are. One reader for all of ddp_hpc, so the job-key
+rule and the variable names live in one place.
+
+    facts = job_facts()            # from os.environ
+    facts.key                      # "1234" or "1200_3" inside an array: ports, staging, records
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    job_id: str | None              #: SLURM_JOB_ID
+    key: str | None                 #: ARRAYJOB_TASK inside an array, else the job id
+    restart_count: int              #: SLURM_RESTART_COUNT (0 when unset or not a number)
+    end_time: float | None          #: SLURM_JOB_END_TIME or DDP_HPC_JOB_END_TIME (unix seconds)
+    node_tmpdir: str | None         #: SLURM_TMPDIR: the job's node-local scratch, when the site sets it
+    tmpdir: str | None              #: TMPDIR
+    log_dir: str | None             #: DDP_HPC_LOG_DIR: the run's log directory, set by the submit backends
+    cluster: str                    #: SLURM_CLUSTER_NAME
+    name: str | None                #: SLURM_JOB_NAME
+    num_nodes: int                  #: SLURM_JOB_NUM_NODES (or SLURM_NNODES), 1 outside a job
+    gpus_per_node: int              #: from SLURM_GPUS_PER_NODE ("gpu:2", "a100:4") or tasks per node
+    submit_dir: str | None          #: SLURM_SUBMIT_DIR
+
+
+def _digits(value: str | None, default: int) -> int:
+    m = re.search(r"(\d+)\s*$", value or "")
+    return int(m.group(1)) if m else default
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def job_key(environ: Mapping[str, str]) -> str | None:
+    """``ARRAYJOB_TASK`` inside a job array, the plain job id otherwise, None outside Slurm: the key
+    of a job's port, staging markers and record (array tasks share SLURM_JOB_ID's neighbours)."""
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return environ.get("SLURM_JOB_ID") or None
+
+
+def job_facts(environ: Mapping[str, str] | None = None) -> JobFacts:
+    env = os.environ if environ is None else environ
+    restart = env.get("SLURM_RESTART_COUNT", "")
+    return JobFacts(
+        job_id=env.get("SLURM_JOB_ID") or None, key=job_key(env),
+        restart_count=int(restart) if restart.isdigit() else 0,
+        end_time=_float(env.get("SLURM_JOB_END_TIME")) or _float(env.get("DDP_HPC_JOB_END_TIME")),
+        node_tmpdir=env.get("SLURM_TMPDIR") or None, tmpdir=env.get("TMPDIR") or None,
+        log_dir=env.get("DDP_HPC_LOG_DIR") or None, cluster=env.get("SLURM_CLUSTER_NAME", ""),
+        name=env.get("SLURM_JOB_NAME") or None,
+        num_nodes=_digits(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES"), 1),
+        gpus_per_node=_digits(env.get("SLURM_GPUS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE"), 1),
+        submit_dir=env.get("SLURM_SUBMIT_DIR") or None,
+    )
