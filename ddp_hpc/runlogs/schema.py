@@ -1,0 +1,57 @@
+"""The run-log contract in one place: file names in a run's log directory, event names and the keys
+every event carries. The writer (training core, script wrapper), the submit backends (srun and
+batch output paths) and the reader (status) all spell names through here.
+
+Files in a run's log directory, per rank R:
+- ``rank{R}.log``:          the training core's text log (one line per epoch / interval). Read this first.
+- ``rank{R}.events.jsonl``: one JSON object per line (the events below): what status reads.
+- ``rank{R}.out``:          the process's raw stdout/stderr, captured by srun or the local launcher:
+                            Python tracebacks, library warnings, anything printed outside the logger.
+- ``slurm-<id>.out``:       the batch script's own output (srun's exit reports), Slurm jobs only.
+- ``config.yaml``:          the resolved job config the run trained with.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: keys present in every event
+EVENT_KEYS = ("time", "event", "rank", "job_id", "restart", "host")
+
+#: event name -> its extra keys (docs/architecture.md, "Run logs")
+EVENTS: dict[str, tuple[str, ...]] = {
+    "start": ("world_size", "num_nodes", "local_rank", "pid", "total_steps", "epochs", "launcher"),
+    "step": ("epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "rss_mb", "cpu_percent"),
+    "epoch": ("epoch", "step", "loss", "samples_per_s"),
+    "eval": ("epoch", "step", "metrics"),
+    "checkpoint": ("step", "path"),
+    "preempt": ("signal", "reason", "step"),
+    "requeue": ("job_id",),
+    "error": ("exc_type", "message", "traceback"),
+    "end": ("status", "step"),
+}
+
+CONFIG_FILE = "config.yaml"
+BATCH_OUT_GLOB = "slurm-*.out"
+
+EVENTS_RE = re.compile(r"^rank(\d+)\.events\.jsonl$")
+OUT_RE = re.compile(r"^rank(\d+)\.out$")
+LOG_RE = re.compile(r"^rank(\d+)\.log$")
+
+
+def text_log(rank: int) -> str:
+    return f"rank{rank}.log"
+
+
+def events_file(rank: int) -> str:
+    return f"rank{rank}.events.jsonl"
+
+
+def rank_out(rank: int | str) -> str:
+    """``rank{R}.out``; pass ``"%t"`` for srun's ``--output`` pattern."""
+    return f"rank{rank}.out"
+
+
+def batch_out(job_pattern: str = "%j") -> str:
+    """The batch script's output file name; ``"%A_%a"`` inside an array."""
+    return f"slurm-{job_pattern}.out"
