@@ -178,10 +178,10 @@ def derive_port(job_key: str) -> int:
     return PORT_BASE + zlib.crc32(job_key.encode()) % PORT_SPAN
 
 
-def free_port() -> int:
-    """A TCP port free on this machine right now (for single-machine runs)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` of this machine right now (for single-machine runs)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
