@@ -203,7 +203,7 @@ class SlurmTestCluster:
     def accounting(self) -> str:
         """'slurmdbd' when plain sacct works, 'jobcomp' when only ``sacct -c`` does."""
         from ddp_hpc.testcluster import load_state
-        from ddp_hpc.testcluster.cluster import accounting_mode
+        from ddp_hpc.testcluster.health import accounting_mode
         return accounting_mode(self._spec, load_state(self.state_dir) or {})
 
     def stop_slurmdbd(self) -> None:

@@ -8,7 +8,6 @@ way (or a crash) can always be undone by ``down``.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -17,39 +16,18 @@ import time
 from pathlib import Path
 
 from . import daemons, network
+from .health import daemon_table, node_states, status
+from .state import STAMP, load_state, save_state, state_path
 from .spec import (CONTROLLER_NAME, ClusterError, ClusterSpec, render_gres_conf, render_mysql_init,
                    render_slurm_conf, render_slurmdbd_conf)
 
-STATE_FILE = "state.json"
-STAMP = ".ddp_hpc_testcluster"
 _FRESH_DIRS = ("etc", "munge", "run", "log", "ctld", "spool", "dev", "shared", "db", "local", "nodelocal")
-
-
-def _state_path(state_dir: Path) -> Path:
-    return Path(state_dir) / STATE_FILE
-
-
-def load_state(state_dir: Path) -> dict | None:
-    try:
-        return json.loads(_state_path(state_dir).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise ClusterError(f"cannot read {_state_path(state_dir)}: {exc}\n"
-                           "HINT: remove the cluster by hand (see the file) or delete the state dir.")
-
-
-def _save_state(spec: ClusterSpec, state: dict) -> None:
-    path = _state_path(spec.state_dir)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    os.replace(tmp, path)
 
 
 def require_root_and_programs(spec: ClusterSpec) -> None:
     if os.geteuid() != 0:
-        raise ClusterError(f"the test cluster needs root (running as uid {os.geteuid()})\n"
-                           "HINT: run it as root, e.g. `sudo .venv/bin/python -m ddp_hpc.testcluster up`.")
+        raise ClusterError(f"the test cluster needs root (running as uid {os.geteuid()})",
+                           "run it as root, e.g. `sudo .venv/bin/python -m ddp_hpc.testcluster up`.")
     need = ["slurmctld", "slurmd", "munged", "sinfo", "scontrol", "scancel", "squeue", "unshare", "setsid"]
     if spec.layout == "netns":
         need += ["ip", "nsenter"]
@@ -57,63 +35,17 @@ def require_root_and_programs(spec: ClusterSpec) -> None:
         need += ["slurmdbd", "mariadbd", "mariadb-install-db", "sacctmgr"]
     missing = [p for p in need if not shutil.which(p, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
     if missing:
-        raise ClusterError(f"missing programs: {', '.join(missing)}\n"
-                           "HINT: `python -m ddp_hpc.testcluster install"
+        raise ClusterError(f"missing programs: {', '.join(missing)}",
+                           "`python -m ddp_hpc.testcluster install"
                            f"{' --slurmdbd' if spec.slurmdbd else ''}` installs them (apt-get).")
-
-
-# -- health ----------------------------------------------------------------------------------------
-def _daemon_table(spec: ClusterSpec) -> dict[str, tuple[Path, str]]:
-    run = spec.path("run")
-    table = {"munged": (run / "munged.pid", "munged")}
-    if spec.slurmdbd:
-        table["mariadb"] = (run / "mysqld.pid", "mariadbd")
-        table["slurmdbd"] = (run / "slurmdbd.pid", "slurmdbd")
-    table["slurmctld"] = (run / "slurmctld.pid", "slurmctld")
-    for node in spec.node_names:
-        table[f"slurmd {node}"] = (run / f"slurmd-{node}.pid", "slurmd")
-    return table
-
-
-def node_states(spec: ClusterSpec) -> dict[str, str]:
-    proc = daemons.run(["sinfo", "-h", "-N", "-o", "%N %t"], spec, "sinfo", check=False, timeout=15)
-    states = {}
-    for line in proc.stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            states[parts[0]] = parts[1]
-    return states
-
-
-def status(state_dir: Path) -> dict:
-    """What runs and in which state; ``healthy`` when every daemon is alive and nodes are usable."""
-    state = load_state(state_dir)
-    if state is None:
-        return {"up": False, "state_dir": str(state_dir), "healthy": False}
-    spec = ClusterSpec.from_json(state["spec"])
-    procs = {name: daemons.alive(pidfile, prog) for name, (pidfile, prog) in _daemon_table(spec).items()}
-    if state.get("accounting_disabled"):
-        procs.pop("slurmdbd", None)
-    nodes = node_states(spec) if procs.get("slurmctld") else {}
-    usable = {"idle", "mix", "alloc", "comp"}
-    healthy = state.get("complete", False) and all(procs.values()) and \
-        set(nodes) == set(spec.node_names) and all(s in usable for s in nodes.values())
-    return {"up": True, "healthy": healthy, "state_dir": str(spec.state_dir), "spec": spec.to_json(),
-            "daemons": procs, "nodes": nodes, "slurm_conf": str(spec.slurm_conf),
-            "accounting": accounting_mode(spec, state), "created": state.get("created", {}),
-            "timings": state.get("timings", {})}
-
-
-def accounting_mode(spec: ClusterSpec, state: dict) -> str:
-    return "slurmdbd" if spec.slurmdbd and not state.get("accounting_disabled") else "jobcomp"
 
 
 # -- up --------------------------------------------------------------------------------------------
 def _prepare_dir(spec: ClusterSpec) -> None:
     d = spec.state_dir
     if d.exists() and any(d.iterdir()) and not (d / STAMP).exists():
-        raise ClusterError(f"state dir {d} exists, is not empty and was not made by the test cluster\n"
-                           "HINT: pass an empty or new directory with --state-dir.")
+        raise ClusterError(f"state dir {d} exists, is not empty and was not made by the test cluster",
+                           "pass an empty or new directory with --state-dir.")
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o755)
     (d / STAMP).touch()
@@ -164,7 +96,7 @@ def _start_mariadb(spec: ClusterSpec) -> None:
             "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=16M",
             "--innodb-lock-wait-timeout=900"]
     # setsid -f: MariaDB does not daemonize itself; this way it is not our child (no zombie).
-    daemons.run(["setsid", "-f", *argv], spec, "mariadbd", log=log)
+    daemons.run(["setsid", "-", *argv], spec, "mariadbd", log=log)
     daemons.wait_for(lambda: daemons.port_in_use(spec.mysql_port, "127.0.0.1")
                      and daemons.alive(spec.path("run", "mysqld.pid"), "mariadbd"),
                      60, "MariaDB did not start listening", f"see {log}.", log=log)
@@ -217,7 +149,7 @@ def _wait_idle(spec: ClusterSpec, timeout: float = 60, ok=("idle",)) -> None:
         daemons.wait_for(ready, timeout, "", "", interval=0.1)
     except ClusterError:
         raise ClusterError(f"nodes did not all become {'/'.join(ok)} within {timeout:.0f} s: "
-                           f"{node_states(spec)}\nHINT: see {spec.path('log')}/slurmd-*.log and "
+                           f"{node_states(spec)}", f"see {spec.path('log')}/slurmd-*.log and "
                            "slurmctld.log.") from None
 
 
@@ -243,25 +175,27 @@ def up(spec: ClusterSpec) -> dict:
         if st["healthy"] and state["spec"] == spec.to_json():
             if state.get("accounting_disabled"):
                 set_accounting(spec.state_dir, True)
-            return status(spec.state_dir)
+            return {**status(spec.state_dir), "reused": True}
         if st["healthy"]:
             raise ClusterError(f"a different cluster is already up in {spec.state_dir}: "
-                               f"{state['spec']}\nHINT: run `python -m ddp_hpc.testcluster down` first.")
+                               f"{state['spec']}", "run `python -m ddp_hpc.testcluster down` first.")
         down(spec.state_dir)
     daemons.check_ports_free(spec)
     network.check_names_free(spec)
     if spec.layout == "netns":
         network.check_subnet_free(spec)
+    made_dir = not spec.state_dir.exists()
     _prepare_dir(spec)
-    state = {"spec": spec.to_json(), "created": {}, "complete": False, "started_at": time.time()}
-    _save_state(spec, state)
+    state = {"spec": spec.to_json(), "created": {"state_dir": made_dir}, "complete": False,
+             "started_at": time.time()}
+    save_state(spec, state)
     try:
         _build(spec, state)
     except BaseException:
         down(spec.state_dir)
         raise
     state["complete"] = True
-    _save_state(spec, state)
+    save_state(spec, state)
     return status(spec.state_dir)
 
 
@@ -292,9 +226,9 @@ def _build(spec: ClusterSpec, state: dict) -> None:
         try:
             network.create(spec, created)
         finally:
-            _save_state(spec, state)
+            save_state(spec, state)
     created["hosts_block"] = True
-    _save_state(spec, state)
+    save_state(spec, state)
     network.add_hosts_block(spec)
     lap("network")
     if spec.slurmdbd:
@@ -320,10 +254,10 @@ def set_accounting(state_dir: Path, enabled: bool) -> None:
     slurmdbd: ``sacct`` says accounting storage is disabled).  Restarts slurmctld, keeps jobs."""
     state = load_state(state_dir)
     if state is None:
-        raise ClusterError(f"no cluster recorded in {state_dir}\nHINT: run `python -m ddp_hpc.testcluster up`.")
+        raise ClusterError(f"no cluster recorded in {state_dir}", "run `python -m ddp_hpc.testcluster up`.")
     spec = ClusterSpec.from_json(state["spec"])
     if not spec.slurmdbd:
-        raise ClusterError("this cluster was started without slurmdbd\nHINT: `up --slurmdbd`.")
+        raise ClusterError("this cluster was started without slurmdbd", "`up --slurmdbd`.")
     if bool(state.get("accounting_disabled")) == (not enabled):
         return
     ctld = spec.path("run", "slurmctld.pid")
@@ -334,15 +268,15 @@ def set_accounting(state_dir: Path, enabled: bool) -> None:
         daemons.stop_pidfile(spec.path("run", "slurmdbd.pid"), "slurmdbd")
     _write(spec.slurm_conf, render_slurm_conf(spec, accounting=enabled))
     state["accounting_disabled"] = not enabled
-    _save_state(spec, state)
+    save_state(spec, state)
     _start_slurmctld(spec, clean=False)
     _wait_idle(spec, ok=("idle", "mix", "alloc", "comp"))
 
 
 # -- down ------------------------------------------------------------------------------------------
-def down(state_dir: Path) -> list[str]:
-    """Stop everything the recorded cluster started and remove what it created.  Returns a list of
-    what was removed; an empty list when nothing was recorded."""
+def down(state_dir: Path, *, keep_logs: bool = False) -> list[str]:
+    """Stop everything the recorded cluster started and remove what it created (the daemons' logs
+    too unless ``keep_logs``).  Returns a list of what was done; empty when nothing was recorded."""
     state = load_state(Path(state_dir))
     if state is None:
         return []
@@ -357,7 +291,7 @@ def down(state_dir: Path) -> list[str]:
                                                      check=False).stdout.strip(), 15, "", "")
         except ClusterError:
             pass
-    table = _daemon_table(spec)
+    table = daemon_table(spec)
     order = [n for n in table if n.startswith("slurmd ")] + ["slurmctld", "slurmdbd", "mariadb"]
     for name in order:
         if name in table and daemons.stop_pidfile(*table[name], timeout=10):
@@ -372,6 +306,23 @@ def down(state_dir: Path) -> list[str]:
     done += network.destroy(created)
     if created.get("hosts_block") and network.remove_hosts_block(spec):
         done.append("removed /etc/hosts block")
-    shutil.rmtree(spec.path("db"), ignore_errors=True)  # ~100 MB of MariaDB files; logs stay
-    _state_path(spec.state_dir).unlink(missing_ok=True)
+    done.append(_remove_files(spec, made_dir=bool(created.get("state_dir")), keep_logs=keep_logs))
     return done
+
+
+def _remove_files(spec: ClusterSpec, *, made_dir: bool, keep_logs: bool) -> str:
+    """Remove what ``up`` wrote under the state dir (the dir itself too when ``up`` made it)."""
+    d = spec.state_dir
+    keep = {"log"} if keep_logs else set()
+    if made_dir and not keep:
+        shutil.rmtree(d, ignore_errors=True)
+        return f"removed {d}"
+    for sub in [*_FRESH_DIRS, STAMP, spec.jobcomp_file.name]:
+        if sub not in keep:
+            target = d / sub
+            if target.is_dir():
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                target.unlink(missing_ok=True)
+    state_path(d).unlink(missing_ok=True)
+    return f"removed the cluster's files in {d}" + (f" (kept {d / 'log'})" if keep else "")

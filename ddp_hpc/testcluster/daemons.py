@@ -33,12 +33,12 @@ def run(argv: list[str], spec: ClusterSpec, what: str, *, timeout: float = 30, l
         proc = subprocess.run(argv, env=daemon_env(spec), capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        raise ClusterError(f"{what}: `{' '.join(argv)}` did not finish within {timeout:.0f} s\n"
-                           f"HINT: see {log or spec.path('log')}.") from None
+        raise ClusterError(f"{what}: `{' '.join(argv)}` did not finish within {timeout:.0f} s",
+                           f"see {log or spec.path('log')}.") from None
     if check and proc.returncode:
         tail = (proc.stderr or proc.stdout).strip()[-1500:]
-        raise ClusterError(f"{what}: `{' '.join(argv)}` exited {proc.returncode}: {tail}\n"
-                           f"HINT: see {log or spec.path('log')}.")
+        raise ClusterError(f"{what}: `{' '.join(argv)}` exited {proc.returncode}: {tail}",
+                           f"see {log or spec.path('log')}.")
     return proc
 
 
@@ -85,7 +85,7 @@ def wait_for(cond, timeout: float, what: str, hint: str, interval: float = 0.05,
         dead = pidfile is not None and waited > 1.0 and not alive(pidfile, program)
         if dead or waited > timeout:
             why = f"{program} exited" if dead else f"waited {timeout:.0f} s"
-            raise ClusterError(f"{what} ({why}){log_tail(log)}\nHINT: {hint}")
+            raise ClusterError(f"{what} ({why}){log_tail(log)}", hint)
         time.sleep(interval)
         interval = min(interval * 1.5, 0.5)
 
@@ -131,8 +131,8 @@ def port_in_use(port: int, addr: str = "0.0.0.0") -> bool:
 def check_ports_free(spec: ClusterSpec) -> None:
     for port, who in sorted(spec.host_ports().items()):
         if port_in_use(port):
-            raise ClusterError(f"port {port} (for {who}) is already in use on this machine\n"
-                               "HINT: stop what listens there (`ss -ltnp`) or move the cluster "
+            raise ClusterError(f"port {port} (for {who}) is already in use on this machine",
+                               "stop what listens there (`ss -ltnp`) or move the cluster "
                                "with --port-base.")
 
 

@@ -28,8 +28,8 @@ def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Com
         argv = ["nsenter", f"--net=/run/netns/{ns}", *argv]
     proc = subprocess.run(argv, capture_output=True, text=True)
     if check and proc.returncode:
-        raise ClusterError(f"`{' '.join(argv)}` failed: {proc.stderr.strip()}\n"
-                           "HINT: the netns layout needs root and iproute2; try --layout loopback.")
+        raise ClusterError(f"`{' '.join(argv)}` failed: {proc.stderr.strip()}",
+                           "the netns layout needs root and iproute2; try --layout loopback.")
     return proc
 
 
@@ -56,15 +56,15 @@ def check_subnet_free(spec: ClusterSpec) -> None:
             if other.version == 4 and other.prefixlen > 0 and other.overlaps(net) \
                     and spec.bridge not in words:
                 raise ClusterError(
-                    f"subnet {spec.subnet} overlaps {w} already in use here ({line.strip()})\n"
-                    "HINT: pass another private /24 with --subnet, e.g. 10.78.0.0/24.")
+                    f"subnet {spec.subnet} overlaps {w} already in use here ({line.strip()})",
+                    "pass another private /24 with --subnet, e.g. 10.78.0.0/24.")
 
 
 def create(spec: ClusterSpec, created: dict) -> None:
     """Bridge + per-node netns/veth.  Appends what it made to ``created`` as it goes."""
     if link_exists(spec.bridge):
         raise ClusterError(f"network device {spec.bridge} exists but this cluster's state does "
-                           "not record it\nHINT: another cluster uses the same --port-base; "
+                           "not record it", "another cluster uses the same --port-base; "
                            "run `python -m ddp_hpc.testcluster down` for it or pick another --port-base.")
     check_subnet_free(spec)
     prefix = ipaddress.ip_network(spec.subnet).prefixlen
@@ -75,7 +75,7 @@ def create(spec: ClusterSpec, created: dict) -> None:
     for i, node in enumerate(spec.node_names, 1):
         ns, veth = spec.netns_name(node), spec.veth_name(i)
         if netns_exists(ns):
-            raise ClusterError(f"network namespace {ns} already exists\nHINT: remove it with "
+            raise ClusterError(f"network namespace {ns} already exists", "remove it with "
                                f"`ip netns del {ns}` if it is stale, or pick another --port-base.")
         _ip("netns", "add", ns)
         created.setdefault("netns", []).append(ns)
@@ -153,15 +153,15 @@ def check_names_free(spec: ClusterSpec) -> None:
         words = line.split("#", 1)[0].split()
         clash = ours.intersection(words[1:])
         if clash:
-            raise ClusterError(f"host name(s) {sorted(clash)} already in /etc/hosts: {line.strip()!r}\n"
-                               "HINT: remove that line or pick other names with --node-prefix.")
+            raise ClusterError(f"host name(s) {sorted(clash)} already in /etc/hosts: {line.strip()!r}",
+                               "remove that line or pick other names with --node-prefix.")
     for name in sorted(ours):
         try:
             addr = socket.gethostbyname(name)
         except OSError:
             continue
-        raise ClusterError(f"host name {name!r} already resolves to {addr} on this machine\n"
-                           "HINT: pick other node names with --node-prefix.")
+        raise ClusterError(f"host name {name!r} already resolves to {addr} on this machine",
+                           "pick other node names with --node-prefix.")
 
 
 def add_hosts_block(spec: ClusterSpec) -> None:

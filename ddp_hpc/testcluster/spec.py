@@ -13,6 +13,8 @@ import ipaddress
 import re
 from pathlib import Path
 
+from ddp_hpc.errors import HintError
+
 DEFAULT_STATE_DIR = Path("/tmp/ddp_hpc_testcluster")
 DEFAULT_SUBNET = "10.77.0.0/24"
 DEFAULT_PORT_BASE = 16800
@@ -24,12 +26,12 @@ CPUS_PER_NODE = 8
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 
 
-class ClusterError(RuntimeError):
-    """A test-cluster failure; the message names what was seen and ends with a HINT line."""
+class ClusterError(HintError, RuntimeError):
+    """A test-cluster failure: what was seen, and a HINT line with the fix."""
 
 
 def _fail(what: str, hint: str) -> ClusterError:
-    return ClusterError(f"{what}\nHINT: {hint}")
+    return ClusterError(what, hint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,21 +190,42 @@ class ClusterSpec:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def render_slurm_conf(spec: ClusterSpec, *, accounting: bool | None = None) -> str:
-    """slurm.conf for ``spec``; ``accounting=False`` renders the jobcomp-only variant."""
-    accounting = spec.slurmdbd if accounting is None else accounting
+#: slurm.conf lines that do not depend on the spec
+_STATIC_CONF = [
+    "SlurmUser=root",
+    "SlurmdUser=root",
+    "MailProg=/bin/true",
+    "AuthType=auth/munge",
+    "CredType=cred/munge",
+    # No cgroups and no systemd on the machines this runs on.
+    "ProctrackType=proctrack/linuxproc",
+    "TaskPlugin=task/none",
+    "JobAcctGatherType=jobacct_gather/none",
+    "SwitchType=switch/none",
+    "MpiDefault=none",
+    "SelectType=select/cons_tres",
+    "SelectTypeParameters=CR_Core",
+    "SchedulerType=sched/backfill",
+    # Fast requeue: with the defaults a requeued job waits minutes (Reason=BeginTime).
+    "SchedulerParameters=sched_interval=2,bf_interval=2",
+    "JobRequeue=1",
+    "KillWait=10",
+    "ReturnToService=2",
+    "InactiveLimit=0",
+    "MessageTimeout=10",
+    "SlurmdTimeout=60",
+    "SlurmdParameters=config_overrides",
+    "GresTypes=gpu",
+]
+
+
+def _paths_conf(spec: ClusterSpec) -> list[str]:
     p = spec.path
-    lines = [
-        "# Rendered by ddp_hpc.testcluster; rewritten on every `up`.",
+    return [
         f"ClusterName={spec.cluster_name}",
         f"SlurmctldHost={CONTROLLER_NAME}({spec.controller_addr})",
         f"SlurmctldPort={spec.ctld_port}",
         f"SlurmdPort={spec.slurmd_port}",
-        "SlurmUser=root",
-        "SlurmdUser=root",
-        "MailProg=/bin/true",
-        "AuthType=auth/munge",
-        "CredType=cred/munge",
         f"AuthInfo=socket={spec.munge_socket},cred_expire=10",
         f"StateSaveLocation={p('ctld')}",
         f"SlurmdSpoolDir={p('spool')}/%n",
@@ -211,28 +234,28 @@ def render_slurm_conf(spec: ClusterSpec, *, accounting: bool | None = None) -> s
         f"SlurmctldLogFile={p('log', 'slurmctld.log')}",
         f"SlurmdLogFile={p('log')}/slurmd-%n.log",
         f"PlugStackConfig={p('etc', 'plugstack.conf')}",
-        # No cgroups and no systemd on the machines this runs on.
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "SwitchType=switch/none",
-        "MpiDefault=none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core",
-        "SchedulerType=sched/backfill",
-        # Fast requeue: with the defaults a requeued job waits minutes (Reason=BeginTime).
-        "SchedulerParameters=sched_interval=2,bf_interval=2",
-        "JobRequeue=1",
-        "KillWait=10",
-        "ReturnToService=2",
-        "InactiveLimit=0",
-        "MessageTimeout=10",
-        "SlurmdTimeout=60",
-        "SlurmdParameters=config_overrides",
-        "GresTypes=gpu",
         "JobCompType=jobcomp/filetxt",
         f"JobCompLoc={spec.jobcomp_file}",
     ]
+
+
+def _nodes_conf(spec: ClusterSpec) -> list[str]:
+    gres = f" Gres=gpu:{spec.gpus_per_node}" if spec.gpus_per_node else ""
+    lines = []
+    for i, name in enumerate(spec.node_names, 1):
+        hostname = name if spec.layout == "netns" else "localhost"
+        lines.append(
+            f"NodeName={name} NodeAddr={spec.node_addr(i)} NodeHostname={hostname} "
+            f"Port={spec.node_port(i)} CPUs={CPUS_PER_NODE} Boards=1 SocketsPerBoard=1 "
+            f"CoresPerSocket={CPUS_PER_NODE} ThreadsPerCore=1 RealMemory=4000{gres} State=UNKNOWN")
+    lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+    return lines
+
+
+def render_slurm_conf(spec: ClusterSpec, *, accounting: bool | None = None) -> str:
+    """slurm.conf for ``spec``; ``accounting=False`` renders the jobcomp-only variant."""
+    accounting = spec.slurmdbd if accounting is None else accounting
+    lines = ["# Rendered by ddp_hpc.testcluster; rewritten on every `up`.", *_paths_conf(spec), *_STATIC_CONF]
     if spec.layout == "netns":
         # slurmctld must bind the bridge address (its own name resolves to it), not 127.0.0.1.
         lines.append("CommunicationParameters=NoCtldInAddrAny")
@@ -243,15 +266,7 @@ def render_slurm_conf(spec: ClusterSpec, *, accounting: bool | None = None) -> s
             f"AccountingStoragePort={spec.dbd_port}",
             f"AccountingStoragePass={spec.munge_socket}",
         ]
-    gres = f" Gres=gpu:{spec.gpus_per_node}" if spec.gpus_per_node else ""
-    for i, name in enumerate(spec.node_names, 1):
-        hostname = name if spec.layout == "netns" else "localhost"
-        lines.append(
-            f"NodeName={name} NodeAddr={spec.node_addr(i)} NodeHostname={hostname} "
-            f"Port={spec.node_port(i)} CPUs={CPUS_PER_NODE} Boards=1 SocketsPerBoard=1 "
-            f"CoresPerSocket={CPUS_PER_NODE} ThreadsPerCore=1 RealMemory=4000{gres} State=UNKNOWN")
-    lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _nodes_conf(spec)) + "\n"
 
 
 def render_gres_conf(spec: ClusterSpec) -> str:
