@@ -1,0 +1,172 @@
+"""The house rules of docs/architecture.md, checked by reading the source (no imports of the subject).
+
+Each rule names the offending file and line, so a failure says what to move where.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "ddp_hpc"
+MAX_MODULE_LINES = 350
+MAX_FUNCTION_LINES = 60
+
+#: variables that carry rank or job facts; only ddp_hpc/env/ may read them
+FACT_VAR = re.compile(r"^(SLURM_\w+|SUBMITIT_\w+|TORCHELASTIC_\w+|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE"
+                      r"|GROUP_RANK|GROUP_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|DDP_HPC_(LOG_DIR|JOB_ID|LAUNCHER"
+                      r"|NUM_NODES|MASTER_PORT|JOB_END_TIME))$")
+SLURM_COMMANDS = {"sbatch", "srun", "squeue", "sacct", "scontrol", "sinfo", "scancel", "sbcast", "salloc",
+                  "sacctmgr", "sstat"}
+#: written-down exceptions to "only slurm/cli.py starts Slurm commands": the test cluster sets up the
+#: very Slurm that slurm/cli talks to (docs/architecture.md, "Rules")
+SLURM_RUNNER_EXCEPTIONS = ("ddp_hpc/slurm/cli.py", "ddp_hpc/testcluster/")
+
+
+def _modules() -> list[tuple[str, ast.Module, str]]:
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        src = path.read_text()
+        out.append((str(path.relative_to(REPO)), ast.parse(src), src))
+    return out
+
+
+MODULES = _modules()
+
+
+def _const_str(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _fact_reads(tree: ast.Module) -> list[tuple[int, str]]:
+    """``X.get("SLURM_...")``, ``os.getenv("RANK")``, ``environ["MASTER_PORT"]`` (a load) and
+    ``"RANK" in environ``: reads of a fact variable. Writes for child processes are not reads."""
+    hits = []
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)) and node.args:
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            if func in ("get", "getenv"):
+                name = _const_str(node.args[0])
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            name = _const_str(node.slice)
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            name = _const_str(node.left)
+        if name and FACT_VAR.match(name):
+            hits.append((node.lineno, name))
+    return hits
+
+
+def test_only_env_reads_rank_and_job_facts_from_the_environment():
+    offenders = [f"{rel}:{line} reads {name}" for rel, tree, _ in MODULES
+                 if not rel.startswith(("ddp_hpc/env/", "ddp_hpc/testcluster/"))
+                 for line, name in _fact_reads(tree)]
+    assert not offenders, "read these through ddp_hpc.env (DistEnv, job_facts):\n" + "\n".join(offenders)
+
+
+def test_the_scan_finds_a_fact_read():
+    """The rule above must be able to fail: a read in each of the three shapes is found."""
+    tree = ast.parse("import os\nos.environ.get('SLURM_JOB_ID')\nos.environ['RANK']\n'MASTER_PORT' in os.environ\n"
+                     "env['RANK'] = '0'\n")
+    assert [n for _, n in _fact_reads(tree)] == ["SLURM_JOB_ID", "RANK", "MASTER_PORT"]
+
+
+def _slurm_argv(tree: ast.Module) -> list[tuple[int, str]]:
+    """An argv about to be run: a list/tuple literal that starts with a Slurm command and is passed
+    to a call or carries an option (``-x``/``--x``); a plain tuple of names is not one."""
+    call_args = {id(a) for n in ast.walk(tree) if isinstance(n, ast.Call) for a in n.args}
+    return [(node.lineno, node.elts[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.List, ast.Tuple)) and node.elts
+            and _const_str(node.elts[0]) in SLURM_COMMANDS
+            and (id(node) in call_args or any((_const_str(e) or "").startswith("-") for e in node.elts[1:]))]
+
+
+def test_only_slurm_cli_starts_slurm_commands():
+    offenders = [f"{rel}:{line} builds a `{cmd}` command" for rel, tree, _ in MODULES
+                 if not rel.startswith(SLURM_RUNNER_EXCEPTIONS) for line, cmd in _slurm_argv(tree)]
+    assert not offenders, "run Slurm commands through ddp_hpc.slurm.cli.SlurmCLI:\n" + "\n".join(offenders)
+    found = _slurm_argv(ast.parse("subprocess.run(['scontrol', 'requeue', '1'])\nargv = ['squeue', '-h']\n"
+                                  "A, B = ('squeue', 'sacct')\n"))
+    assert sorted(found) == [(1, "scontrol"), (2, "squeue")]
+
+
+def test_modules_and_functions_stay_small():
+    too_long = []
+    for rel, tree, src in MODULES:
+        n = len(src.splitlines())
+        if n > MAX_MODULE_LINES:
+            too_long.append(f"{rel}: {n} lines (max {MAX_MODULE_LINES})")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{rel}:{node.lineno} {node.name}() {length} lines (max {MAX_FUNCTION_LINES})")
+    assert not too_long, "split these:\n" + "\n".join(too_long)
+
+
+def _docstring_nodes(tree: ast.Module) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr) and _const_str(node.body[0].value) is not None}
+
+
+def test_one_error_format():
+    """Errors are ``HintError(problem, hint)``; only ddp_hpc/errors.py spells the HINT line."""
+    offenders = []
+    for rel, tree, _ in MODULES:
+        if rel == "ddp_hpc/errors.py":
+            continue
+        docs = _docstring_nodes(tree)
+        offenders += [f"{rel}:{node.lineno}" for node in ast.walk(tree)
+                      if id(node) not in docs and "HINT:" in (_const_str(node) or "")]
+    assert not offenders, "pass the hint as HintError's second argument:\n" + "\n".join(offenders)
+
+
+def test_one_free_port_and_no_dunder_import():
+    homes = [rel for rel, tree, _ in MODULES for n in ast.walk(tree)
+             if isinstance(n, ast.FunctionDef) and n.name == "free_port"]
+    assert homes == ["ddp_hpc/env/ports.py"], homes
+    dunder = [f"{rel}:{n.lineno}" for rel, tree, _ in MODULES for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "__import__"]
+    assert not dunder, dunder
+
+
+COMMANDS = ["submit", "env", "launch", "run", "data", "status", "records", "testcluster"]
+
+
+def _ddp_hpc(*args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("ddp-hpc")
+    argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "ddp_hpc"]
+    return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_ddp_hpc_help_lists_every_subcommand():
+    p = _ddp_hpc("--help")
+    assert p.returncode == 0, p.stderr
+    for name in COMMANDS:
+        assert re.search(rf"^\s+{name}\s+\S", p.stdout, re.M), f"`ddp-hpc --help` does not list {name}:\n{p.stdout}"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_each_subcommand_has_clean_help(name):
+    p = _ddp_hpc(name, "--help")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"usage: ddp-hpc {name}"), p.stdout[:200]
+    for clutter in ("(default: None)", "(default: False)", "``", "see the package docstring"):
+        assert clutter not in p.stdout, (clutter, p.stdout)
+    options = p.stdout.split("options:", 1)[-1]
+    # an option line with no two-space gap (no help beside it) and no indented help below it
+    bare = re.findall(r"^  (-(?:[^ \n]| (?! ))*)\n(?!\s{6,}\S)", options + "\n", re.M)
+    assert not bare, f"options without a help text: {bare}"
+
+
+def test_unknown_subcommand_is_refused_with_the_list():
+    p = _ddp_hpc("sumbit")
+    assert p.returncode == 2
+    assert "invalid choice: 'sumbit'" in p.stderr and "submit" in p.stderr
