@@ -6,7 +6,8 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 if ! .venv/bin/python -c "import ddp_hpc, torch, submitit, lmdb, xxhash, pytest" 2>/dev/null \
-   || [ requirements-ci.txt -nt .venv/.installed ]; then
+   || [ ! -x .venv/bin/ddp-hpc ] || [ requirements-ci.txt -nt .venv/.installed ] \
+   || [ setup.cfg -nt .venv/.installed ]; then
   .venv/bin/pip install -q --disable-pip-version-check -r requirements-ci.txt
   .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
   touch .venv/.installed
