@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from ddp_hpc import env as envmod
-from ddp_hpc.env import PORT_BASE, PORT_SPAN, DistEnv, EnvError, derive_port, detect, preflight
+from ddp_hpc.env import PORT_BASE, PORT_SPAN, DistEnv, EnvError, derive_port, detect, preflight, user_port
 
 HOST = socket.gethostname()
 
@@ -51,7 +51,8 @@ def ancestors_ok():
 FIELDS = ("rank", "local_rank", "world_size", "local_world_size", "node_rank", "num_nodes",
           "master_addr", "master_port", "hostnames", "job_id", "restart_count", "launcher")
 
-PORT_4242 = derive_port("4242")
+#: derive_port("4242"): 20000 + crc32(b"4242") % 10000 = 20000 + 169812835 % 10000
+PORT_4242 = 22835
 
 CASES = {
     # srun -N2 --ntasks-per-node=2: ranks laid out node by node.
@@ -78,7 +79,7 @@ CASES = {
         srun_task(1, 1, 0, nodes="gpu[009-010]", job="5001",
                   extra={"SLURM_ARRAY_JOB_ID": "5000", "SLURM_ARRAY_TASK_ID": "3", "SLURM_RESTART_COUNT": "1",
                          "SLURMD_NODENAME": "gpu009"}),
-        (1, 1, 4, 2, 0, 2, "gpu009", derive_port("5000_3"), ("gpu009", "gpu010"), "5000_3", 1, "slurm")),
+        (1, 1, 4, 2, 0, 2, "gpu009", 24407, ("gpu009", "gpu010"), "5000_3", 1, "slurm")),
     # user-set MASTER_ADDR / MASTER_PORT win.
     "srun user master": (
         srun_task(0, 0, 0, extra={"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "31337"}),
@@ -100,7 +101,7 @@ CASES = {
         {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "777", "SUBMITIT_LOCAL_NTASKS": "2",
          "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_GLOBALID": "1",
          "SUBMITIT_LOCAL_LOCALID": "1"},
-        (1, 1, 2, 2, 0, 1, "127.0.0.1", derive_port("777"), (HOST,), "777", 0, "submitit")),
+        (1, 1, 2, 2, 0, 1, "127.0.0.1", 21756, (HOST,), "777", 0, "submitit")),
     # ddp_hpc's local launcher: 2 pretend nodes x 2.
     "local launcher": (
         {**torchrun_task(2, 0, world=4, local_world=2), "DDP_HPC_LAUNCHER": "local", "DDP_HPC_NUM_NODES": "2",
@@ -124,6 +125,20 @@ def test_single_process_gets_a_free_port():
     assert env.master_addr == "127.0.0.1" and env.job_id is None and env.restart_count == 0
     with socket.socket() as s:  # the port was free when chosen: binding it works
         s.bind(("127.0.0.1", env.master_port))
+
+
+@pytest.mark.parametrize("key, port", [("4242", 22835), ("5000_3", 24407), ("777", 21756), ("1234_1", 20543),
+                                       ("1234_2", 26261), ("local-1", 23114)])
+def test_derived_port_of_a_job_key(key, port):
+    assert derive_port(key) == port
+
+
+def test_user_port_wins_and_is_checked():
+    assert user_port({}) is None and user_port({"MASTER_PORT": ""}) is None
+    assert user_port({"MASTER_PORT": "31337", "DDP_HPC_MASTER_PORT": "25000"}) == 31337
+    assert user_port({"DDP_HPC_MASTER_PORT": "25000"}) == 25000
+    with pytest.raises(EnvError, match=r"DDP_HPC_MASTER_PORT=0 is not a TCP port"):
+        user_port({"DDP_HPC_MASTER_PORT": "0"})
 
 
 def test_port_is_a_pure_function_of_the_job_and_in_range():
@@ -285,4 +300,4 @@ def test_cli_check_fails_with_hint():
     e["SLURM_TASK_PID"] = "1"  # init is everyone's ancestor
     out = run_cli(["--check"], {**base, **e})
     assert out.returncode == 1
-    assert "ERROR: Uneven tasks per node" in out.stderr and "HINT:" in out.stderr
+    assert "env [n1 task 0]: error: Uneven tasks per node" in out.stderr and "\nHINT: Request" in out.stderr

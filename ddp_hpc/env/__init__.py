@@ -1,6 +1,27 @@
-"""Rank and job facts of this process, derived from the launcher's variables (see core)."""
+"""Rank and job facts of this process, derived from the launcher's variables: the only package
+that reads them from the environment.
 
-from ddp_hpc.env.core import (LAUNCHERS, PORT_BASE, PORT_SPAN, DistEnv, EnvError, _slurm_job_key,  # noqa: F401
-                              derive_port, detect, free_port, gpu_index, launcher_of, main, preflight,
-                              visible_gpus)
-from ddp_hpc.env.job import JobFacts, job_facts, job_key  # noqa: F401
+    env = DistEnv.detect()     # rank, sizes, master address/port, launcher; EnvError with a HINT
+    facts = job_facts()        # job id and key, restarts, end time, node-local disk, log dir
+
+Modules, one idea each: ``model`` (DistEnv, EnvError), ``sources`` (one per launcher: slurm,
+torchrun, submitit, local, single, and what each reads), ``ports`` (the MASTER_PORT rule,
+free_port), ``job`` (job-level facts and the job-key rule), ``gpus`` (GPU binding), ``checks``
+(preflight, detect), ``cli`` (``ddp-hpc env`` / ``python -m ddp_hpc.env``).
+"""
+
+from ddp_hpc.env.checks import detect, preflight
+from ddp_hpc.env.gpus import gpu_index, visible_gpus
+from ddp_hpc.env.job import JobFacts, job_facts, job_key
+from ddp_hpc.env.model import LAUNCHERS, DistEnv, EnvError
+from ddp_hpc.env.ports import PORT_BASE, PORT_SPAN, derive_port, free_port, master_port, user_port
+from ddp_hpc.env.sources import launcher_of
+
+#: the old private name of `job_key`, still imported by ddp_hpc/data (sbcast.py, __main__.py)
+_slurm_job_key = job_key
+
+__all__ = [
+    "LAUNCHERS", "PORT_BASE", "PORT_SPAN", "DistEnv", "EnvError", "JobFacts", "derive_port", "detect",
+    "free_port", "gpu_index", "job_facts", "job_key", "launcher_of", "master_port", "preflight", "user_port",
+    "visible_gpus",
+]

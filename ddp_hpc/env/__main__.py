@@ -1,5 +1,5 @@
 import sys
 
-from ddp_hpc.env.core import main
+from ddp_hpc.env.cli import main
 
 sys.exit(main())
