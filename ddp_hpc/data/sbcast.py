@@ -27,8 +27,12 @@ import tempfile
 import time
 
 from ddp_hpc.data import fsio
-from ddp_hpc.data.stage import StageError, _file_hash, _kind, resolve_stage_dir, sbcast_paths, stage_key
-from ddp_hpc.env import _slurm_job_key
+from ddp_hpc.data.copy import source_kind
+from ddp_hpc.data.errors import StageError
+from ddp_hpc.data.hashing import file_hash
+from ddp_hpc.data.stage import resolve_stage_dir, sbcast_paths, stage_key
+from ddp_hpc.env import job_facts
+from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 
 __all__ = ["sbcast_stage", "sbcast_paths"]
 
@@ -37,26 +41,23 @@ log = logging.getLogger("ddp_hpc.data.sbcast")
 
 def sbcast_stage(src: str | os.PathLike, dest: str | None = None, *, cli=None, environ=None) -> dict:
     """Hash ``src`` once, ``sbcast`` it and its manifest to ``dest`` on every node of this job."""
-    from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
-
-    environ = os.environ if environ is None else environ
-    job = _slurm_job_key(environ)  # the key ddp_hpc.env gives the training ranks
+    job = job_facts(environ).key  # the key ddp_hpc.env gives the training ranks
     if not job:
-        raise StageError("sbcast staging needs a Slurm allocation but SLURM_JOB_ID is not set; HINT: run "
-                         "`python -m ddp_hpc.data sbcast` inside the batch script (or salloc), or let "
+        raise StageError("sbcast staging needs a Slurm allocation but SLURM_JOB_ID is not set",
+                         "run `python -m ddp_hpc.data sbcast` inside the batch script (or salloc), or let "
                          "data.io=stage copy once per node without it")
     src = os.path.abspath(os.fspath(src))
-    kind = _kind(src)
+    kind = source_kind(src)
     if kind == "dir":
-        raise StageError(f"sbcast moves single files but {src!r} is a folder; HINT: pack it into one LMDB "
-                         "(python -m ddp_hpc.data pack SRC OUT.lmdb) or stage it without sbcast")
+        raise StageError(f"sbcast moves single files but {src!r} is a folder",
+                         "pack it into one LMDB (python -m ddp_hpc.data pack SRC OUT.lmdb) or stage it without sbcast")
     dest = os.path.abspath(dest or resolve_stage_dir("auto", environ))
     key = stage_key(src, job)
     data, manifest = sbcast_paths(dest, key)
     source = os.path.join(src, "data.mdb") if kind == "lmdb" else src
     t0 = time.monotonic()
     fsio.note_open(source)
-    nbytes, digest = _file_hash(source)  # one read on this node; sbcast's own read follows it
+    nbytes, digest = file_hash(source)  # one read on this node; sbcast's own read follows it
     fsio.note_bytes(source, nbytes)
     cli = cli or SlurmCLI(env=environ)
     try:
@@ -68,7 +69,7 @@ def sbcast_stage(src: str | os.PathLike, dest: str | None = None, *, cli=None, e
         finally:
             os.remove(f.name)
     except SlurmError as e:
-        raise StageError(f"sbcast of {source!r} to {data!r} failed: {e}") from e
+        raise StageError(f"sbcast of {source!r} to {data!r} failed: {e.problem}", e.hint) from e
     seconds = time.monotonic() - t0
     log.info("sbcast: %s (%d bytes) to %s on every node in %.1f s", source, nbytes, data, seconds)
     return {"src": src, "data": data, "manifest": manifest, "bytes": nbytes, "xxh3_64": digest,
