@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.hostlist import HostlistError, compress, expand, parse_tasks_per_node
 
 EXPAND_CASES = [
@@ -89,7 +90,7 @@ def test_expand_errors_quote_input_and_reason(expr, reason):
     message = str(info.value)
     assert repr(expr) in message
     assert reason in message
-    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, HintError)
 
 
 def test_expand_refuses_non_string():

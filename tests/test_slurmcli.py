@@ -12,7 +12,9 @@ import subprocess
 
 import pytest
 
-from ddp_hpc.slurm.cli import SEP, SlurmCLI, SlurmError, gpus_in_gres, validate_job_id
+from ddp_hpc.errors import HintError
+from ddp_hpc.slurm.cli import SEP, SlurmArgumentError, SlurmCLI, SlurmError, gpus_in_gres, validate_job_id
+from ddp_hpc.slurm.times import duration_seconds, format_duration, normalize_duration, timestamp
 
 SCRIPT = "#!/bin/bash\n#SBATCH --nodes=1\nsrun hostname\n"
 
@@ -98,6 +100,18 @@ def test_sbatch_refuses_a_string_of_args_and_a_script_without_interpreter():
         SlurmCLI(runner=rec).sbatch(SCRIPT, args="--nodes=2")
     with pytest.raises(ValueError, match="#!/bin/bash"):
         SlurmCLI(runner=rec).sbatch("srun hostname\n")
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("src, dest", [("", "/tmp/x"), ("-rf", "/tmp/x"), ("/a", "/tmp/x\ny"), ("/a", None)])
+def test_sbcast_refuses_unusable_paths_with_a_hint(src, dest):
+    rec = Recorder()
+    with pytest.raises(SlurmArgumentError) as info:
+        SlurmCLI(runner=rec).sbcast(src, dest)
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, HintError)
+    assert err.hint == "pass an absolute path" and str(err).endswith("\nHINT: pass an absolute path")
+    assert "is not a usable path" in err.problem and "; HINT" not in str(err)
     assert rec.calls == []
 
 
@@ -224,7 +238,9 @@ def test_real_sacct_without_accounting_hints_at_the_fix(no_controller_env):
     with pytest.raises(SlurmError) as info:
         cli.sacct(["5"])
     assert "accounting storage is disabled" in str(info.value)
-    assert "HINT: sacct needs slurmdbd" in str(info.value)
+    assert "\nHINT: sacct needs slurmdbd" in str(info.value)
+    assert isinstance(info.value, HintError) and isinstance(info.value, RuntimeError)
+    assert info.value.hint.startswith("sacct needs slurmdbd") and "HINT" not in info.value.problem
     with pytest.raises(SlurmError, match="job completion is disabled"):
         cli.sacct(["5"], completion=True)
 
@@ -298,3 +314,30 @@ def test_parse_real_sinfo_output_and_aggregate_lines_per_partition():
     assert parts["cpu"] == {"name": "cpu", "default": False, "available": "down",
                             "time_limit": "1:00:00", "nodes": 2, "node_list": "c[01-02]",
                             "node_states": {"down*": 2}, "gpus_per_node": 0}
+
+
+# -- Slurm time strings ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("10", 600), ("1:05", 65), ("00:01:05", 65), ("2:00:00", 7200), ("1-0", 86400),
+    ("1-2:03", 93780), ("2-03:04:05", 183845), (" 5 ", 300), (7, 420),
+    ("UNLIMITED", None), ("INVALID", None), ("Partition_Limit", None), ("", None), (None, None),
+    ("1:2:3:4", None), ("-5", None)])
+def test_duration_seconds_reads_every_slurm_spelling(text, seconds):
+    assert duration_seconds(text) == seconds
+
+
+def test_one_duration_format_for_every_spelling():
+    # squeue (M:SS), sacct (HH:MM:SS) and sacct -c (minutes) spell the same 10 minutes
+    assert {normalize_duration(t) for t in ("10:00", "00:10:00", "10")} == {"00:10:00"}
+    assert normalize_duration("2-03:04:05") == "2-03:04:05"
+    assert normalize_duration("UNLIMITED") == "UNLIMITED"
+    assert normalize_duration("") is None and normalize_duration(None) is None
+    assert format_duration(59.6) == "00:01:00" and format_duration(-3) == "00:00:00"
+    assert format_duration(None) is None
+
+
+def test_timestamp():
+    assert timestamp("Unknown") is None and timestamp("N/A") is None and timestamp("garbage") is None
+    assert timestamp("2026-11-22T15:00:01") - timestamp("2026-11-22T15:00:00") == 1.0

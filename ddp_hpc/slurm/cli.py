@@ -26,9 +26,10 @@ import shutil
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.hostlist import HostlistError, compress, expand
 
-__all__ = ["SlurmCLI", "SlurmError", "validate_job_id", "gpus_in_gres"]
+__all__ = ["SlurmCLI", "SlurmError", "SlurmArgumentError", "validate_job_id", "gpus_in_gres"]
 
 Runner = Callable[..., subprocess.CompletedProcess]
 
@@ -52,7 +53,7 @@ SACCT_FIELDS = (
 )
 
 
-class SlurmError(RuntimeError):
+class SlurmError(HintError, RuntimeError):
     """A Slurm command failed; names the command line, its exit status and its stderr."""
 
     def __init__(self, argv: Sequence[str], returncode: int | None, stderr: str, hint: str = "",
@@ -64,18 +65,20 @@ class SlurmError(RuntimeError):
         if status is None:
             status = ("could not be started" if returncode is None
                       else f"exited with status {returncode}")
-        message = f"`{self.command}` {status}: {stderr.strip() or '(nothing on stderr)'}"
-        if hint:
-            message += f"\nHINT: {hint}"
-        super().__init__(message)
+        super().__init__(f"`{self.command}` {status}: {stderr.strip() or '(nothing on stderr)'}", hint)
+
+
+class SlurmArgumentError(HintError, ValueError):
+    """A value that cannot go into a Slurm command line (a job id, a signal, a path)."""
 
 
 def validate_job_id(job_id: object) -> str:
     """A Slurm job id as digits with an optional ``_N`` array task suffix; anything else raises
-    ValueError (ids end up in argv, so nothing like ``1;rm`` or ``--all`` may pass)."""
+    SlurmArgumentError, a ValueError (ids end up in argv, so nothing like ``1;rm`` or ``--all`` may
+    pass)."""
     text = str(job_id).strip() if isinstance(job_id, (str, int)) else None
     if text is None or not _JOB_ID.match(text):
-        raise ValueError(
+        raise SlurmArgumentError(
             f"invalid Slurm job id {job_id!r}: expected digits with an optional _N array task "
             "suffix, such as 1234 or 1234_7"
         )
@@ -164,7 +167,7 @@ class SlurmCLI:
             job_ids = [job_ids]
         ids = [validate_job_id(j) for j in job_ids]
         if not ids:
-            raise ValueError("no job ids given")
+            raise SlurmArgumentError("no job ids given")
         return ids
 
     # -- commands -------------------------------------------------------------------------------
@@ -184,8 +187,8 @@ class SlurmCLI:
         if isinstance(args, str):
             raise TypeError(f"sbatch args must be a list of options, not the string {args!r}")
         if not script_text.startswith("#!"):
-            raise ValueError("batch script must start with an interpreter line such as "
-                             f"'#!/bin/bash', got {script_text[:40]!r}")
+            raise SlurmArgumentError(f"batch script starts with {script_text[:40]!r}, not an "
+                                     "interpreter line", "begin it with '#!/bin/bash'")
         argv = ["sbatch", "--parsable", *[str(a) for a in args]]
         done = self._run(argv, input=script_text, cwd=cwd, env=env)
         first = (done.stdout or "").strip().splitlines()
@@ -200,7 +203,8 @@ class SlurmCLI:
         current allocation (SLURM_JOB_ID must be set).  DEST's folder must exist on each node."""
         for what, value in (("source", src), ("destination", dest)):
             if not isinstance(value, str) or not value or value.startswith("-") or "\n" in value:
-                raise ValueError(f"sbcast {what} {value!r} is not a usable path; HINT: pass an absolute path")
+                raise SlurmArgumentError(f"sbcast {what} {value!r} is not a usable path",
+                                         "pass an absolute path")
         argv = ["sbcast"] + (["--force"] if force else []) + (["--preserve"] if preserve else []) + [src, dest]
         self._run(argv, hint="sbcast runs inside an allocation (sbatch/salloc) and needs the destination "
                              "folder to exist on every node; try data.stage_to=tmpdir")
@@ -216,7 +220,7 @@ class SlurmCLI:
         if signal is not None:
             sig = str(signal).upper()
             if not _SIGNAL.match(sig):
-                raise ValueError(f"invalid signal {signal!r}: use a name such as USR1 or a number")
+                raise SlurmArgumentError(f"invalid signal {signal!r}", "use a name such as USR1 or a number")
             argv.append(f"--signal={sig}")
         if batch:
             argv.append("--batch")
@@ -236,7 +240,7 @@ class SlurmCLI:
             argv.append("--jobs=" + ",".join(self._job_ids(job_ids)))
         if user is not None:
             if not _USER.match(user):
-                raise ValueError(f"invalid user name {user!r}")
+                raise SlurmArgumentError(f"invalid user name {user!r}")
             argv.append(f"--user={user}")
         try:
             done = self._run(argv)
@@ -303,7 +307,7 @@ class SlurmCLI:
     def show_hostnames(self, expr: str) -> list[str]:
         """Slurm's own expansion of a host list (``scontrol show hostnames EXPR``)."""
         if not isinstance(expr, str) or not expr.strip() or expr.lstrip().startswith("-"):
-            raise ValueError(f"invalid host list {expr!r}: empty or starts with '-'")
+            raise SlurmArgumentError(f"invalid host list {expr!r}: empty or starts with '-'")
         argv = ["scontrol", "show", "hostnames", expr]
         done = self._run(argv)
         if "Invalid hostlist" in (done.stderr or ""):

@@ -32,6 +32,8 @@ import itertools
 import re
 from collections.abc import Iterable
 
+from ddp_hpc.errors import HintError
+
 __all__ = ["HostlistError", "expand", "compress", "parse_tasks_per_node"]
 
 MAX_RANGE = 64 * 1024  # Slurm's limit on the hosts of one lo-hi range
@@ -41,7 +43,7 @@ _NUMBER = re.compile(r"[0-9]+\Z")
 _TRAILING_DIGITS = re.compile(r"^(.*?)([0-9]+)\Z", re.S)
 
 
-class HostlistError(ValueError):
+class HostlistError(HintError, ValueError):
     """A host list or tasks-per-node expression that does not parse; the message quotes it."""
 
 
