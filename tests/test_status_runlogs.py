@@ -162,3 +162,33 @@ def test_contract_with_the_training_core_writer(tmp_path):
     assert logs.outcome() == "failed"
     assert logs.first_failure().rank == 1 and logs.first_failure().exc_type == "KeyError"
     assert logs.progress().total_steps == 10
+
+
+def test_files_named_by_the_schema_are_the_ones_read(tmp_path):
+    from ddp_hpc.runlogs import schema
+    (tmp_path / schema.events_file(5)).write_text(json.dumps(start(5, ws=6)) + "\n")
+    (tmp_path / schema.text_log(5)).write_text("x\n")
+    (tmp_path / schema.rank_out(5)).write_text("Traceback (most recent call last):\nKeyError: 'k'\n")
+    (tmp_path / schema.batch_out("42")).write_text("srun: error: n1: task 5: Exited with exit code 3\n")
+    logs = RunLogs(tmp_path)
+    assert (list(logs.ranks), list(logs.texts), list(logs.outs)) == ([5], [5], [5])
+    assert logs.srun_exit_codes() == {5: 3}
+    assert logs.first_failure(assume_failed=True).basis == f"traceback in {schema.rank_out(5)}"
+
+
+def test_device_of_the_newest_run(tmp_path):
+    assert RunLogs(tmp_path).device() is None
+    write(tmp_path, 0, [start(0)])  # an older writer: no device key
+    assert RunLogs(tmp_path).device() is None
+    write(tmp_path, 1, [{**start(1), "device": "cuda:1"}])
+    write(tmp_path, 0, [{**start(0, t=50, restart=1), "device": "cpu"}])
+    assert RunLogs(tmp_path).device() == "cpu"  # restart 1 ran on the CPU
+    write(tmp_path, 1, [{**start(1, t=50, restart=1), "device": "cuda:1"}])
+    assert RunLogs(tmp_path).device() == "cpu"  # rank 0 first
+
+
+def test_the_package_re_exports_the_reader():
+    import ddp_hpc.runlogs as runlogs
+    from ddp_hpc.runlogs import reader
+    assert set(reader.__all__) <= set(runlogs.__all__)
+    assert all(getattr(runlogs, n) is getattr(reader, n) for n in reader.__all__)

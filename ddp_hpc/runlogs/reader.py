@@ -13,17 +13,14 @@ reset by peer"). The earliest ``error`` event is the cause; the rest are echoes.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOG_RE, OUT_RE, rank_out
 from ddp_hpc.runlogs.srun import exception_of, srun_exit_codes, tail_file, tail_lines, traceback_in
 
 __all__ = ["RunLogs", "RankStream", "Failure", "Progress", "RunSummary", "read_events",
            "traceback_in", "exception_of", "tail_file", "tail_lines"]
-
-EVENTS_RE = re.compile(r"^rank(\d+)\.events\.jsonl$")
-OUT_RE = re.compile(r"^rank(\d+)\.out$")
 
 
 @dataclass
@@ -124,8 +121,8 @@ class RunLogs:
                 self.ranks[int(m.group(1))] = read_events(p)
             elif m := OUT_RE.match(p.name):
                 self.outs[int(m.group(1))] = p
-            elif re.match(r"^rank(\d+)\.log$", p.name):
-                self.texts[int(p.name[4:-4])] = p
+            elif m := LOG_RE.match(p.name):
+                self.texts[int(m.group(1))] = p
 
     @property
     def exists(self) -> bool:
@@ -152,6 +149,14 @@ class RunLogs:
                 if e.get("event") == "start" and e.get("world_size") is not None:
                     return _int(e.get("world_size"), None)
         return None
+
+    def device(self) -> str | None:
+        """The device type the newest run trained on ("cpu", "cuda", ...) as its ``start`` events
+        tell it (rank 0's first); None when no start event names one."""
+        starts = [e for s in sorted(self.ranks.values(), key=lambda s: s.rank)
+                  for e in s.of_restart(self.current_restart())
+                  if e.get("event") == "start" and e.get("device")]
+        return str(starts[0]["device"]).split(":", 1)[0] if starts else None
 
     def runs(self) -> list[RunSummary]:
         """One summary per restart number: what each run of a requeued job did."""
@@ -277,7 +282,7 @@ class RunLogs:
             block = with_tb[rank]
             exc_type, message = exception_of(block)
             last = self.ranks[rank].last if rank in self.ranks else None
-            return Failure(rank=rank, basis=f"traceback in rank{rank}.out", exc_type=exc_type,
+            return Failure(rank=rank, basis=f"traceback in {rank_out(rank)}", exc_type=exc_type,
                            message=message, traceback_tail=tail_lines("\n".join(block), 12),
                            time=_float(last.get("time"), None) if last else None,
                            host=last.get("host") if last else None, restart=restart)
@@ -314,7 +319,7 @@ class RunLogs:
 
     def srun_exit_codes(self) -> dict[int, int]:
         """Per-task exit codes that srun reported in the batch output (``slurm-*.out``)."""
-        return srun_exit_codes(sorted(self.log_dir.glob("slurm-*.out"))) if self.log_dir.is_dir() else {}
+        return srun_exit_codes(sorted(self.log_dir.glob(BATCH_OUT_GLOB))) if self.log_dir.is_dir() else {}
 
 
 def _int(v, default):

@@ -20,7 +20,8 @@ EVENT_KEYS = ("time", "event", "rank", "job_id", "restart", "host")
 
 #: event name -> its extra keys (docs/architecture.md, "Run logs")
 EVENTS: dict[str, tuple[str, ...]] = {
-    "start": ("world_size", "num_nodes", "local_rank", "pid", "total_steps", "epochs", "launcher"),
+    "start": ("world_size", "num_nodes", "local_rank", "pid", "total_steps", "epochs", "launcher",
+              "device"),
     "step": ("epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "rss_mb", "cpu_percent"),
     "epoch": ("epoch", "step", "loss", "samples_per_s"),
     "eval": ("epoch", "step", "metrics"),
