@@ -200,9 +200,9 @@ def _return_but_never_exit(rank, world_size, pid_dir):
 
 @pytest.mark.timeout(60)
 def test_rank_that_returned_but_cannot_exit_is_reaped(tmp_path, monkeypatch):
-    import ddp_hpc.launch.core
+    import ddp_hpc.launch.spawn
 
-    monkeypatch.setattr(ddp_hpc.launch.core, "EXIT_GRACE_S", 1.0)
+    monkeypatch.setattr(ddp_hpc.launch.spawn, "EXIT_GRACE_S", 1.0)
     assert launch_distributed(_return_but_never_exit, 2, (str(tmp_path),),
                               start_method=FAST) == [0, 10]
     assert all(_gone(int((tmp_path / f"pid{r}").read_text())) for r in range(2))
@@ -337,7 +337,60 @@ def test_cli_command_failure_exit_code_names_rank(tmp_path):
     p = _cli("--nodes", "1", "--procs-per-node", "3", "--log-dir", str(tmp_path / "l"), "--",
              sys.executable, "-c", FAIL_RANK_1, str(tmp_path))
     assert p.returncode == 3, p.stderr
-    assert "FAILED: rank 1 exited with 3" in p.stderr and "rank1.out" in p.stderr
+    assert f"FAILED: rank 1 exited with 3; see {tmp_path}/l/rank1.out\n" \
+           f"logs: {tmp_path}/l/rank0.out ... rank2.out\n" in p.stderr
+
+
+# rank 0 waits for the test to touch `go`: its first lines must reach the terminal while it runs
+TALK = ("import os, sys, time\n"
+        "r = os.environ['RANK']\n"
+        "print(f'rank {r} says hello'); print(f'rank {r} to stderr', file=sys.stderr)\n"
+        "while r == '0' and not os.path.exists(sys.argv[1]):\n"
+        "    time.sleep(0.05)\n"
+        "print(f'rank {r} done')\n")
+
+
+@pytest.mark.timeout(120)
+def test_cli_shows_rank_0_as_it_runs_and_where_every_rank_logs(tmp_path):
+    """As torchrun with --local-ranks-filter 0: rank 0's output on the terminal while it runs,
+    the others' only in their files; at the end, where the files are."""
+    logs, go = tmp_path / "l", tmp_path / "go"
+    logs.mkdir()
+    (logs / "rank0.out").write_text("an earlier run\n")  # appended to, but not shown again
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_hpc.launch", "--nodes", "2",
+                             "--procs-per-node", "1", "--log-dir", str(logs), "--",
+                             sys.executable, "-c", TALK, str(go)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = [proc.stdout.readline()]
+    while not lines[-1].startswith("rank 0's output follows"):  # after the (multi-line) command
+        assert lines[-1], f"the launcher ended early: {lines} {proc.stderr.read()}"
+        lines.append(proc.stdout.readline())
+    assert lines[0].startswith("ddp_hpc launch: 2 ranks (2 pretend nodes x 1) of ")
+    assert lines[-1] == f"rank 0's output follows; every rank's goes to {logs}/rankR.out\n"
+    lines += [proc.stdout.readline(), proc.stdout.readline()]  # rank 0 waits for `go`: it runs
+    assert sorted(lines[-2:]) == ["rank 0 says hello\n", "rank 0 to stderr\n"]
+    go.touch()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out == f"rank 0 done\nOK: all 2 ranks exited 0\nlogs: {logs}/rank0.out ... rank1.out\n"
+    assert "rank 1" not in "".join(lines) + out + err
+    assert (logs / "rank0.out").read_text().startswith("an earlier run\nrank 0 ")
+    assert sorted((logs / "rank1.out").read_text().splitlines()) == \
+        ["rank 1 done", "rank 1 says hello", "rank 1 to stderr"]
+
+
+@pytest.mark.timeout(60)
+def test_cli_one_rank_and_a_missing_program(tmp_path):
+    p = _cli("--nodes", "1", "--procs-per-node", "1", "--log-dir", str(tmp_path), "--",
+             sys.executable, "-c", "print('alone')")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("ddp_hpc launch: 1 rank (1 pretend node x 1) of ")  # no "1 ranks"
+    assert p.stdout.splitlines()[2:] == ["alone", "OK: rank 0 exited 0", f"logs: {tmp_path}/rank0.out"]
+    p = _cli("--nodes", "1", "--procs-per-node", "1", "--log-dir", str(tmp_path), "--",
+             str(tmp_path / "no-such-program"))
+    assert p.returncode == 2
+    assert f"error: cannot start '{tmp_path}/no-such-program': No such file or directory\n" \
+           "HINT: " in p.stderr
 
 
 TRAP = ("import os, signal, sys, time\n"
@@ -375,7 +428,8 @@ def test_cli_bad_arguments():
     assert p.returncode == 2 and "--nodes=0 must be >= 1" in p.stderr
     p = _cli("--nodes", "1", "python", "train.py")
     assert p.returncode == 2
-    assert "unrecognized arguments: python train.py; put the command after `--`" in p.stderr
+    assert "error: unrecognized arguments: python train.py\nHINT: put the command after `--`, e.g. " \
+        "python -m ddp_hpc.launch --nodes 1 --procs-per-node 2 -- python train.py" in p.stderr
     p = _cli("--job-id", "../../etc", "--", "true")
     assert p.returncode == 2 and "--job-id='../../etc' may use only letters" in p.stderr
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,3 +100,15 @@ def test_usr2_outside_slurm_checkpoints_exits_75_and_the_same_command_resumes(tm
     assert res.ok
     text = "".join(p.read_text() for p in (tmp_path / "logs").rglob("rank0.log"))
     assert f"resumed from {tmp_path}/ckpt/ckpt-{stop_step:09d}.pt at step {stop_step}" in text
+
+
+def test_run_usage_says_config_is_required_and_overrides_optional():
+    run = [sys.executable, "-m", "ddp_hpc.run"]
+    p = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "usage: python -m ddp_hpc.run [-h] CONFIG [key=value ...]" in p.stderr
+    assert p.stderr.rstrip().endswith("error: the following arguments are required: CONFIG")
+    p = subprocess.run([*run, DEMO, "train.nonsense=1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.startswith("python -m ddp_hpc.run: error: bad configuration: unknown config key "
+                               "'train.nonsense'")

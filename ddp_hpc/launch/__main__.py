@@ -1,5 +1,5 @@
 import sys
 
-from ddp_hpc.launch.core import main
+from ddp_hpc.launch.cli import main
 
 sys.exit(main())

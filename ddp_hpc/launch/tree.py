@@ -1,0 +1,100 @@
+"""The process tree of a local launch: where each rank sits, what it is told, how it is ended.
+
+Every rank gets the torchrun-style variables RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR, MASTER_PORT plus DDP_HPC_LAUNCHER=local, DDP_HPC_NUM_NODES and
+DDP_HPC_JOB_ID, so `ddp_hpc.env.detect()` derives the same DistEnv it would on a cluster.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from typing import Mapping, Sequence
+
+import psutil
+
+from ddp_hpc.errors import HintError
+
+KILL_GRACE_S = 3.0  # SIGTERM first, SIGKILL after this many seconds
+
+
+class LaunchError(HintError, ValueError):
+    """A local launch asked for something impossible (a layout, an empty command)."""
+
+
+def node_layout(world_size: int, nodes: int | Sequence[int]) -> list[int]:
+    """Processes per pretend node: ``nodes`` as a count (even split) or explicit counts (3, 1)."""
+    if isinstance(nodes, int):
+        if nodes < 1 or world_size < 1 or world_size % nodes:
+            raise LaunchError(f"world_size={world_size} does not split evenly over nodes={nodes}",
+                              "pass nodes as per-node counts, e.g. nodes=(3, 1), for an uneven layout")
+        return [world_size // nodes] * nodes
+    counts = [int(n) for n in nodes]
+    if not counts or min(counts) < 1 or sum(counts) != world_size:
+        raise LaunchError(f"nodes={tuple(counts)} must be positive per-node counts summing to "
+                          f"world_size={world_size}", "e.g. nodes=(3, 1) for world_size=4")
+    return counts
+
+
+def local_rank_env(counts: Sequence[int], master_port: int, job_id: str,
+                   master_addr: str = "127.0.0.1") -> list[dict[str, str]]:
+    """The local-launcher variables of every rank, ranks laid out node by node."""
+    world, out = sum(counts), []
+    for node, n in enumerate(counts):
+        for local in range(n):
+            out.append({
+                "RANK": str(len(out)), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": str(node),
+                "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+                "DDP_HPC_LAUNCHER": "local", "DDP_HPC_NUM_NODES": str(len(counts)),
+                "DDP_HPC_JOB_ID": job_id,
+            })
+    return out
+
+
+def new_job_id() -> str:
+    """A job id for a local launch: ``local-<date>-<time>-<6 hex digits>``."""
+    return f"local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def thread_env(procs_per_node: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """OMP_NUM_THREADS for ranks sharing a machine (cores // ranks, at least 1), unless set:
+    torch's default of one thread per core in every rank oversubscribes the CPU (torchrun
+    does the same)."""
+    environ = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, procs_per_node)))}
+
+
+def limit_threads() -> None:
+    """Apply OMP_NUM_THREADS in a child where torch was imported before it was set (forkserver
+    preload): OpenMP read the variable too early."""
+    torch = sys.modules.get("torch")
+    n = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and n.isdigit() and int(n) > 0:
+        torch.set_num_threads(int(n))
+
+
+def kill_tree(pids: Sequence[int], grace: float = KILL_GRACE_S) -> None:
+    """SIGTERM the processes and their descendants, SIGKILL whatever is left after ``grace``."""
+    procs: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += [p] + p.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
