@@ -30,27 +30,24 @@ import dataclasses
 import gc
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Sequence, Union
 from urllib.parse import urlparse
 
-import psutil
 import torch
 import torch.distributed as dist
 
-from ddp_hpc.env import DistEnv, EnvError, gpu_index, visible_gpus
+from ddp_hpc.env import DistEnv, EnvError, gpu_index, user_port, visible_gpus
+from ddp_hpc.env.network import interface_for, route_interface
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "DistContext", "setup_ddp", "cleanup_ddp", "is_main", "barrier", "device_index",
-    "select_device", "interface_for", "route_interface", "new_groups", "node_group", "leaders_group",
-    "strided_groups", "gather_layout", "block_layout", "node_rank_lists", "leader_ranks",
-    "strided_rank_lists", "NCCL_DEFAULTS",
-]
+__all__ = ["DistContext", "setup_ddp", "cleanup_ddp", "is_main", "barrier", "device_index", "select_device",
+           "interface_for", "route_interface", "new_groups", "node_group", "leaders_group", "strided_groups",
+           "gather_layout", "block_layout", "node_rank_lists", "leader_ranks", "strided_rank_lists",
+           "NCCL_DEFAULTS"]
 
 #: Set with setdefault before an nccl init: errors and timeouts of NCCL collectives tear the
 #: process down (the launcher then reports it) instead of leaving it blocked forever.
@@ -80,7 +77,7 @@ class DistContext:
         return self.env.rank == 0
 
 
-# ----------------------------------------------------------------------------- device binding
+# --- device binding
 def device_index(env: DistEnv, environ: Mapping[str, str] | None = None) -> int | None:
     """The CUDA device index this rank should use, or None to run on CPU (no GPU visible).
 
@@ -103,52 +100,7 @@ def select_device(env: DistEnv, environ: Mapping[str, str] | None = None) -> tor
     return torch.device("cuda", idx)
 
 
-# ----------------------------------------------------------------------------- network interface
-def interface_for(addr: str) -> str | None:
-    """The name of the local interface whose address routes to ``addr`` (None when unknown).
-
-    A UDP ``connect`` sends nothing; it only asks the kernel's routing table for the source
-    address, which psutil maps back to an interface name.
-    """
-    try:
-        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_DGRAM)
-    except socket.gaierror:
-        return None
-    ifaces = psutil.net_if_addrs()
-    for family, _, _, _, sockaddr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((sockaddr[0], 9) + tuple(sockaddr[2:]))
-                local_ip = s.getsockname()[0]
-        except OSError:
-            continue
-        for name, addrs in ifaces.items():
-            if any(a.family == family and a.address.split("%")[0] == local_ip for a in addrs):
-                return name
-    return None
-
-
-def _is_loopback(ifname: str) -> bool:
-    addrs = psutil.net_if_addrs().get(ifname, [])
-    return bool(addrs) and all(a.address.startswith("127.") or a.address.split("%")[0] == "::1"
-                               for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
-
-
-def route_interface(env: DistEnv, rdzv_host: str | None = None) -> str | None:
-    """The interface this rank's peers can reach it on: the one that routes to the rendezvous
-    host (MASTER_ADDR). On the master node itself a host name often resolves to loopback
-    (Debian's ``127.0.1.1 hostname`` line); with several nodes the route to another node's
-    name decides there, so gloo does not advertise an address no other node can reach.
-    """
-    name = interface_for(rdzv_host or env.master_addr)
-    if env.num_nodes > 1 and (name is None or _is_loopback(name)):
-        for i, host in enumerate(env.hostnames):
-            other = interface_for(host) if i != env.node_rank else None
-            if other is not None and not _is_loopback(other):
-                return other
-    return name
-
-
+# --- network interface: GLOO/NCCL_SOCKET_IFNAME
 def _choose_ifname(backend: str, env: DistEnv, rdzv_host: str | None = None) -> str | None:
     var = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}.get(backend)
     if var is None:
@@ -166,7 +118,7 @@ def _choose_ifname(backend: str, env: DistEnv, rdzv_host: str | None = None) -> 
     return name
 
 
-# ----------------------------------------------------------------------------- setup / cleanup
+# --- setup / cleanup
 def _with_overrides(env: DistEnv, rank: int | None, world_size: int | None) -> DistEnv:
     """Seed-style ``setup_ddp(rank, world_size)``: defines the ranks of a plain single process,
     must agree with any real launcher's (a disagreement would hang the rendezvous)."""
@@ -181,7 +133,7 @@ def _with_overrides(env: DistEnv, rank: int | None, world_size: int | None) -> D
                 f"launcher's rank={env.rank}, world_size={env.world_size}.",
                 "Call setup_ddp() without arguments under a launcher, or pass its values.")
         return env
-    if world_size > 1 and not os.environ.get("MASTER_PORT"):
+    if world_size > 1 and user_port() is None:
         raise EnvError(
             f"setup_ddp(rank={rank}, world_size={world_size}) in processes started without a "
             "launcher and without MASTER_PORT: each would pick its own port and wait forever.",
@@ -218,22 +170,8 @@ def _check_init_method(init_method: str) -> str:
                    "Use env://, tcp://HOST:PORT or file:///shared/path.")
 
 
-def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
-              env: DistEnv | None = None, backend: str = "auto", init_method: str = "env://",
-              timeout: timedelta | float = timedelta(minutes=30)) -> DistContext:
-    """Initialise the default process group for this rank and bind its device (see module doc).
-
-    ``timeout`` (a timedelta or seconds) bounds the rendezvous and, for gloo and nccl with
-    async error handling, every collective. A world of one still gets a (trivial) process
-    group, so the same code runs everywhere.
-    """
-    if dist.is_initialized():
-        raise RuntimeError("setup_ddp: the default process group is already initialised; "
-                           "call cleanup_ddp() first")
-    env = _with_overrides(env or DistEnv.detect(), rank, world_size)
-    init_method = _check_init_method(init_method)
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
+def _backend_and_device(backend: str, env: DistEnv) -> tuple[str, torch.device]:
+    """Resolve ``auto`` (nccl when this rank has a usable GPU, gloo otherwise) and the device."""
     if backend not in ("auto", "gloo", "nccl"):
         raise EnvError(f"backend={backend!r} is not supported.",
                        "Use backend='auto' (nccl with GPUs, gloo otherwise), 'nccl' or 'gloo'.")
@@ -245,8 +183,27 @@ def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
         raise EnvError(f"backend='nccl' but this rank has no usable GPU (device index {idx}, "
                        f"torch.cuda.is_available()={torch.cuda.is_available()}).",
                        "Use backend='auto' or 'gloo' on CPU, or request GPUs for the job.")
-    device = torch.device("cuda", idx) if cuda else torch.device("cpu")
-    if cuda:
+    return backend, torch.device("cuda", idx) if cuda else torch.device("cpu")
+
+
+def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
+              env: DistEnv | None = None, backend: str = "auto", init_method: str = "env://",
+              timeout: timedelta | float = timedelta(minutes=30)) -> DistContext:
+    """Initialise the default process group for this rank and bind its device (see module doc).
+
+    ``timeout`` (a timedelta or seconds) bounds the rendezvous and, for gloo and nccl with
+    async error handling, every collective. A world of one still gets a (trivial) process
+    group, so the same code runs everywhere.
+    """
+    if dist.is_initialized():
+        raise EnvError("setup_ddp: the default process group is already initialised.",
+                       "Call cleanup_ddp() first, or use the process group that exists.")
+    env = _with_overrides(env or DistEnv.detect(), rank, world_size)
+    init_method = _check_init_method(init_method)
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    backend, device = _backend_and_device(backend, env)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if backend == "nccl":
         for k, v in NCCL_DEFAULTS.items():
@@ -290,7 +247,7 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-# ----------------------------------------------------------------------------- groups
+# --- groups
 def block_layout(tasks_per_node: Sequence[int]) -> list[tuple[int, int]]:
     """(node_rank, local_rank) per rank with ranks laid out node by node, e.g. (3, 1)."""
     return [(node, local) for node, n in enumerate(tasks_per_node) for local in range(n)]
@@ -307,20 +264,22 @@ def _layout(x: Union[DistEnv, Layout]) -> list[tuple[int, int]]:
     return block_layout([x.local_world_size] * x.num_nodes)
 
 
+def _ranks_by(x: Union[DistEnv, Layout], field: int) -> list[list[int]]:
+    """Ranks grouped by field 0 (node rank) or 1 (local rank) of their layout entry, in key order."""
+    lists: dict[int, list[int]] = {}
+    for rank, where in enumerate(_layout(x)):
+        lists.setdefault(where[field], []).append(rank)
+    return [lists[k] for k in sorted(lists)]
+
+
 def node_rank_lists(x: Union[DistEnv, Layout]) -> list[list[int]]:
     """The ranks of each node, node by node: 2x2 -> [[0, 1], [2, 3]]."""
-    lists: dict[int, list[int]] = {}
-    for rank, (node, _) in enumerate(_layout(x)):
-        lists.setdefault(node, []).append(rank)
-    return [lists[n] for n in sorted(lists)]
+    return _ranks_by(x, 0)
 
 
 def strided_rank_lists(x: Union[DistEnv, Layout]) -> list[list[int]]:
     """The ranks sharing a local rank, across nodes: 6 ranks on 2 nodes -> [0,3],[1,4],[2,5]."""
-    lists: dict[int, list[int]] = {}
-    for rank, (_, local) in enumerate(_layout(x)):
-        lists.setdefault(local, []).append(rank)
-    return [lists[lr] for lr in sorted(lists)]
+    return _ranks_by(x, 1)
 
 
 def leader_ranks(x: Union[DistEnv, Layout]) -> list[int]:

@@ -17,8 +17,8 @@ from ddp_hpc.dist import (
     leader_ranks, leaders_group, new_groups, node_group, node_rank_lists, select_device,
     setup_ddp, strided_groups, strided_rank_lists,
 )
-from ddp_hpc.env import DistEnv, EnvError
-from ddp_hpc.launch import free_port, launch_distributed
+from ddp_hpc.env import DistEnv, EnvError, free_port
+from ddp_hpc.launch import launch_distributed
 
 # forkserver with torch preloaded: a 4-rank launch costs ~0.2 s instead of ~4 s of imports per
 # spawned process (test_launch covers the default "spawn" path).
@@ -191,6 +191,7 @@ def test_nccl_without_gpu_is_refused():
 
 def test_seed_style_without_master_port_is_refused(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.delenv("DDP_HPC_MASTER_PORT", raising=False)
     with pytest.raises(EnvError, match="without MASTER_PORT") as e:
         setup_ddp(1, 2, env=_env(launcher="single"))
     assert "launch_distributed" in e.value.hint
