@@ -16,13 +16,18 @@ time_limit, log_dir, config, overrides, submitted_at, cwd, array, pids, script.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from ddp_hpc.cli import HelpFormatter, prog
+from ddp_hpc.env import job_facts
+from ddp_hpc.errors import HintError, report
 from ddp_hpc.fsutil import atomic_write_json
 
 __all__ = [
@@ -38,7 +43,7 @@ __all__ = [
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
-class JobRecordError(LookupError):
+class JobRecordError(HintError, LookupError):
     """A record that is missing or unreadable; the message names the id, the directory and the fix."""
 
 
@@ -80,9 +85,8 @@ class JobRecord:
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
         missing = sorted(required - set(data))
         if missing:
-            raise JobRecordError(
-                f"job record {path or '<dict>'} lacks the keys {missing}.\n"
-                f"HINT: it was not written by ddp_hpc.submit or is damaged; remove it.")
+            raise JobRecordError(f"job record {path or '<dict>'} lacks the keys {missing}.",
+                                 "it was not written by ddp_hpc.submit or is damaged; remove it.")
         kwargs = {k: data[k] for k in known if k in data}
         kwargs["id"] = str(kwargs["id"])
         extra = {k: v for k, v in data.items() if k not in known}
@@ -99,9 +103,8 @@ def records_dir(environ: Mapping[str, str] | None = None) -> Path:
 def _check_id(job_id: str) -> str:
     job_id = str(job_id)
     if not _SAFE_ID.match(job_id) or ".." in job_id:
-        raise JobRecordError(
-            f"job record id {job_id!r} is not a valid id (letters, digits, '_', '.', '+', '-').\n"
-            f"HINT: use the Slurm job id (e.g. 12345 or 12345_3) or a local-... id.")
+        raise JobRecordError(f"job record id {job_id!r} is not a valid id (letters, digits, '_', '.', '+', '-').",
+                             "use the Slurm job id (e.g. 12345 or 12345_3) or a local-... id.")
     return job_id
 
 
@@ -125,7 +128,7 @@ def write_record(rec: JobRecord | Mapping[str, Any], environ: Mapping[str, str] 
         atomic_write_json(path, data)
         rec.path = str(path)
         return path
-    raise JobRecordError(f"too many records with id {job_id!r} in {d}.\nHINT: remove old records there.")
+    raise JobRecordError(f"too many records with id {job_id!r} in {d}.", "remove old records there.")
 
 
 def update_record(rec: JobRecord, environ: Mapping[str, str] | None = None) -> Path:
@@ -189,8 +192,8 @@ def load_record(job_id: str, cluster: str | None = None,
     known = [r.id for r in list_records(environ)][-10:]
     where = f" on cluster {cluster!r}" if cluster else ""
     raise JobRecordError(
-        f"no job record with id {job_id!r}{where} in {d}.\n"
-        f"HINT: recent ids there: {known or 'none'}; jobs submitted with ddp_hpc.submit are recorded "
+        f"no job record with id {job_id!r}{where} in {d}.",
+        f"recent ids there: {known or 'none'}; jobs submitted with ddp_hpc.submit are recorded "
         f"under $DDP_HPC_HOME/jobs (set DDP_HPC_HOME to the value used when submitting).")
 
 
@@ -199,52 +202,55 @@ def load_record(job_id: str, cluster: str | None = None,
 
 def record_from_slurm(log_dir: str, config: str | None, overrides: list[str],
                       environ: Mapping[str, str] | None = None) -> JobRecord:
-    """A record for the Slurm job this batch script runs in (``sbatch slurm/train.sbatch``).
-
-    Reads the job-level variables sbatch sets in the batch script; the record id is the
-    ``ARRAYJOB_TASK`` form inside an array, the plain job id otherwise.
-    """
-    env = os.environ if environ is None else environ
-    job, array_job, task = env.get("SLURM_JOB_ID"), env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
-    if not job:
-        raise JobRecordError("no SLURM_JOB_ID: `register` runs inside a Slurm batch script.\n"
-                             "HINT: call it from the batch script (slurm/train.sbatch does).")
-    per_node = env.get("SLURM_GPUS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or "1"
-    digits = re.search(r"(\d+)\s*$", per_node)   # "gpu:2", "2" or "a100:4"
+    """A record for the Slurm job this batch script runs in (``sbatch slurm/train.sbatch``), from
+    the job-level facts sbatch sets (`ddp_hpc.env.job_facts`); its id is the job key."""
+    facts = job_facts(environ)
+    if not facts.job_id:
+        raise JobRecordError("no SLURM_JOB_ID: `register` runs inside a Slurm batch script.",
+                             "call it from the batch script (slurm/train.sbatch does).")
     return JobRecord(
-        id=f"{array_job}_{task}" if array_job and task else job,
-        cluster=env.get("SLURM_CLUSTER_NAME", ""), name=env.get("SLURM_JOB_NAME", "ddp_hpc"),
-        backend="sbatch-script", nodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1),
-        gpus_per_node=int(digits.group(1)) if digits else 1, time_limit=None,
+        id=facts.key or facts.job_id, cluster=facts.cluster, name=facts.name or "ddp_hpc",
+        backend="sbatch-script", nodes=facts.num_nodes, gpus_per_node=facts.gpus_per_node, time_limit=None,
         log_dir=os.path.abspath(log_dir), config=config, overrides=list(overrides),
-        submitted_at=__import__("time").time(), cwd=env.get("SLURM_SUBMIT_DIR") or os.getcwd(),
+        submitted_at=time.time(), cwd=facts.submit_dir or os.getcwd(),
     )
+
+
+def register(log_dir: str, config: str | None, overrides: list[str]) -> Path | None:
+    """Write the record of this batch script's job; None when a requeued job already has it."""
+    rec = record_from_slurm(log_dir, config, overrides)
+    try:
+        if load_record(rec.id, cluster=rec.cluster).log_dir == rec.log_dir:
+            return None  # a requeued job keeps its first record
+    except JobRecordError:
+        pass
+    return write_record(rec)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog("records"), formatter_class=HelpFormatter,
+                                description="Record the Slurm job this batch script runs in, so "
+                                            "`ddp-hpc status` lists it (slurm/train.sbatch calls this).")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="what to do")
+    reg = sub.add_parser("register", formatter_class=HelpFormatter,
+                         help="write a record for $SLURM_JOB_ID (once per job; a requeue keeps it)",
+                         description="Write a record for the Slurm job this batch script runs in.")
+    reg.add_argument("--log-dir", required=True, help="the job's log directory ($DDP_HPC_LOG_DIR)")
+    reg.add_argument("config", nargs="?", help="the job's config file")
+    reg.add_argument("overrides", nargs="*", help="its key=value overrides")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ddp_hpc.records register --log-dir DIR [CONFIG [key=value ...]]``."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m ddp_hpc.records",
-                                     description="Record the Slurm job this batch script runs in, for ddp_hpc.status.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    reg = sub.add_parser("register", help="write a record for $SLURM_JOB_ID (once per job)")
-    reg.add_argument("--log-dir", required=True, help="the job's log directory ($DDP_HPC_LOG_DIR)")
-    reg.add_argument("config", nargs="?", help="the job's config file")
-    reg.add_argument("overrides", nargs="*", help="its key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
-        rec = record_from_slurm(args.log_dir, args.config, args.overrides)
-        try:   # a requeued job keeps its first record
-            if load_record(rec.id, cluster=rec.cluster).log_dir == rec.log_dir:
-                return 0
-        except JobRecordError:
-            pass
-        print(f"ddp_hpc: job record {write_record(rec)}")
+        path = register(args.log_dir, args.config, args.overrides)
     except (JobRecordError, OSError, ValueError) as e:
-        print(f"ddp_hpc.records: {e}", file=sys.stderr)
+        report(prog("records"), e)
         return 1
+    if path is not None:
+        print(f"ddp_hpc: job record {path}")
     return 0
 
 

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from ddp_hpc import records
+from ddp_hpc.errors import HintError
 from ddp_hpc.records import JobRecord, JobRecordError
 
 
@@ -71,8 +72,10 @@ def test_update_unknown_keys_and_damaged_files(env):
 def test_bad_id_refused(env):
     with pytest.raises(JobRecordError, match=r"'\.\./x'"):
         records.write_record(_rec(job_id="../x"), env)
-    with pytest.raises(JobRecordError, match="no job record with id '77'"):
+    with pytest.raises(JobRecordError, match="no job record with id '77'") as e:
         records.load_record("77", environ=env)
+    assert isinstance(e.value, HintError) and isinstance(e.value, LookupError)
+    assert "DDP_HPC_HOME" in e.value.hint and "\nHINT: recent ids there: none" in str(e.value)
 
 
 def test_register_from_a_slurm_batch_script(env, tmp_path):
@@ -94,4 +97,12 @@ def test_register_from_a_slurm_batch_script(env, tmp_path):
     assert len(records.list_records(env)) == 1
     outside = {k: v for k, v in full.items() if not k.startswith("SLURM_")}
     p = subprocess.run(argv, env=outside, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 1 and "no SLURM_JOB_ID" in p.stderr and "HINT:" in p.stderr
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.startswith("python -m ddp_hpc.records: error: no SLURM_JOB_ID") and "\nHINT: call it" in p.stderr
+
+
+def test_record_from_slurm_reads_the_job_facts(tmp_path):
+    rec = records.record_from_slurm("runs/x", None, [], environ={
+        "SLURM_JOB_ID": "81", "SLURM_NNODES": "3", "SLURM_NTASKS_PER_NODE": "2", "SLURM_SUBMIT_DIR": "/sub"})
+    assert (rec.id, rec.cluster, rec.name, rec.nodes, rec.gpus_per_node, rec.cwd) == ("81", "", "ddp_hpc", 3, 2, "/sub")
+    assert rec.log_dir == os.path.abspath("runs/x") and rec.config is None and rec.submitted_at > 0
