@@ -49,13 +49,17 @@ def main() -> int:
     import submitit
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--gpus", type=int, default=2, help="GPUs per node = tasks per node")
-    ap.add_argument("--partition")
-    ap.add_argument("--time", type=int, default=30, help="minutes")
-    ap.add_argument("--config", default="jobs/demo.yaml")
-    ap.add_argument("--folder", default="runs/submitit-example")
-    ap.add_argument("overrides", nargs="*", help="config overrides key=value")
+    ap.add_argument("--nodes", type=int, default=2, help="nodes to allocate (default 2)")
+    ap.add_argument("--gpus", type=int, default=2,
+                    help="GPUs per node = tasks per node (default 2)")
+    ap.add_argument("--partition", help="Slurm partition (default: the cluster's default)")
+    ap.add_argument("--time", type=int, default=30, help="time limit in minutes (default 30)")
+    ap.add_argument("--config", default="jobs/demo.yaml",
+                    help="job config to train (default jobs/demo.yaml)")
+    ap.add_argument("--folder", default="runs/submitit-example",
+                    help="submitit writes to FOLDER/<job id>, the run logs go to FOLDER/logs")
+    ap.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                    help="optional config overrides, e.g. train.epochs=2")
     args = ap.parse_args()
 
     ex = submitit.AutoExecutor(folder=os.path.join(args.folder, "%j"))
