@@ -374,7 +374,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/ddp_hpc_io_bench")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "io"))
     args = p.parse_args(argv)
-    from ddp_hpc.data.lmdb import pack
+    from ddp_hpc.data.pack import pack
     from ddp_hpc.examples.images import make_images
     from ddp_hpc.launch import launch_distributed
 

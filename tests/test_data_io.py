@@ -63,7 +63,7 @@ def _rank_main(rank, world_size, shared, local_base):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from ddp_hpc.data.lmdb import pack
+    from ddp_hpc.data.pack import pack
     from ddp_hpc.examples.images import make_images
     from ddp_hpc.launch import launch_distributed
 

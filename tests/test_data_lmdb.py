@@ -9,8 +9,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddp_hpc.data import fsio
-from ddp_hpc.data.__main__ import main as cli
-from ddp_hpc.data.lmdb import LMDBDataset, PackError, VerifyError, pack, verify
+from ddp_hpc.data.cli import main as cli
+from ddp_hpc.data.lmdb import LMDBDataset, VerifyError, verify
+from ddp_hpc.data.pack import PackError, pack
 from ddp_hpc.examples.images import ImageFolderDataset, make_images
 
 

@@ -176,7 +176,7 @@ def test_resolve_stage_dir():
 
 
 def test_cli_stage_prints_the_local_path(tmp_path, capsys):
-    from ddp_hpc.data.__main__ import main as cli
+    from ddp_hpc.data.cli import main as cli
 
     src = _big_file(tmp_path / "shared.bin", 1)
     dest = tmp_path / "local"
@@ -185,7 +185,8 @@ def test_cli_stage_prints_the_local_path(tmp_path, capsys):
     path = json.loads(capsys.readouterr().out)["path"]
     assert path.startswith(str(dest) + "/") and open(path, "rb").read() == open(src, "rb").read()
     assert cli(["stage", src, "--to", "relative/dir"]) == 2
-    assert "HINT" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "data: error: data.stage_to='relative/dir' is not auto" in err and "\nHINT: set data.stage_to=auto" in err
 
 
 @pytest.mark.parametrize("mib", [1, 40])  # one chunk; several in-kernel chunks with the hash trailing

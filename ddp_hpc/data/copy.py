@@ -20,6 +20,7 @@ import threading
 import time
 
 import xxhash
+from tqdm import tqdm
 
 from ddp_hpc.data import fsio
 from ddp_hpc.data.errors import StageError
@@ -215,8 +216,6 @@ class Progress:
         self.total, self.desc, self.done, self.last = total, desc, 0, time.monotonic()
         self.bar = None
         if show if show is not None else os.isatty(2):
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True)
 
     def __call__(self, n: int) -> None:

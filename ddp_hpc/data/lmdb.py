@@ -1,9 +1,9 @@
-"""Pack many small files into one LMDB file, verify it, and read it safely from DataLoader workers.
+"""The LMDB format of packed datasets: verify a file, and read it safely from DataLoader workers.
 
 Why: a parallel filesystem pays a metadata round trip per open; one LMDB file turns N opens
 per rank into one, and memory-mapped random reads stay fast.
 
-Layout of an environment written by :func:`pack`:
+Layout of an environment written by :func:`ddp_hpc.data.pack.pack`:
 
 * ``b"%010d" % i`` -> the i-th file's bytes, unchanged (a read is one ``get``, nothing to parse);
 * ``b"__meta__"`` -> JSON: format version, count, classes, kind ("images" | "files"), source, bytes;
@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
-import tempfile
 import zlib
 from array import array
 
 import lmdb
 import torch
+from tqdm import tqdm
 
 from ddp_hpc.data import fsio
+from ddp_hpc.data.errors import RecordIndexError, VerifyError
+from ddp_hpc.examples.images import decode_image
 
-__all__ = ["pack", "verify", "LMDBDataset", "PackError", "VerifyError", "read_meta", "FORMAT_VERSION"]
+__all__ = ["verify", "LMDBDataset", "VerifyError", "read_meta", "record_key", "close_all", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 META_KEY = b"__meta__"
@@ -48,137 +49,13 @@ _PID = os.getpid()  # kept current in forked children: no getpid() syscall per s
 os.register_at_fork(after_in_child=_refresh_pid)
 
 
-class PackError(RuntimeError):
-    """Packing refused (bad source, existing output, unreadable or corrupt input file)."""
-
-
-class VerifyError(RuntimeError):
-    """An LMDB file failed verification (missing records, checksum mismatch, unreadable)."""
-
-
 def record_key(i: int) -> bytes:
     return b"%010d" % i
 
 
-def _list_source(src: str) -> tuple[str, list[str], list[tuple[str, int]]]:
-    """(kind, classes, [(relative path, label)]) for a class-per-folder tree or a flat folder."""
-    from ddp_hpc.examples.images import IMAGE_SUFFIXES
-
-    entries = sorted(os.scandir(src), key=lambda e: e.name)
-    subdirs = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
-    files = [e.name for e in entries if e.is_file() and not e.name.startswith(".")]
-    if subdirs:
-        samples = []
-        for label, cls in enumerate(subdirs):
-            for dirpath, dirnames, names in os.walk(os.path.join(src, cls)):
-                dirnames.sort()
-                for n in sorted(names):
-                    if not n.startswith("."):
-                        samples.append((os.path.relpath(os.path.join(dirpath, n), src), label))
-        classes = subdirs
-    else:
-        samples, classes = [(n, -1) for n in files], []
-    if not samples:
-        raise PackError(f"pack: source {src!r} holds no files; HINT: point SRC at a folder of files "
-                        "or a class-per-folder tree (ROOT/<class>/<file>)")
-    images = all(rel.lower().endswith(IMAGE_SUFFIXES) for rel, _ in samples)
-    return ("images" if images else "files"), classes, samples
-
-
-def pack(src: str | os.PathLike, out: str | os.PathLike, *, map_size: int = 64 << 20,
-         txn_bytes: int = 64 << 20, check_images: bool = True, progress: bool | None = None,
-         overwrite: bool = False) -> dict:
-    """Pack the files under ``src`` into a new LMDB environment at ``out``; returns the metadata.
-
-    Large write transactions (committed every ``txn_bytes``); the map starts at ``map_size`` and
-    doubles whenever LMDB reports it full (the pending transaction is replayed).  With
-    ``check_images`` every image is decoded first, so a corrupt file is refused by name instead
-    of failing mid-training.  Atomic: written to a temporary sibling, renamed when complete.
-    """
-    from tqdm import tqdm
-
-    src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
-    if not os.path.isdir(src):
-        raise PackError(f"pack: source {src!r} is not a directory; HINT: pass the dataset folder as SRC")
-    if os.path.exists(out) and not overwrite:
-        raise PackError(f"pack: output {out!r} already exists; HINT: choose a new OUT path or pass --overwrite")
-    kind, classes, samples = _list_source(src)
-    parent = os.path.dirname(out) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-pack-", dir=parent)
-    growths = 0
-    try:
-        env = lmdb.open(tmp, map_size=int(map_size), subdir=True, lock=True, sync=False,
-                        metasync=False, writemap=False, meminit=False, map_async=False)
-        pending: list[tuple[bytes, bytes]] = []
-        labels, crcs = array("q"), array("I")
-        pending_bytes = 0
-        total_bytes = 0
-
-        def flush():
-            nonlocal growths
-            while True:
-                try:
-                    with env.begin(write=True) as txn:
-                        for k, v in pending:
-                            txn.put(k, v, overwrite=True)
-                    return
-                except lmdb.MapFullError:
-                    growths += 1
-                    env.set_mapsize(env.info()["map_size"] * 2)
-
-        show = progress if progress is not None else os.isatty(2)
-        for i, (rel, label) in enumerate(tqdm(samples, desc="pack", unit="file", disable=not show)):
-            path = os.path.join(src, rel)
-            try:
-                payload = fsio.read_bytes(path)
-            except OSError as e:
-                raise PackError(f"pack: cannot read {path!r}: {e}; HINT: fix permissions or remove the file") from e
-            if check_images and kind == "images":
-                _check_image(path, payload)
-            pending.append((record_key(i), payload))
-            labels.append(label)
-            crcs.append(zlib.crc32(payload))
-            pending_bytes += len(payload)
-            total_bytes += len(payload)
-            if pending_bytes >= txn_bytes:
-                flush()
-                pending, pending_bytes = [], 0
-        meta = {"format": FORMAT_VERSION, "count": len(samples), "classes": classes, "kind": kind,
-                "source": src, "bytes": total_bytes}
-        pending += [(LABELS_KEY, labels.tobytes()), (CRC_KEY, crcs.tobytes()),
-                    (NAMES_KEY, "\0".join(rel for rel, _ in samples).encode("utf-8")),
-                    (META_KEY, json.dumps(meta).encode())]
-        flush()
-        env.sync(True)
-        env.close()
-        lock = os.path.join(tmp, "lock.mdb")
-        if os.path.exists(lock):
-            os.remove(lock)  # readers open with lock=False; a stale lock file only confuses copies
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result is a normal folder
-        if overwrite and os.path.exists(out):
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dict(meta, map_growths=growths, path=out)
-
-
-def _check_image(path: str, payload: bytes) -> None:
-    from ddp_hpc.examples.images import decode_image
-
-    try:
-        decode_image(payload)
-    except Exception as e:  # pillow raises several types for broken files
-        raise PackError(f"pack: {path!r} is not a readable image ({type(e).__name__}: {e}); "
-                        "HINT: remove or replace the file, or pack with --no-check") from e
-
-
 _ENVS: dict = {}
 _MAGIC = 0xBEEFC0DE
+_REPACK = "pack it again (python -m ddp_hpc.data pack SRC OUT.lmdb)"
 
 
 def _check_length(data: str, size: int) -> None:
@@ -194,12 +71,11 @@ def _check_length(data: str, size: int) -> None:
             last_pg, txnid = struct.unpack_from("<QQ", head, off + 136)
             metas.append((txnid, last_pg, psize))
     if not metas:
-        raise VerifyError(f"{data!r} is not an LMDB data file (no meta page); HINT: pack the dataset "
-                          "again with python -m ddp_hpc.data pack SRC OUT.lmdb")
+        raise VerifyError(f"{data!r} is not an LMDB data file (no meta page)", _REPACK)
     _, last_pg, psize = max(metas)
     if size < (last_pg + 1) * psize:
-        raise VerifyError(f"{data!r} is truncated: {size} bytes, its meta page needs {(last_pg + 1) * psize}; "
-                          "HINT: an interrupted copy? copy or pack it again")
+        raise VerifyError(f"{data!r} is truncated: {size} bytes, its meta page needs {(last_pg + 1) * psize}",
+                          "an interrupted copy? copy or pack it again")
 
 
 def _open_readonly(path: str) -> lmdb.Environment:
@@ -209,8 +85,8 @@ def _open_readonly(path: str) -> lmdb.Environment:
     try:
         st = os.stat(data)
     except FileNotFoundError:
-        raise VerifyError(f"{path!r} is not an LMDB made by ddp_hpc (no data.mdb); "
-                          "HINT: create it with python -m ddp_hpc.data pack SRC OUT.lmdb") from None
+        raise VerifyError(f"{path!r} is not an LMDB made by ddp_hpc (no data.mdb)",
+                          "create it with python -m ddp_hpc.data pack SRC OUT.lmdb") from None
     key = (os.path.realpath(path), os.getpid(), st.st_ino, st.st_mtime_ns, st.st_size)
     env = _ENVS.get(key)
     if env is not None:
@@ -226,8 +102,7 @@ def _open_readonly(path: str) -> lmdb.Environment:
         env = lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False,
                         subdir=True, max_readers=2048)
     except lmdb.Error as e:
-        raise VerifyError(f"cannot open LMDB {path!r}: {e}; HINT: the file is damaged or truncated, "
-                          "pack it again (python -m ddp_hpc.data pack SRC OUT.lmdb)") from e
+        raise VerifyError(f"cannot open LMDB {path!r}: {e}", "the file is damaged or truncated: " + _REPACK) from e
     _ENVS[key] = env
     return env
 
@@ -239,14 +114,14 @@ def read_meta(path: str | os.PathLike) -> dict:
         with env.begin() as txn:
             raw = txn.get(META_KEY)
     except lmdb.Error as e:
-        raise VerifyError(f"cannot read LMDB {path!r}: {e}; HINT: pack it again") from e
+        raise VerifyError(f"cannot read LMDB {path!r}: {e}", _REPACK) from e
     if raw is None:
         raise VerifyError(f"LMDB {path!r} has no {META_KEY.decode()} record (incomplete or not made "
-                          "by ddp_hpc); HINT: pack it again with python -m ddp_hpc.data pack")
+                          "by ddp_hpc)", _REPACK)
     meta = json.loads(raw)
     if meta.get("format") != FORMAT_VERSION:
         raise VerifyError(f"LMDB {path!r} has format {meta.get('format')}, this ddp_hpc reads "
-                          f"{FORMAT_VERSION}; HINT: pack it again with this version")
+                          f"{FORMAT_VERSION}", "pack it again with this version")
     return meta
 
 
@@ -254,24 +129,22 @@ def _index_arrays(txn, path: str, count: int) -> tuple[array, array, list[str]]:
     """(labels, crc32s, names) stored beside the records, each checked for length ``count``."""
     raw = {k: txn.get(k) for k in (LABELS_KEY, CRC_KEY, NAMES_KEY)}
     if any(v is None for v in raw.values()):
-        raise VerifyError(f"LMDB {path!r} lacks its label/checksum/name index; HINT: pack it again")
+        raise VerifyError(f"LMDB {path!r} lacks its label/checksum/name index", _REPACK)
     labels, crcs = array("q"), array("I")
     try:
         labels.frombytes(bytes(raw[LABELS_KEY]))
         crcs.frombytes(bytes(raw[CRC_KEY]))
         names = bytes(raw[NAMES_KEY]).decode("utf-8").split("\0")
     except (ValueError, UnicodeDecodeError) as e:
-        raise VerifyError(f"LMDB {path!r}: damaged index ({e}); HINT: pack it again") from e
+        raise VerifyError(f"LMDB {path!r}: damaged index ({e})", _REPACK) from e
     if not len(labels) == len(crcs) == len(names) == count:
         raise VerifyError(f"LMDB {path!r}: index lengths {len(labels)}/{len(crcs)}/{len(names)} != "
-                          f"count {count}; HINT: pack it again")
+                          f"count {count}", _REPACK)
     return labels, crcs, names
 
 
 def verify(path: str | os.PathLike, *, progress: bool | None = None) -> dict:
     """Check every record's presence and crc32; raise :class:`VerifyError` naming the first bad one."""
-    from tqdm import tqdm
-
     path = os.path.abspath(os.fspath(path))
     meta = read_meta(path)
     env = _open_readonly(path)
@@ -283,15 +156,15 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> dict:
             for i in tqdm(range(meta["count"]), desc="verify", unit="rec", disable=not show):
                 value = txn.get(record_key(i))
                 if value is None:
-                    raise VerifyError(f"LMDB {path!r}: record {i} of {meta['count']} is missing; HINT: pack it again")
+                    raise VerifyError(f"LMDB {path!r}: record {i} of {meta['count']} is missing", _REPACK)
                 if zlib.crc32(value) != crcs[i]:
-                    raise VerifyError(f"LMDB {path!r}: record {i} ({names[i]}) fails its checksum; "
-                                      "HINT: the file is corrupt, pack it again")
+                    raise VerifyError(f"LMDB {path!r}: record {i} ({names[i]}) fails its checksum",
+                                      "the file is corrupt: " + _REPACK)
                 total += len(value)
     except lmdb.Error as e:
-        raise VerifyError(f"LMDB {path!r} is damaged: {e}; HINT: pack it again") from e
+        raise VerifyError(f"LMDB {path!r} is damaged: {e}", _REPACK) from e
     if total != meta.get("bytes", total):
-        raise VerifyError(f"LMDB {path!r}: payload bytes {total} != recorded {meta['bytes']}; HINT: pack it again")
+        raise VerifyError(f"LMDB {path!r}: payload bytes {total} != recorded {meta['bytes']}", _REPACK)
     return dict(meta, path=path, verified_bytes=total)
 
 
@@ -349,8 +222,8 @@ class LMDBDataset(torch.utils.data.Dataset):
         get = self._get if self._pid == _PID else self._begin().get
         value = get(b"%010d" % index)
         if value is None:
-            raise IndexError(f"LMDBDataset {self.path!r}: no record {index} (0..{self._len - 1}); "
-                             "HINT: if the index is in range run python -m ddp_hpc.data verify")
+            raise RecordIndexError(f"LMDBDataset {self.path!r}: no record {index} (0..{self._len - 1})",
+                                   "if the index is in range run python -m ddp_hpc.data verify")
         if _FS.root is not None:
             fsio.note_bytes(self._data_path, len(value))
         return value, self._labels[index]
@@ -359,8 +232,6 @@ class LMDBDataset(torch.utils.data.Dataset):
         if self._decode is not None:
             return self._decode(data), label
         if self.kind == "images":
-            from ddp_hpc.examples.images import decode_image
-
             return decode_image(data), label
         return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
 

@@ -45,7 +45,7 @@ def _diag(c, jid: str, run_dir: Path) -> str:
 
 
 def test_stage_lmdb_and_broadcast_train_to_the_same_metrics_as_direct(slurm_cluster):
-    from ddp_hpc.data.lmdb import pack
+    from ddp_hpc.data.pack import pack
     from ddp_hpc.examples.images import make_images
 
     c = slurm_cluster
