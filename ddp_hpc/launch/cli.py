@@ -114,8 +114,8 @@ def _summarize(res: LocalResult, world: int, log_dir: Path) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     world = args.nodes * args.procs_per_node
-    print(f"ddp_hpc demo: {_count(world, 'process', 'processes')} on {_count(args.nodes, 'pretend node')}, "
-          "gloo on CPU", flush=True)
+    print(f"ddp_hpc demo: {_count(world, 'process', 'processes')} on "
+          f"{_count(args.nodes, 'pretend node')}, gloo on CPU", flush=True)
     try:
         losses = launch_distributed(_demo_rank, world, nodes=args.nodes, timeout=args.timeout)
     except (RankFailedError, TimeoutError) as exc:
