@@ -19,9 +19,6 @@ from ddp_hpc.env.network import interface_for, route_interface
 from ddp_hpc.env.ports import PORT_BASE, PORT_SPAN, derive_port, free_port, master_port, user_port
 from ddp_hpc.env.sources import launcher_of
 
-#: the old private name of `job_key`, still imported by ddp_hpc/data (sbcast.py, __main__.py)
-_slurm_job_key = job_key
-
 __all__ = [
     "LAUNCHERS", "PORT_BASE", "PORT_SPAN", "DistEnv", "EnvError", "JobFacts", "derive_port", "detect",
     "free_port", "gpu_index", "interface_for", "job_facts", "job_key", "launcher_of", "master_port", "preflight",
