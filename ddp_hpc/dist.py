@@ -39,8 +39,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from ddp_hpc.env import DistEnv, EnvError, gpu_index, user_port, visible_gpus
-from ddp_hpc.env.network import interface_for, route_interface
+from ddp_hpc.env import DistEnv, EnvError, gpu_index, interface_for, route_interface, user_port, visible_gpus
 
 log = logging.getLogger(__name__)
 
