@@ -204,6 +204,42 @@ def test_logs_are_rank_prefixed_tails(home):
                   {"rank": 1, "file": "rank1.log", "line": "r1 line 29"}]
 
 
+def test_logs_name_the_rank_once_and_say_which_file_is_which(home):
+    d = completed_job(home)
+    # the training core's own line format names the rank after the time stamp
+    with open(d / "rank1.log", "a") as f:
+        f.write("2026-11-22 15:00:00 [rank 1] epoch 1 loss 0.25\n")
+    p = status(home, "101", "--logs", "--rank", "1", "-n", "1")
+    assert p.stdout == "[rank 1] 2026-11-22 15:00:00 epoch 1 loss 0.25\n"
+    # stderr (not the log lines on stdout) says which file to read first and what the other holds
+    assert "rank{R}.log = the training log: read it first" in p.stderr
+    assert "rank{R}.out = raw stdout/stderr: tracebacks" in p.stderr
+    js = json.loads(status(home, "101", "--logs", "--rank", "1", "-n", "1", "--json").stdout)
+    assert js == [{"rank": 1, "file": "rank1.log", "line": "2026-11-22 15:00:00 [rank 1] epoch 1 loss 0.25"}]
+    detail = status(home, "101").stdout
+    assert "            rank{R}.log  the training log: read it first\n" in detail
+    assert "            rank{R}.out  raw stdout/stderr: tracebacks" in detail
+
+
+def test_one_duration_format_and_the_shape_of_a_cpu_run(home):
+    d = home / "logs" / "707"
+    for r in range(2):
+        write_events(d, r, [{**start(r), "device": "cpu"}, step(r, 10, 50),
+                            ev(r, 70, "end", status="completed", step=100)])
+    record(home, "707", d, time_limit="30")  # sbatch's minutes
+    completed_job(home, "708")  # a run whose events do not name the device
+    text = status(home, "707").stdout
+    assert text.splitlines()[0] == "Job 707 (demo), backend sbatch, 1 node x 2 processes on CPU"
+    assert "Elapsed:    00:01:10 / limit 00:30:00" in text
+    assert "(s)" not in text
+    assert status(home, "708").stdout.splitlines()[0] == "Job 708 (demo), backend sbatch, 1 node x 2 GPUs"
+    rows = {ln.split()[0]: ln.split() for ln in status(home).stdout.splitlines()[1:]}
+    assert rows["707"][4:6] == ["1x2cpu", "00:01:10/00:30:00"]
+    assert rows["708"][4:6] == ["1x2", "00:00:21/00:10:00"]
+    js = json.loads(status(home, "707", "--json").stdout)
+    assert (js["device"], js["elapsed"], js["time_limit"]) == ("cpu", "00:01:10", "00:30:00")
+
+
 def test_follow_prints_new_lines_until_the_job_ends(home, sleeper):
     d = running_local_job(home, sleeper.pid)
     p = subprocess.Popen([sys.executable, "-m", "ddp_hpc.status", "local-run", "--logs", "--follow",
@@ -259,7 +295,9 @@ def test_damaged_event_lines_are_skipped_and_reported(home):
     (["101", "--logs", "--follow", "--watch"], 2, "do not combine"),
     (["424242"], 1, "job '424242': no job record in"),
     (["--limit", "-3"], 2, "--limit -3"),
-    (["local-nothing"], 1, "HINT"),
+    (["local-nothing"], 1, "error: no job record with id 'local-nothing'"),
+    (["local-nothing"], 1, "\nHINT: recent ids there"),
+    (["424242"], 1, "\nHINT: check the id with `python -m ddp_hpc.status`"),
 ])
 def test_bad_requests_fail_with_the_value_and_the_fix(home, args, code, needle):
     p = status(home, *args, check=False)

@@ -12,6 +12,7 @@ import pytest
 slurmcli = pytest.importorskip("ddp_hpc.slurm.cli")
 from ddp_hpc.status import sources as src  # noqa: E402
 from ddp_hpc.slurm.states import JobState  # noqa: E402
+from ddp_hpc.slurm.times import timestamp  # noqa: E402
 
 SEP = slurmcli.SEP
 DISABLED = "sacct: error: Slurm accounting storage is disabled\n"
@@ -75,7 +76,8 @@ def test_squeue_answers_first_and_sacct_is_not_asked():
     found, tried = query(sched)
     st = found["5"]
     assert (st.state.state, st.source) == (JobState.RUNNING, "squeue")
-    assert (st.elapsed, st.time_limit, st.nodes, st.restarts) == ("1:05", "10:00", 2, 0)
+    # squeue's M:SS comes out in the one duration format ddp_hpc shows: [D-]HH:MM:SS
+    assert (st.elapsed, st.time_limit, st.nodes, st.restarts) == ("00:01:05", "00:10:00", 2, 0)
     assert [c[0] for c in sched.calls] == ["squeue"]
 
 
@@ -92,10 +94,12 @@ def test_sacct_when_squeue_forgot_the_job():
 
 
 def test_jobcomp_only_cluster_falls_back_to_sacct_c_and_says_why():
-    sched = Scheduler(sacct=None, sacct_c=[sacct_row(State="FAILED", ExitCode="1:0")])
+    # sacct -c gives the time limit in minutes (Slurm 22.05)
+    sched = Scheduler(sacct=None, sacct_c=[sacct_row(State="FAILED", ExitCode="1:0", Timelimit="10")])
     found, tried = query(sched)
     st = found["5"]
     assert (st.state.state, st.source, st.exit_code) == (JobState.FAILED, "sacct -c", "1:0")
+    assert (st.elapsed, st.time_limit) == ("00:01:10", "00:10:00")
     assert any(t.startswith("sacct:") and "accounting storage is disabled" in t for t in st.tried)
 
 
@@ -130,7 +134,7 @@ def test_requeue_history_from_jobcomp_when_no_accounting():
 
 
 def test_reused_id_of_another_job_is_not_taken():
-    submitted = src.parse_slurm_time("2026-11-22T15:00:00")
+    submitted = timestamp("2026-11-22T15:00:00")
     sched = Scheduler(squeue=[squeue_row(Name="someone-else")], sacct=None, sacct_c=[])
     found, _ = query(sched, expect={"5": {"name": "demo", "submitted_at": submitted}})
     assert "5" not in found

@@ -40,7 +40,14 @@ OUT_RE = re.compile(r"^rank(\d+)\.out$")
 LOG_RE = re.compile(r"^rank(\d+)\.log$")
 
 
-def text_log(rank: int) -> str:
+#: what each per-rank file holds, in the words status shows, so a reader knows which to open first
+RANK_FILE_ROLES = {
+    "log": "the training log: read it first",
+    "out": "raw stdout/stderr: tracebacks and anything printed outside the logger",
+}
+
+
+def text_log(rank: int | str) -> str:
     return f"rank{rank}.log"
 
 

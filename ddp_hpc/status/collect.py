@@ -11,29 +11,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.status import sources as src
 from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
 from ddp_hpc.slurm.states import JobState
+from ddp_hpc.slurm.times import format_duration, normalize_duration
+from ddp_hpc.status import sources as src
+from ddp_hpc.status.targets import Target
 
 
 #: terminal states in which the job itself broke (rather than being stopped from outside): here
 #: the rank whose events stopped first is a suspect even without an error event
 CRASHED = frozenset({JobState.FAILED, JobState.NODE_FAIL, JobState.OUT_OF_MEMORY,
                      JobState.BOOT_FAIL, JobState.LAUNCH_FAILED})
-
-
-@dataclass
-class Target:
-    """A job to look at: its id, the record it came from (if any) and its log directory."""
-
-    id: str
-    record: object | None = None  # ddp_hpc.records.JobRecord
-    log_dir: str | None = None
-
-    @property
-    def local(self) -> bool:
-        backend = getattr(self.record, "backend", None)
-        return backend == "local" or self.id.startswith("local-")
 
 
 @dataclass
@@ -49,6 +37,7 @@ class JobStatus:
     tried: list[str]
     nodes: int | None
     gpus_per_node: int | None
+    device: str | None  # "cpu", "cuda", ... as the run's start events tell it; None: not told
     elapsed: str | None
     time_limit: str | None
     restarts: int
@@ -79,39 +68,12 @@ class JobStatus:
         return d
 
 
-def targets_from_records(records) -> list[Target]:
-    """One target per record, or per array task for job arrays."""
-    out = []
-    for rec in records:
-        if rec.array:
-            for task in rec.array:
-                tid = task.get("task_id")
-                out.append(Target(f"{rec.id}_{tid}", rec, task.get("log_dir") or rec.log_dir))
-        else:
-            out.append(Target(str(rec.id), rec, rec.log_dir))
-    return out
-
-
-def slurm_cli():
-    """A SlurmCLI when Slurm commands are reachable, else (None, reason)."""
-    try:
-        from ddp_hpc.slurm.cli import SlurmCLI
-    except ImportError as exc:
-        return None, f"slurm: ddp_hpc.slurm.cli unavailable ({exc})"
-    cli = SlurmCLI()
-    try:
-        ok = cli.available()
-    except Exception as exc:  # noqa: BLE001 - an unusable Slurm means "ask the logs"
-        return None, f"slurm: {exc}"
-    return (cli, None) if ok else (None, "slurm: commands not found on PATH")
-
-
 def collect(targets: list[Target], cli=None, cli_note: str | None = None, history: bool = False,
             now: float | None = None, only: str | None = None) -> list[JobStatus]:
     """Status of every target; Slurm ones are queried in one batch per source. ``only`` names
     the one source to ask (squeue | sacct | "sacct -c" | logs), for comparing them."""
     now = time.time() if now is None else now
-    cluster, down = (cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
+    cluster, down = (src.cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
                      else (None, None))
     foreign = {t.id for t in targets if not t.local and cluster and t.record is not None
                and getattr(t.record, "cluster", None) not in (None, "", cluster)}
@@ -135,36 +97,6 @@ def collect(targets: list[Target], cli=None, cli_note: str | None = None, histor
                             "the scheduler was not asked (job ids repeat across clusters)")
         out.append(st)
     return out
-
-
-def current_cluster(cli) -> str | None:
-    """This Slurm's ClusterName, or None when it cannot be asked."""
-    return cluster_or_reason(cli)[0]
-
-
-_CLUSTER_CACHE: dict[int, tuple[float, tuple[str | None, str | None]]] = {}
-CLUSTER_CACHE_S = 60.0
-
-
-def cluster_or_reason(cli) -> tuple[str | None, str | None]:
-    """(ClusterName, None), or (None, why) when the controller does not answer: then squeue is
-    not asked either (each such command retries for many seconds before it gives up). Kept for
-    a minute per SlurmCLI, so one status call (or a --watch loop) asks once."""
-    if cli is None or not hasattr(cli, "cluster_name"):
-        return None, None
-    hit = _CLUSTER_CACHE.get(id(cli))
-    if hit and time.monotonic() - hit[0] < CLUSTER_CACHE_S:
-        return hit[1]
-    try:
-        answer: tuple[str | None, str | None] = (cli.cluster_name(), None)
-    except Exception as exc:  # noqa: BLE001 - an unreachable controller only means "do not filter"
-        text = str(exc)
-        answer = (None, None)
-        if "Unable to contact slurm controller" in text or "Could not establish a configuration" in text:
-            answer = (None, next((ln for ln in text.splitlines() if "error" in ln or "fatal" in ln),
-                                 text.splitlines()[0] if text else "controller down"))
-    _CLUSTER_CACHE[id(cli)] = (time.monotonic(), answer)
-    return answer
 
 
 def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float) -> JobStatus:
@@ -200,15 +132,15 @@ def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float)
     elapsed = sched.elapsed or _elapsed_from_runs(runs, state.state.active, now)
     bad = sum(s.bad_lines for s in logs.ranks.values())
     if bad:
-        notes.append(f"{bad} unreadable line(s) in the event streams skipped")
+        notes.append(f"{bad} unreadable {'line' if bad == 1 else 'lines'} in the event streams skipped")
     if t.log_dir and not Path(t.log_dir).is_dir():
         notes.append(f"log directory {t.log_dir} does not exist (yet)")
     return JobStatus(
         id=t.id, name=getattr(rec, "name", None), backend=getattr(rec, "backend", None),
         state=state.label, state_name=state.state.name, source=sched.source, tried=sched.tried,
         nodes=getattr(rec, "nodes", None) or sched.nodes,
-        gpus_per_node=getattr(rec, "gpus_per_node", None),
-        elapsed=elapsed, time_limit=sched.time_limit or getattr(rec, "time_limit", None),
+        gpus_per_node=getattr(rec, "gpus_per_node", None), device=logs.device(),
+        elapsed=elapsed, time_limit=sched.time_limit or normalize_duration(getattr(rec, "time_limit", None)),
         restarts=restarts, log_dir=t.log_dir, cwd=getattr(rec, "cwd", None),
         submitted_at=getattr(rec, "submitted_at", None), reason=sched.reason,
         node_list=sched.node_list, progress=progress, last_events=logs.last_events(),
@@ -225,15 +157,4 @@ def _elapsed_from_runs(runs, active: bool, now: float) -> str | None:
     if not runs or runs[-1].started is None:
         return None
     end = now if active else (runs[-1].last_time or now)
-    return fmt_duration(end - runs[-1].started)
-
-
-def fmt_duration(seconds: float | None) -> str | None:
-    """Seconds -> Slurm's ``[D-]HH:MM:SS``."""
-    if seconds is None:
-        return None
-    s = int(max(0, round(seconds)))
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    return (f"{d}-" if d else "") + f"{h:02d}:{m:02d}:{s:02d}"
+    return format_duration(end - runs[-1].started)

@@ -11,15 +11,25 @@ its rows are dicts whose key spelling (``JobID``/``job_id``/``JobId``) this modu
 """
 from __future__ import annotations
 
-import datetime as _dt
 import socket
+import time
+import weakref
 from dataclasses import dataclass, field
 
+import psutil
+
 from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.states import JobState, StateInfo, parse_state
+from ddp_hpc.slurm.times import normalize_duration, timestamp
 
 SQUEUE, SACCT, SACCT_C, PROCESSES, LOGS, NONE = (
     "squeue", "sacct", "sacct -c", "processes", "logs", "none")
+
+#: Slurm's own words (on stderr) for a controller that does not answer
+CONTROLLER_DOWN = ("Unable to contact slurm controller", "Could not establish a configuration")
+#: How long one SlurmCLI keeps its answer to "which cluster is this, is the controller up?"
+CLUSTER_CACHE_S = 60.0
 
 #: How far Slurm's submit time may precede the record's before the row is taken for an older
 #: job that had the same id (ids restart at 1 when a controller's state is wiped).
@@ -43,6 +53,40 @@ class SourceState:
     steps: list[dict] = field(default_factory=list)  # sacct job steps: id, state, exit_code
     history: list[dict] = field(default_factory=list)  # earlier runs of a requeued job
     history_source: str | None = None
+
+
+def slurm_cli() -> tuple[SlurmCLI | None, str | None]:
+    """(a SlurmCLI, None) when Slurm's commands are on PATH, else (None, why)."""
+    cli = SlurmCLI()
+    return (cli, None) if cli.available() else (None, "slurm: commands not found on PATH")
+
+
+def current_cluster(cli: SlurmCLI | None) -> str | None:
+    """This Slurm's ClusterName, or None when it cannot be asked."""
+    return cluster_or_reason(cli)[0]
+
+
+_CLUSTER_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cluster_or_reason(cli: SlurmCLI | None) -> tuple[str | None, str | None]:
+    """(ClusterName, None), or (None, why) when the controller does not answer: then squeue is
+    not asked either (each such command retries for many seconds before it gives up). Kept for
+    a minute per SlurmCLI, so one status call (or a --watch loop) asks once."""
+    if cli is None:
+        return None, None
+    hit = _CLUSTER_CACHE.get(cli)
+    if hit and time.monotonic() - hit[0] < CLUSTER_CACHE_S:
+        return hit[1]
+    try:
+        answer: tuple[str | None, str | None] = (cli.cluster_name(), None)
+    except SlurmError as exc:  # an unreachable controller; anything else only means "do not filter"
+        lines = exc.stderr.strip().splitlines()
+        down = any(text in exc.stderr for text in CONTROLLER_DOWN)
+        answer = (None, next((ln for ln in lines if "error" in ln or "fatal" in ln),
+                             lines[0] if lines else "controller down") if down else None)
+    _CLUSTER_CACHE[cli] = (time.monotonic(), answer)
+    return answer
 
 
 def norm_get(row: dict, *names: str, default=None):
@@ -70,16 +114,6 @@ def base_id(job_id: str) -> str:
     return job_id.split(".", 1)[0]
 
 
-def parse_slurm_time(text) -> float | None:
-    """Slurm's ISO local timestamps (``2026-11-22T15:40:01``) -> unix seconds; else None."""
-    if not text or str(text) in ("Unknown", "None", "N/A"):
-        return None
-    try:
-        return _dt.datetime.fromisoformat(str(text)).timestamp()
-    except ValueError:
-        return None
-
-
 def _call(tried: list[str], label: str, fn, *args, **kwargs):
     """Run one SlurmCLI query; a failure (no accounting, no daemon) becomes a note, not a crash."""
     try:
@@ -100,7 +134,7 @@ def _matches(row: dict, expect: dict | None) -> bool:
     name = norm_get(row, "JobName", "Name")
     if name and expect.get("name") and str(name) != str(expect["name"]):
         return False
-    sub = parse_slurm_time(norm_get(row, "Submit", "SubmitTime"))
+    sub = timestamp(norm_get(row, "Submit", "SubmitTime"))
     at = expect.get("submitted_at")
     if sub is None or not at:
         return True
@@ -136,8 +170,8 @@ def _view_from_rows(rows: list[dict], source: str, tried: list[str]) -> SourceSt
     st = SourceState(
         state=parse_state(norm_get(cur, "State", "StateCompact", "st", default="")),
         source=source, tried=list(tried),
-        elapsed=norm_get(cur, "Elapsed", "TimeUsed", "Time"),
-        time_limit=norm_get(cur, "Timelimit", "TimeLimit"),
+        elapsed=normalize_duration(norm_get(cur, "Elapsed", "TimeUsed", "Time")),
+        time_limit=normalize_duration(norm_get(cur, "Timelimit", "TimeLimit")),
         nodes=_int(norm_get(cur, "NNodes", "NumNodes", "Nodes")),
         node_list=norm_get(cur, "NodeList", "Nodelist"),
         reason=norm_get(cur, "Reason", "ReasonList"),
@@ -155,81 +189,102 @@ def _view_from_rows(rows: list[dict], source: str, tried: list[str]) -> SourceSt
 def _history_row(r: dict) -> dict:
     return {"state": parse_state(norm_get(r, "State", default="")).label,
             "start": norm_get(r, "Start", "StartTime"), "end": norm_get(r, "End", "EndTime"),
-            "exit_code": norm_get(r, "ExitCode"), "elapsed": norm_get(r, "Elapsed")}
+            "exit_code": norm_get(r, "ExitCode"), "elapsed": normalize_duration(norm_get(r, "Elapsed"))}
 
 
 def query_slurm(job_ids: list[str], cli, expect: dict[str, dict] | None = None,
                 history: bool = False, controller_down: str | None = None,
                 only: str | None = None) -> tuple[dict[str, SourceState], list[str]]:
     """State of each Slurm job id from squeue, else sacct, else sacct -c, and what the sources that
-    did not know a job said. Ids no source knows are absent from the result; ``expect`` maps id -> {name, submitted_at} to reject reused ids.
-    ``history`` also asks ``sacct -D`` for the earlier runs of requeued jobs."""
-    expect = expect or {}
-    ids = [str(j) for j in job_ids]
-    found: dict[str, SourceState] = {}
-    tried: list[str] = []
-    if not ids:
-        return found, tried
+    did not know a job said. Ids no source knows are absent from the result; ``expect`` maps id ->
+    {name, submitted_at} to reject reused ids. ``history`` also asks ``sacct -D`` for the earlier
+    runs of requeued jobs; ``only`` names the one source to ask."""
+    q = _Query([str(j) for j in job_ids], cli, expect or {}, history)
+    if q.ids:
+        use = {only} if only else {SQUEUE, SACCT, SACCT_C}
+        if SQUEUE in use:
+            q.ask_squeue(controller_down)
+        if SACCT in use:
+            q.ask_sacct()
+        if SACCT_C in use:
+            q.ask_sacct_c()
+    return q.found, q.tried
 
-    def known(rows_by_id: dict[str, list[dict]], want: str) -> list[dict] | None:
-        if want in rows_by_id:
-            return rows_by_id[want]
-        tasks = [r for k, rs in rows_by_id.items() if k.split("_", 1)[0] == want for r in rs]
+
+@dataclass
+class _Query:
+    """One pass over the sources for a batch of ids: each source fills in what the ones before it
+    did not know, and ``tried`` collects why a source did not answer."""
+
+    ids: list[str]
+    cli: object  # ddp_hpc.slurm.cli.SlurmCLI
+    expect: dict[str, dict]
+    history: bool
+    found: dict[str, SourceState] = field(default_factory=dict)
+    tried: list[str] = field(default_factory=list)
+    sacct_answered: bool = False
+
+    def missing(self) -> list[str]:
+        return [j for j in self.ids if j not in self.found]
+
+    def rows_of(self, rows: list[dict] | None, want: str) -> list[dict] | None:
+        """The rows of job ``want`` (or of all its array tasks) among ``rows``."""
+        by = _group(rows or [], self.expect)
+        if want in by:
+            return by[want]
+        tasks = [r for k, rs in by.items() if k.split("_", 1)[0] == want for r in rs]
         return tasks or None
 
-    use = {only} if only else {SQUEUE, SACCT, SACCT_C}
-    if SQUEUE not in use:
-        rows = None
-    elif controller_down:
-        rows = None
-        tried.append(f"{SQUEUE}: not asked, the controller does not answer ({controller_down.strip()})")
-    else:
-        rows = _call(tried, SQUEUE, cli.squeue, ids)
-    by = _group(rows or [], expect)
-    for j in ids:
-        if (r := known(by, j)) is not None:
-            found[j] = _view_from_rows(r, SQUEUE, [])
-    missing = [j for j in ids if j not in found]
-    if rows is not None and missing:
-        tried.append(f"{SQUEUE}: job not listed (ended more than MinJobAge ago, or unknown)")
+    def ask_squeue(self, controller_down: str | None) -> None:
+        if controller_down:
+            self.tried.append(f"{SQUEUE}: not asked, the controller does not answer "
+                              f"({controller_down.strip()})")
+            return
+        rows = _call(self.tried, SQUEUE, self.cli.squeue, self.ids)
+        for j in self.ids:
+            if (r := self.rows_of(rows, j)) is not None:
+                self.found[j] = _view_from_rows(r, SQUEUE, [])
+        if rows is not None and self.missing():
+            self.tried.append(f"{SQUEUE}: job not listed (ended more than MinJobAge ago, or unknown)")
 
-    sacct_rows = None
-    if SACCT in use and (missing or history):
-        sacct_rows = _call(tried, SACCT, cli.sacct, ids if history else missing,
-                           duplicates=history)
-        by = _group(sacct_rows or [], expect)
-        for j in list(missing):
-            if (r := known(by, j)) is not None:
-                found[j] = _view_from_rows(r, SACCT, tried)
-        if history:
-            for j in ids:
-                if j in found and (r := known(by, j)) is not None:
-                    hist = _view_from_rows(r, SACCT, tried)
-                    found[j].history, found[j].history_source = hist.history, "sacct -D"
-                    found[j].steps = found[j].steps or hist.steps
-                    found[j].exit_code = found[j].exit_code or hist.exit_code
-                    if hist.history:
-                        found[j].restarts = max(found[j].restarts or 0, len(hist.history) - 1)
-        missing = [j for j in ids if j not in found]
-        if sacct_rows is not None and missing:
-            tried.append(f"{SACCT}: job not found")
+    def ask_sacct(self) -> None:
+        missing = self.missing()
+        if not (missing or self.history):
+            return
+        rows = _call(self.tried, SACCT, self.cli.sacct, self.ids if self.history else missing,
+                     duplicates=self.history)
+        self.sacct_answered = rows is not None
+        for j in missing:
+            if (r := self.rows_of(rows, j)) is not None:
+                self.found[j] = _view_from_rows(r, SACCT, self.tried)
+        for j in self.ids if self.history else ():
+            if j in self.found and (r := self.rows_of(rows, j)) is not None:
+                st, hist = self.found[j], _view_from_rows(r, SACCT, self.tried)
+                st.history, st.history_source = hist.history, "sacct -D"
+                st.steps = st.steps or hist.steps
+                st.exit_code = st.exit_code or hist.exit_code
+                if hist.history:
+                    st.restarts = max(st.restarts or 0, len(hist.history) - 1)
+        if rows is not None and self.missing():
+            self.tried.append(f"{SACCT}: job not found")
 
-    if SACCT_C in use and (missing or (history and sacct_rows is None)):
-        rows = _call(tried, SACCT_C, cli.sacct, ids if history else missing, completion=True)
-        by = _group(rows or [], expect)
-        for j in ids:
-            r = known(by, j)
-            if r is None:
+    def ask_sacct_c(self) -> None:
+        missing = self.missing()
+        if not (missing or (self.history and not self.sacct_answered)):
+            return
+        rows = _call(self.tried, SACCT_C, self.cli.sacct, self.ids if self.history else missing,
+                     completion=True)
+        for j in self.ids:
+            if (r := self.rows_of(rows, j)) is None:
                 continue
-            if j not in found:
-                found[j] = _view_from_rows(r, SACCT_C, tried)
-            elif history and not found[j].history:
-                hist = _view_from_rows(r, SACCT_C, tried)
-                found[j].history, found[j].history_source = hist.history, SACCT_C
-                found[j].exit_code = found[j].exit_code or hist.exit_code
-        if rows is not None and [j for j in ids if j not in found]:
-            tried.append(f"{SACCT_C}: job not found")
-    return found, tried
+            if j not in self.found:
+                self.found[j] = _view_from_rows(r, SACCT_C, self.tried)
+            elif self.history and not self.found[j].history:
+                st, hist = self.found[j], _view_from_rows(r, SACCT_C, self.tried)
+                st.history, st.history_source = hist.history, SACCT_C
+                st.exit_code = st.exit_code or hist.exit_code
+        if rows is not None and self.missing():
+            self.tried.append(f"{SACCT_C}: job not found")
 
 
 def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
@@ -261,8 +316,6 @@ def pids_alive(pids, submitted_at: float | None, cluster: str | None) -> bool | 
     """True when any of the local job's processes still runs; None when this machine cannot tell
     (the record was written on another host). A pid reused by a process started long after the
     submission does not count."""
-    import psutil
-
     if not pids:
         return None
     if cluster and cluster not in (socket.gethostname(), socket.getfqdn(), "localhost"):

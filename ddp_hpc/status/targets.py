@@ -1,0 +1,84 @@
+"""Which jobs to look at: job records (``$DDP_HPC_HOME/jobs``, written by ddp_hpc.submit) become
+targets, each with its id and log directory; a job array's record becomes one target per task.
+
+The scheduler is asked about the targets in ``sources``; ``collect`` puts the answers together.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ddp_hpc import records
+from ddp_hpc.errors import HintError
+
+_SLURM_ID = re.compile(r"^\d+(_\d+)?$")
+
+
+class StatusError(HintError):
+    """A request status cannot answer; the message names the value, the hint the fix."""
+
+
+@dataclass
+class Target:
+    """A job to look at: its id, the record it came from (if any) and its log directory."""
+
+    id: str
+    record: object | None = None  # ddp_hpc.records.JobRecord
+    log_dir: str | None = None
+
+    @property
+    def local(self) -> bool:
+        backend = getattr(self.record, "backend", None)
+        return backend == "local" or self.id.startswith("local-")
+
+
+def is_slurm_id(job_id: str) -> bool:
+    """``1234`` or an array task ``1234_5`` (not a ``local-...`` id)."""
+    return bool(_SLURM_ID.match(job_id))
+
+
+def targets_from_records(recs) -> list[Target]:
+    """One target per record, or per array task for job arrays."""
+    out = []
+    for rec in recs:
+        if rec.array:
+            for task in rec.array:
+                tid = task.get("task_id")
+                out.append(Target(f"{rec.id}_{tid}", rec, task.get("log_dir") or rec.log_dir))
+        else:
+            out.append(Target(str(rec.id), rec, rec.log_dir))
+    return out
+
+
+def job_targets(job_id: str, log_dir: str | None, cluster: str | None = None) -> list[Target]:
+    """The targets for ``status JOBID``: from the job record (this cluster's first: ids repeat
+    across clusters), or a bare Slurm id (and ``log_dir``) when there is no record. A non-Slurm id
+    without a record and without ``log_dir`` raises the record's JobRecordError."""
+    try:
+        rec = _load(job_id, cluster)
+    except records.JobRecordError:
+        if log_dir or is_slurm_id(job_id):
+            return [Target(job_id, None, log_dir)]
+        raise
+    tasks = targets_from_records([rec])
+    if "_" in job_id and rec.array:
+        tasks = [t for t in tasks if t.id == job_id] or tasks
+    for t in tasks if log_dir else ():
+        t.log_dir = log_dir
+    return tasks
+
+
+def _load(job_id: str, cluster: str | None):
+    """The record of ``job_id`` on ``cluster`` when there is one, else the newest with that id."""
+    if cluster:
+        try:
+            return records.load_record(job_id, cluster=cluster)
+        except records.JobRecordError:
+            pass
+    return records.load_record(job_id)
+
+
+def recent_targets(limit: int) -> list[Target]:
+    """Targets of the ``limit`` newest records (all for 0), newest first."""
+    recs = list(reversed(records.list_records()))
+    return targets_from_records(recs[:limit] if limit else recs)
