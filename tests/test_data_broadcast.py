@@ -163,3 +163,19 @@ def test_sampler_matches_torch_for_many_shapes():
                     s = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=9)
                     s.set_epoch(epoch)
                     assert samplers.epoch_indices(n, world, rank, 9, epoch) == list(s)
+
+
+def test_wire_round_trip_and_unshippable_samples_named():
+    from ddp_hpc.data.errors import SampleError
+    from ddp_hpc.data.wire import bundle, decode_samples, encode_samples, unbundle
+
+    items = [(torch.arange(6, dtype=torch.int16).reshape(2, 3), torch.tensor(4)), (torch.ones(0), torch.tensor(1.5))]
+    back = decode_samples(encode_samples(items, raw=False))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for pair, got in zip(items, back) for a, b in zip(pair, got))
+    raw = decode_samples(encode_samples([(b"abc", 7), (b"", 2)], raw=True), lambda data, label: (data, label))
+    assert raw == [(b"abc", 7), (b"", 2)]
+    assert [bytes(m) for m in unbundle(bundle([b"x", b"", b"yz"]))] == [b"x", b"", b"yz"]
+    with pytest.raises(SampleError, match=r"expects samples \(input, target\); got int\nHINT: return an"):
+        encode_samples([3], raw=False)
+    with pytest.raises(TypeError, match=r"complex64 tensor.*\nHINT: samples must be tensors"):
+        encode_samples([(torch.zeros(2, dtype=torch.complex64), 0)], raw=False)

@@ -151,3 +151,15 @@ def test_cli_pack_verify_and_refuse_overwrite(images, tmp_path, capsys):
     assert os.path.getmtime(os.path.join(out, "data.mdb")) == before
     assert cli(["verify", str(tmp_path / "missing.lmdb")]) == 2
     assert cli(["pack", str(tmp_path / "nope"), str(tmp_path / "x.lmdb")]) == 2
+
+
+def test_missing_image_folder_names_the_config_keys(tmp_path):
+    from ddp_hpc.examples.images import ImageFolderError
+
+    with pytest.raises(FileNotFoundError, match=r"root '.*/eval' is not a directory\nHINT: point root at the image "
+                                                r"folder: data.kwargs.root for data.dataset, data.eval_kwargs.root "
+                                                r"for data.eval_dataset"):
+        ImageFolderDataset(tmp_path / "eval")
+    assert issubclass(ImageFolderError, FileNotFoundError)
+    with pytest.raises(ValueError, match=r"count=0.*\nHINT: use count >= 1"):
+        make_images(tmp_path / "x", count=0)

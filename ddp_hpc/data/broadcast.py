@@ -11,19 +11,18 @@ Modes (``data.broadcast_groups``), for 2 nodes x 3 ranks:
 * ``two_level``: rank 0 reads everything, scatters per-node bundles to the node leaders [0, 3],
   and each leader scatters within its node.
 
-Every step the reader builds one message per member: a small header (sample count, then per
-sample either (encoded length, label) or the shapes/dtypes of its tensors) followed by the bytes;
-one collective delivers them (see :class:`Channel`: scatter across nodes, broadcast and slice
-inside a node), so each member keeps only its own samples.  Small steps travel in buckets (``data.broadcast_bucket_mb``,
-1 MiB by default): one collective carries several consecutive steps, as DDP buckets gradients,
-so a collective's latency is paid once per bucket.  Datasets with ``raw_item(i) -> (bytes, label)`` and
+Every step the reader builds one message per member (:mod:`ddp_hpc.data.wire`: a small header,
+then the bytes); one collective delivers them (see :class:`Channel`: scatter across nodes,
+broadcast and slice inside a node), so each member keeps only its own samples.  Small steps
+travel in buckets (``data.broadcast_bucket_mb``, 1 MiB by default): one collective carries
+several consecutive steps, as DDP buckets gradients, so a collective's latency is paid once per
+bucket.  Datasets with ``raw_item(i) -> (bytes, label)`` and
 ``decode_item(bytes, label)`` ship compact encoded bytes and decode on the receiver; any other
 dataset ships ``dataset[i]``'s tensors.  Each rank gets exactly its ``DistributedSampler``
 indices (see :mod:`ddp_hpc.data.samplers`), in order.
 """
 from __future__ import annotations
 
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,16 +31,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from ddp_hpc.data.errors import IOConfigError
 from ddp_hpc.data.samplers import batches_per_rank, epoch_permutation
+from ddp_hpc.data.wire import bundle, decode_samples, encode_samples, unbundle
+from ddp_hpc.dist import gather_layout, new_groups, node_rank_lists, strided_rank_lists
 
 __all__ = ["BroadcastDataset", "GroupPlan", "build_plan", "encode_samples", "decode_samples", "MODES"]
 
 MODES = ("node", "strided", "two_level")
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
-           torch.int16, torch.int32, torch.int64, torch.bool]
-_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_MAXDIM = 6
-_ROW = 2 + _MAXDIM + 1  # dtype, ndim, shape..., nbytes
 
 
 @dataclass
@@ -63,11 +60,9 @@ class GroupPlan:
 
 def build_plan(env, mode: str, comm_device=None) -> GroupPlan:
     """Create the groups for ``mode`` (a collective: every rank calls it, in the same order)."""
-    from ddp_hpc.dist import gather_layout, new_groups, node_rank_lists, strided_rank_lists
-
     if mode not in MODES:
-        raise ValueError(f"data.broadcast_groups={mode!r} is not one of {', '.join(MODES)}; "
-                         "HINT: node (one reader per node) is the usual choice")
+        raise IOConfigError(f"data.broadcast_groups={mode!r} is not one of {', '.join(MODES)}",
+                            "node (one reader per node) is the usual choice")
     layout = gather_layout(env)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(comm_device or "cpu")
@@ -93,83 +88,6 @@ def build_plan(env, mode: str, comm_device=None) -> GroupPlan:
                      serves, [leaders[0]], device, by_leader)
 
 
-# ----------------------------------------------------------------------------- wire format
-def _i64(values) -> bytes:
-    return struct.pack(f"<{len(values)}q", *values)
-
-
-def _tensor_row(t: torch.Tensor) -> list[int]:
-    if t.dtype not in _CODE or t.dim() > _MAXDIM:
-        raise TypeError(f"broadcast loader cannot ship a {t.dtype} tensor of shape {tuple(t.shape)}; "
-                        f"HINT: samples must be tensors of <= {_MAXDIM} dims with a plain dtype")
-    shape = list(t.shape) + [0] * (_MAXDIM - t.dim())
-    return [_CODE[t.dtype], t.dim(), *shape, t.numel() * t.element_size()]
-
-
-def _as_tensor(v) -> torch.Tensor:
-    return v if isinstance(v, torch.Tensor) else torch.tensor(v)
-
-
-def encode_samples(items: list, raw: bool) -> bytes:
-    """Header + bytes for one member's samples: raw items are (bytes, label), others (x, y)."""
-    if raw:
-        head = [len(items), 0] + [v for data, label in items for v in (len(data), int(label))]
-        return _i64(head) + b"".join(data for data, _ in items)
-    rows, blobs = [], []
-    for sample in items:
-        if not isinstance(sample, (tuple, list)) or len(sample) != 2:
-            raise TypeError("broadcast loader expects samples (input, target); "
-                            f"got {type(sample).__name__}")
-        for v in sample:
-            t = _as_tensor(v).contiguous().cpu()
-            rows += _tensor_row(t)
-            blobs.append(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return _i64([len(items), 1] + rows) + b"".join(blobs)
-
-
-def decode_samples(buf: bytes, decode_item=None) -> list:
-    """Inverse of :func:`encode_samples`; raw items are passed through ``decode_item``."""
-    n, kind = struct.unpack_from("<2q", buf, 0)
-    off = 16
-    out = []
-    if kind == 0:
-        head = struct.unpack_from(f"<{2 * n}q", buf, off)
-        off += 16 * n
-        for i in range(n):
-            size, label = head[2 * i], head[2 * i + 1]
-            out.append(decode_item(bytes(buf[off:off + size]), label))
-            off += size
-        return out
-    rows = struct.unpack_from(f"<{2 * n * _ROW}q", buf, off)
-    off += 8 * 2 * n * _ROW
-    for i in range(n):
-        pair = []
-        for j in range(2):
-            r = rows[(2 * i + j) * _ROW:(2 * i + j + 1) * _ROW]
-            dtype, shape, nbytes = _DTYPES[r[0]], r[2:2 + r[1]], r[-1]
-            t = torch.frombuffer(bytearray(buf[off:off + nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-            pair.append(t.view(dtype).reshape(shape))
-            off += nbytes
-        out.append(tuple(pair))
-    return out
-
-
-def _bundle(messages: list[bytes]) -> bytes:
-    return _i64([len(messages)] + [len(m) for m in messages]) + b"".join(messages)
-
-
-def _unbundle(buf: bytes) -> list[memoryview]:
-    """Split a bundle into zero-copy views (``buf`` must not be reused: pass immutable bytes)."""
-    (k,) = struct.unpack_from("<q", buf, 0)
-    sizes = struct.unpack_from(f"<{k}q", buf, 8)
-    view, off, out = memoryview(buf), 8 * (k + 1), []
-    for s in sizes:
-        out.append(view[off:off + s])
-        off += s
-    return out
-
-
-# ----------------------------------------------------------------------------- collectives
 class Channel:
     """One collective per step from the reader ``ranks[0]`` to every member of ``ranks``.
 
@@ -322,7 +240,7 @@ class BroadcastDataset(torch.utils.data.Dataset):
                     parts[r].append(encode_samples(self._read(perm[r][lo:hi], pool), self.raw))
                     nbytes += len(parts[r][-1])
                 b += 1
-            return b, {r: _bundle(ms) for r, ms in parts.items()}
+            return b, {r: bundle(ms) for r, ms in parts.items()}
 
         try:
             b = start_batch
@@ -332,7 +250,7 @@ class BroadcastDataset(torch.utils.data.Dataset):
                 if nxt is not None:
                     b_next, msgs = nxt.result()
                     nxt = ahead.submit(prepare, b_next) if b_next < steps else None
-                for part in _unbundle(self._deliver(msgs)):
+                for part in unbundle(self._deliver(msgs)):
                     b += 1
                     yield part
         finally:
@@ -344,13 +262,13 @@ class BroadcastDataset(torch.utils.data.Dataset):
         p = self.plan
         if p.mode != "two_level":
             return self._ch1.send([msgs[r] for r in self._ch1.ranks] if msgs else None)
-        bundle = None
+        node_msgs = None
         if self._ch1 is not None:  # node leaders: receive this node's bundle from the reader
             per_node = None
             if msgs:
-                per_node = [_bundle([msgs[r] for r in node_ranks]) for node_ranks in p.node_lists]
-            bundle = _unbundle(self._ch1.send(per_node))
-        return self._ch2.send(bundle)
+                per_node = [bundle([msgs[r] for r in node_ranks]) for node_ranks in p.node_lists]
+            node_msgs = unbundle(self._ch1.send(per_node))
+        return self._ch2.send(node_msgs)
 
     def batches(self, *, batch_size: int, seed: int, epoch: int, start_batch: int = 0, num_workers: int = 0):
         """Collated (inputs, targets) batches: this rank's DistributedSampler samples, in order."""

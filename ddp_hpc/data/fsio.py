@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["IOCounts", "watch", "unwatch", "reset", "snapshot", "read_bytes", "open_counted", "note_open", "note_bytes", "watching"]
+__all__ = ["IOCounts", "watch", "unwatch", "reset", "snapshot", "read_bytes", "open_counted", "note_open", "note_bytes"]
 
 
 @dataclass
@@ -57,11 +57,6 @@ def reset() -> None:
 
 def snapshot() -> dict:
     return {"opens": _counts.opens, "bytes": _counts.bytes}
-
-
-def watching() -> bool:
-    """Whether a shared root is registered (a cheap guard for hot paths)."""
-    return STATE.root is not None
 
 
 def _watched(path: str) -> bool:

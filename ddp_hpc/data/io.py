@@ -27,9 +27,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ddp_hpc.data.broadcast import BroadcastDataset, build_plan
+from ddp_hpc.data.errors import IOConfigError, StageError
 from ddp_hpc.data.lmdb import LMDBDataset
 from ddp_hpc.data.samplers import ResumableDistributedSampler
-from ddp_hpc.data.stage import StageError, cleanup_staged, resolve_stage_dir, stage
+from ddp_hpc.data.stage import cleanup_staged, resolve_stage_dir, stage
 
 __all__ = ["open_train_data", "make_train_batches", "close_train_data", "IOConfigError", "STAGE_WAIT"]
 
@@ -41,14 +42,10 @@ _loaders: dict = {}
 _staged: dict = {}
 
 
-class IOConfigError(ValueError):
-    """A data.* IO setting cannot work; the message names the key and the fix."""
-
-
 def _need_lmdb(data_cfg) -> str:
     if not data_cfg.lmdb_path:
-        raise IOConfigError(f"data.io={data_cfg.io} needs data.lmdb_path, which is not set; HINT: pack the "
-                            "dataset once (python -m ddp_hpc.data pack SRC OUT.lmdb) and set "
+        raise IOConfigError(f"data.io={data_cfg.io} needs data.lmdb_path, which is not set",
+                            "pack the dataset once (python -m ddp_hpc.data pack SRC OUT.lmdb) and set "
                             "data.lmdb_path=OUT.lmdb")
     return data_cfg.lmdb_path
 
@@ -70,8 +67,8 @@ def _stage_dataset(data_cfg, ctx, dataset_factory):
         src = getattr(base, "root", None)
         if src is None or not hasattr(base, "relocated"):
             raise IOConfigError(f"data.io=stage without data.lmdb_path needs a dataset with a .root folder "
-                                f"and .relocated(path); {type(base).__name__} has neither; HINT: set "
-                                "data.lmdb_path to a packed LMDB (python -m ddp_hpc.data pack)")
+                                f"and .relocated(path); {type(base).__name__} has neither",
+                                "set data.lmdb_path to a packed LMDB (python -m ddp_hpc.data pack)")
     path = stage(src, resolve_stage_dir(data_cfg.stage_to), job_id=env.job_id,
                  restart_count=env.restart_count, copier=env.local_rank == 0,
                  wait_timeout=STAGE_WAIT.total_seconds())
@@ -95,11 +92,12 @@ def open_train_data(data_cfg, ctx, dataset_factory):
     if io == "broadcast":
         inner = LMDBDataset(data_cfg.lmdb_path) if data_cfg.lmdb_path else dataset_factory()
         if not (dist.is_available() and dist.is_initialized()):
-            raise IOConfigError("data.io=broadcast needs torch.distributed initialised (setup_ddp) first")
+            raise IOConfigError("data.io=broadcast needs torch.distributed initialised (setup_ddp) first",
+                                "call ddp_hpc.dist.setup_ddp() first, or train through fit / run_job, which do")
         device = ctx.device if getattr(ctx, "backend", "gloo") == "nccl" else None
         return BroadcastDataset(inner, build_plan(ctx.env, data_cfg.broadcast_groups, device),
                                 coalesce_bytes=int(data_cfg.broadcast_bucket_mb * (1 << 20)))
-    raise IOConfigError(f"data.io={io!r} is not direct, lmdb, stage or broadcast; HINT: set data.io=direct")
+    raise IOConfigError(f"data.io={io!r} is not direct, lmdb, stage or broadcast", "set data.io=direct")
 
 
 def _loader(dataset, ctx, batch_size: int, seed: int, num_workers: int):
@@ -122,8 +120,8 @@ def make_train_batches(dataset, data_cfg, ctx, *, batch_size: int, seed: int, ep
                        start_batch: int = 0, num_workers: int = 0):
     """This rank's (inputs, targets) batches of ``epoch`` from batch ``start_batch`` on."""
     if batch_size < 1 or start_batch < 0:
-        raise ValueError(f"make_train_batches: batch_size={batch_size}, start_batch={start_batch}; "
-                         "HINT: batch_size >= 1 and start_batch >= 0")
+        raise ValueError(f"make_train_batches: batch_size={batch_size}, start_batch={start_batch} "
+                         "(need batch_size >= 1 and start_batch >= 0)")
     if isinstance(dataset, BroadcastDataset):
         return dataset.batches(batch_size=batch_size, seed=seed, epoch=epoch, start_batch=start_batch,
                                num_workers=num_workers)

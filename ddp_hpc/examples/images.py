@@ -21,13 +21,29 @@ import tempfile
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ddp_hpc.data import fsio
+from ddp_hpc.errors import HintError
 
-__all__ = ["make_images", "ImageFolderDataset", "decode_image", "small_cnn", "IMAGE_SUFFIXES"]
+__all__ = ["make_images", "ImageFolderDataset", "decode_image", "small_cnn", "IMAGE_SUFFIXES",
+           "ImageFolderError", "ImagesExistError", "ImageParamsError"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".gif")
 _MARKER = ".ddp_hpc_images.json"
+_MAKE = "python -m ddp_hpc.data make-images ROOT writes a demo one"
+
+
+class ImageFolderError(HintError, FileNotFoundError):
+    """An image folder that is missing or not laid out as ROOT/<class>/<file>."""
+
+
+class ImagesExistError(HintError, FileExistsError):
+    """make_images would overwrite a folder it did not make with these parameters."""
+
+
+class ImageParamsError(HintError, ValueError):
+    """make_images parameters that cannot make a dataset."""
 
 
 def _render(rng: np.random.Generator, label: int, classes: int, size: int) -> np.ndarray:
@@ -48,22 +64,21 @@ def make_images(root: str | os.PathLike, count: int = 2000, classes: int = 10, s
     run leaves nothing half-made; an existing ``root`` made with the same parameters is reused,
     any other existing ``root`` is refused rather than overwritten.
     """
-    from PIL import Image  # pillow: the images extra
-    from tqdm import tqdm
+    from PIL import Image  # pillow: the images extra, needed only here and to decode
 
     root = os.path.abspath(os.fspath(root))
     params = {"count": int(count), "classes": int(classes), "size": int(size), "seed": int(seed)}
     if count < 1 or classes < 1 or size < 4:
-        raise ValueError(f"make_images: count={count}, classes={classes}, size={size}; "
-                         "HINT: use count >= 1, classes >= 1, size >= 4")
+        raise ImageParamsError(f"make_images: count={count}, classes={classes}, size={size}",
+                               "use count >= 1, classes >= 1, size >= 4")
     if os.path.exists(root):
         marker = os.path.join(root, _MARKER)
         if os.path.isfile(marker):
             with open(marker) as f:
                 if json.load(f) == params:
                     return root
-        raise FileExistsError(f"make_images: {root} already exists and was not made with {params}; "
-                              "HINT: choose a new folder or remove the old one yourself")
+        raise ImagesExistError(f"make_images: {root} already exists and was not made with {params}",
+                               "choose a new folder or remove the old one yourself")
     parent = os.path.dirname(root)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-images-", dir=parent)
@@ -100,9 +115,8 @@ def list_image_folder(root: str) -> tuple[list[str], list[tuple[str, int]]]:
     """Classes (sorted sub-folders) and (relative path, label) pairs in a stable order."""
     classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
     if not classes:
-        raise FileNotFoundError(f"image folder {root} has no class sub-folders; "
-                                "HINT: lay it out as ROOT/<class>/<file>.png "
-                                "(python -m ddp_hpc.data make-images ROOT writes one)")
+        raise ImageFolderError(f"image folder {root} has no class sub-folders",
+                               f"lay it out as ROOT/<class>/<file>.png ({_MAKE})")
     samples = []
     for label, cls in enumerate(classes):
         names = sorted(e.name for e in os.scandir(os.path.join(root, cls))
@@ -117,9 +131,9 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     def __init__(self, root: str | os.PathLike, *, _listing=None):
         self.root = os.path.abspath(os.fspath(root))
         if not os.path.isdir(self.root):
-            raise FileNotFoundError(f"ImageFolderDataset: root {self.root!r} is not a directory; "
-                                    "HINT: set data.kwargs.root to the image folder "
-                                    "(python -m ddp_hpc.data make-images ROOT creates a demo one)")
+            raise ImageFolderError(f"ImageFolderDataset: root {self.root!r} is not a directory",
+                                   "point root at the image folder: data.kwargs.root for data.dataset, "
+                                   f"data.eval_kwargs.root for data.eval_dataset ({_MAKE})")
         self.classes, self.samples = _listing or list_image_folder(self.root)
 
     def __len__(self) -> int:
