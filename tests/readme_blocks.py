@@ -41,9 +41,12 @@ def blocks(text: str | None = None) -> list[Block]:
 
 
 def fresh_copy(dest: Path) -> Path:
-    """The tracked files of the repository in ``dest`` and a link to its venv. The copied
-    requirements and setup.cfg get old times, so `scripts/setup.sh` sees the linked venv as up to
-    date and never reinstalls ddp_hpc from the copy."""
+    """The tracked files of the repository in ``dest`` and a link to its venv.
+
+    `scripts/setup.sh` runs in the repository first, so the venv is complete; the copied
+    requirements and setup.cfg get old times, so the copy's `scripts/setup.sh` sees the linked venv
+    as up to date and never re-installs ddp_hpc from the copy (`venv_points_at_repo` checks)."""
+    subprocess.run(["/bin/bash", str(REPO / "scripts" / "setup.sh")], check=True, capture_output=True)
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True,
                            check=True).stdout.split("\0")
     for rel in filter(None, files):
@@ -74,6 +77,12 @@ def path_without_slurm(bin_dir: Path, path: str) -> str:
                 continue
             link.symlink_to(target)
     return str(bin_dir)
+
+
+def venv_points_at_repo() -> str:
+    """Where the venv's ddp_hpc lives, seen from outside any checkout (must be this repository)."""
+    return subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", "import ddp_hpc; print(ddp_hpc.__file__)"],
+                          cwd="/", capture_output=True, text=True).stdout.strip()
 
 
 def newest_job_id(ddp_hpc_home: Path) -> str:
