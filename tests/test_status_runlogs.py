@@ -138,10 +138,11 @@ def test_half_written_and_garbage_lines_are_skipped(tmp_path):
     assert logs.ranks[0].last["event"] == "step"
 
 
-def test_missing_dir_is_empty_not_an_error(tmp_path):
-    logs = RunLogs(tmp_path / "nope")
+@pytest.mark.parametrize("where", ["nope", None])
+def test_missing_dir_is_empty_not_an_error(tmp_path, where):
+    logs = RunLogs(tmp_path / where if where else None)
     assert not logs.exists and logs.progress() is None and logs.first_failure() is None
-    assert logs.outcome() is None and logs.runs() == []
+    assert logs.outcome() is None and logs.runs() == [] and logs.srun_exit_codes() == {}
 
 
 def test_contract_with_the_training_core_writer(tmp_path):

@@ -107,14 +107,15 @@ def read_events(path: Path) -> RankStream:
 
 
 class RunLogs:
-    """All the rank files of one log directory, read once; methods derive the facts."""
+    """All the rank files of one log directory, read once; methods derive the facts. A missing
+    directory (or None: a job whose log directory is not known) reads as one without files."""
 
-    def __init__(self, log_dir: str | Path):
-        self.log_dir = Path(log_dir)
+    def __init__(self, log_dir: str | Path | None):
+        self.log_dir = Path(log_dir) if log_dir else None
         self.ranks: dict[int, RankStream] = {}
         self.outs: dict[int, Path] = {}
         self.texts: dict[int, Path] = {}
-        if not self.log_dir.is_dir():
+        if self.log_dir is None or not self.log_dir.is_dir():
             return
         for p in sorted(self.log_dir.iterdir()):
             if m := EVENTS_RE.match(p.name):
@@ -319,7 +320,9 @@ class RunLogs:
 
     def srun_exit_codes(self) -> dict[int, int]:
         """Per-task exit codes that srun reported in the batch output (``slurm-*.out``)."""
-        return srun_exit_codes(sorted(self.log_dir.glob(BATCH_OUT_GLOB))) if self.log_dir.is_dir() else {}
+        if self.log_dir is None or not self.log_dir.is_dir():
+            return {}
+        return srun_exit_codes(sorted(self.log_dir.glob(BATCH_OUT_GLOB)))
 
 
 def _int(v, default):

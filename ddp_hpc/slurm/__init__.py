@@ -1,1 +1,1 @@
-"""Slurm: the one command runner (cli), host lists, job states."""
+"""Slurm: the one command runner (cli), host lists, job states, time strings."""

@@ -24,12 +24,14 @@ import time
 from ddp_hpc import cli as ddp_cli
 from ddp_hpc import records
 from ddp_hpc.errors import HintError, report
+from ddp_hpc.runlogs.schema import rank_out, text_log
 from ddp_hpc.status import view
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.sources import current_cluster, slurm_cli
 from ddp_hpc.status.targets import StatusError, is_slurm_id, job_targets, recent_targets
 
 FOLLOW_STATE_S = 5.0  # --follow: how often to ask whether the job still runs
+LOGS, OUTS = text_log("*"), rank_out("*")  # rank*.log, rank*.out
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
@@ -41,15 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
                                           "without one: a table of the recent jobs")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--logs", action="store_true",
-                   help="show rank-prefixed tails of the ranks' training logs (rank*.log)")
+                   help=f"show rank-prefixed tails of the ranks' training logs ({LOGS})")
     p.add_argument("--rank", type=int, help="with --logs: only this rank")
     p.add_argument("-n", "--lines", type=int, default=10, metavar="N",
                    help="with --logs: last N lines per file")
     p.add_argument("--out", dest="files", action="store_const", const="out",
-                   help="with --logs: the ranks' raw stdout/stderr (rank*.out: tracebacks, srun "
-                        "messages) instead of their training logs (rank*.log)")
+                   help=f"with --logs: the ranks' raw stdout/stderr ({OUTS}: tracebacks, srun "
+                        f"messages) instead of their training logs ({LOGS})")
     p.add_argument("--all-files", dest="files", action="store_const", const="all",
-                   help="with --logs: both rank*.log and rank*.out")
+                   help=f"with --logs: both {LOGS} and {OUTS}")
     p.add_argument("--follow", "-f", action="store_true",
                    help="with --logs: keep printing new lines until the job ends (Ctrl-C stops)")
     p.add_argument("--watch", nargs="?", type=float, const=5.0, metavar="SECONDS",
@@ -140,7 +142,7 @@ def _logs(args, targets, cli, note) -> int:
                           "pass --log-dir DIR")
     if not view.rank_files(t.log_dir, args.rank, kind) and not args.follow:
         which = f"rank {args.rank} " if args.rank is not None else ""
-        raise StatusError(f"job {args.job}: no {which}log files (rank*.log, rank*.out) in {t.log_dir}",
+        raise StatusError(f"job {args.job}: no {which}log files ({LOGS}, {OUTS}) in {t.log_dir}",
                           "the job may not have started yet; add --follow to wait for them")
     if not args.json:  # on stderr: stdout stays exactly the log lines (for grep and pipes)
         print(view.files_guide(), file=sys.stderr, flush=True)

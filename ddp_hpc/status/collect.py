@@ -101,7 +101,7 @@ def collect(targets: list[Target], cli=None, cli_note: str | None = None, histor
 
 def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float) -> JobStatus:
     rec = t.record
-    logs = RunLogs(t.log_dir) if t.log_dir else RunLogs("/nonexistent-ddp-hpc-log-dir")
+    logs = RunLogs(t.log_dir)
     notes: list[str] = []
     if t.local:
         alive = src.pids_alive(getattr(rec, "pids", None), getattr(rec, "submitted_at", None),

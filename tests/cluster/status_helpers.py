@@ -7,6 +7,8 @@ failing rank has written start/step events like a real job that dies mid-run.
 """
 from __future__ import annotations
 
+import time
+
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
@@ -52,7 +54,6 @@ class SlowSynthetic(Dataset):
         return len(self.data)
 
     def __getitem__(self, i: int):
-        import time
         time.sleep(self.delay)
         return self.data[i]
 
