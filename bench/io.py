@@ -364,15 +364,15 @@ def plot(rows, ratios: list[tuple[str, float, float]], path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--files", type=int, default=20000)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--procs-per-node", type=int, default=2)
+    p.add_argument("--files", type=int, default=20000, help="images in the dataset (default: 20000)")
+    p.add_argument("--nodes", type=int, default=2, help="pretend nodes (default: 2)")
+    p.add_argument("--procs-per-node", type=int, default=2, help="ranks per pretend node (default: 2)")
     p.add_argument("--delay-ms", type=float, default=1.0, help="simulated metadata cost per shared open")
-    p.add_argument("--stage-mib", type=int, default=256)
+    p.add_argument("--stage-mib", type=int, default=256, help="file size for staging vs cp (default: 256)")
     p.add_argument("--delivery-steps", type=int, default=10**6, help="cap on steps timed (default: the epoch)")
     p.add_argument("--no-drop-caches", action="store_true", help="skip the cold-cache runs")
-    p.add_argument("--workdir", default="/tmp/ddp_hpc_io_bench")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "io"))
+    p.add_argument("--workdir", default="/tmp/ddp_hpc_io_bench", help="where the shared and local folders go")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "io"), help="writes OUT.json and OUT.png")
     args = p.parse_args(argv)
     from ddp_hpc.data.pack import pack
     from ddp_hpc.examples.images import make_images

@@ -28,6 +28,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from ddp_hpc.env import job_facts  # noqa: E402  (this checkout, also when not installed)
 
 
 def _srun_each(argv: list[str], nodes: int) -> list[str]:
@@ -46,15 +49,16 @@ def main(argv=None) -> int:
     p.add_argument("--to", required=True, help="node-local folder, the same path on every node")
     p.add_argument("--src", help="file to stage (default: make --mib of random bytes in --shared)")
     p.add_argument("--shared", default=os.getcwd(), help="shared folder for the generated file")
-    p.add_argument("--mib", type=int, default=256)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--mib", type=int, default=256, help="size of the generated file in MiB (default: 256)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each method; the best counts (default: 3)")
     p.add_argument("--warm", action="store_true", help="do not drop the page cache between runs")
     p.add_argument("--json", help="also write the result here")
     a = p.parse_args(argv)
-    if not os.environ.get("SLURM_JOB_ID"):
+    facts = job_facts()
+    if not facts.job_id:
         print("error: run inside an allocation (sbatch/salloc); SLURM_JOB_ID is not set", file=sys.stderr)
         return 2
-    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    nodes = facts.num_nodes
     src = a.src or os.path.join(os.path.abspath(a.shared), f"sbcast-bench-{a.mib}m.bin")
     if not a.src and (not os.path.exists(src) or os.path.getsize(src) != a.mib << 20):
         with open(src + ".tmp", "wb") as f:
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
     times: dict[str, list[float]] = {"copy": [], "sbcast": []}
     for rep in range(a.reps):
         for method in ("copy", "sbcast"):
-            dest = os.path.join(a.to, f"bench-{os.environ['SLURM_JOB_ID']}-{method}{rep}")
+            dest = os.path.join(a.to, f"bench-{facts.job_id}-{method}{rep}")
             _srun_each(["mkdir", "-p", dest], nodes)
             if cold:
                 _drop_caches(nodes)
