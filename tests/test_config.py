@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddp_hpc.config import (ConfigError, config_from_dict, config_to_dict, load_config,
-                            resolve_factory)
+from ddp_hpc.config import (ConfigError, SlurmOptions, config_from_dict, config_to_dict,
+                            load_config, resolve_factory)
+from ddp_hpc.errors import HintError
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "jobs" / "demo.yaml"
@@ -29,6 +30,20 @@ def test_demo_yaml_loads_and_every_key_is_commented():
                 assert "#" in line, f"demo.yaml setting without a comment: {line!r}"
 
 
+def test_demo_yaml_documents_every_slurm_option_with_its_default():
+    raw = yaml.safe_load(DEMO.read_text())["slurm"]
+    assert list(raw) == [f.name for f in dataclasses.fields(SlurmOptions)]
+    assert load_config(DEMO).slurm == SlurmOptions()
+
+
+def test_errors_keep_the_one_format_and_their_builtin_base():
+    assert issubclass(ConfigError, HintError) and issubclass(ConfigError, ValueError)
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["slurm.qos=a;b"])
+    assert e.value.problem.startswith("slurm.qos 'a;b' contains characters") and str(DEMO) in e.value.problem
+    assert e.value.hint == "use the qos name as Slurm lists it"
+
+
 def test_overrides_are_typed_and_nested():
     cfg = load_config(DEMO, ["train.batch_size=16", "optim.lr=1e-3", "train.clip_grad_norm=1",
                              "data.kwargs.size=100", "log.progress=off", "slurm.nodes=2",
@@ -36,7 +51,8 @@ def test_overrides_are_typed_and_nested():
     assert cfg.train.batch_size == 16 and cfg.optim.lr == 1e-3
     assert cfg.train.clip_grad_norm == 1.0 and isinstance(cfg.train.clip_grad_norm, float)
     assert cfg.data.kwargs["size"] == 100 and cfg.data.kwargs["in_dim"] == 32
-    assert cfg.log.progress == "off" and cfg.slurm == {"nodes": 2} and cfg.train.max_steps is None
+    assert cfg.log.progress == "off" and cfg.train.max_steps is None
+    assert cfg.slurm.nodes == 2 and cfg.slurm == dataclasses.replace(SlurmOptions(), nodes=2)
 
 
 def test_config_is_frozen_and_round_trips():

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+import dataclasses
+
+from ddp_hpc.config import SlurmOptions
 from ddp_hpc.submit.render import render, sbatch_options
 from ddp_hpc.submit.spec import JobSpec, TaskSpec
 
@@ -16,9 +19,15 @@ GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("DDP_HPC_UPDATE_GOLDEN") == "1"
 
 
+_OPTION_NAMES = {f.name for f in dataclasses.fields(SlurmOptions)}
+
+
 def _spec(**kw) -> JobSpec:
-    base = dict(name="demo", nodes=2, gpus_per_node=2, cpus_per_task=3, time="00:30:00",
-                signal="USR2", grace_s=90, config="/work/jobs/demo.yaml",
+    """A resolved spec; keyword arguments that name a SlurmOptions field go to its options."""
+    opts = dict(job_name="demo", nodes=2, gpus_per_node=2, cpus_per_task=3, time="00:30:00",
+                signal="USR2@90")
+    opts.update({k: kw.pop(k) for k in list(kw) if k in _OPTION_NAMES})
+    base = dict(options=SlurmOptions(**opts), config="/work/jobs/demo.yaml",
                 overrides=("train.epochs=2",), tasks=(TaskSpec(None, (), "/work/runs/demo-1"),),
                 log_dir="/work/runs/demo-1", workdir="/work", python="/venv/bin/python")
     base.update(kw)
@@ -29,8 +38,8 @@ CASES = {
     "sbatch_basic.sh": _spec(),
     "sbatch_all_options.sh": _spec(
         partition="gpu", account="proj1", qos="high", mem="64G", constraint="a100&ib",
-        exclusive=True, dependency="afterok:41", signal="USR1", grace_s=120,
-        sbatch_args=(("hold", True), ("mail-type", "END"))),
+        exclusive=True, dependency="afterok:41", signal="USR1@120",
+        sbatch_args={"mail-type": "END", "hold": True}),
     "sbatch_array.sh": _spec(
         tasks=tuple(TaskSpec(i, ov, f"/work/runs/demo-1/task{i}") for i, ov in enumerate(
             [("optim.lr=1e-3", "train.seed=0"), ("optim.lr=1e-3", "train.seed=1"),

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc.submit import cli as submit
-from ddp_hpc.config import load_config
+from ddp_hpc.config import ConfigError, load_config, parse_signal, time_to_seconds
+from ddp_hpc.config.slurm_options import merged
+from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.submit.slurm import check_against_cluster, clean_slurm_env, submitit_parameters
-from ddp_hpc.submit.spec import (SpecError, build_spec, merge_options, parse_signal,
-                                 parse_sweeps, sweep_tasks, time_to_seconds)
+from ddp_hpc.submit.spec import SpecError, build_spec, parse_sweeps, sweep_tasks
 
 PY = sys.executable
 
@@ -32,7 +33,7 @@ def job(tmp_path):
 
 def _spec(cfgpath, cli=None, overrides=(), sweeps=(), workdir=None):
     cfg = load_config(cfgpath, overrides)
-    opts = merge_options(cfg.slurm, cli or {}, str(cfgpath))
+    opts = merged(cfg.slurm, cli or {})
     return build_spec(opts, config_path=cfgpath, cfg=cfg, overrides=overrides,
                       sweeps=parse_sweeps(sweeps), workdir=workdir or str(cfgpath.parent),
                       run_id="demo-x")
@@ -42,11 +43,11 @@ def test_yaml_section_then_command_line_wins(job, tmp_path):
     s = _spec(job)
     assert (s.nodes, s.gpus_per_node, s.time, s.partition) == (3, 1, "00:20:00", "yamlpart")
     assert s.cpus_per_task == 4                         # data.num_workers + 1
-    assert s.sbatch_args == (("mail-type", "END"),)
+    assert s.options.sbatch_args == {"mail-type": "END"}
     s = _spec(job, {"nodes": 2, "gpus_per_node": 4, "partition": "cli", "cpus_per_task": 7,
                     "sbatch_args": {"mail-type": "FAIL", "hold": True}})
     assert (s.nodes, s.gpus_per_node, s.partition, s.cpus_per_task) == (2, 4, "cli", 7)
-    assert s.sbatch_args == (("hold", True), ("mail-type", "FAIL"))
+    assert s.options.sbatch_args == {"hold": True, "mail-type": "FAIL"}
     assert s.log_dir == str(tmp_path / "logs" / "demo-x") and s.config == str(job)
     assert s.world_size == 8 and not s.is_array
 
@@ -54,18 +55,49 @@ def test_yaml_section_then_command_line_wins(job, tmp_path):
 def test_unknown_slurm_key_lists_valid_ones(tmp_path):
     cfg = tmp_path / "j.yaml"
     cfg.write_text("slurm: {nodse: 2}\n")
-    with pytest.raises(SpecError) as e:
+    with pytest.raises(ConfigError) as e:
         _spec(cfg)
-    assert "slurm.nodse" in str(e.value) and "nodes, gpus_per_node" in str(e.value)
+    assert "unknown config key 'slurm.nodse'" in str(e.value) and str(cfg) in str(e.value)
+    assert "HINT: valid keys in slurm are: account, backend, constraint" in str(e.value)
+    assert "slurm.sbatch_args or --sbatch-arg KEY=VALUE" in str(e.value)
+
+
+@pytest.mark.parametrize("yaml_line, needle", [
+    ("nodes: 0", "slurm.nodes 0 is too few: at least 1 is needed"),
+    ("time: 2 hours", "slurm.time '2 hours' is not a Slurm time"),
+    ("partition: 'a b'", "slurm.partition 'a b' contains characters"),
+    ("exclusive: 1", "slurm.exclusive must be true or false"),
+    ("sbatch_args: {gres: 'gpu:2'}", "sbatch option 'gres' is set by ddp_hpc itself"),
+])
+def test_bad_yaml_slurm_values_name_key_file_and_fix(tmp_path, yaml_line, needle):
+    cfg = tmp_path / "j.yaml"
+    cfg.write_text(f"slurm:\n  {yaml_line}\n")
+    with pytest.raises(ConfigError) as e:
+        _spec(cfg)
+    assert needle in str(e.value) and str(cfg) in str(e.value) and "HINT:" in str(e.value)
+
+
+def test_yaml_numbers_for_string_options_and_cli_flags_from_one_dataclass(tmp_path):
+    cfg = tmp_path / "j.yaml"
+    cfg.write_text("slurm: {time: 30, nodes: 2}\n")
+    s = _spec(cfg)
+    assert (s.time, s.nodes) == ("30", 2)
+    args, config, overrides = submit.parse_args(
+        ["-p", "gpu", "-A", "proj", "-q", "high", "--gpus-per-node", "4", "-N", "2", str(cfg)])
+    assert submit.slurm_options.given(args) == {"partition": "gpu", "account": "proj",
+                                                "qos": "high", "gpus_per_node": 4, "nodes": 2}
+    assert config == str(cfg) and overrides == []
+    assert submit.parse_args(["-G", "3"])[0].gpus_per_node == 3
+    assert submit.parse_args(["--gpus", "3"])[0].gpus_per_node == 3
 
 
 @pytest.mark.parametrize("cli, needle", [
-    ({"nodes": 0}, "nodes = 0"),
-    ({"gpus_per_node": -1}, "gpus_per_node = -1"),
+    ({"nodes": 0}, "--nodes 0 is too few"),
+    ({"gpus_per_node": -1}, "--gpus -1 is too few"),
     ({"time": "2 hours"}, "'2 hours' is not a Slurm time"),
     ({"signal": "USR9@10"}, "'USR9@10' is not a signal name"),
     ({"signal": "USR2@7200", "time": "01:00:00"}, "not shorter than the time limit"),
-    ({"job_name": "x'; touch /tmp/pwned #"}, "job name \"x'; touch /tmp/pwned #\""),
+    ({"job_name": "x'; touch /tmp/pwned #"}, "--job-name \"x'; touch /tmp/pwned #\""),
     ({"partition": "a b"}, "partition 'a b'"),
     ({"mem": "lots"}, "mem 'lots'"),
     ({"dependency": "afterok:1;rm"}, "dependency 'afterok:1;rm'"),
@@ -77,7 +109,7 @@ def test_unknown_slurm_key_lists_valid_ones(tmp_path):
     ({"backend": "k8s"}, "backend 'k8s' is unknown"),
 ])
 def test_bad_requests_name_value_and_fix(job, cli, needle):
-    with pytest.raises(SpecError) as e:
+    with pytest.raises(HintError) as e:      # ConfigError (one value) or SpecError (the request)
         _spec(job, cli)
     assert needle in str(e.value) and "HINT:" in str(e.value)
 
@@ -109,7 +141,7 @@ def test_sweep_is_one_array_with_product_overrides(job, tmp_path):
 
 
 def test_log_dir_with_blanks_refused(job):
-    with pytest.raises(SpecError, match="log directory"):
+    with pytest.raises(HintError, match="log directory"):
         _spec(job, overrides=("log.dir=/tmp/a b",))
 
 
@@ -142,7 +174,7 @@ def test_checks_against_sinfo(job):
 
 def build_like(spec, **kw):
     import dataclasses
-    return dataclasses.replace(spec, **kw)
+    return dataclasses.replace(spec, options=dataclasses.replace(spec.options, **kw))
 
 
 def test_submitit_parameters(job):
@@ -185,16 +217,19 @@ def _cli(args, cwd, env=None, **kw):
 
 def test_cli_errors_before_submitting(job, tmp_path):
     for args, needle in [
-        (["--nodes", "0", str(job)], "--nodes"),
+        (["--nodes", "0", str(job)], "--nodes 0 is too few: at least 1 is needed\nHINT: use 1"),
+        ([str(job), "trian.epochs=2"], "unknown config key 'trian'"),
+        ([str(job), str(job)], f"override {str(job)!r} is not of the form key=value"),
         ([str(job), "--", "trian.epochs=2"], "unknown config key 'trian'"),
         ([str(job), "--sweep", "optim.lr=0.1,fast"], "optim.lr"),
-        ([str(job), "--job-name", "x'; touch /tmp/pwned #"], "job name"),
+        ([str(job), "--job-name", "x'; touch /tmp/pwned #"], "--job-name \"x'; touch"),
         ([str(tmp_path / "missing.yaml")], "does not exist"),
         ([str(job), "--backend", "sbatch"], "`sbatch` is not on PATH"),
     ]:
         p = _cli(args, tmp_path, env={"PATH": os.path.dirname(PY)})
         assert p.returncode == 2, (args, p.stdout, p.stderr)
-        assert needle in p.stderr, (args, p.stderr)
+        assert needle in p.stderr and "HINT:" in p.stderr, (args, p.stderr)
+        assert p.stderr.count(": error: ") == 1, p.stderr
     assert not (tmp_path / "home").exists() and not (tmp_path / "logs").exists()
 
 
@@ -212,6 +247,7 @@ def test_cli_dry_run_submitit_and_local(job, tmp_path):
              tmp_path, env={"PATH": os.path.dirname(PY)})
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
+    assert out["folder"].endswith("/submitit")         # submitit's *.pkl files in a subfolder
     assert out["parameters"]["nodes"] == 3 and [c["args"][1] for c in out["calls"]] == [
         ["train.seed=0"], ["train.seed=1"]]
     p = _cli(["--dry-run", "--nodes", "2", "--gpus", "2", str(job)], tmp_path,
@@ -230,7 +266,7 @@ def _write_events(d: Path, rank: int, events):
 
 
 def test_run_verdict_and_progress_from_run_logs(tmp_path):
-    from ddp_hpc.submit.slurm import latest_step, run_verdict
+    from ddp_hpc.submit.wait import latest_step, run_verdict
     d = tmp_path / "run"
     _write_events(d, 0, [{"event": "start"}, {"event": "step", "step": 5, "total_steps": 9, "loss": 0.5},
                          {"event": "end", "status": "completed", "step": 9}])
@@ -246,3 +282,25 @@ def test_run_verdict_and_progress_from_run_logs(tmp_path):
     assert latest_step([d]) == "step 9/? (completed)"
     _write_events(d, 0, [{"event": "step", "step": 5, "total_steps": 9, "loss": 0.5}])
     assert latest_step([d, tmp_path / "nothing"]) == "run step 5/9 loss 0.5"
+
+
+def test_overrides_without_double_dash_are_accepted(job, tmp_path):
+    args, config, overrides = submit.parse_args(
+        [str(job), "train.epochs=2", "--wait", "optim.lr=0.1", "--", "train.seed=3"])
+    assert config == str(job) and args.wait
+    assert overrides == ["train.epochs=2", "optim.lr=0.1", "train.seed=3"]
+    _, config, overrides = submit.parse_args(["train.epochs=2"])     # no config: the default one
+    assert config == submit.DEFAULT_CONFIG and overrides == ["train.epochs=2"]
+    p = _cli(["--backend", "sbatch", "--dry-run", str(job), "train.epochs=2", "--", "optim.lr=0.5"],
+             tmp_path, env={"PATH": os.path.dirname(PY)})
+    assert p.returncode == 0, p.stderr
+    assert f"ddp_hpc.run {job} train.epochs=2 optim.lr=0.5)" in p.stdout
+
+
+def test_usage_and_help_name_the_per_node_gpus_and_short_forms(tmp_path):
+    p = _cli(["--help"], tmp_path)
+    assert p.returncode == 0 and "(default: None)" not in p.stdout
+    text = " ".join(p.stdout.split())
+    for needle in ("--gpus G, -G G, --gpus-per-node G", "GPUs per node", "--partition NAME, -p NAME",
+                   "--account NAME, -A NAME", "--qos NAME, -q NAME", "[CONFIG] [KEY=VALUE ...]"):
+        assert needle in text, needle

@@ -4,13 +4,18 @@ and sweeps run task by task in their own log directories."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 
+import yaml
+
 from ddp_hpc import records
+from ddp_hpc.config import load_config
+from ddp_hpc.runlogs.schema import CONFIG_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -40,6 +45,8 @@ def test_main_command_runs_four_local_processes(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "backend local: no `sbatch` on PATH" in p.stderr
     assert "end: completed" in p.stdout            # rank 0's output followed on the terminal
+    assert re.search(r"epoch 0 done: step \d+/\d+", p.stdout)   # ... its progress included
+    assert "4 processes (2 pretend nodes x 2)" in p.stderr
     (rec,) = records.list_records({"DDP_HPC_HOME": str(tmp_path / "home")})
     assert rec.backend == "local" and rec.id.startswith("local-") and (rec.nodes, rec.gpus_per_node) == (2, 2)
     log_dir = Path(rec.log_dir)
@@ -52,16 +59,21 @@ def test_main_command_runs_four_local_processes(tmp_path):
     for r in range(4):
         assert _events(log_dir, r)[-1]["event"] == "end" and _events(log_dir, r)[-1]["status"] == "completed"
         assert (log_dir / f"rank{r}.out").exists()
+    resolved = yaml.safe_load((log_dir / CONFIG_FILE).read_text())   # the config it trained with
+    assert resolved["train"]["max_steps"] == 3 and resolved["log"]["dir"] == str(tmp_path / "runs")
+    assert (resolved["slurm"]["nodes"], resolved["slurm"]["gpus_per_node"]) == (2, 2)
+    assert load_config(log_dir / CONFIG_FILE).train.max_steps == 3
 
 
 def test_background_run_records_driver_and_finishes(tmp_path):
     p = _submit(tmp_path, "--nodes", "1", "--gpus", "2", str(ROOT / "jobs/demo.yaml"),
                 "--", *SHORT)
     assert p.returncode == 0, p.stderr
+    assert "2 processes (1 pretend node x 2)" in p.stderr
     job_id = p.stdout.strip().splitlines()[-1]
     rec = records.load_record(job_id, environ={"DDP_HPC_HOME": str(tmp_path / "home")})
     assert rec.pids and rec.pids[0] > 0
-    from ddp_hpc.submit.slurm import run_verdict
+    from ddp_hpc.submit.wait import run_verdict
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         rec = records.load_record(job_id, environ={"DDP_HPC_HOME": str(tmp_path / "home")})

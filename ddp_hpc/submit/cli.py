@@ -1,24 +1,25 @@
-"""``python -m ddp_hpc.submit``: the front door. One command submits a DDP job to Slurm, or runs
-the same job on this machine when there is no Slurm.
+"""``ddp-hpc submit`` (``python -m ddp_hpc.submit``): the front door. One command submits a DDP
+job to Slurm, or runs the same job on this machine when there is no Slurm.
 
-    python -m ddp_hpc.submit --nodes 2 --gpus 2 jobs/demo.yaml --wait
-    python -m ddp_hpc.submit --nodes 4 --gpus 4 --partition gpu --time 02:00:00 jobs/demo.yaml \\
-        -- train.epochs=10 optim.lr=0.05
-    python -m ddp_hpc.submit --nodes 1 --gpus 2 jobs/demo.yaml --sweep optim.lr=0.1,0.03 \\
-        --sweep train.seed=0,1          # one job array of 4 tasks
-    python -m ddp_hpc.submit --backend sbatch --dry-run jobs/demo.yaml   # print the script
+    ddp-hpc submit --nodes 2 --gpus 2 jobs/demo.yaml --wait
+    ddp-hpc submit -N 4 -G 4 -p gpu -t 02:00:00 jobs/demo.yaml train.epochs=10 optim.lr=0.05
+    ddp-hpc submit -N 1 -G 2 jobs/demo.yaml --sweep optim.lr=0.1,0.03 --sweep train.seed=0,1
+    ddp-hpc submit --backend sbatch --dry-run jobs/demo.yaml      # print the script
 
 Backends: ``submitit`` (Slurm through submitit), ``sbatch`` (a rendered batch script, see
-``ddp_hpc.submit.render``), ``local`` (N x G processes on this machine as N pretend nodes, gloo on CPU),
-``auto`` (submitit when sbatch is installed and the controller answers, else local; it says which
-and why). Options may also come from the job YAML's ``slurm:`` section; the command line wins.
-Every submission leaves a job record (``ddp_hpc.records``) so ``python -m ddp_hpc.status``
-finds it from any directory.
+``ddp_hpc.submit.render``), ``local`` (N x G processes on this machine as N pretend nodes, gloo
+on CPU), ``auto`` (submitit when sbatch is installed and the controller answers, else local; it
+says which and why). The Slurm options and their flags are the fields of
+``ddp_hpc.config.SlurmOptions``; they may also come from the job YAML's ``slurm:`` section (the
+command line wins). Every submission leaves a job record (``ddp_hpc.records``) so
+``ddp-hpc status`` finds it from any directory, and a copy of the resolved config
+(``config.yaml``) in each run's log directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -28,69 +29,66 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ddp_hpc.submit.spec import (BACKENDS, JobSpec, SpecError, build_spec, merge_options,
-                                 parse_sbatch_args, parse_sweeps)
+import yaml
+
+from ddp_hpc import cli as ddp_cli
+from ddp_hpc import records
+from ddp_hpc.config import ConfigError, config_to_dict, load_config, slurm_options
+from ddp_hpc.errors import HintError, report
+from ddp_hpc.fsutil import atomic_write_text
+from ddp_hpc.runlogs.schema import CONFIG_FILE
+from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
+from ddp_hpc.submit import local as submit_local
+from ddp_hpc.submit import render
+from ddp_hpc.submit import slurm as submit_slurm
+from ddp_hpc.submit.spec import (JobSpec, SpecError, build_spec, check_overrides, is_override,
+                                 parse_sweeps, sweep_tasks)
+from ddp_hpc.submit.wait import wait_and_judge
 
 __all__ = ["main", "choose_backend", "parse_args"]
 
 DEFAULT_CONFIG = "jobs/demo.yaml"
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"{value} is not allowed: at least 1 is needed (a job needs a node and a task)")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m ddp_hpc.submit",
+        prog=ddp_cli.prog("submit"), formatter_class=ddp_cli.HelpFormatter,
+        usage="%(prog)s [options] [CONFIG] [KEY=VALUE ...] [-- KEY=VALUE ...]",
         description="Submit a DDP training job to Slurm (submitit or a rendered sbatch script), "
                     "or run it here as N pretend nodes x G processes when there is no Slurm. "
-                    "Config overrides go after `--` (key=value).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("config", nargs="?", default=None,
-                    help=f"job YAML (default {DEFAULT_CONFIG})")
-    g = ap.add_argument_group("layout (one task per GPU)")
-    g.add_argument("--nodes", "-N", type=_positive, help="nodes (YAML slurm.nodes; default 1)")
-    g.add_argument("--gpus", "-G", type=_positive, dest="gpus_per_node",
-                   help="GPUs per node = tasks per node (YAML slurm.gpus_per_node; default 1)")
-    g.add_argument("--cpus-per-task", "-c", type=_positive,
-                   help="CPUs per task (default data.num_workers + 1)")
-    s = ap.add_argument_group("Slurm options (also from the YAML's slurm: section)")
-    for opt in ("partition", "account", "qos", "mem", "constraint", "dependency"):
-        s.add_argument(f"--{opt}")
-    s.add_argument("--time", "-t", help="time limit, e.g. 02:00:00 (default 01:00:00)")
-    s.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
-    s.add_argument("--job-name", "-J", help="job name (default: the config's name)")
-    s.add_argument("--signal", help="preemption signal and grace seconds before the time limit, "
-                                     "e.g. USR2@90 (default <preempt.signal>@90)")
-    s.add_argument("--sbatch-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other sbatch option, e.g. mail-type=END (repeatable)")
-    ap.add_argument("--backend", choices=BACKENDS, default=None,
-                    help="auto: submitit when Slurm answers, else local (default auto)")
+                    "Config overrides (key=value) follow the config, before or after `--`.")
+    ap.add_argument("config", nargs="?", default=None, metavar="CONFIG",
+                    help=f"job YAML (default: {DEFAULT_CONFIG})")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="config overrides, e.g. train.epochs=2 optim.lr=0.01")
+    slurm_options.add_arguments(ap)
     ap.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                     help="one job array over the product of all --sweep values (repeatable)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the script / parameters / commands; submit nothing")
     ap.add_argument("--wait", action="store_true",
-                    help="wait for the end; exit non-zero unless every rank completed")
-    ap.add_argument("--wait-timeout", type=float, default=None, help="give up waiting after S s")
+                    help="wait for the end (showing rank 0's progress); exit non-zero unless "
+                         "every rank completed")
+    ap.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
+                    help="give up waiting after this many seconds")
     return ap
 
 
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, str, list[str]]:
+    """(options, config path, overrides). Overrides may follow the config directly
+    (``jobs/demo.yaml train.epochs=2``) or come after ``--``; with no config, a first
+    ``key=value`` is an override and the default config is used."""
     argv = list(argv)
-    overrides: list[str] = []
+    after: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
-    return _parser().parse_args(argv), overrides
+        argv, after = argv[:i], argv[i + 1:]
+    args = _parser().parse_intermixed_args(argv)
+    positionals = ([args.config] if args.config is not None else []) + list(args.overrides)
+    config = DEFAULT_CONFIG
+    if positionals and not (is_override(positionals[0]) and not Path(positionals[0]).is_file()):
+        config = positionals.pop(0)
+    return args, config, positionals + after
 
 
 def _say(msg: str) -> None:
@@ -100,7 +98,6 @@ def _say(msg: str) -> None:
 def choose_backend(requested: str, cli) -> tuple[str, str]:
     """(backend, why). ``auto`` needs both an sbatch on PATH and a controller that answers
     sinfo: Slurm's client tools are often installed where no cluster is configured."""
-    from ddp_hpc.slurm.cli import SlurmError
     if requested != "auto":
         return requested, "asked for with --backend" if requested else "default"
     if not cli.available():
@@ -116,16 +113,33 @@ def choose_backend(requested: str, cli) -> tuple[str, str]:
 
 def _load(config: str, overrides: Sequence[str], tasks: Sequence[Sequence[str]]):
     """Load the config once per task so a bad key or value in any sweep value fails here."""
-    from ddp_hpc.config import load_config
     cfg = load_config(config, overrides)
     for extra in tasks:
         load_config(config, [*overrides, *extra])
     return cfg
 
 
+def _preflight(spec, backend: str, cli: SlurmCLI, dry_run: bool) -> None:
+    """Compare the request with what sinfo lists; a dry run goes on without a cluster."""
+    if not cli.available():
+        if dry_run:
+            _say("dry run without Slurm (`sbatch` is not on PATH): partition and GPU checks skipped")
+            return
+        raise SpecError(f"--backend {backend} needs Slurm but `sbatch` is not on PATH",
+                        "run on a login node, or use --backend local (or auto)")
+    try:
+        partitions = cli.sinfo_partitions()
+    except SlurmError as exc:
+        if not dry_run:
+            raise
+        _say(f"dry run without a reachable cluster: partition and GPU checks skipped "
+             f"({str(exc).splitlines()[0]})")
+        return
+    submit_slurm.check_against_cluster(spec, partitions)
+
+
 def _record(spec: JobSpec, job_id: str, backend: str, cluster: str, *, script: str | None = None,
-            pids=None, overrides: Sequence[str] = ()):
-    from ddp_hpc import records
+            pids=None) -> records.JobRecord:
     array = None
     if spec.is_array:
         array = [{"task_id": t.task_id, "overrides": list(t.overrides), "log_dir": t.log_dir}
@@ -139,19 +153,26 @@ def _record(spec: JobSpec, job_id: str, backend: str, cluster: str, *, script: s
     return rec
 
 
-def _make_dirs(spec: JobSpec) -> None:
-    """Slurm cannot create the directory of --output itself: make them all before submitting."""
+def _make_run_dirs(spec: JobSpec) -> None:
+    """Every log directory (Slurm cannot create the directory of --output itself), each with a
+    copy of the config its run trains with, the Slurm options as submitted included."""
+    Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
     for t in spec.tasks:
         Path(t.log_dir).mkdir(parents=True, exist_ok=True)
-    Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
+        cfg = load_config(spec.config, [*spec.overrides, *t.overrides])
+        resolved = config_to_dict(dataclasses.replace(cfg, slurm=spec.options))
+        atomic_write_text(Path(t.log_dir) / CONFIG_FILE,
+                          yaml.safe_dump(resolved, sort_keys=False, default_flow_style=None))
 
 
-def _local(spec: JobSpec, args, run_id: str) -> int:
-    from ddp_hpc.submit import local as submit_local
-    from ddp_hpc.submit.slurm import clean_slurm_env
+def _removed_note(removed: list[str]) -> str:
+    return (f"removed {len(removed)} SLURM_* variables of an enclosing job: "
+            f"{', '.join(removed[:6])}" + (" ..." if len(removed) > 6 else ""))
 
-    job_id = f"local-{run_id}"
-    env, removed = clean_slurm_env(os.environ)
+
+def _local(spec: JobSpec, args: argparse.Namespace) -> int:
+    job_id = f"local-{Path(spec.log_dir).name}"
+    env, removed = submit_slurm.clean_slurm_env(os.environ)
     if args.dry_run:
         for t in spec.tasks:   # what the local driver runs, as the equivalent launcher command
             tid = job_id if t.task_id is None else f"{job_id}_{t.task_id}"
@@ -161,130 +182,95 @@ def _local(spec: JobSpec, args, run_id: str) -> int:
                   f"{shlex.join(spec.task_argv(t))}")
         return 0
     if removed:
-        _say(f"removed {len(removed)} SLURM_* variables of an enclosing job: {', '.join(removed[:6])}"
-             + (" ..." if len(removed) > 6 else ""))
-    _make_dirs(spec)
+        _say(_removed_note(removed))
+    _make_run_dirs(spec)
     rec = _record(spec, job_id, "local", socket.gethostname())
     plan = submit_local.write_plan(spec, job_id, record_id=job_id,
                                    ddp_hpc_home=os.environ.get("DDP_HPC_HOME"))
-    _say(f"job {job_id}: {spec.world_size} processes ({spec.nodes} pretend node(s) x "
-         f"{spec.gpus_per_node}), logs in {spec.log_dir}")
+    n = spec.nodes
+    _say(f"job {job_id}: {submit_local.plural(spec.world_size, 'process')} "
+         f"({submit_local.plural(n, 'pretend node')} x {spec.gpus_per_node}), "
+         f"logs in {spec.log_dir}")
     if args.wait:
         rc = submit_local.run_plan(plan, follow=True, env=env)
         _say(f"job {job_id} {'completed' if rc == 0 else f'failed (exit status {rc})'}")
         return rc
-    pid = submit_local.start_detached(plan, env, spec.python)
-    from ddp_hpc import records
-    rec.pids = [pid]
+    rec.pids = [submit_local.start_detached(plan, env, spec.python)]
     records.update_record(rec)
-    _say(f"started in the background (driver pid {pid}); follow it with "
-         f"`python -m ddp_hpc.status {job_id}`")
+    _say(f"started in the background (driver pid {rec.pids[0]}); follow it with "
+         f"`{ddp_cli.prog('status')} {job_id}`")
     print(job_id)
     return 0
 
 
-def _slurm(spec: JobSpec, args, backend: str, cli) -> int:
-    from ddp_hpc.submit import render, slurm as submit_slurm
-    from ddp_hpc.slurm.cli import SlurmError
-
-    script = render.render(spec) if backend == "sbatch" else None
-    if args.dry_run:
-        if script is not None:
-            sys.stdout.write(script)
-        else:
-            params = submit_slurm.submitit_parameters(spec)
-            calls = [{"task_id": t.task_id, "function": "ddp_hpc.submit.slurm.run_task",
-                      "args": [spec.config, [*spec.overrides, *t.overrides], t.log_dir]}
-                     for t in spec.tasks]
-            print(json.dumps({"executor": "submitit.SlurmExecutor", "folder": spec.log_dir,
-                              "parameters": params, "calls": calls}, indent=2))
+def _dry_run_slurm(spec: JobSpec, backend: str) -> int:
+    if backend == "sbatch":
+        sys.stdout.write(render.render(spec))
         return 0
+    calls = [{"task_id": t.task_id, "function": "ddp_hpc.submit.slurm.run_task",
+              "args": [spec.config, [*spec.overrides, *t.overrides], t.log_dir]}
+             for t in spec.tasks]
+    print(json.dumps({"executor": "submitit.SlurmExecutor",
+                      "folder": str(submit_slurm.submitit_folder(spec)),
+                      "parameters": submit_slurm.submitit_parameters(spec), "calls": calls},
+                     indent=2))
+    return 0
+
+
+def _slurm(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI) -> int:
+    if args.dry_run:
+        return _dry_run_slurm(spec, backend)
     try:
         cluster = cli.cluster_name()
     except SlurmError:
         cluster = socket.gethostname()
-    _make_dirs(spec)
+    _make_run_dirs(spec)
     env_clean, removed = submit_slurm.clean_slurm_env(os.environ)
     if removed:
-        _say(f"removed {len(removed)} SLURM_* variables of an enclosing job before submitting: "
-             f"{', '.join(removed[:6])}" + (" ..." if len(removed) > 6 else ""))
+        _say(_removed_note(removed) + " (before submitting)")
     if backend == "sbatch":
-        from ddp_hpc.slurm.cli import SlurmCLI
-        job_id, path = submit_slurm.submit_sbatch(spec, script, SlurmCLI(env=env_clean))
-        script_path = str(path)
+        job_id, path = submit_slurm.submit_sbatch(spec, render.render(spec),
+                                                  SlurmCLI(env=env_clean))
+        script = str(path)
     else:
-        ids = submit_slurm.submit_submitit(spec)
-        job_id, script_path = ids[0].split("_")[0], None
-        sub = Path(spec.log_dir) / f"{job_id}_submission.sh"
-        script_path = str(sub) if sub.exists() else None
-    _record(spec, job_id, backend, cluster, script=script_path)
-    _say(f"submitted job {job_id} ({backend}, {spec.nodes} node(s) x {spec.gpus_per_node} "
-         f"task(s){f', array of {len(spec.tasks)}' if spec.is_array else ''}), logs in "
-         f"{spec.log_dir}")
+        job_id = submit_slurm.submit_submitit(spec)[0].split("_")[0]
+        script = submit_slurm.submitit_script(spec, job_id)
+    _record(spec, job_id, backend, cluster, script=script)
+    array = f", array of {len(spec.tasks)}" if spec.is_array else ""
+    _say(f"submitted job {job_id} ({backend}, {submit_local.plural(spec.nodes, 'node')} x "
+         f"{submit_local.plural(spec.tasks_per_node, 'task')}{array}), logs in {spec.log_dir}")
     print(job_id)
     if not args.wait:
         return 0
-    states = submit_slurm.wait_for_jobs(
-        cli, job_id, timeout=args.wait_timeout,
-        echo=lambda m: print(m, file=sys.stderr, flush=True),
-        progress=lambda: submit_slurm.latest_step([t.log_dir for t in spec.tasks]))
-    ok_all = True
-    for t in spec.tasks:
-        ok, why = submit_slurm.run_verdict(t.log_dir, spec.world_size)
-        label = f"task {t.task_id}" if t.task_id is not None else f"job {job_id}"
-        _say(f"{label}: {'completed' if ok else 'NOT completed'}: {why}")
-        ok_all = ok_all and ok
-    _say("final Slurm state: " + ", ".join(f"{k} {v}" for k, v in sorted(states.items())))
-    return 0 if ok_all else 1
+    return wait_and_judge(spec, job_id, cli, args.wait_timeout, _say)
+
+
+def _submit(args: argparse.Namespace, config: str, overrides: list[str]) -> int:
+    sweeps = parse_sweeps(args.sweep)
+    check_overrides(overrides)
+    cfg = _load(config, overrides, sweep_tasks(sweeps))
+    opts = slurm_options.merged(cfg.slurm, slurm_options.given(args))
+    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0])
+    backend, why = choose_backend(opts.backend, cli)
+    _say(f"backend {backend}: {why}")
+    spec = build_spec(dataclasses.replace(opts, backend=backend), config_path=config, cfg=cfg,
+                      overrides=overrides, sweeps=sweeps)
+    if backend == "local":
+        return _local(spec, args)
+    _preflight(spec, backend, cli, args.dry_run)
+    return _slurm(spec, args, backend, cli)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from ddp_hpc.config import ConfigError
-    from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
-
-    config = args.config or DEFAULT_CONFIG
+    args, config, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        sweeps = parse_sweeps(args.sweep)
-        from ddp_hpc.submit.spec import check_overrides, sweep_tasks
-        check_overrides(overrides)
-        cfg = _load(config, overrides, sweep_tasks(sweeps))
-        cli_opts = {
-            "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
-            "cpus_per_task": args.cpus_per_task, "partition": args.partition,
-            "account": args.account, "qos": args.qos, "time": args.time, "mem": args.mem,
-            "constraint": args.constraint, "exclusive": args.exclusive,
-            "job_name": args.job_name, "dependency": args.dependency, "signal": args.signal,
-            "sbatch_args": parse_sbatch_args(args.sbatch_arg) if args.sbatch_arg else None,
-            "backend": args.backend,
-        }
-        opts = merge_options(cfg.slurm, cli_opts, yaml_source=config)
-        cli = SlurmCLI(env=_clean_env())
-        backend, why = choose_backend(opts.backend, cli)
-        _say(f"backend {backend}: {why}")
-        spec = build_spec(opts, config_path=config, cfg=cfg, overrides=overrides, sweeps=sweeps)
-        if backend == "local":
-            return _local(spec, args, Path(spec.log_dir).name)
-        from ddp_hpc.submit.slurm import check_against_cluster
-        try:
-            if not cli.available():
-                raise SpecError(f"--backend {backend} needs Slurm but `sbatch` is not on PATH.\n"
-                                f"HINT: run on a login node, or use --backend local (or auto)")
-            check_against_cluster(spec, cli.sinfo_partitions())
-        except (SpecError, SlurmError) as exc:
-            if not args.dry_run or isinstance(exc, SpecError) and "sbatch` is not on PATH" not in str(exc):
-                raise
-            _say(f"dry run without a reachable cluster: partition and GPU checks skipped "
-                 f"({str(exc).splitlines()[0]})")
-        return _slurm(spec, args, backend, cli)
+        return _submit(args, config, overrides)
     except (SpecError, ConfigError, SlurmError) as exc:
-        print(f"ddp_hpc submit: error: {exc}", file=sys.stderr)
+        report(ddp_cli.prog("submit"), exc)
         return 2
-
-
-def _clean_env() -> dict[str, str]:
-    from ddp_hpc.submit.slurm import clean_slurm_env
-    return clean_slurm_env(os.environ)[0]
+    except (HintError, TimeoutError) as exc:
+        report(ddp_cli.prog("submit"), exc)
+        return 1
 
 
 if __name__ == "__main__":

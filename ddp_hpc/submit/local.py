@@ -4,7 +4,8 @@ nodes (gloo on CPU), through ``ddp_hpc.launch.run_local``.
 Why a driver process: a sweep is several runs one after another, and without ``--wait`` the
 submit command must return at once while the runs go on. So the submitter writes a small plan
 (``local-plan.json`` in the job's log directory) and runs this module's driver on it, in the
-foreground with ``--wait`` (following rank 0's output on the terminal) or detached in its own
+foreground with ``--wait`` (rank 0's output, its progress lines included, copied to the
+terminal as it is written) or detached in its own
 session otherwise (``python -m ddp_hpc.submit.local PLAN``). The driver keeps the job record's
 ``pids`` current, so ``ddp_hpc.status`` can tell a running local job from a dead one.
 """
@@ -15,13 +16,14 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ddp_hpc.submit.spec import JobSpec
+from ddp_hpc import records
 from ddp_hpc.fsutil import atomic_write_json
+from ddp_hpc.runlogs.schema import rank_out
+from ddp_hpc.submit.spec import JobSpec
 
 __all__ = ["write_plan", "run_plan", "start_detached", "main"]
 
@@ -47,36 +49,9 @@ def write_plan(spec: JobSpec, job_id: str, record_id: str | None = None,
     return atomic_write_json(path, plan, indent=1)
 
 
-class _Follow(threading.Thread):
-    """Copy new lines of one file to stdout until stopped (rank 0's output under --wait)."""
-
-    def __init__(self, path: Path):
-        super().__init__(daemon=True)
-        self.path, self.stop = path, threading.Event()
-
-    def run(self) -> None:
-        pos = 0
-        while True:
-            stopping = self.stop.is_set()
-            try:
-                with open(self.path, "rb") as f:
-                    f.seek(pos)
-                    data = f.read()
-                    pos += len(data)
-            except FileNotFoundError:
-                data = b""
-            if data:
-                sys.stdout.write(data.decode(errors="replace"))
-                sys.stdout.flush()
-            if stopping:
-                return
-            self.stop.wait(0.5)
-
-
 def _set_pids(plan: dict, pids: list[int]) -> None:
     if not plan.get("record_id"):
         return
-    from ddp_hpc import records
     env = {"DDP_HPC_HOME": plan["ddp_hpc_home"]} if plan.get("ddp_hpc_home") else None
     try:
         rec = records.load_record(plan["record_id"], environ=env)
@@ -86,44 +61,51 @@ def _set_pids(plan: dict, pids: list[int]) -> None:
         print(f"ddp_hpc: could not update the job record: {exc}", file=sys.stderr)
 
 
+def plural(n: int, word: str) -> str:
+    """``1 process``, ``2 processes``, ``1 pretend node``, ``4 pretend nodes``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
+
+
+def _run_one(plan: dict, run: dict, env: Mapping[str, str] | None,
+             follow: bool) -> tuple[int, bool]:
+    """One run of the plan: (exit status, 0 when every rank exited 0; interrupted?)."""
+    from ddp_hpc.launch import start_local
+
+    n, g = plan["nodes"], plan["procs_per_node"]
+    label = f"task {run['task_id']}" if run["task_id"] is not None else "job"
+    print(f"ddp_hpc local: {label} {run['job_id']}: {plural(n * g, 'process')} on "
+          f"{plural(n, 'pretend node')}, logs in {run['log_dir']}", flush=True)
+    run_env = {**(os.environ if env is None else env), "DDP_HPC_LOG_DIR": run["log_dir"]}
+    lr = start_local(run["argv"], nodes=n, procs_per_node=g, log_dir=run["log_dir"], env=run_env,
+                     job_id=run["job_id"])
+    _set_pids(plan, [os.getpid(), *lr.pids])
+    res = lr.wait(echo=sys.stdout if follow else None)
+    if res.ok:
+        print(f"ddp_hpc local: {label} {run['job_id']} completed: "
+              f"{'the process' if n * g == 1 else f'all {n * g} ranks'} exited 0", flush=True)
+        return 0, False
+    if res.interrupted:
+        print(f"ddp_hpc local: {label} interrupted by {res.interrupted}", file=sys.stderr)
+        return res.exitcode, True
+    r = res.first_failed_rank
+    print(f"ddp_hpc local: {label} {run['job_id']} FAILED: rank {r} exited with "
+          f"{res.returncodes[r]}; see {Path(run['log_dir']) / rank_out(r)}",
+          file=sys.stderr, flush=True)
+    return res.exitcode, False
+
+
 def run_plan(plan_path: str | os.PathLike, follow: bool = False,
              env: Mapping[str, str] | None = None) -> int:
     """Run every run of the plan in turn with ``env`` (default: this process's environment);
-    the exit status of the first failing run, else 0."""
-    from ddp_hpc.launch import start_local
-
+    with ``follow``, rank 0's output is copied to stdout as it is written. Returns the exit
+    status of the first failing run, else 0; an interrupted run ends the plan."""
     plan = json.loads(Path(plan_path).read_text())
-    n, g = plan["nodes"], plan["procs_per_node"]
     worst = 0
-    for i, run in enumerate(plan["runs"]):
-        label = f"task {run['task_id']}" if run["task_id"] is not None else "job"
-        print(f"ddp_hpc local: {label} {run['job_id']}: {n * g} processes on {n} pretend node(s), "
-              f"logs in {run['log_dir']}", flush=True)
-        run_env = {**(os.environ if env is None else env), "DDP_HPC_LOG_DIR": run["log_dir"]}
-        lr = start_local(run["argv"], nodes=n, procs_per_node=g, log_dir=run["log_dir"], env=run_env,
-                         job_id=run["job_id"])
-        _set_pids(plan, [os.getpid(), *lr.pids])
-        tail = _Follow(Path(run["log_dir"]) / "rank0.out") if follow else None
-        if tail:
-            tail.start()
-        try:
-            res = lr.wait()
-        finally:
-            if tail:
-                tail.stop.set()
-                tail.join()
-        if res.ok:
-            print(f"ddp_hpc local: {label} {run['job_id']} completed: all {n * g} ranks exited 0",
-                  flush=True)
-            continue
-        if res.interrupted:
-            print(f"ddp_hpc local: {label} interrupted by {res.interrupted}", file=sys.stderr)
-            return res.exitcode
-        r = res.first_failed_rank
-        print(f"ddp_hpc local: {label} {run['job_id']} FAILED: rank {r} exited with "
-              f"{res.returncodes[r]}; see {Path(run['log_dir']) / f'rank{r}.out'}",
-              file=sys.stderr, flush=True)
-        worst = worst or res.exitcode
+    for run in plan["runs"]:
+        rc, interrupted = _run_one(plan, run, env, follow)
+        if interrupted:
+            return rc
+        worst = worst or rc
     _set_pids(plan, [])
     return worst
 

@@ -15,13 +15,16 @@ why:
 - logs: the batch output and one ``rank%t.out`` per rank in the job's log directory, which is
   also ``DDP_HPC_LOG_DIR`` for the run logs; an array task gets its own directory;
 - safety: every value that reaches shell code goes through ``shlex.quote``; values in
-  ``#SBATCH`` lines were validated by ``ddp_hpc.submit.spec`` (no blanks, quotes or ``#``).
+  ``#SBATCH`` lines were validated by ``ddp_hpc.config.SlurmOptions`` (no blanks, quotes or
+  ``#``), which also lists the options passed on as they are (``sbatch_items``).
 """
 
 from __future__ import annotations
 
 import shlex
 
+from ddp_hpc.config.slurm_options import sbatch_items
+from ddp_hpc.runlogs.schema import batch_out, rank_out
 from ddp_hpc.submit.spec import JobSpec
 
 __all__ = ["render", "sbatch_options"]
@@ -41,18 +44,13 @@ def sbatch_options(spec: JobSpec) -> list[tuple[str, str | None]]:
         ("open-mode", "append"),
     ]
     if spec.is_array:
-        opts.append(("output", f"{spec.log_dir}/task%a/slurm-%A_%a.out"))
+        opts.append(("output", f"{spec.log_dir}/task%a/{batch_out('%A_%a')}"))
         opts.append(("array", f"0-{len(spec.tasks) - 1}"))
     else:
-        opts.append(("output", f"{spec.log_dir}/slurm-%j.out"))
-    for key in ("partition", "account", "qos", "mem", "constraint", "dependency"):
-        value = getattr(spec, key)
-        if value is not None:
-            opts.append((key, value))
-    if spec.exclusive:
-        opts.append(("exclusive", None))
-    for key, value in spec.sbatch_args:
-        opts.append((key, None if value is True else str(value)))
+        opts.append(("output", f"{spec.log_dir}/{batch_out('%j')}"))
+    opts += sbatch_items(spec.options)
+    for key, value in sorted(spec.options.sbatch_args.items()):
+        opts.append((key, None if value is True or value is None or value == "" else str(value)))
     return opts
 
 
@@ -94,8 +92,8 @@ def render(spec: JobSpec) -> str:
         'mkdir -p "$LOG_DIR"',
         'echo "ddp_hpc: job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0} on '
         '${SLURM_JOB_NODELIST:-?}, logs in $LOG_DIR"',
-        'exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/rank%t.out" '
-        '"${ARGS[@]}"',
+        'exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/'
+        + rank_out("%t") + '" "${ARGS[@]}"',
         "",
     ]
     return "\n".join(lines)

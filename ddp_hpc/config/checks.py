@@ -1,0 +1,123 @@
+"""Checks of single Slurm option values, shared by the YAML ``slurm:`` section and the command
+line: each ``check_*`` takes (value, label) -- the label names where the value came from,
+``slurm.time`` or ``--time`` -- and returns the value as stored, or raises ConfigError naming
+the value and the fix."""
+
+from __future__ import annotations
+
+import re
+import signal as _signal
+from typing import Any, Callable
+
+from ddp_hpc.config.typed import ConfigError
+
+__all__ = ["BACKENDS", "time_to_seconds", "parse_signal", "check_count", "check_flag",
+           "check_text", "check_time", "check_signal", "check_backend", "PLAIN"]
+
+BACKENDS = ("auto", "submitit", "sbatch", "local")
+
+#: what may stand in an #SBATCH line: no blanks, quotes, $, #, ; or backslashes
+PLAIN = re.compile(r"^[A-Za-z0-9_.:@%+=,/&|*!()\[\]-]+$")
+_PLAIN_HINT = ("use letters, digits and _ . : @ % + = , / & | * ! ( ) [ ] - only "
+               "(no blanks, quotes, $, #, ; or backslashes)")
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def time_to_seconds(text: str, label: str = "--time") -> int:
+    """Slurm time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    m = _TIME.match(str(text))
+    if not m:
+        raise ConfigError(f"{label} {text!r} is not a Slurm time",
+                          "write minutes (30), HH:MM:SS (02:00:00) or D-HH:MM:SS (1-00:00:00)")
+    d, a, b, c = m.groups()
+    if d is not None:  # D-H, D-H:M, D-H:M:S
+        total = int(d) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    elif c is not None:
+        total = int(a) * 3600 + int(b) * 60 + int(c)
+    elif b is not None:
+        total = int(a) * 60 + int(b)
+    else:
+        total = int(a) * 60
+    if total <= 0:
+        raise ConfigError(f"{label} {text!r} is zero", "give the job some time, e.g. 00:30:00")
+    return total
+
+
+def parse_signal(text: str, label: str = "--signal") -> tuple[str, int]:
+    """``USR2@90`` / ``SIGUSR1@120`` / ``USR2`` -> (``USR2``, grace seconds; 90 by default)."""
+    name, _, grace = str(text).partition("@")
+    name = name.upper().removeprefix("SIG")
+    if not name or not hasattr(_signal, "SIG" + name) or not name.isalnum():
+        raise ConfigError(f"{label} {text!r} is not a signal name",
+                          "write e.g. USR2@90 (signal USR2, 90 s before the time limit)")
+    try:
+        seconds = int(grace) if grace else 90
+    except ValueError:
+        seconds = -1
+    if not 0 < seconds <= 65535:
+        raise ConfigError(f"{label}: grace {grace!r} in {text!r} is not a number of seconds in "
+                          f"1..65535", "write e.g. USR2@90")
+    return name, seconds
+
+
+def check_plain(label: str, value: Any, pattern: re.Pattern = PLAIN, hint: str = "") -> str:
+    text = str(value)
+    if not pattern.match(text):
+        raise ConfigError(f"{label} {text!r} contains characters that are not allowed here",
+                          hint or _PLAIN_HINT)
+    return text
+
+
+def check_count(minimum: int, optional: bool = False) -> Callable[[Any, str], int | None]:
+    """An integer >= minimum (or None when ``optional``)."""
+    def check(value: Any, label: str) -> int | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{label} must be an integer, got {value!r}",
+                              f"write e.g. {label} {minimum + 1}")
+        if value < minimum:
+            raise ConfigError(f"{label} {value} is too few: at least {minimum} is needed",
+                              f"use {minimum} or more for {label}")
+        return value
+    return check
+
+
+def check_flag(value: Any, label: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{label} must be true or false, got {value!r}", f"{label}: true")
+    return value
+
+
+def _text(value: Any, label: str) -> str:
+    """Strings, and numbers written without quotes in YAML (``time: 30``), as a string."""
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{label} must be a string, got {value!r}", f"write e.g. {label}: value")
+    return str(value)
+
+
+def check_text(pattern: re.Pattern = PLAIN, hint: str = "") -> Callable[[Any, str], str | None]:
+    """An optional string matching ``pattern``."""
+    def check(value: Any, label: str) -> str | None:
+        return None if value is None else check_plain(label, _text(value, label), pattern, hint)
+    return check
+
+
+def check_time(value: Any, label: str) -> str:
+    text = _text(value, label)
+    time_to_seconds(text, label)
+    return text
+
+
+def check_signal(value: Any, label: str) -> str | None:
+    if value is None:
+        return None
+    text = _text(value, label)
+    parse_signal(text, label)
+    return text
+
+
+def check_backend(value: Any, label: str) -> str:
+    if value not in BACKENDS:
+        raise ConfigError(f"{label} {value!r} is unknown", f"use one of {', '.join(BACKENDS)}")
+    return value

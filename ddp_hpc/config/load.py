@@ -1,0 +1,110 @@
+"""Reading a job config: a YAML file plus dotted ``key=value`` overrides -> a validated
+``JobConfig``; and turning ``pkg.mod:factory`` strings into the callables they name."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ddp_hpc.config.sections import JobConfig
+from ddp_hpc.config.typed import ConfigError, build, to_dict
+
+__all__ = ["load_config", "config_from_dict", "config_to_dict", "apply_overrides",
+           "resolve_factory"]
+
+def config_from_dict(raw: Mapping, source: str = "a dict") -> JobConfig:
+    """Build a JobConfig from plain data; `source` is named in error messages."""
+    return build(JobConfig, raw, "", source)
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """Plain dict/list/str/number form (YAML- and torch.load(weights_only)-safe)."""
+    return to_dict(cfg)
+
+
+def _parse_value(text: str) -> Any:
+    """YAML scalar/list/dict syntax, except YAML 1.1's yes/no/on/off, which stay words here."""
+    if text.strip().lower() in {"yes", "no", "on", "off", "y", "n"}:
+        return text.strip()
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: typing.Iterable[str]) -> dict:
+    """Apply ``a.b.c=value`` strings (value parsed as YAML) to a nested dict, returning a copy."""
+    out = copy.deepcopy(raw) if raw else {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value",
+                              "write e.g. train.batch_size=64 or optim.lr=0.01")
+        key, _, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r} has an empty key part",
+                              "use dotted keys such as train.epochs=3")
+        node = out
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section (it is {nxt!r})",
+                                  f"override a key inside a section, or {p} itself")
+            node = nxt
+        node[parts[-1]] = _parse_value(text)
+    return out
+
+
+def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> JobConfig:
+    """Read a YAML job file (safe_load), apply dotted overrides, validate. `path=None`: defaults."""
+    raw: Any = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist",
+                              "pass a YAML job file such as jobs/demo.yaml")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        source = str(p)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {source!r} must hold a mapping at the top, got {raw!r}")
+    overrides = list(overrides)
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+        source = f"{source} + overrides {overrides}"
+    return config_from_dict(raw, source)
+
+
+def resolve_factory(spec: str, builtins: Mapping[str, Any], key: str) -> Any:
+    """Turn a built-in name or ``pkg.mod:attr`` into the callable, with an error naming the fix."""
+    if spec in builtins:
+        return builtins[spec]
+    if ":" not in spec:
+        raise ConfigError(f"{key} = {spec!r} is neither a built-in nor an import path.",
+                          f"use one of {', '.join(sorted(builtins))} or 'pkg.module:factory'")
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"{key} = {spec!r}: cannot import module {mod_name!r} ({e}).",
+                          f"check the spelling and that the package is installed or on "
+                          f"PYTHONPATH") from None
+    obj = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{key} = {spec!r}: module {mod_name!r} has no attribute {attr!r}.",
+                              f"name a class or function defined in {mod_name}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{key} = {spec!r} is not callable", "name a class or function")
+    return obj

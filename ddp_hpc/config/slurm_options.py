@@ -1,0 +1,213 @@
+"""The Slurm options of a job, in one place: ``SlurmOptions``.
+
+Its fields are every valid key of a job YAML's ``slurm:`` section; each field's metadata holds
+its check (``parse``), its help text, its command-line flags (with sbatch's short forms) and,
+where it has one, the sbatch option it becomes. From that one signature -- as submitit derives
+its options from one signature -- come the YAML validation (``ddp_hpc.config``), the argparse
+flags of ``submit`` (``add_arguments`` / ``given``) and the options the sbatch renderer and the
+submitit backend pass on (``PASSTHROUGH``). Every string that will reach an ``#SBATCH`` line is
+checked against a conservative pattern (sbatch parses those lines itself, with its own quoting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+from ddp_hpc.config.checks import (BACKENDS, check_backend, check_count, check_flag,
+                                   check_plain, check_signal, check_text, check_time)
+from ddp_hpc.config.typed import ConfigError
+
+__all__ = ["SlurmOptions", "PASSTHROUGH", "MANAGED_SBATCH_KEYS", "BACKENDS", "add_arguments",
+           "given", "merged", "sbatch_items"]
+
+LAYOUT, SLURM, TOP = "layout (one task per GPU)", "Slurm options (also from the YAML's slurm: section)", ""
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
+_MEM = re.compile(r"^\d+[KMGT]?$", re.I)
+_DEPENDENCY = re.compile(r"^(?:singleton|[a-z]+(?::[0-9_+?*]+)+)(?:[,?](?:singleton|[a-z]+(?::[0-9_+?*]+)+))*$")
+
+
+def _opt(default: Any, parse: Callable[[Any, str], Any], help: str, *, flags: Sequence[str],
+         group: str = SLURM, sbatch: str | None = None, passthrough: bool = False,
+         **cli: Any) -> Any:
+    """One option: ``flags`` on the command line (first = the name shown in messages),
+    ``sbatch`` the sbatch option it corresponds to, ``passthrough`` when it goes to sbatch as is."""
+    meta = {"parse": parse, "help": help, "flags": tuple(flags), "group": group,
+            "sbatch": sbatch, "passthrough": passthrough, "cli": cli}
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=dict, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]+$")
+
+
+def check_sbatch_args(value: Any, label: str) -> dict:
+    """A mapping of other sbatch options: valid names that ddp_hpc does not set itself, values
+    fit for an #SBATCH line (True or empty: a flag)."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{label} must be a mapping, got {value!r}",
+                          "write sbatch_args: {mail-type: END}")
+    out = {str(k): v for k, v in value.items()}
+    for key, v in out.items():
+        src = f"{label} {key}={v}"
+        if not _SBATCH_KEY.match(key):
+            raise ConfigError(f"sbatch option name {key!r} is not valid ({src})",
+                              "write the long option name without dashes, e.g. "
+                              "--sbatch-arg mail-type=END")
+        if key in MANAGED_SBATCH_KEYS:
+            raise ConfigError(f"sbatch option {key!r} is set by ddp_hpc itself ({src})",
+                              f"use {MANAGED_SBATCH_KEYS[key]} instead")
+        if not (v is True or v is None or v == ""):
+            check_plain(f"value of sbatch option {key} ({src})", v)
+    return out
+
+
+def _name_of(what: str) -> Callable[[Any, str], Any]:
+    return check_text(_NAME, f"use the {what} name as Slurm lists it")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmOptions:
+    """Every valid key of a job YAML's ``slurm:`` section and the matching ``submit`` flags."""
+
+    UNKNOWN_KEY_HINT: ClassVar[str] = ("any other sbatch option goes under slurm.sbatch_args or "
+                                       "--sbatch-arg KEY=VALUE")
+
+    nodes: int = _opt(1, check_count(1), "nodes; each runs one task per GPU",
+                      flags=("--nodes", "-N"), group=LAYOUT, sbatch="nodes", type=int, metavar="N")
+    gpus_per_node: int = _opt(
+        1, check_count(1), "GPUs per node, which is also the tasks per node (one task per GPU); "
+        "per node, unlike sbatch's -G/--gpus, which counts the GPUs of all nodes",
+        flags=("--gpus", "-G", "--gpus-per-node"), group=LAYOUT, sbatch="gpus-per-node", type=int,
+        metavar="G")
+    cpus_per_task: int | None = _opt(
+        None, check_count(1, optional=True), "CPUs per task (default: data.num_workers + 1)",
+        flags=("--cpus-per-task", "-c"), group=LAYOUT, sbatch="cpus-per-task", type=int,
+        metavar="C")
+    time: str = _opt("01:00:00", check_time, "time limit: minutes, HH:MM:SS or D-HH:MM:SS",
+                     flags=("--time", "-t"), sbatch="time", metavar="TIME")
+    partition: str | None = _opt(None, _name_of("partition"), "partition to run in "
+                                 "(default: the cluster's default partition)",
+                                 flags=("--partition", "-p"), sbatch="partition", passthrough=True,
+                                 metavar="NAME")
+    account: str | None = _opt(None, _name_of("account"), "account to charge the job to",
+                               flags=("--account", "-A"), sbatch="account", passthrough=True,
+                               metavar="NAME")
+    qos: str | None = _opt(None, _name_of("qos"), "quality of service",
+                           flags=("--qos", "-q"), sbatch="qos", passthrough=True, metavar="NAME")
+    mem: str | None = _opt(None, check_text(_MEM, "write e.g. 16G, 500M or 0 (all of the node)"),
+                           "memory per node, e.g. 64G (0: all of it)",
+                           flags=("--mem",), sbatch="mem", passthrough=True, metavar="SIZE")
+    constraint: str | None = _opt(None, check_text(), "node features required, e.g. a100&ib",
+                                  flags=("--constraint", "-C"), sbatch="constraint",
+                                  passthrough=True, metavar="FEATURES")
+    dependency: str | None = _opt(
+        None, check_text(_DEPENDENCY, "write e.g. afterok:12345 or afterany:12345:12346"),
+        "start after other jobs, e.g. afterok:12345", flags=("--dependency", "-d"),
+        sbatch="dependency", passthrough=True, metavar="TYPE:JOBID")
+    exclusive: bool = _opt(False, check_flag, "whole nodes, shared with no other job",
+                           flags=("--exclusive",), sbatch="exclusive", passthrough=True,
+                           action="store_true")
+    job_name: str | None = _opt(
+        None, check_text(_NAME, "use 1-128 letters, digits, '_', '.', '+' or '-', starting with "
+                                "a letter or digit (the name also names the log directory)"),
+        "job name (default: the config's name)", flags=("--job-name", "-J"), sbatch="job-name",
+        metavar="NAME")
+    signal: str | None = _opt(None, check_signal, "preemption signal and its grace seconds "
+                              "before the time limit, e.g. USR2@90 (default: <preempt.signal>@90)",
+                              flags=("--signal",), sbatch="signal", metavar="SIG@SECONDS")
+    sbatch_args: dict = _opt({}, check_sbatch_args, "any other sbatch option, e.g. mail-type=END "
+                             "(repeatable; a flag without a value: hold=)",
+                             flags=("--sbatch-arg",), action="append", metavar="KEY=VALUE")
+    backend: str = _opt("auto", check_backend, "auto: submitit when Slurm answers, else local",
+                        flags=("--backend",), group=TOP, choices=BACKENDS)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, f.metadata["parse"](getattr(self, f.name),
+                                                                 f"slurm.{f.name}"))
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(SlurmOptions)}
+
+#: the options handed to sbatch (and submitit) under their own name, in this order
+PASSTHROUGH = tuple(name for name, f in FIELDS.items() if f.metadata["passthrough"])
+
+
+def _managed() -> dict[str, str]:
+    """sbatch options ddp_hpc sets itself -> what to use instead: a --sbatch-arg for them would
+    silently break the one-task-per-GPU layout, the log layout or preemption."""
+    out = {"ntasks": "--nodes and --gpus", "n": "--nodes and --gpus",
+           "ntasks-per-node": "--gpus (one task per GPU)", "gpus": "--gpus (per node)",
+           "G": "--gpus (per node)", "gres": "--gpus",
+           "output": "the log directory (log.dir)", "o": "log.dir", "error": "log.dir",
+           "e": "log.dir", "open-mode": "nothing (always append)", "array": "--sweep",
+           "a": "--sweep", "requeue": "nothing (always set)", "no-requeue": "nothing",
+           "wrap": "a config file", "chdir": "running from that directory", "D": "cd"}
+    for f in FIELDS.values():
+        if f.metadata["sbatch"]:
+            flag = f.metadata["flags"][0]
+            out[f.metadata["sbatch"]] = flag
+            out.update({s.lstrip("-"): flag for s in f.metadata["flags"][1:] if len(s) == 2})
+    return out
+
+
+MANAGED_SBATCH_KEYS = _managed()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, in groups; every default is None, so ``given`` sees what was typed."""
+    groups: dict[str, Any] = {TOP: parser}
+    for f in FIELDS.values():
+        meta = f.metadata
+        group = groups.get(meta["group"]) or groups.setdefault(
+            meta["group"], parser.add_argument_group(meta["group"]))
+        default = None if f.default is dataclasses.MISSING else f.default
+        help_text = f"{meta['help']}; YAML slurm.{f.name}" + (
+            f" (default: {default})" if default not in (None, False) else "")
+        group.add_argument(*meta["flags"], dest=f.name, default=None, help=help_text,
+                           **meta["cli"])
+
+
+def given(args: argparse.Namespace) -> dict[str, Any]:
+    """The options typed on the command line (``sbatch_args`` as a KEY -> VALUE mapping)."""
+    out = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
+    if "sbatch_args" in out:
+        out["sbatch_args"] = split_sbatch_args(out["sbatch_args"])
+    return out
+
+
+def split_sbatch_args(items: Sequence[str]) -> dict[str, str | bool]:
+    """``["mail-type=END", "hold="]`` -> ``{"mail-type": "END", "hold": True}``."""
+    out: dict[str, str | bool] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        out[key.strip().lstrip("-")] = value if eq and value != "" else True
+    return out
+
+
+def merged(base: SlurmOptions, cli: Mapping[str, Any]) -> SlurmOptions:
+    """``base`` (the YAML section) with the command-line values on top, each checked under the
+    name of its flag; sbatch_args are merged key by key."""
+    checked = {name: FIELDS[name].metadata["parse"](value, FIELDS[name].metadata["flags"][0])
+               for name, value in cli.items()}
+    if "sbatch_args" in checked:
+        checked["sbatch_args"] = {**base.sbatch_args, **checked["sbatch_args"]}
+    return dataclasses.replace(base, **checked)
+
+
+def sbatch_items(opts: Any) -> list[tuple[str, str | None]]:
+    """The passthrough options of ``opts`` (a SlurmOptions or anything with those attributes)
+    that are set: (sbatch option name, value, or None for a flag), in field order."""
+    out: list[tuple[str, str | None]] = []
+    for name in PASSTHROUGH:
+        value = getattr(opts, name)
+        if value is None or value is False:
+            continue
+        out.append((FIELDS[name].metadata["sbatch"], None if value is True else str(value)))
+    return out
