@@ -162,7 +162,7 @@ def _make_run_dirs(spec: JobSpec) -> None:
         cfg = load_config(spec.config, [*spec.overrides, *t.overrides])
         resolved = config_to_dict(dataclasses.replace(cfg, slurm=spec.options))
         atomic_write_text(Path(t.log_dir) / CONFIG_FILE,
-                          yaml.safe_dump(resolved, sort_keys=False, default_flow_style=None))
+                          yaml.safe_dump(resolved, sort_keys=False))
 
 
 def _removed_note(removed: list[str]) -> str:

@@ -22,6 +22,7 @@ from typing import Mapping, Sequence
 
 from ddp_hpc import records
 from ddp_hpc.fsutil import atomic_write_json
+from ddp_hpc.launch import start_local
 from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.submit.spec import JobSpec
 
@@ -69,8 +70,6 @@ def plural(n: int, word: str) -> str:
 def _run_one(plan: dict, run: dict, env: Mapping[str, str] | None,
              follow: bool) -> tuple[int, bool]:
     """One run of the plan: (exit status, 0 when every rank exited 0; interrupted?)."""
-    from ddp_hpc.launch import start_local
-
     n, g = plan["nodes"], plan["procs_per_node"]
     label = f"task {run['task_id']}" if run["task_id"] is not None else "job"
     print(f"ddp_hpc local: {label} {run['job_id']}: {plural(n * g, 'process')} on "

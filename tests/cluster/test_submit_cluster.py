@@ -13,6 +13,7 @@ import pytest
 
 from ddp_hpc import records
 from ddp_hpc.runlogs.reader import read_events
+from ddp_hpc.runlogs.schema import CONFIG_FILE
 
 pytestmark = pytest.mark.cluster
 
@@ -83,6 +84,10 @@ def test_auto_submitit_2x2_completes_with_logs_and_record(slurm_cluster, where):
     _assert_2x2_completed(log_dir, rec.id)
     assert not marker.exists()
     assert _config_in_checkpoint(log_dir)["name"] == f"$(touch {marker})"
+    # submitit's own files (pickles, its script and logs) stay in a subfolder
+    assert not list(log_dir.glob("*.pkl")) and list((log_dir / "submitit").glob("*.pkl"))
+    assert rec.script == str(log_dir / "submitit" / f"{rec.id}_submission.sh")
+    assert "nodes: 2" in (log_dir / CONFIG_FILE).read_text()   # the resolved config, slurm: included
     # from any directory: the record names the log dir
     assert records.load_record(rec.id, cluster=c.cluster_name,
                                  environ={"DDP_HPC_HOME": str(where[0] / "home")}).log_dir == str(log_dir)
@@ -205,16 +210,17 @@ def test_bad_requests_fail_before_submitting(slurm_cluster, where):
     marker = Path("/tmp/pwned")
     existed = marker.exists()
     for args, needle in [
-        (["--nodes", "0", DEMO], "--nodes"),
+        (["--nodes", "0", DEMO], "--nodes 0 is too few: at least 1 is needed"),
         (["--gpus", str(c.gpus_per_node + 1), DEMO], f"at most {c.gpus_per_node}"),
         (["--partition", "nosuchpart", DEMO], "'nosuchpart' does not exist"),
         (["--nodes", "2", DEMO, "--", "train.epoch=1"], "unknown config key 'train.epoch'"),
-        (["--job-name", "x'; touch /tmp/pwned #", DEMO], "job name"),
-        (["--backend", "sbatch", "--job-name", "x'; touch /tmp/pwned #", DEMO], "job name"),
+        (["--job-name", "x'; touch /tmp/pwned #", DEMO], "--job-name \"x'; touch /tmp/pwned #\""),
+        (["--backend", "sbatch", "-J", "x'; touch /tmp/pwned #", DEMO], "--job-name \"x'; touch"),
+        ([DEMO, "train.epoch=1"], "unknown config key 'train.epoch'"),   # override without --
     ]:
         p = _submit(c, where, *args)
         assert p.returncode == 2, (args, p.stdout, p.stderr)
-        assert needle in p.stderr and "HINT" in p.stderr or needle == "--nodes", (args, p.stderr)
+        assert needle in p.stderr and "\nHINT: " in p.stderr, (args, p.stderr)
     assert {j["JobID"] for j in SlurmCLI(env=c.env).squeue()} <= before  # nothing was queued
     assert _records(where) == []
     assert marker.exists() == existed
