@@ -77,3 +77,46 @@ def test_zero_gradient_filtering_keeps_momentum_and_decay_off_unused_weights(tmp
     assert not filtered["unused.weight"]     # ... unless its all-zero gradient is dropped
     assert not filtered["unused.bias"]
     assert filtered["used.weight"] and filtered["used.bias"]
+
+
+def _screen(raw: str) -> list[str]:
+    """What a terminal shows for `raw`: carriage returns move to the line start, later characters
+    overwrite earlier ones."""
+    lines, cur, col = [], [], 0
+    for ch in raw:
+        if ch == "\n":
+            lines.append("".join(cur).rstrip())
+            cur, col = [], 0
+        elif ch == "\r":
+            col = 0
+        else:
+            cur[col:col + 1] = [ch]
+            col += 1
+    return lines + ["".join(cur).rstrip()]
+
+
+def test_log_lines_never_land_on_the_progress_bar(tmp_path, monkeypatch):
+    import io
+    import sys
+    from ddp_hpc.runlogs.writer import Progress, RunLog
+    from ddp_hpc.runlogs.schema import text_log
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    progress = Progress(rank=0, total=4, initial=0, mode="bar")     # log.progress=bar
+    log = RunLog(tmp_path, rank=0)
+    assert not progress.bar.disable and not progress.lines
+    for step in range(4):
+        progress.update(1)
+        log.info(f"epoch 0 step {step + 1}/4")
+        log.warning("a warning reaches the console too")
+    progress.close()
+    log.close()
+    written = (tmp_path / text_log(0)).read_text().splitlines()
+    shown = _screen(stream.getvalue())
+    assert len(written) == 8 and "|" in stream.getvalue()             # the bar was drawn
+    infos = [line for line in written if "WARNING" not in line]
+    assert len(infos) == 4
+    for line in infos:                             # each log line is a whole line of its own
+        assert line in shown, (line, shown)
+    assert shown.count("[rank 0] WARNING: a warning reaches the console too") == 4, shown
+    assert any("4/4" in s and "|" in s for s in shown)                 # the bar ends on its own line

@@ -1,30 +1,39 @@
 """Per-rank run logs: ``rank{R}.log`` (text) and ``rank{R}.events.jsonl`` (one JSON per line).
 
 Why: these files are the contract with ``ddp_hpc.status`` (docs/architecture.md, "Run logs"),
-which names the failing rank and the last step from them.  Every event carries the same six keys
-(time, event, rank, job_id, restart, host); files are opened in append mode so a requeued job's
-second run continues the same stream, and every line is flushed at once so a killed process
-leaves a complete record up to its last event.
+which names the failing rank and the last step from them; their names and the keys every event
+carries (`EVENT_KEYS`) are spelled in ``ddp_hpc.runlogs.schema``.  Files are opened in append mode
+so a requeued job's second run continues the same stream, and every line is flushed at once so a
+killed process leaves a complete record up to its last event.  Console lines go through
+``tqdm.write``, which clears rank 0's progress bar first and redraws it below, so a log line never
+lands on the bar's line.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-EVENT_KEYS = ("time", "event", "rank", "job_id", "restart", "host")
+from tqdm import tqdm
+
+from ddp_hpc.env import job_facts
+from ddp_hpc.runlogs.schema import EVENT_KEYS, events_file, text_log
 
 
-def resolve_log_dir(log_dir_cfg: str, run_id: str, environ: dict | None = None) -> Path:
+def resolve_log_dir(log_dir_cfg: str, run_id: str, environ: Mapping[str, str] | None = None) -> Path:
     """``$DDP_HPC_LOG_DIR`` when set (the submit backends set it), else ``<log.dir>/<run id>``."""
-    environ = os.environ if environ is None else environ
-    override = environ.get("DDP_HPC_LOG_DIR")
+    override = job_facts(environ).log_dir
     return Path(override) if override else Path(log_dir_cfg) / run_id
+
+
+def echo(line: str) -> None:
+    """One line to stderr, above a progress bar when one is shown (never glued onto it)."""
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
 
 
 class RunLog:
@@ -36,13 +45,14 @@ class RunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.job_id, self.restart = rank, job_id, restart
         self.host = socket.gethostname()
-        self._events = open(self.dir / f"rank{rank}.events.jsonl", "a", encoding="utf-8")
-        self._text = open(self.dir / f"rank{rank}.log", "a", encoding="utf-8")
+        self._events = open(self.dir / events_file(rank), "a", encoding="utf-8")
+        self._text = open(self.dir / text_log(rank), "a", encoding="utf-8")
         self.console = (rank == 0) if console is None else console
 
     def event(self, name: str, **fields: Any) -> dict:
-        rec = {"time": time.time(), "event": name, "rank": self.rank, "job_id": self.job_id,
-               "restart": self.restart, "host": self.host}
+        # the keys every event carries, in the order the schema lists them
+        rec = dict(zip(EVENT_KEYS, (time.time(), name, self.rank, self.job_id, self.restart,
+                                    self.host), strict=True))
         rec.update(fields)
         self._events.write(json.dumps(rec, default=_jsonable) + "\n")
         self._events.flush()
@@ -53,12 +63,12 @@ class RunLog:
         self._text.write(line + "\n")
         self._text.flush()
         if console and self.console:
-            print(line, file=sys.stderr, flush=True)
+            echo(line)
 
     def warning(self, msg: str) -> None:
         self.info(f"WARNING: {msg}", console=False)
         # warnings reach the console on every rank: they usually need action
-        print(f"[rank {self.rank}] WARNING: {msg}", file=sys.stderr, flush=True)
+        echo(f"[rank {self.rank}] WARNING: {msg}")
         logging.getLogger("ddp_hpc.train").debug(msg)
 
     def close(self) -> None:
@@ -77,23 +87,18 @@ def _jsonable(obj: Any) -> Any:
 
 
 class Progress:
-    """A tqdm bar on rank 0 when stderr is a terminal; otherwise nothing (the caller logs one
-    line per interval instead).  `mode` is log.progress: auto | bar | lines | off."""
+    """A tqdm bar on rank 0 when stderr is a terminal (a disabled one elsewhere: updates cost
+    nothing); without a bar rank 0 logs one line per interval instead (`lines`).  `mode` is
+    log.progress: auto | bar | lines | off."""
 
     def __init__(self, rank: int, total: int, initial: int, mode: str = "auto") -> None:
-        self.bar = None
-        use_bar = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
-        if rank == 0 and use_bar:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-        self.lines = rank == 0 and self.bar is None and mode != "off"
+        show = rank == 0 and (mode == "bar" or (mode == "auto" and sys.stderr.isatty()))
+        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                        disable=not show)
+        self.lines = rank == 0 and not show and mode != "off"
 
-    def update(self, n: int = 1, **postfix: Any) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-            if postfix:
-                self.bar.set_postfix(postfix, refresh=False)
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
