@@ -24,7 +24,9 @@ from ddp_hpc.config.typed import ConfigError
 __all__ = ["SlurmOptions", "PASSTHROUGH", "MANAGED_SBATCH_KEYS", "BACKENDS", "add_arguments",
            "given", "merged", "sbatch_items"]
 
-LAYOUT, SLURM, TOP = "layout (one task per GPU)", "Slurm options (also from the YAML's slurm: section)", ""
+LAYOUT = "layout (one task per GPU)"
+SLURM = "Slurm options (also from the YAML's slurm: section)"
+TOP = ""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 _MEM = re.compile(r"^\d+[KMGT]?$", re.I)
