@@ -30,7 +30,7 @@ def _events(d: Path, r: int):
 
 
 def test_usr2_to_wrapper_group_reaches_torchrun_workers(tmp_path):
-    from ddp_hpc.launch import free_port
+    from ddp_hpc.env import free_port
     log_dir = tmp_path / "logs"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDP_HPC_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
