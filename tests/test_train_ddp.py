@@ -30,7 +30,7 @@ def _fit_worker(rank: int, world: int, tmp: str, size: int, overrides: list[str]
     from ddp_hpc.examples.models import MLP
     from ddp_hpc.examples.synthetic import SyntheticClassification
     from ddp_hpc.train import fit
-    from ddp_hpc.train.loop import seed_everything
+    from ddp_hpc.train.build import seed_everything
     seed_everything(0)
     model = MLP(in_dim=8, hidden=16, num_classes=3, **model_kwargs)
     data = SyntheticClassification(size=size, in_dim=8, num_classes=3, seed=1)
@@ -119,7 +119,7 @@ def _events(log_root: Path, name: str) -> list[dict]:
 def test_preempted_run_resumes_bitwise_equal(tmp_path):
     # 198 samples / 4 ranks / batch 8 -> 7 micro-batches per epoch (the last one padded),
     # accum 2 -> 4 steps per epoch, 3 epochs = 12 steps; dropout makes the RNG state matter, and
-    # 4 ranks make the all-reduce summation order matter (DDP's bucket layout, see loop.py)
+    # 4 ranks make the all-reduce summation order matter (DDP's bucket layout, see step.py)
     size, world = 198, 4
     common = ["train.batch_size=8", "train.grad_accum=2", "train.epochs=3", "optim.momentum=0.9",
               "schedule.name=cosine", "schedule.warmup_steps=2", "checkpoint.every_epochs=1"]

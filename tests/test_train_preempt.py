@@ -1,14 +1,17 @@
 """Preemption pieces in one process: the handler only sets a flag (real signals), time limit vs
-preemption classification, and the end-time sources."""
+preemption classification, the end-time sources, and who requeues."""
 from __future__ import annotations
 
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from ddp_hpc.train.preempt import PreemptionFlag, classify, job_end_time, signal_number
+from ddp_hpc.train import preempt
+from ddp_hpc.train.preempt import (PreemptionFlag, classify, job_end_time, requeue_if_wanted,
+                                   signal_number)
 
 
 def test_signal_only_sets_a_flag_and_handlers_are_restored():
@@ -54,11 +57,57 @@ def test_time_limit_is_told_from_preemption_by_the_distance_to_the_end_time():
     assert classify(now, None, 180) == "preemption"          # end time unknown
 
 
-def test_end_time_sources():
-    assert job_end_time({"SLURM_JOB_END_TIME": "1700000000"}) == 1700000000.0
-    assert job_end_time({"DDP_HPC_JOB_END_TIME": "12.5"}) == 12.5
-    assert job_end_time({"SLURM_JOB_END_TIME": "Unknown"}) is None
-    assert job_end_time({}) is None
+LOCAL = SimpleNamespace(launcher="local", in_slurm=False, job_id=None)
+SLURM = SimpleNamespace(launcher="slurm", in_slurm=True, job_id="77_3")
+
+
+@pytest.mark.parametrize("environ, env, squeue_end, expected", [
+    ({"SLURM_JOB_END_TIME": "1700000000"}, SLURM, 5.0, 1700000000.0),   # the variable wins
+    ({"DDP_HPC_JOB_END_TIME": "12.5"}, LOCAL, None, 12.5),
+    ({"SLURM_JOB_END_TIME": "Unknown"}, LOCAL, None, None),
+    ({}, LOCAL, 5.0, None),                                              # outside Slurm: no squeue
+    ({}, SLURM, 5.0, 5.0),                                               # squeue's EndTime
+])
+def test_end_time_sources(monkeypatch, environ, env, squeue_end, expected):
+    asked = []
+    monkeypatch.setattr(preempt, "slurm_end_time", lambda job: asked.append(job) or squeue_end)
+    assert job_end_time(env, rank=0, distributed=False, environ=environ) == expected
+    assert asked == (["77_3"] if env is SLURM and not environ else [])
+
+
+class _Log:
+    def __init__(self):
+        self.lines, self.events = [], []
+
+    def info(self, msg):
+        self.lines.append(msg)
+
+    def warning(self, msg):
+        self.lines.append("WARNING: " + msg)
+
+    def event(self, name, **fields):
+        self.events.append((name, fields))
+
+
+@pytest.mark.parametrize("signum, env, rank, enabled, expected", [
+    (signal.SIGUSR2, SLURM, 0, True, ["77_3"]),     # the preemption signal: rank 0 requeues
+    (signal.SIGTERM, SLURM, 0, True, []),           # scancel / Slurm's own TERM: never
+    (signal.SIGUSR2, SLURM, 1, True, []),           # only rank 0
+    (signal.SIGUSR2, SLURM, 0, False, []),          # preempt.requeue=false
+    (signal.SIGUSR2, LOCAL, 0, True, []),           # outside Slurm: exit code 75 instead
+])
+def test_only_rank_0_requeues_its_slurm_job_for_the_preemption_signal(monkeypatch, signum, env,
+                                                                      rank, enabled, expected):
+    calls = []
+    monkeypatch.setattr(preempt.SlurmCLI, "requeue", lambda self, job: calls.append(job))
+    flag = PreemptionFlag("USR2")
+    flag._handler(signum, None)
+    flag.poll(distributed=False)
+    log = _Log()
+    assert requeue_if_wanted(flag, env, rank=rank, enabled=enabled, distributed=False,
+                             log=log) == bool(expected)
+    assert calls == expected
+    assert [e for e, _ in log.events] == ["requeue"] * len(expected)
 
 
 def _agree(rank, world_size, signals):

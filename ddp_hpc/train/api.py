@@ -14,6 +14,9 @@ launcher's variables) and tear it down again; an existing group is used as is.
 """
 from __future__ import annotations
 
+import dataclasses
+import gc
+import os
 import time
 import traceback
 from pathlib import Path
@@ -24,10 +27,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, Subset, TensorDataset
 
+from ddp_hpc import dist as ddp_dist
 from ddp_hpc.config import (ConfigError, JobConfig, apply_overrides, config_from_dict,
                             config_to_dict, load_config, resolve_factory)
-from ddp_hpc.train.loop import Trainer, TrainResult, seed_everything
+from ddp_hpc.env import DistEnv
+from ddp_hpc.errors import format_error
+from ddp_hpc.examples.models import BUILTIN_MODELS
+from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
 from ddp_hpc.runlogs.writer import RunLog, resolve_log_dir
+from ddp_hpc.train.build import seed_everything
+from ddp_hpc.train.loop import Trainer
+from ddp_hpc.train.result import TrainResult
 
 __all__ = ["fit", "train_ddp", "run_job", "make_config", "build_model", "build_datasets",
            "build_loss", "TrainResult"]
@@ -48,15 +58,14 @@ def make_config(config: JobConfig | Mapping | str | Path | None = None,
 
 
 def build_model(cfg: JobConfig) -> nn.Module:
-    from ddp_hpc.examples.models import BUILTIN_MODELS
     factory = resolve_factory(cfg.model.name, BUILTIN_MODELS, "model.name")
     seed_everything(cfg.train.seed)          # identical initial weights on every rank
     try:
         model = factory(**cfg.model.kwargs)
     except TypeError as e:
-        raise ConfigError(f"model.name={cfg.model.name!r} rejected model.kwargs="
-                          f"{cfg.model.kwargs!r}: {e}\nHINT: pass only arguments its "
-                          f"constructor accepts") from None
+        raise ConfigError(format_error(
+            f"model.name={cfg.model.name!r} rejected model.kwargs={cfg.model.kwargs!r}: {e}",
+            "pass only arguments its constructor accepts")) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name={cfg.model.name!r} returned {type(model).__name__}, "
                           f"not a torch.nn.Module")
@@ -64,7 +73,6 @@ def build_model(cfg: JobConfig) -> nn.Module:
 
 
 def _dataset_factory(spec: str, kwargs: Mapping, key: str) -> Callable[[], Dataset]:
-    from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
     factory = resolve_factory(spec, BUILTIN_DATASETS, key)
 
     def make() -> Dataset:
@@ -91,13 +99,10 @@ def build_datasets(cfg: JobConfig, ctx) -> tuple[Dataset, Dataset | None, Callab
             train = Subset(train, perm[n_eval:].tolist())
         return train, eval_ds, None
     if d.eval_split:
-        raise ConfigError(f"data.eval_split={d.eval_split} works with data.io=direct only, not "
-                          f"{d.io!r}.\nHINT: name a separate data.eval_dataset")
-    try:
-        from ddp_hpc.data.io import make_train_batches, open_train_data
-    except ImportError as e:
-        raise ConfigError(f"data.io={d.io!r} needs ddp_hpc.data.io, which cannot be imported "
-                          f"({e}).\nHINT: use data.io=direct") from None
+        raise ConfigError(format_error(
+            f"data.eval_split={d.eval_split} works with data.io=direct only, not {d.io!r}",
+            "name a separate data.eval_dataset"))
+    from ddp_hpc.data.io import make_train_batches, open_train_data   # lmdb: only for these modes
     train = open_train_data(d, ctx, make_train)
     t = cfg.train
 
@@ -124,10 +129,7 @@ class _Context:
 
 def _context(rank: int | None, world_size: int | None, timeout_s: float = 1800.0):
     """(context, whether we created the group)."""
-    from ddp_hpc import dist as ddp_dist
     if dist.is_available() and dist.is_initialized():
-        from ddp_hpc.env import DistEnv
-        import dataclasses
         env = DistEnv.detect()
         env = dataclasses.replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
         return _Context(env, ddp_dist.select_device(env)), False
@@ -141,12 +143,10 @@ def _teardown(ok: bool) -> None:
     destroyed after torch's own state and the process aborts ("terminate called without an
     active exception") in about one run of ten with 2 gloo ranks.  gc.collect() here frees it
     while everything is alive.  After an error there is no barrier: a peer may be dead."""
-    import gc
-    from ddp_hpc.dist import cleanup_ddp
     gc.collect()
     if ok and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-    cleanup_ddp()
+    ddp_dist.cleanup_ddp()
 
 
 def _run_id(env) -> str:
@@ -171,8 +171,8 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
         trainer = Trainer(cfg, ctx, model, train_ds, eval_ds, loss_fn, log, checkpoint_dir=ckpt_dir,
                           batches=batches, classification=classification, on_step=on_step)
         log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,
-                  local_rank=env.local_rank, pid=__import__("os").getpid(),
-                  total_steps=trainer.total_steps, epochs=cfg.train.epochs, launcher=env.launcher)
+                  local_rank=env.local_rank, pid=os.getpid(), total_steps=trainer.total_steps,
+                  epochs=cfg.train.epochs, launcher=env.launcher, device=str(ctx.device))
         log.info(f"start: {env.world_size} ranks on {env.num_nodes} node(s), launcher "
                  f"{env.launcher}, device {ctx.device}, {trainer.total_steps} steps, log dir "
                  f"{log_dir}, checkpoints {ckpt_dir}")
@@ -247,10 +247,8 @@ def run_job(cfg: JobConfig, on_step: Callable[[int, int], None] | None = None) -
         result = _train(cfg, ctx, model, train_ds, eval_ds, loss_fn, classification,
                         batches=batches, on_step=on_step)
         if cfg.data.io != "direct":         # e.g. remove a staged copy once the run completed
-            from ddp_hpc.data import io as data_io
-            close = getattr(data_io, "close_train_data", None)
-            if close is not None:
-                close(train_ds, cfg.data, ctx, completed=result.status == "completed")
+            from ddp_hpc.data.io import close_train_data
+            close_train_data(train_ds, cfg.data, ctx, completed=result.status == "completed")
         ok = True
         return result
     finally:

@@ -18,12 +18,17 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ddp_hpc.errors import HintError
 from ddp_hpc.fsutil import atomic_write
 
 FORMAT = "ddp_hpc.checkpoint/1"
 REQUIRED_KEYS = ("format", "step", "epoch", "batch_in_epoch", "model", "optimizer")
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 _TMP_PREFIX = ".ckpt-tmp-"
+
+
+class CheckpointError(HintError, RuntimeError):
+    """A checkpoint another rank chose cannot be used here (e.g. checkpoint.dir is node-local)."""
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Path:

@@ -8,7 +8,8 @@ those float64 sums gives exactly the single-process numbers.
 """
 from __future__ import annotations
 
-from typing import Callable, Sized
+import contextlib
+from typing import Callable, ContextManager, Sized
 
 import psutil
 import torch
@@ -41,7 +42,8 @@ def all_reduce_sum(values: list[float], device: torch.device | str = "cpu") -> l
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, loss_fn: Callable, *, rank: int, world_size: int,
-             batch_size: int, device: torch.device, autocast=None, classification: bool = True,
+             batch_size: int, device: torch.device,
+             autocast: Callable[[], ContextManager] = contextlib.nullcontext, classification: bool = True,
              num_workers: int = 0) -> dict:
     """Exact loss/accuracy over `dataset` split across ranks; identical on every rank.
 
@@ -56,10 +58,7 @@ def evaluate(model: torch.nn.Module, dataset, loss_fn: Callable, *, rank: int, w
     for inputs, targets in loader:
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        if autocast is not None:
-            with autocast():
-                out = model(inputs)
-        else:
+        with autocast():
             out = model(inputs)
         n = targets.shape[0]
         loss_sum += float(loss_fn(out.float(), targets).double()) * n

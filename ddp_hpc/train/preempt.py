@@ -21,19 +21,22 @@ Time limit or preemption?  Rule: the signal is a **time limit** when the job's e
 and the signal arrives within ``preempt.timelimit_window_s`` (default 180 s) of it: that is what
 ``#SBATCH --signal=USR2@90`` and the final SIGTERM of a TIMEOUT look like.  Otherwise it is a
 **preemption** (``scancel --signal=USR2``, a preempting job's SIGTERM).  The end time comes from
-``SLURM_JOB_END_TIME`` (Slurm >= 23.02 sets it) or ``DDP_HPC_JOB_END_TIME`` (unix seconds), else
-from ``squeue``'s EndTime, asked once at start by rank 0; when none is known the reason is
-"preemption".
+``SLURM_JOB_END_TIME`` (Slurm >= 23.02 sets it) or ``DDP_HPC_JOB_END_TIME`` (unix seconds), read
+through ``ddp_hpc.env.job_facts``, else from ``squeue``'s EndTime, asked once at start by rank 0;
+when none is known the reason is "preemption".
 """
 from __future__ import annotations
 
-import os
+import datetime
 import signal
 import time
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
+
+from ddp_hpc.env import job_facts
+from ddp_hpc.slurm.cli import SlurmCLI
 
 
 def signal_number(name: str) -> int:
@@ -122,23 +125,27 @@ def _backend_needs_cuda() -> bool:
     return dist.is_initialized() and dist.get_backend() == "nccl"
 
 
-def job_end_time(environ: Mapping[str, str] | None = None) -> float | None:
-    environ = os.environ if environ is None else environ
-    for key in ("SLURM_JOB_END_TIME", "DDP_HPC_JOB_END_TIME"):
-        v = environ.get(key)
-        if v:
-            try:
-                return float(v)
-            except ValueError:
-                pass
-    return None
+def in_slurm(env) -> bool:
+    """A Slurm job step (srun, submitit on Slurm, torchrun under srun): requeue on preemption."""
+    return bool(getattr(env, "in_slurm", env.launcher == "slurm"))
+
+
+def job_end_time(env, rank: int, distributed: bool,
+                 environ: Mapping[str, str] | None = None) -> float | None:
+    """When this job's time limit ends: from the job's variables (``job_facts().end_time``),
+    else, inside Slurm, squeue's EndTime asked by rank 0 and broadcast (then a collective)."""
+    end = job_facts(environ).end_time
+    if end is None and in_slurm(env) and env.job_id:
+        box = [slurm_end_time(env.job_id) if rank == 0 else None]
+        if distributed:
+            dist.broadcast_object_list(box, src=0)
+        end = box[0]
+    return end
 
 
 def slurm_end_time(job_id: str) -> float | None:
     """The job's EndTime from squeue (start + time limit while it runs), via ddp_hpc.slurm.cli."""
-    import datetime
     try:
-        from ddp_hpc.slurm.cli import SlurmCLI
         rows = SlurmCLI().squeue([job_id])
     except Exception:  # noqa: BLE001 - no squeue here: the reason falls back to "preemption"
         return None
@@ -159,8 +166,27 @@ def classify(received_at: float | None, end_time: float | None, window_s: float)
 
 def requeue(job_id: str) -> None:
     """Requeue this Slurm job (``JOBID_TASK`` for an array task) through ddp_hpc.slurm.cli."""
-    try:
-        from ddp_hpc.slurm.cli import SlurmCLI
-    except ImportError as e:   # the module is built separately (issue "Slurm CLI")
-        raise RuntimeError(f"cannot requeue job {job_id}: ddp_hpc.slurm.cli is missing ({e})") from e
     SlurmCLI().requeue(job_id)
+
+
+def requeue_if_wanted(flag: PreemptionFlag, env, *, rank: int, enabled: bool, distributed: bool,
+                      log) -> bool:
+    """Rank 0 requeues its Slurm job when the preemption signal (not SIGTERM) stopped the run and
+    preempt.requeue is on; every rank learns whether that worked (a collective when distributed)."""
+    requeued = False
+    slurm_rank0 = rank == 0 and in_slurm(env)
+    if slurm_rank0 and not flag.requeue_wanted:
+        log.info("not requeuing: SIGTERM (a user's scancel, or Slurm ending or requeueing the job itself)")
+    if slurm_rank0 and env.job_id and enabled and flag.requeue_wanted:
+        try:
+            requeue(env.job_id)
+            requeued = True
+            log.event("requeue", job_id=env.job_id)
+            log.info(f"requeued Slurm job {env.job_id}")
+        except Exception as e:  # noqa: BLE001 - report, then exit with the preempt code
+            log.warning(f"requeue of job {env.job_id} failed: {type(e).__name__}: {e}")
+    if distributed:
+        box = [requeued]
+        dist.broadcast_object_list(box, src=0)
+        requeued = bool(box[0])
+    return requeued

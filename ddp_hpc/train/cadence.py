@@ -1,0 +1,123 @@
+"""What happens between optimizer steps: every N steps, at a preemption check, at an epoch's end.
+
+Why it costs nothing measurable per step: losses are summed on the device (no host sync), metrics
+are reduced across ranks once per ``log.every_n_steps`` steps in one collective, and the
+preemption flag is all-reduced asynchronously every ``check_every`` steps (see preempt.py).  With
+``preempt.check_every_steps=0`` that interval follows the measured step time: every step until
+the first log interval, then about every `PREEMPT_CHECK_S` seconds of training.  Every rank
+computes the same interval from the same reduced numbers, so collectives always match.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ddp_hpc.config import JobConfig
+from ddp_hpc.runlogs.writer import Progress, RunLog
+from ddp_hpc.train.metrics import ResourceSampler, all_reduce_sum
+from ddp_hpc.train.preempt import PreemptionFlag
+
+#: with preempt.check_every_steps=0 the flag is all-reduced about this often (seconds of training):
+#: on fast steps a collective every step would cost measurable throughput, on slow steps (>= this)
+#: every step is checked
+PREEMPT_CHECK_S = 0.2
+
+
+class Window:
+    """Running sums over a span of micro-batches (a log interval or an epoch), loss on the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.zero = torch.zeros((), device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss, self.micro, self.samples, self.steps = self.zero.clone(), 0, 0, 0
+        self.t0 = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        self.loss += loss
+        self.micro += 1
+        self.samples += samples
+
+    def reduce(self, world: int) -> tuple[float, float, float]:
+        """Collective: (mean loss per micro-batch, samples/s, seconds per rank) over all ranks."""
+        loss, micro, samples, seconds = all_reduce_sum(
+            [float(self.loss), self.micro, self.samples, time.perf_counter() - self.t0], self.device)
+        per_rank = seconds / world
+        return loss / max(micro, 1), samples / max(per_rank, 1e-9), per_rank
+
+
+class Cadence:
+    """Logging, the preemption check interval and the checkpoint/eval rules of one rank's run."""
+
+    def __init__(self, cfg: JobConfig, *, total_steps: int, world: int, device: torch.device,
+                 log: RunLog, progress: Progress, flag: PreemptionFlag, distributed: bool,
+                 lr: Callable[[], float], on_step: Callable[[int, int], None] | None) -> None:
+        self.cfg, self.total_steps, self.world = cfg, total_steps, world
+        self.log, self.progress, self.flag, self.distributed = log, progress, flag, distributed
+        self.lr, self.on_step = lr, on_step or (lambda step, epoch: None)
+        self.every = cfg.log.every_n_steps
+        self.auto_check = cfg.preempt.check_every_steps == 0
+        self.check_every = cfg.preempt.check_every_steps or 1    # auto: every step until measured
+        self.interval, self.epoch = Window(device), Window(device)
+        self.resources = ResourceSampler()
+        self.loss: float | None = None       # mean loss of the newest log interval, all ranks
+
+    def start_epoch(self) -> None:
+        self.epoch.reset()
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        """After each micro-batch."""
+        self.interval.add(loss, samples)
+        self.epoch.add(loss, samples)
+
+    def after_step(self, step: int, epoch: int) -> None:
+        """After each optimizer step: progress, the caller's hook, and every N steps the step
+        event (a collective)."""
+        self.interval.steps += 1
+        self.progress.update(1)
+        self.on_step(step, epoch)
+        if step % self.every == 0 or step == self.total_steps:
+            self._log_interval(step, epoch)
+
+    def _log_interval(self, step: int, epoch: int) -> None:
+        self.loss, sps, seconds = self.interval.reduce(self.world)
+        if self.auto_check:      # same reduced numbers on every rank -> same interval
+            step_s = seconds / max(self.interval.steps, 1)
+            self.check_every = max(1, min(1000, int(PREEMPT_CHECK_S / max(step_s, 1e-9))))
+        self.log.event("step", epoch=epoch, step=step, total_steps=self.total_steps, loss=self.loss,
+                       lr=self.lr(), samples_per_s=sps, **self.resources.sample())
+        if self.progress.lines:
+            self.log.info(f"epoch {epoch} step {step}/{self.total_steps} "
+                          f"loss {self.loss:.4f} {sps:.0f} samples/s")
+        self.interval.reset()
+
+    def checkpoint_due(self, step: int) -> bool:
+        """A mid-run checkpoint after this step (checkpoint.every_steps)."""
+        every = self.cfg.checkpoint.every_steps
+        return bool(every) and step % every == 0
+
+    def stop_now(self, step: int) -> bool:
+        """Collective at check steps: True on every rank once all ranks agreed to stop."""
+        return step % self.check_every == 0 and self.flag.poll(self.distributed)
+
+    def end_epoch(self, epoch: int, step: int) -> None:
+        """At an epoch's end (or where max_steps ended it): the epoch event (a collective)."""
+        loss, sps, _ = self.epoch.reduce(self.world)
+        self.log.event("epoch", epoch=epoch, step=step, loss=loss, samples_per_s=sps)
+        self.log.info(f"epoch {epoch} done: step {step}/{self.total_steps} loss {loss:.4f} "
+                      f"{sps:.0f} samples/s")
+
+    def eval_due(self, epochs_done: int) -> bool:
+        """Evaluate after this many finished epochs (not after the last: the final eval runs then)."""
+        every = self.cfg.train.eval_every_epochs
+        return bool(every) and epochs_done % every == 0 and epochs_done < self.cfg.train.epochs
+
+    def epoch_checkpoint_due(self, epochs_done: int, step: int) -> bool:
+        """A checkpoint at the start of epoch `epochs_done`: every_epochs, every_steps, or the end."""
+        ce, cs = self.cfg.checkpoint.every_epochs, self.cfg.checkpoint.every_steps
+        return bool((ce and epochs_done % ce == 0) or (cs and step % cs == 0)
+                    or epochs_done >= self.cfg.train.epochs or step >= self.total_steps)
