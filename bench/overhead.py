@@ -86,14 +86,15 @@ def _worker(rank: int, world: int, args_d: dict, tmp: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--procs", type=int, default=2, help="local processes (ranks)")
     p.add_argument("--size", type=int, default=16384, help="samples")
-    p.add_argument("--in-dim", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--in-dim", type=int, default=128, help="MLP input width")
+    p.add_argument("--hidden", type=int, default=512, help="MLP hidden width")
+    p.add_argument("--depth", type=int, default=2, help="MLP hidden layers")
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=2, help="epochs per timed run")
+    p.add_argument("--reps", type=int, default=4,
+                   help="timed runs of each loop, alternating; the best counts")
     a = p.parse_args(argv)
     from ddp_hpc.launch import launch_distributed
     with tempfile.TemporaryDirectory() as tmp:
