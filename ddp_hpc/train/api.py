@@ -31,7 +31,6 @@ from ddp_hpc import dist as ddp_dist
 from ddp_hpc.config import (ConfigError, JobConfig, apply_overrides, config_from_dict,
                             config_to_dict, load_config, resolve_factory)
 from ddp_hpc.env import DistEnv
-from ddp_hpc.errors import format_error
 from ddp_hpc.examples.models import BUILTIN_MODELS
 from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
 from ddp_hpc.runlogs.writer import RunLog, resolve_log_dir
@@ -63,12 +62,12 @@ def build_model(cfg: JobConfig) -> nn.Module:
     try:
         model = factory(**cfg.model.kwargs)
     except TypeError as e:
-        raise ConfigError(format_error(
+        raise ConfigError(
             f"model.name={cfg.model.name!r} rejected model.kwargs={cfg.model.kwargs!r}: {e}",
-            "pass only arguments its constructor accepts")) from None
+            "pass only arguments its constructor accepts") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name={cfg.model.name!r} returned {type(model).__name__}, "
-                          f"not a torch.nn.Module")
+                          f"not a torch.nn.Module", "make the factory return the model (an nn.Module)")
     return model
 
 
@@ -79,7 +78,8 @@ def _dataset_factory(spec: str, kwargs: Mapping, key: str) -> Callable[[], Datas
         try:
             return factory(**kwargs)
         except TypeError as e:
-            raise ConfigError(f"{key}={spec!r} rejected its kwargs {dict(kwargs)!r}: {e}") from None
+            raise ConfigError(f"{key}={spec!r} rejected its kwargs {dict(kwargs)!r}: {e}",
+                              "pass only arguments the dataset factory accepts") from None
     return make
 
 
@@ -99,9 +99,9 @@ def build_datasets(cfg: JobConfig, ctx) -> tuple[Dataset, Dataset | None, Callab
             train = Subset(train, perm[n_eval:].tolist())
         return train, eval_ds, None
     if d.eval_split:
-        raise ConfigError(format_error(
+        raise ConfigError(
             f"data.eval_split={d.eval_split} works with data.io=direct only, not {d.io!r}",
-            "name a separate data.eval_dataset"))
+            "name a separate data.eval_dataset")
     from ddp_hpc.data.io import make_train_batches, open_train_data   # lmdb: only for these modes
     train = open_train_data(d, ctx, make_train)
     t = cfg.train

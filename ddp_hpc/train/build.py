@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from ddp_hpc.config import ConfigError, JobConfig
-from ddp_hpc.errors import format_error
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,9 +55,9 @@ def make_precision(precision: str, device: torch.device
                    ) -> tuple[Callable[[], ContextManager], torch.amp.GradScaler]:
     """(autocast context factory, gradient scaler) for train.precision on `device`."""
     if precision == "fp16" and device.type != "cuda":
-        raise ConfigError(format_error(
+        raise ConfigError(
             f"train.precision=fp16 needs CUDA (GradScaler), but the device is {device}",
-            "use train.precision=bf16 on CPU"))
+            "use train.precision=bf16 on CPU")
     dtype = _AUTOCAST_DTYPES.get(precision)
     autocast = contextlib.nullcontext
     if dtype is not None:

@@ -32,7 +32,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_hpc.config import ConfigError, JobConfig, config_to_dict
-from ddp_hpc.errors import format_error
 from ddp_hpc.runlogs.writer import Progress, RunLog
 from ddp_hpc.train import checkpoint as ckpt
 from ddp_hpc.train.build import make_optimizer, make_precision, make_scheduler, seed_everything
@@ -74,11 +73,11 @@ class Trainer:
         self.distributed = _distributed()
         t = cfg.train
         if t.strategy in ("dp", "single") and self.world > 1:
-            raise ConfigError(format_error(
+            raise ConfigError(
                 f"train.strategy={t.strategy!r} runs in one process, but this job has "
                 f"world_size={self.world}",
                 f"use train.strategy=ddp with several processes, or launch one process for "
-                f"{t.strategy}"))
+                f"{t.strategy}")
         self.autocast, self.scaler = make_precision(t.precision, self.device)
         per_rank = math.ceil(len(train_data) / self.world)       # DistributedSampler, no drop_last
         self.batches_per_epoch = math.ceil(per_rank / t.batch_size)
