@@ -62,17 +62,17 @@ class Cadence:
         self.every = cfg.log.every_n_steps
         self.auto_check = cfg.preempt.check_every_steps == 0
         self.check_every = cfg.preempt.check_every_steps or 1    # auto: every step until measured
-        self.interval, self.epoch = Window(device), Window(device)
+        self.interval, self.this_epoch = Window(device), Window(device)
         self.resources = ResourceSampler()
         self.loss: float | None = None       # mean loss of the newest log interval, all ranks
 
     def start_epoch(self) -> None:
-        self.epoch.reset()
+        self.this_epoch.reset()
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         """After each micro-batch."""
         self.interval.add(loss, samples)
-        self.epoch.add(loss, samples)
+        self.this_epoch.add(loss, samples)
 
     def after_step(self, step: int, epoch: int) -> None:
         """After each optimizer step: progress, the caller's hook, and every N steps the step
@@ -106,7 +106,7 @@ class Cadence:
 
     def end_epoch(self, epoch: int, step: int) -> None:
         """At an epoch's end (or where max_steps ended it): the epoch event (a collective)."""
-        loss, sps, _ = self.epoch.reduce(self.world)
+        loss, sps, _ = self.this_epoch.reduce(self.world)
         self.log.event("epoch", epoch=epoch, step=step, loss=loss, samples_per_s=sps)
         self.log.info(f"epoch {epoch} done: step {step}/{self.total_steps} loss {loss:.4f} "
                       f"{sps:.0f} samples/s")
