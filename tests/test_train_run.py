@@ -112,3 +112,18 @@ def test_run_usage_says_config_is_required_and_overrides_optional():
     assert p.returncode == 2
     assert p.stderr.startswith("python -m ddp_hpc.run: error: bad configuration: unknown config key "
                                "'train.nonsense'")
+
+
+def test_a_missing_eval_folder_names_the_key_that_pointed_at_it(tmp_path):
+    """jobs/images.yaml with train images but no eval folder: exit 2 before any rank starts,
+    naming data.eval_kwargs (not data.kwargs) and the folder, with a HINT."""
+    subprocess.run([sys.executable, "-m", "ddp_hpc.data", "make-images", "data/images/train", "--count", "20"],
+                   cwd=tmp_path, env=_env(), check=True, capture_output=True)
+    p = subprocess.run([sys.executable, "-m", "ddp_hpc.run", str(REPO / "jobs" / "images.yaml"),
+                        f"log.dir={tmp_path}/logs"], cwd=tmp_path, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    first = p.stderr.strip().splitlines()[-2]
+    assert "data.eval_kwargs={'root': 'data/images/eval'} for data.eval_dataset=" in first, p.stderr
+    assert f"{tmp_path}/data/images/eval" in first and p.stderr.strip().splitlines()[-1].startswith("HINT: ")
+    assert "Traceback" not in p.stderr

@@ -1,10 +1,9 @@
 """Local processes, the laptop stand-in for ``srun``: the process tree (tree), functions spawned
 per rank (spawn), commands started as N pretend nodes x G processes (local), the CLI (cli)."""
 
-from ddp_hpc.env import free_port  # kept for tests/test_submit_torchrun_wrapper.py
 from ddp_hpc.launch.local import LocalResult, LocalRun, run_local, start_local
 from ddp_hpc.launch.spawn import RankFailedError, launch_distributed
 from ddp_hpc.launch.tree import LaunchError, local_rank_env, node_layout, thread_env
 
-__all__ = ["LaunchError", "LocalResult", "LocalRun", "RankFailedError", "free_port", "launch_distributed",
+__all__ = ["LaunchError", "LocalResult", "LocalRun", "RankFailedError", "launch_distributed",
            "local_rank_env", "node_layout", "run_local", "start_local", "thread_env"]

@@ -31,6 +31,7 @@ from ddp_hpc import dist as ddp_dist
 from ddp_hpc.config import (ConfigError, JobConfig, apply_overrides, config_from_dict,
                             config_to_dict, load_config, resolve_factory)
 from ddp_hpc.env import DistEnv
+from ddp_hpc.errors import HintError
 from ddp_hpc.examples.models import BUILTIN_MODELS
 from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
 from ddp_hpc.runlogs.writer import RunLog, resolve_log_dir
@@ -71,14 +72,17 @@ def build_model(cfg: JobConfig) -> nn.Module:
     return model
 
 
-def _dataset_factory(spec: str, kwargs: Mapping, key: str) -> Callable[[], Dataset]:
+def _dataset_factory(spec: str, kwargs: Mapping, key: str, kwargs_key: str) -> Callable[[], Dataset]:
+    """The dataset factory of ``key``; its errors name the config keys that built it."""
     factory = resolve_factory(spec, BUILTIN_DATASETS, key)
 
     def make() -> Dataset:
         try:
             return factory(**kwargs)
+        except HintError as e:
+            raise ConfigError(f"{kwargs_key}={dict(kwargs)!r} for {key}={spec!r}: {e.problem}", e.hint) from None
         except TypeError as e:
-            raise ConfigError(f"{key}={spec!r} rejected its kwargs {dict(kwargs)!r}: {e}",
+            raise ConfigError(f"{key}={spec!r} rejected its kwargs {kwargs_key}={dict(kwargs)!r}: {e}",
                               "pass only arguments the dataset factory accepts") from None
     return make
 
@@ -86,10 +90,10 @@ def _dataset_factory(spec: str, kwargs: Mapping, key: str) -> Callable[[], Datas
 def build_datasets(cfg: JobConfig, ctx) -> tuple[Dataset, Dataset | None, Callable | None]:
     """(train dataset, eval dataset or None, batches function for io != direct or None)."""
     d = cfg.data
-    make_train = _dataset_factory(d.dataset, d.kwargs, "data.dataset")
+    make_train = _dataset_factory(d.dataset, d.kwargs, "data.dataset", "data.kwargs")
     eval_ds = None
     if d.eval_dataset:
-        eval_ds = _dataset_factory(d.eval_dataset, d.eval_kwargs, "data.eval_dataset")()
+        eval_ds = _dataset_factory(d.eval_dataset, d.eval_kwargs, "data.eval_dataset", "data.eval_kwargs")()
     if d.io == "direct":
         train = make_train()
         if d.eval_split and eval_ds is None:
@@ -237,9 +241,9 @@ def run_job(cfg: JobConfig, on_step: Callable[[int, int], None] | None = None) -
     """Everything `python -m ddp_hpc.run` does after parsing: build, set up, train, tear down."""
     model = build_model(cfg)                 # config mistakes fail before any rendezvous
     loss_fn, classification = build_loss(cfg)
-    _dataset_factory(cfg.data.dataset, cfg.data.kwargs, "data.dataset")
+    _dataset_factory(cfg.data.dataset, cfg.data.kwargs, "data.dataset", "data.kwargs")
     if cfg.data.eval_dataset:
-        _dataset_factory(cfg.data.eval_dataset, cfg.data.eval_kwargs, "data.eval_dataset")
+        _dataset_factory(cfg.data.eval_dataset, cfg.data.eval_kwargs, "data.eval_dataset", "data.eval_kwargs")
     ctx, own = _context(None, None, cfg.train.collective_timeout_s)
     ok = False
     try:
