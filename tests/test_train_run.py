@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from ddp_hpc.launch import run_local, start_local
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +52,9 @@ def test_demo_in_two_processes_writes_the_run_log_contract(tmp_path):
     assert res.ok, [(tmp_path / "out" / f"rank{r}.out").read_text()[-2000:] for r in (0, 1)]
     ev = _events(tmp_path / "logs")
     assert sorted(ev) == [0, 1]
+    [saved] = list((tmp_path / "logs").rglob("config.yaml"))     # the resolved config, by rank 0
+    resolved = yaml.safe_load(saved.read_text())
+    assert resolved["train"]["epochs"] == 2 and resolved["data"]["kwargs"]["size"] == 1024
     for rank, events in ev.items():
         names = [e["event"] for e in events]
         assert names[0] == "start" and names[-1] == "end" and events[-1]["status"] == "completed"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
+import yaml
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, Subset, TensorDataset
@@ -34,6 +35,8 @@ from ddp_hpc.env import DistEnv
 from ddp_hpc.errors import HintError
 from ddp_hpc.examples.models import BUILTIN_MODELS
 from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
+from ddp_hpc.fsutil import atomic_write_text
+from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.runlogs.writer import RunLog, resolve_log_dir
 from ddp_hpc.train.build import seed_everything
 from ddp_hpc.train.loop import Trainer
@@ -163,12 +166,18 @@ def _run_id(env) -> str:
     return box[0]
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classification,
            batches=None, on_step=None) -> TrainResult:
     env = ctx.env
     log_dir = resolve_log_dir(cfg.log.dir, _run_id(env))
     log = RunLog(log_dir, env.rank, env.job_id, env.restart_count)
     log_dir = log_dir.absolute()           # events name paths other tools open from elsewhere
+    if env.rank == 0 and not (log_dir / CONFIG_FILE).exists():   # submit's copy (with Slurm options) wins
+        atomic_write_text(log_dir / CONFIG_FILE, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     ckpt_dir = Path(cfg.checkpoint.dir).absolute() if cfg.checkpoint.dir else log_dir / "checkpoints"
     step, trainer = 0, None
     try:
@@ -177,7 +186,7 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
         log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,
                   local_rank=env.local_rank, pid=os.getpid(), total_steps=trainer.total_steps,
                   epochs=cfg.train.epochs, launcher=env.launcher, device=str(ctx.device))
-        log.info(f"start: {env.world_size} ranks on {env.num_nodes} node(s), launcher "
+        log.info(f"start: {_count(env.world_size, 'rank')} on {_count(env.num_nodes, 'node')}, launcher "
                  f"{env.launcher}, device {ctx.device}, {trainer.total_steps} steps, log dir "
                  f"{log_dir}, checkpoints {ckpt_dir}")
         result = trainer.run()
