@@ -96,7 +96,7 @@ def _start_mariadb(spec: ClusterSpec) -> None:
             "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=16M",
             "--innodb-lock-wait-timeout=900"]
     # setsid -f: MariaDB does not daemonize itself; this way it is not our child (no zombie).
-    daemons.run(["setsid", "-", *argv], spec, "mariadbd", log=log)
+    daemons.run(["setsid", "-f", *argv], spec, "mariadbd", log=log)
     daemons.wait_for(lambda: daemons.port_in_use(spec.mysql_port, "127.0.0.1")
                      and daemons.alive(spec.path("run", "mysqld.pid"), "mariadbd"),
                      60, "MariaDB did not start listening", f"see {log}.", log=log)
