@@ -343,9 +343,9 @@ def test_cli_command_failure_exit_code_names_rank(tmp_path):
 
 # rank 0 waits for the test to touch `go`: its first lines must reach the terminal while it runs
 TALK = ("import os, sys, time\n"
-        "r = os.environ['RANK']\n"
+        "r, t0 = os.environ['RANK'], time.monotonic()\n"
         "print(f'rank {r} says hello'); print(f'rank {r} to stderr', file=sys.stderr)\n"
-        "while r == '0' and not os.path.exists(sys.argv[1]):\n"
+        "while r == '0' and not os.path.exists(sys.argv[1]) and time.monotonic() - t0 < 300:\n"
         "    time.sleep(0.05)\n"
         "print(f'rank {r} done')\n")
 
@@ -361,15 +361,17 @@ def test_cli_shows_rank_0_as_it_runs_and_where_every_rank_logs(tmp_path):
                              "--procs-per-node", "1", "--log-dir", str(logs), "--",
                              sys.executable, "-c", TALK, str(go)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines = [proc.stdout.readline()]
-    while not lines[-1].startswith("rank 0's output follows"):  # after the (multi-line) command
-        assert lines[-1], f"the launcher ended early: {lines} {proc.stderr.read()}"
-        lines.append(proc.stdout.readline())
-    assert lines[0].startswith("ddp_hpc launch: 2 ranks (2 pretend nodes x 1) of ")
-    assert lines[-1] == f"rank 0's output follows; every rank's goes to {logs}/rankR.out\n"
-    lines += [proc.stdout.readline(), proc.stdout.readline()]  # rank 0 waits for `go`: it runs
-    assert sorted(lines[-2:]) == ["rank 0 says hello\n", "rank 0 to stderr\n"]
-    go.touch()
+    try:
+        lines = [proc.stdout.readline()]
+        while not lines[-1].startswith("rank 0's output follows"):  # after the (multi-line) command
+            assert lines[-1], f"the launcher ended early: {lines} {proc.stderr.read()}"
+            lines.append(proc.stdout.readline())
+        assert lines[0].startswith("ddp_hpc launch: 2 ranks (2 pretend nodes x 1) of ")
+        assert lines[-1] == f"rank 0's output follows; every rank's goes to {logs}/rankR.out\n"
+        lines += [proc.stdout.readline(), proc.stdout.readline()]  # rank 0 waits for `go`: it runs
+        assert sorted(lines[-2:]) == ["rank 0 says hello\n", "rank 0 to stderr\n"]
+    finally:
+        go.touch()            # rank 0 ends whatever happened above: no process outlives the test
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert out == f"rank 0 done\nOK: all 2 ranks exited 0\nlogs: {logs}/rank0.out ... rank1.out\n"
