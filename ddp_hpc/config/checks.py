@@ -10,6 +10,7 @@ import signal as _signal
 from typing import Any, Callable
 
 from ddp_hpc.config.typed import ConfigError
+from ddp_hpc.slurm.times import duration_seconds
 
 __all__ = ["BACKENDS", "time_to_seconds", "parse_signal", "check_count", "check_flag",
            "check_text", "check_time", "check_signal", "check_backend", "PLAIN"]
@@ -20,24 +21,14 @@ BACKENDS = ("auto", "submitit", "sbatch", "local")
 PLAIN = re.compile(r"^[A-Za-z0-9_.:@%+=,/&|*!()\[\]-]+$")
 _PLAIN_HINT = ("use letters, digits and _ . : @ % + = , / & | * ! ( ) [ ] - only "
                "(no blanks, quotes, $, #, ; or backslashes)")
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
 def time_to_seconds(text: str, label: str = "--time") -> int:
-    """Slurm time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
-    m = _TIME.match(str(text))
-    if not m:
+    """Slurm time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; `ddp_hpc.slurm.times`) -> seconds > 0."""
+    total = duration_seconds(text)
+    if total is None:
         raise ConfigError(f"{label} {text!r} is not a Slurm time",
                           "write minutes (30), HH:MM:SS (02:00:00) or D-HH:MM:SS (1-00:00:00)")
-    d, a, b, c = m.groups()
-    if d is not None:  # D-H, D-H:M, D-H:M:S
-        total = int(d) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
-    elif c is not None:
-        total = int(a) * 3600 + int(b) * 60 + int(c)
-    elif b is not None:
-        total = int(a) * 60 + int(b)
-    else:
-        total = int(a) * 60
     if total <= 0:
         raise ConfigError(f"{label} {text!r} is zero", "give the job some time, e.g. 00:30:00")
     return total
