@@ -18,14 +18,14 @@ pytestmark = pytest.mark.cluster
 
 
 def _as_run_here(body: str, slurm_conf: str) -> str:
-    body = re.sub(r"^\S*ddp-hpc testcluster .*$", ": the session's cluster stands in", body, flags=re.M)
+    body = re.sub(r"^\S*ddp-hpc testcluster .*$", ": the test session cluster stands in", body, flags=re.M)
     return re.sub(r"^export SLURM_CONF=\S+", f"export SLURM_CONF={slurm_conf}", body, flags=re.M)
 
 
 def test_as_run_here_keeps_every_other_line():
     body = ".venv/bin/ddp-hpc testcluster up --nodes 4\nexport SLURM_CONF=/x/slurm.conf PATH=$PWD:$PATH\nsrun hostname\n"
     assert _as_run_here(body, "/c/slurm.conf").splitlines() == [
-        ": the session's cluster stands in", "export SLURM_CONF=/c/slurm.conf PATH=$PWD:$PATH", "srun hostname"]
+        ": the test session cluster stands in", "export SLURM_CONF=/c/slurm.conf PATH=$PWD:$PATH", "srun hostname"]
 
 
 def test_readme_cluster_blocks_work(slurm_cluster, tmp_path):
