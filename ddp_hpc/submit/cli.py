@@ -33,7 +33,7 @@ import yaml
 
 from ddp_hpc import cli as ddp_cli
 from ddp_hpc import records
-from ddp_hpc.config import ConfigError, config_to_dict, load_config, slurm_options
+from ddp_hpc.config import ConfigError, JobConfig, config_to_dict, load_config, slurm_options
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import CONFIG_FILE
@@ -111,12 +111,11 @@ def choose_backend(requested: str, cli) -> tuple[str, str]:
                         f"{', '.join(p['name'] for p in parts) or 'none'})")
 
 
-def _load(config: str, overrides: Sequence[str], tasks: Sequence[Sequence[str]]):
-    """Load the config once per task so a bad key or value in any sweep value fails here."""
+def _load(config: str, overrides: Sequence[str], tasks: Sequence[Sequence[str]]) -> tuple[JobConfig, list]:
+    """(the job's config, each task's config in the order of `sweep_tasks`; just the job's without
+    a sweep). Loading every task's here makes a bad key or value in any sweep value fail early."""
     cfg = load_config(config, overrides)
-    for extra in tasks:
-        load_config(config, [*overrides, *extra])
-    return cfg
+    return cfg, [load_config(config, [*overrides, *extra]) for extra in tasks] or [cfg]
 
 
 def _preflight(spec, backend: str, cli: SlurmCLI, dry_run: bool) -> None:
@@ -153,13 +152,13 @@ def _record(spec: JobSpec, job_id: str, backend: str, cluster: str, *, script: s
     return rec
 
 
-def _make_run_dirs(spec: JobSpec) -> None:
+def _make_run_dirs(spec: JobSpec, task_cfgs: Sequence[JobConfig]) -> None:
     """Every log directory (Slurm cannot create the directory of --output itself), each with a
-    copy of the config its run trains with, the Slurm options as submitted included."""
+    copy of the config its run trains with (`task_cfgs`, one per task), the Slurm options as
+    submitted included."""
     Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
-    for t in spec.tasks:
+    for t, cfg in zip(spec.tasks, task_cfgs, strict=True):
         Path(t.log_dir).mkdir(parents=True, exist_ok=True)
-        cfg = load_config(spec.config, [*spec.overrides, *t.overrides])
         resolved = config_to_dict(dataclasses.replace(cfg, slurm=spec.options))
         atomic_write_text(Path(t.log_dir) / CONFIG_FILE,
                           yaml.safe_dump(resolved, sort_keys=False))
@@ -170,7 +169,7 @@ def _removed_note(removed: list[str]) -> str:
             f"{', '.join(removed[:6])}" + (" ..." if len(removed) > 6 else ""))
 
 
-def _local(spec: JobSpec, args: argparse.Namespace) -> int:
+def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfig]) -> int:
     job_id = f"local-{Path(spec.log_dir).name}"
     env, removed = submit_slurm.clean_slurm_env(os.environ)
     if args.dry_run:
@@ -183,7 +182,7 @@ def _local(spec: JobSpec, args: argparse.Namespace) -> int:
         return 0
     if removed:
         _say(_removed_note(removed))
-    _make_run_dirs(spec)
+    _make_run_dirs(spec, task_cfgs)
     rec = _record(spec, job_id, "local", socket.gethostname())
     plan = submit_local.write_plan(spec, job_id, record_id=job_id,
                                    ddp_hpc_home=os.environ.get("DDP_HPC_HOME"))
@@ -217,14 +216,15 @@ def _dry_run_slurm(spec: JobSpec, backend: str) -> int:
     return 0
 
 
-def _slurm(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI) -> int:
+def _slurm(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI,
+           task_cfgs: Sequence[JobConfig]) -> int:
     if args.dry_run:
         return _dry_run_slurm(spec, backend)
     try:
         cluster = cli.cluster_name()
     except SlurmError:
         cluster = socket.gethostname()
-    _make_run_dirs(spec)
+    _make_run_dirs(spec, task_cfgs)
     env_clean, removed = submit_slurm.clean_slurm_env(os.environ)
     if removed:
         _say(_removed_note(removed) + " (before submitting)")
@@ -248,7 +248,7 @@ def _slurm(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI)
 def _submit(args: argparse.Namespace, config: str, overrides: list[str]) -> int:
     sweeps = parse_sweeps(args.sweep)
     check_overrides(overrides)
-    cfg = _load(config, overrides, sweep_tasks(sweeps))
+    cfg, task_cfgs = _load(config, overrides, sweep_tasks(sweeps))
     opts = slurm_options.merged(cfg.slurm, slurm_options.given(args))
     cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0])
     backend, why = choose_backend(opts.backend, cli)
@@ -256,9 +256,9 @@ def _submit(args: argparse.Namespace, config: str, overrides: list[str]) -> int:
     spec = build_spec(dataclasses.replace(opts, backend=backend), config_path=config, cfg=cfg,
                       overrides=overrides, sweeps=sweeps)
     if backend == "local":
-        return _local(spec, args)
+        return _local(spec, args, task_cfgs)
     _preflight(spec, backend, cli, args.dry_run)
-    return _slurm(spec, args, backend, cli)
+    return _slurm(spec, args, backend, cli, task_cfgs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
