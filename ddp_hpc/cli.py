@@ -35,6 +35,12 @@ def prog(name: str) -> str:
     return f"ddp-hpc {name}" if base.startswith("ddp-hpc") else f"python -m ddp_hpc.{name}"
 
 
+def plural(n: int, word: str) -> str:
+    """``1 process``, ``2 processes``, ``1 pretend node``, ``4 pretend nodes``: the one wording of
+    counts in messages and logs (no "1 processes", no "node(s)")."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps descriptions as written and adds ``(default: X)`` only where a default says something
     (not for None, False, empty lists or suppressed values)."""

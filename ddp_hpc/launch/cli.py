@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ddp_hpc.cli import HelpFormatter, prog
+from ddp_hpc.cli import HelpFormatter, plural, prog
 from ddp_hpc.errors import report
 from ddp_hpc.launch.local import LocalResult, run_local
 from ddp_hpc.launch.spawn import RankFailedError, launch_distributed
 from ddp_hpc.launch.tree import LaunchError, new_job_id
+from ddp_hpc.runlogs.schema import rank_out
 
 EXIT_USAGE = 2
 EXAMPLES = """examples:
@@ -69,24 +70,19 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, cmd
 
 
-def _count(n: int, noun: str, plural: str = "") -> str:
-    """``1 rank``, ``2 ranks``: no "1 processes"."""
-    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
-
-
 def _log_files(log_dir: Path, world: int) -> str:
     """``DIR/rank0.out`` or ``DIR/rank0.out ... rank3.out``."""
-    last = f" ... rank{world - 1}.out" if world > 1 else ""
-    return f"{log_dir / 'rank0.out'}{last}"
+    last = f" ... {rank_out(world - 1)}" if world > 1 else ""
+    return f"{log_dir / rank_out(0)}{last}"
 
 
 def _run_command(args: argparse.Namespace, cmd: list[str]) -> int:
     world = args.nodes * args.procs_per_node
     job_id = args.job_id or new_job_id()
     log_dir = Path(args.log_dir or Path("runs") / job_id)
-    print(f"ddp_hpc launch: {_count(world, 'rank')} ({_count(args.nodes, 'pretend node')} x "
+    print(f"ddp_hpc launch: {plural(world, 'rank')} ({plural(args.nodes, 'pretend node')} x "
           f"{args.procs_per_node}) of {shlex.join(cmd)}\nrank 0's output follows; every rank's "
-          f"goes to {log_dir}/rankR.out", flush=True)
+          f"goes to {log_dir / rank_out('R')}", flush=True)
     env = {"PYTHONUNBUFFERED": "1", **os.environ}  # rank 0's prints show up as they happen
     try:
         res = run_local(cmd, nodes=args.nodes, procs_per_node=args.procs_per_node,
@@ -106,7 +102,7 @@ def _summarize(res: LocalResult, world: int, log_dir: Path) -> None:
         print(f"interrupted by {res.interrupted}; ranks stopped\n{logs}", file=sys.stderr)
     elif res.first_failed_rank is not None:
         r = res.first_failed_rank
-        print(f"FAILED: rank {r} exited with {res.returncodes[r]}; see {log_dir / f'rank{r}.out'}"
+        print(f"FAILED: rank {r} exited with {res.returncodes[r]}; see {log_dir / rank_out(r)}"
               f"\n{logs}", file=sys.stderr)
     else:
         print(f"OK: {'rank 0' if world == 1 else f'all {world} ranks'} exited 0\n{logs}")
@@ -114,15 +110,15 @@ def _summarize(res: LocalResult, world: int, log_dir: Path) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     world = args.nodes * args.procs_per_node
-    print(f"ddp_hpc demo: {_count(world, 'process', 'processes')} on "
-          f"{_count(args.nodes, 'pretend node')}, gloo on CPU", flush=True)
+    print(f"ddp_hpc demo: {plural(world, 'process')} on "
+          f"{plural(args.nodes, 'pretend node')}, gloo on CPU", flush=True)
     try:
         losses = launch_distributed(_demo_rank, world, nodes=args.nodes, timeout=args.timeout)
     except (RankFailedError, TimeoutError) as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
     print("final loss per rank: " + ", ".join(f"{x:.4f}" for x in losses))
-    print(f"OK: {_count(world, 'rank')} agreed on all_reduce and on the DDP parameters")
+    print(f"OK: {plural(world, 'rank')} agreed on all_reduce and on the DDP parameters")
     return 0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence, TextIO
 
 from ddp_hpc.env import free_port
+from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.launch.tree import KILL_GRACE_S, LaunchError, local_rank_env, new_job_id, thread_env
 
 
@@ -73,7 +74,7 @@ class LocalRun:
         self.log_starts: list[int] = []  # where this run's output begins in each (appended) log
         try:
             for rank, rank_env in enumerate(rank_envs):
-                path = self.log_dir / f"rank{rank}.out"
+                path = self.log_dir / rank_out(rank)
                 with open(path, "ab") as log:  # append: never lose an earlier run's output
                     self.log_starts.append(log.tell())
                     self.procs.append(subprocess.Popen(

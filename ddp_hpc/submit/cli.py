@@ -187,8 +187,8 @@ def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfi
     plan = submit_local.write_plan(spec, job_id, record_id=job_id,
                                    ddp_hpc_home=os.environ.get("DDP_HPC_HOME"))
     n = spec.nodes
-    _say(f"job {job_id}: {submit_local.plural(spec.world_size, 'process')} "
-         f"({submit_local.plural(n, 'pretend node')} x {spec.gpus_per_node}), "
+    _say(f"job {job_id}: {ddp_cli.plural(spec.world_size, 'process')} "
+         f"({ddp_cli.plural(n, 'pretend node')} x {spec.gpus_per_node}), "
          f"logs in {spec.log_dir}")
     if args.wait:
         rc = submit_local.run_plan(plan, follow=True, env=env)
@@ -237,8 +237,8 @@ def _slurm(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI,
         script = submit_slurm.submitit_script(spec, job_id)
     _record(spec, job_id, backend, cluster, script=script)
     array = f", array of {len(spec.tasks)}" if spec.is_array else ""
-    _say(f"submitted job {job_id} ({backend}, {submit_local.plural(spec.nodes, 'node')} x "
-         f"{submit_local.plural(spec.tasks_per_node, 'task')}{array}), logs in {spec.log_dir}")
+    _say(f"submitted job {job_id} ({backend}, {ddp_cli.plural(spec.nodes, 'node')} x "
+         f"{ddp_cli.plural(spec.tasks_per_node, 'task')}{array}), logs in {spec.log_dir}")
     print(job_id)
     if not args.wait:
         return 0

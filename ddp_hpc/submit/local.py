@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ddp_hpc import records
+from ddp_hpc.cli import plural
 from ddp_hpc.fsutil import atomic_write_json
 from ddp_hpc.launch import start_local
 from ddp_hpc.runlogs.schema import rank_out
@@ -60,11 +61,6 @@ def _set_pids(plan: dict, pids: list[int]) -> None:
         records.update_record(rec, env)
     except (records.JobRecordError, OSError) as exc:
         print(f"ddp_hpc: could not update the job record: {exc}", file=sys.stderr)
-
-
-def plural(n: int, word: str) -> str:
-    """``1 process``, ``2 processes``, ``1 pretend node``, ``4 pretend nodes``."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
 
 
 def _run_one(plan: dict, run: dict, env: Mapping[str, str] | None,

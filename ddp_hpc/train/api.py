@@ -31,6 +31,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from ddp_hpc import dist as ddp_dist
 from ddp_hpc.config import (ConfigError, JobConfig, apply_overrides, config_from_dict,
                             config_to_dict, load_config, resolve_factory)
+from ddp_hpc.cli import plural
 from ddp_hpc.env import DistEnv
 from ddp_hpc.errors import HintError
 from ddp_hpc.examples.models import BUILTIN_MODELS
@@ -166,10 +167,6 @@ def _run_id(env) -> str:
     return box[0]
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classification,
            batches=None, on_step=None) -> TrainResult:
     env = ctx.env
@@ -186,7 +183,7 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
         log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,
                   local_rank=env.local_rank, pid=os.getpid(), total_steps=trainer.total_steps,
                   epochs=cfg.train.epochs, launcher=env.launcher, device=str(ctx.device))
-        log.info(f"start: {_count(env.world_size, 'rank')} on {_count(env.num_nodes, 'node')}, launcher "
+        log.info(f"start: {plural(env.world_size, 'rank')} on {plural(env.num_nodes, 'node')}, launcher "
                  f"{env.launcher}, device {ctx.device}, {trainer.total_steps} steps, log dir "
                  f"{log_dir}, checkpoints {ckpt_dir}")
         result = trainer.run()
