@@ -97,8 +97,8 @@ def resolve_factory(spec: str, builtins: Mapping[str, Any], key: str) -> Any:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise ConfigError(f"{key} = {spec!r}: cannot import module {mod_name!r} ({e}).",
-                          f"check the spelling and that the package is installed or on "
-                          f"PYTHONPATH") from None
+                          "check the spelling and that the package is installed or on "
+                          "PYTHONPATH") from None
     obj = mod
     for part in attr.split("."):
         if not hasattr(obj, part):

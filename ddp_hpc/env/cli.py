@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from ddp_hpc.cli import HelpFormatter, prog
 from ddp_hpc.env.checks import diagnose
