@@ -35,10 +35,11 @@ def prog(name: str) -> str:
     return f"ddp-hpc {name}" if base.startswith("ddp-hpc") else f"python -m ddp_hpc.{name}"
 
 
-def plural(n: int, word: str) -> str:
-    """``1 process``, ``2 processes``, ``1 pretend node``, ``4 pretend nodes``: the one wording of
-    counts in messages and logs (no "1 processes", no "node(s)")."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
+def plural(n: int | None, word: str) -> str:
+    """``1 process``, ``2 processes``, ``1 pretend node``, ``4 pretend nodes``, ``? nodes`` when n
+    is unknown: the one wording of counts in messages and logs (no "1 processes", no "node(s)")."""
+    many = word + ("es" if word.endswith("s") else "s")
+    return f"{'?' if n is None else n} {word if n == 1 else many}"
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

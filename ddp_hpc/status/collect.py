@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddp_hpc.cli import plural
 from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.slurm.times import format_duration, normalize_duration
@@ -132,7 +133,7 @@ def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float)
     elapsed = sched.elapsed or _elapsed_from_runs(runs, state.state.active, now)
     bad = sum(s.bad_lines for s in logs.ranks.values())
     if bad:
-        notes.append(f"{bad} unreadable {'line' if bad == 1 else 'lines'} in the event streams skipped")
+        notes.append(f"{plural(bad, 'unreadable line')} in the event streams skipped")
     if t.log_dir and not Path(t.log_dir).is_dir():
         notes.append(f"log directory {t.log_dir} does not exist (yet)")
     return JobStatus(

@@ -26,18 +26,12 @@ def _num(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def count(n: int | None, one: str, many: str | None = None) -> str:
-    """``1 node``, ``2 nodes``, ``1 process``, ``3 processes``; ``? nodes`` when n is unknown."""
-    word = one if n == 1 else (many or one + "s")
-    return f"{'?' if n is None else n} {word}"
-
-
 def shape_text(st: JobStatus) -> str:
     """``2 nodes x 4 GPUs``, or ``1 node x 2 processes on CPU`` when the run says it used the CPU."""
     per = st.gpus_per_node
     if st.device == "cpu":
-        return f"{count(st.nodes, 'node')} x {count(per, 'process', 'processes')} on CPU"
-    return f"{count(st.nodes, 'node')} x {count(per, 'GPU')}"
+        return f"{ddp_cli.plural(st.nodes, 'node')} x {ddp_cli.plural(per, 'process')} on CPU"
+    return f"{ddp_cli.plural(st.nodes, 'node')} x {ddp_cli.plural(per, 'GPU')}"
 
 
 def progress_text(st: JobStatus) -> str:
@@ -187,7 +181,7 @@ def _history_lines(st: JobStatus) -> list[str]:
                 how += ", requeue requested"
             out.append(f"  restart {r['restart']}: ranks {len(r['ranks'])}, last step "
                        f"{r['last_step'] if r['last_step'] is not None else '-'}, {how}"
-                       + (f", {count(r['errors'], 'error event')}" if r["errors"] else ""))
+                       + (f", {ddp_cli.plural(r['errors'], 'error event')}" if r["errors"] else ""))
     return out
 
 
