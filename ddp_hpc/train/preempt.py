@@ -27,7 +27,6 @@ when none is known the reason is "preemption".
 """
 from __future__ import annotations
 
-import datetime
 import signal
 import time
 from typing import Mapping
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from ddp_hpc.env import job_facts
 from ddp_hpc.slurm.cli import SlurmCLI
+from ddp_hpc.slurm.times import timestamp
 
 
 def signal_number(name: str) -> int:
@@ -149,12 +149,8 @@ def slurm_end_time(job_id: str) -> float | None:
         rows = SlurmCLI().squeue([job_id])
     except Exception:  # noqa: BLE001 - no squeue here: the reason falls back to "preemption"
         return None
-    for row in rows:
-        try:
-            return datetime.datetime.fromisoformat(row.get("EndTime", "").strip()).timestamp()
-        except ValueError:
-            continue
-    return None
+    ends = (timestamp(row.get("EndTime", "").strip()) for row in rows)
+    return next((end for end in ends if end is not None), None)
 
 
 def classify(received_at: float | None, end_time: float | None, window_s: float) -> str:
