@@ -10,6 +10,7 @@ MASTER_ADDR and MASTER_PORT from Slurm's variables (refusing a setup that would 
 under torchrun or ``ddp-hpc launch`` those are already set and it changes nothing.
 """
 
+import gc
 import os
 
 import torch
@@ -45,4 +46,9 @@ dist.all_gather(copies, flat)
 assert all(torch.equal(c, flat) for c in copies), "replicas diverged"
 if rank == 0:
     print(f"torchrun_style: {world} ranks, final loss {loss.item():.4f}, replicas equal")
+# Free the DDP wrapper (it sits in a reference cycle) while the group still exists: freed at
+# interpreter exit, after destroy_process_group, its reducer now and then aborts the process
+# ("terminate called without an active exception"). ddp_hpc.dist.cleanup_ddp() does the same.
+del model, opt
+gc.collect()
 dist.destroy_process_group()
