@@ -51,7 +51,10 @@ class JobRecordError(HintError, LookupError):
 class JobRecord:
     """One submission. ``array`` is a list of ``{task_id, overrides, log_dir}`` for job arrays
     (``log_dir`` of the record is then the parent of the per-task dirs); ``pids`` are the local
-    backend's process ids; ``script`` is the path of the rendered sbatch script, if any."""
+    backend's process ids; ``script`` is the path of the rendered sbatch script, if any.
+    ``command`` is set for a job that runs the user's own script, module or function (then
+    ``config`` is None): the argv every rank runs under ``ddp_hpc.exec``, e.g.
+    ``["python", "train.py", "--lr", "0.1"]``, or ``["<function>", "mod:fn"]`` for a function."""
 
     id: str
     cluster: str
@@ -68,6 +71,7 @@ class JobRecord:
     array: list[dict] | None = None
     pids: list[int] | None = None
     script: str | None = None
+    command: list[str] | None = None
     #: keys a newer writer added that this version does not know; kept so a rewrite loses nothing
     extra: dict = dataclasses.field(default_factory=dict)
     #: the file this record was read from or written to (not stored inside the file)
