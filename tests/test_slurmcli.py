@@ -274,7 +274,8 @@ SACCT_22_05 = (
     "1.batch\x1f1.batch\x1fCOMPLETED\x1f0:0\x1f00:00:01\x1f\x1f1\x1fn1\x1f\x1f2026-11-22T15:42:22"
     "\x1f2026-11-22T15:42:22\x1f2026-11-22T15:42:23\x1fbatch\n"
 )
-SINFO_22_05 = "debug\x1fdebug*\x1fup\x1finfinite\x1f4\x1fidle\x1fn[1-4]\x1fgpu:4\n"
+#: sinfo --exact of tests/cluster's test cluster (nodes: CPUs=8 RealMemory=4000 Gres=gpu:4)
+SINFO_22_05 = "debug\x1fdebug*\x1fup\x1finfinite\x1f4\x1fidle\x1fn[1-4]\x1fgpu:4\x1f8\x1f4000\n"
 
 
 def test_parse_real_squeue_output():
@@ -302,18 +303,30 @@ def test_parse_real_sinfo_output_and_aggregate_lines_per_partition():
     (part,) = SlurmCLI(runner=Recorder(stdout=SINFO_22_05)).sinfo_partitions()
     assert part == {"name": "debug", "default": True, "available": "up", "time_limit": "infinite",
                     "nodes": 4, "node_list": "n[1-4]", "node_states": {"idle": 4},
-                    "gpus_per_node": 4}
+                    "gpus_per_node": 4, "cpus_per_node": 8, "mem_per_node_mb": 4000}
     # the same partition split over node states and GRES, plus a second partition
-    two = ("debug\x1fdebug*\x1fup\x1finfinite\x1f1\x1fmixed\x1fn1\x1fgpu:4\n"
-           "debug\x1fdebug*\x1fup\x1finfinite\x1f3\x1fidle\x1fn[2-4]\x1fgpu:a100:8(S:0-1)\n"
-           "cpu\x1fcpu\x1fdown\x1f1:00:00\x1f2\x1fdown*\x1fc[01-02]\x1f(null)\n")
+    two = ("debug\x1fdebug*\x1fup\x1finfinite\x1f1\x1fmixed\x1fn1\x1fgpu:4\x1f64\x1f256000\n"
+           "debug\x1fdebug*\x1fup\x1finfinite\x1f3\x1fidle\x1fn[2-4]\x1fgpu:a100:8(S:0-1)\x1f32\x1f512000\n"
+           "cpu\x1fcpu\x1fdown\x1f1:00:00\x1f2\x1fdown*\x1fc[01-02]\x1f(null)\x1f2\x1f1000\n")
     parts = {p["name"]: p for p in SlurmCLI(runner=Recorder(stdout=two)).sinfo_partitions()}
     assert parts["debug"]["nodes"] == 4 and parts["debug"]["node_list"] == "n[1-4]"
     assert parts["debug"]["node_states"] == {"mixed": 1, "idle": 3}
     assert parts["debug"]["gpus_per_node"] == 8
+    assert (parts["debug"]["cpus_per_node"], parts["debug"]["mem_per_node_mb"]) == (64, 512000)
     assert parts["cpu"] == {"name": "cpu", "default": False, "available": "down",
                             "time_limit": "1:00:00", "nodes": 2, "node_list": "c[01-02]",
-                            "node_states": {"down*": 2}, "gpus_per_node": 0}
+                            "node_states": {"down*": 2}, "gpus_per_node": 0,
+                            "cpus_per_node": 2, "mem_per_node_mb": 1000}
+
+
+def test_sinfo_asks_for_exact_sizes_and_an_inexact_one_is_unknown():
+    rec = Recorder(stdout="gpu\x1fgpu\x1fup\x1finfinite\x1f2\x1fidle\x1fg[1-2]\x1fgpu:2\x1f16+\x1f64000\n"
+                          "gpu\x1fgpu\x1fup\x1finfinite\x1f1\x1fmixed\x1fg3\x1fgpu:2\x1f8\x1fN/A\n")
+    (part,) = SlurmCLI(runner=rec).sinfo_partitions()
+    assert rec.calls[0]["argv"][:3] == ["sinfo", "--noheader", "--exact"]
+    assert rec.calls[0]["argv"][3].endswith("%G\x1f%c\x1f%m")
+    # "16+" is a minimum (sinfo without --exact): the largest node could be bigger, so unknown
+    assert (part["cpus_per_node"], part["mem_per_node_mb"]) == (0, 0)
 
 
 # -- Slurm time strings ---------------------------------------------------------------------------

@@ -273,24 +273,34 @@ class SlurmCLI:
 
     def sinfo_partitions(self) -> list[dict]:
         """One dict per partition: name, default, available (up/down/...), time_limit, nodes,
-        node_list, node_states ({state: count}) and gpus_per_node (largest GPU count of a node)."""
-        fields = ("R", "P", "a", "l", "D", "T", "N", "G")
-        argv = ["sinfo", "--noheader", "--format=" + SEP.join(f"%{f}" for f in fields)]
+        node_list, node_states ({state: count}), and of its largest node gpus_per_node,
+        cpus_per_node and mem_per_node_mb (0: unknown). ``--exact`` keeps nodes of different
+        sizes on separate lines; without it sinfo prints a mixed group's minimum as ``4+``."""
+        fields = ("R", "P", "a", "l", "D", "T", "N", "G", "c", "m")
+        argv = ["sinfo", "--noheader", "--exact", "--format=" + SEP.join(f"%{f}" for f in fields)]
         parts: dict[str, dict] = {}
+        unsized: set[tuple[str, str]] = set()     # (partition, key) seen with an inexact size
         for row in self._records(argv, self._run(argv).stdout, fields, trailing=False):
             part = parts.setdefault(row["R"], {
                 "name": row["R"], "default": row["P"].endswith("*"), "available": row["a"],
                 "time_limit": row["l"], "nodes": 0, "node_list": [], "node_states": {},
-                "gpus_per_node": 0,
+                "gpus_per_node": 0, "cpus_per_node": 0, "mem_per_node_mb": 0,
             })
             count = int(row["D"]) if row["D"].isdigit() else 0
             part["nodes"] += count
             part["node_states"][row["T"]] = part["node_states"].get(row["T"], 0) + count
             part["gpus_per_node"] = max(part["gpus_per_node"], gpus_in_gres(row["G"]))
+            for key, text in (("cpus_per_node", row["c"]), ("mem_per_node_mb", row["m"])):
+                if text.isdigit():
+                    part[key] = max(part[key], int(text))
+                else:                   # "4+" (a minimum), "N/A": the largest node is unknown
+                    unsized.add((row["R"], key))
             try:
                 part["node_list"].extend(expand(row["N"]) if row["N"] != "n/a" else [])
             except HostlistError:
                 part["node_list"].append(row["N"])
+        for name, key in unsized:
+            parts[name][key] = 0
         for part in parts.values():
             part["node_list"] = compress(part["node_list"]) if part["node_list"] else ""
         return list(parts.values())
