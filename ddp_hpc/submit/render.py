@@ -75,8 +75,10 @@ def render(spec: JobSpec) -> str:
         "# srun does not inherit --cpus-per-task since Slurm 22.05",
         'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-' + str(spec.cpus_per_task) + '}"',
         f"cd {shlex.quote(spec.workdir)}",
-        f"ARGS=({_q([spec.python, '-m', 'ddp_hpc.run', spec.config, *spec.overrides])})",
+        f"ARGS=({_q(spec.base_argv())})",
     ]
+    if spec.is_command:   # what ddp_hpc.preemption listens for in the user's script
+        lines.insert(-1, f"export DDP_HPC_PREEMPT_SIGNAL={spec.signal}")
     if spec.is_array:
         lines.append('case "${SLURM_ARRAY_TASK_ID:-}" in')
         for task in spec.tasks:

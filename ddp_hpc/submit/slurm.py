@@ -25,11 +25,13 @@ from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.submit.spec import JobSpec, SpecError
 
 __all__ = ["clean_slurm_env", "cleaned_environ", "check_against_cluster", "submitit_parameters",
-           "submitit_folder", "submit_submitit", "submit_sbatch", "run_task", "SCRIPT_NAME"]
+           "submitit_folder", "submit_submitit", "submit_sbatch", "run_task", "run_command_task",
+           "submitit_calls", "SCRIPT_NAME"]
 
 KEEP_SLURM = frozenset({"SLURM_CONF"})
 SCRIPT_NAME = "job.sbatch"        # the rendered script, kept in the log directory
-SUBMITIT_DIR = "submitit"         # submitit's own files (*.pkl, its logs), under the log directory
+SUBMITIT_DIR = "submitit"
+PREEMPTED = 75                    # EX_TEMPFAIL: stopped for preemption, checkpointed         # submitit's own files (*.pkl, its logs), under the log directory
 
 
 def clean_slurm_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
@@ -107,6 +109,29 @@ def run_task(config: str, overrides: list[str], log_dir: str) -> int:
     return 0
 
 
+def run_command_task(command: list[str], log_dir: str, preempt_signal: str = "USR2") -> int:
+    """What every submitit task of a script or module job runs: ``ddp_hpc.exec`` in-process,
+    which derives this rank's torchrun variables and runs ``command`` as its child."""
+    os.environ["DDP_HPC_LOG_DIR"] = log_dir
+    os.environ["DDP_HPC_PREEMPT_SIGNAL"] = preempt_signal
+    from ddp_hpc import exec as ddp_exec
+    rc = ddp_exec.run(list(command), log_dir)
+    if rc == PREEMPTED:
+        return rc
+    if rc:
+        raise RuntimeError(f"{shlex.join(command[:3])}... exited with status {rc}; see {log_dir}")
+    return 0
+
+
+def submitit_calls(spec: JobSpec) -> list[tuple[Any, list]]:
+    """(function, arguments) per task: what submitit runs (and what --dry-run shows)."""
+    if spec.is_command:
+        return [(run_command_task, [[*spec.command, *t.overrides], t.log_dir, spec.signal])
+                for t in spec.tasks]
+    return [(run_task, [spec.config, [*spec.overrides, *t.overrides], t.log_dir])
+            for t in spec.tasks]
+
+
 def submitit_folder(spec: JobSpec) -> Path:
     """submitit's own files (pickles, ``<id>_submission.sh``, ``<id>_0_log.out``) go to a
     subfolder, so the log directory shows the run logs and the rank outputs first."""
@@ -144,14 +169,14 @@ def submit_submitit(spec: JobSpec) -> list[str]:
 
     ex = submitit.SlurmExecutor(folder=submitit_folder(spec), max_num_timeout=1000)
     ex.update_parameters(**submitit_parameters(spec))
+    calls = submitit_calls(spec)
+    fn = calls[0][0]
     with cleaned_environ():
         if spec.is_array:
             ex.update_parameters(array_parallelism=len(spec.tasks))
-            jobs = ex.map_array(run_task, [spec.config] * len(spec.tasks),
-                                [list(spec.overrides) + list(t.overrides) for t in spec.tasks],
-                                [t.log_dir for t in spec.tasks])
+            jobs = ex.map_array(fn, *(list(col) for col in zip(*(args for _, args in calls))))
         else:
-            jobs = [ex.submit(run_task, spec.config, list(spec.overrides), spec.log_dir)]
+            jobs = [ex.submit(fn, *calls[0][1])]
     return [str(j.job_id) for j in jobs]
 
 

@@ -25,7 +25,7 @@ from ddp_hpc.config.checks import check_plain
 from ddp_hpc.errors import HintError
 
 __all__ = ["SpecError", "TaskSpec", "JobSpec", "parse_sweeps", "sweep_tasks", "check_overrides",
-           "is_override", "build_spec", "new_run_id"]
+           "is_override", "build_spec", "build_command_spec", "new_run_id", "script_sweeps"]
 
 
 class SpecError(HintError, ValueError):
@@ -95,12 +95,13 @@ class JobSpec:
     """Everything a backend needs, validated; rendering and submitting read only this.
     ``options`` is resolved: job_name, cpus_per_task and signal (SIG@GRACE) are always set."""
     options: SlurmOptions
-    config: str                     # absolute path of the job YAML
+    config: str | None              # absolute path of the job YAML; None for a command job
     overrides: tuple[str, ...] = ()  # common to every task
     tasks: tuple[TaskSpec, ...]     # one per array task; a single task with task_id None otherwise
     log_dir: str                    # absolute; for arrays the parent of the per-task dirs
     workdir: str                    # absolute; the job runs from here
     python: str                     # the interpreter the tasks run
+    command: tuple[str, ...] | None = None   # a script/module job: the argv every rank runs
 
     name = property(lambda self: self.options.job_name)
     nodes = property(lambda self: self.options.nodes)
@@ -126,9 +127,21 @@ class JobSpec:
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def is_command(self) -> bool:
+        """A job that runs the user's own script or module (under ``ddp_hpc.exec``)."""
+        return self.command is not None
+
+    def base_argv(self) -> list[str]:
+        """What every task runs before its own sweep values: ``python -m ddp_hpc.run CONFIG
+        overrides...``, or ``python -m ddp_hpc.exec -- COMMAND...`` for a script or module."""
+        if self.command is not None:
+            return [self.python, "-m", "ddp_hpc.exec", "--", *self.command]
+        return [self.python, "-m", "ddp_hpc.run", str(self.config), *self.overrides]
+
     def task_argv(self, task: TaskSpec) -> list[str]:
-        """``python -m ddp_hpc.run CONFIG overrides...`` for one task (an argument list)."""
-        return [self.python, "-m", "ddp_hpc.run", self.config, *self.overrides, *task.overrides]
+        """One task's argument list: ``base_argv()`` and the task's sweep values."""
+        return [*self.base_argv(), *task.overrides]
 
 
 def new_run_id(name: str) -> str:
@@ -176,6 +189,55 @@ def build_spec(opts: SlurmOptions, *, config_path: str | os.PathLike, cfg: Any,
     return JobSpec(options=options, config=str(Path(config_path).resolve()),
                    overrides=tuple(overrides), tasks=tasks, log_dir=str(log_dir),
                    workdir=workdir, python=python or sys.executable)
+
+
+_SCRIPT_KEY = re.compile(r"^-{0,2}[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def script_sweeps(items: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """``--sweep lr=1e-3,3e-4`` for a script: each task gets ``--lr=1e-3`` (a key that starts
+    with ``-`` is kept as written: ``--sweep=-s=1,2`` gives ``-s=1``)."""
+    out: list[tuple[str, list[str]]] = []
+    for item in items:
+        key, eq, values = item.partition("=")
+        vals = [v.strip() for v in values.split(",")]
+        if not eq or not _SCRIPT_KEY.match(key.strip()) or not all(vals):
+            raise SpecError(f"sweep {item!r} is not of the form NAME=V1,V2,... (--sweep {item})",
+                            "write e.g. --sweep lr=1e-3,3e-4: each task gets --lr=1e-3 etc. as "
+                            "extra arguments of the script")
+        key = key.strip()
+        flag = key if key.startswith("-") else f"--{key}"
+        if flag in (k for k, _ in out):
+            raise SpecError(f"sweep key {key!r} given twice (--sweep {item})",
+                            "give all values of one key in one --sweep")
+        out.append((flag, vals))
+    return out
+
+
+def build_command_spec(opts: SlurmOptions, *, command: Sequence[str], name: str,
+                       log_root: str = "runs", sweeps: Sequence[tuple[str, Sequence[str]]] = (),
+                       workdir: str | None = None, python: str | None = None,
+                       run_id: str | None = None) -> JobSpec:
+    """The spec of a job that runs ``command`` (the user's script or module) on every rank under
+    ``ddp_hpc.exec``; logs go to ``<log_root>/<name>-<stamp>``. Defaults: one CPU per task (give
+    ``--cpus-per-task`` for data loader workers) and the USR2@90 preemption signal."""
+    workdir = os.path.abspath(workdir or os.getcwd())
+    sig, grace = parse_signal(opts.signal or "USR2@90", "--signal")
+    limit = time_to_seconds(opts.time)
+    if grace >= limit:
+        raise SpecError(f"signal grace {grace} s is not shorter than the time limit {opts.time} "
+                        f"({limit} s) (--signal / --time)",
+                        "ask for more time or a shorter grace, e.g. --signal USR2@60")
+    options = dataclasses.replace(opts, job_name=opts.job_name or _sanitize_name(name),
+                                  signal=f"{sig}@{grace}", cpus_per_task=opts.cpus_per_task or 1)
+    base = Path(workdir, log_root) if not os.path.isabs(log_root) else Path(log_root)
+    log_dir = (base / (run_id or new_run_id(options.job_name))).resolve()
+    check_plain("log directory (--log-dir)", log_dir, _LOG_DIR,
+                "pass --log-dir with a path without blanks, quotes or shell characters")
+    tasks = tuple(TaskSpec(i, extra, str(log_dir / f"task{i}"))
+                  for i, extra in enumerate(sweep_tasks(sweeps))) or (TaskSpec(None, (), str(log_dir)),)
+    return JobSpec(options=options, config=None, tasks=tasks, log_dir=str(log_dir),
+                   workdir=workdir, python=python or sys.executable, command=tuple(command))
 
 
 def _sanitize_name(name: str) -> str:
