@@ -1,0 +1,147 @@
+"""Checks of a whole job before it queues: what loading a config cannot see, because it depends on
+this machine, the job's working directory and the backend.
+
+Why here and not in the job: a typo in ``model.name``, a missing LMDB or fp16 without a GPU is
+otherwise found only when the job starts -- after it waited in the queue -- on every rank at once.
+``validate_job`` imports the factory modules (as the job will, from its working directory) but
+calls nothing in them, and creates ``log.dir`` (which submit needs anyway).
+
+    validate_job(cfg, backend="submitit", workdir="/home/me/project")   # raises ConfigError
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import reprlib
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from ddp_hpc.config.sections import DataConfig, JobConfig
+from ddp_hpc.config.typed import ConfigError
+
+__all__ = ["validate_job"]
+
+#: data.io modes that read data.lmdb_path; only lmdb cannot do without it (stage and broadcast
+#: fall back to the dataset factory, see ddp_hpc.data.io)
+_READS_LMDB = ("lmdb", "stage", "broadcast")
+_PACK_HINT = ("pack the dataset once (python -m ddp_hpc.data pack SRC OUT.lmdb) and set "
+              "data.lmdb_path=OUT.lmdb")
+
+
+def validate_job(cfg: JobConfig, *, backend: str, workdir: str) -> None:
+    """Refuse, with a ConfigError naming the key, its value and the fix, a job that would fail at
+    its start: a factory (model.name, data.dataset, data.eval_dataset, train.loss) that does not
+    import or name a callable, data.io=lmdb without data.lmdb_path or with a path that does not
+    exist, train.precision=fp16 where the job would run on CPU, a log.dir that cannot be created
+    or written. ``backend`` is the chosen one (local, submitit or sbatch); relative paths and
+    imports are resolved from ``workdir``, where the job runs."""
+    _check_data_io(cfg.data, workdir)
+    _check_precision(cfg, backend)
+    _check_factories(cfg, workdir)
+    _check_log_dir(cfg.log.dir, workdir)
+
+
+def _in(workdir: str, path: str) -> Path:
+    return Path(path) if os.path.isabs(path) else Path(workdir, path)
+
+
+def _check_data_io(d: DataConfig, workdir: str) -> None:
+    if d.io not in _READS_LMDB:
+        return
+    if not d.lmdb_path:
+        if d.io == "lmdb":
+            raise ConfigError(f"data.io={d.io} needs data.lmdb_path, which is not set", _PACK_HINT)
+        return
+    path = _in(workdir, d.lmdb_path)
+    if not path.exists():
+        where = "" if path == Path(d.lmdb_path) else f" (from {workdir}: {path})"
+        raise ConfigError(f"data.lmdb_path={d.lmdb_path} does not exist{where}; data.io={d.io} "
+                          f"reads it", f"fix the path (relative paths start in the job's working "
+                          f"directory), or {_PACK_HINT}")
+
+
+def _check_precision(cfg: JobConfig, backend: str) -> None:
+    if cfg.train.precision != "fp16" or backend != "local":
+        return
+    import torch   # only here: the submit command starts without it
+
+    if not torch.cuda.is_available():
+        raise ConfigError("train.precision=fp16 needs CUDA (GradScaler), but the local backend "
+                          "would run the job on CPU (torch.cuda.is_available() is False here)",
+                          "use train.precision=fp32, or train.precision=bf16 (it works on CPU)")
+
+
+def _builtins() -> dict[str, Mapping[str, Any] | None]:
+    """The built-in names of each factory key; None: names without ':' are not checked here."""
+    from ddp_hpc.examples.models import BUILTIN_MODELS      # torch: imported only when checking
+    from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
+
+    return {"model.name": BUILTIN_MODELS, "data.dataset": BUILTIN_DATASETS,
+            "data.eval_dataset": BUILTIN_DATASETS, "train.loss": None}
+
+
+def _check_factories(cfg: JobConfig, workdir: str) -> None:
+    specs = {"model.name": cfg.model.name, "data.dataset": cfg.data.dataset,
+             "data.eval_dataset": cfg.data.eval_dataset, "train.loss": cfg.train.loss}
+    builtins = _builtins()
+    with _importable_from(workdir):
+        for key, spec in specs.items():
+            if spec:
+                _check_factory(key, spec, builtins[key], workdir)
+
+
+@contextlib.contextmanager
+def _importable_from(workdir: str) -> Iterator[None]:
+    """Modules of the working directory importable, as for the job (``python -m ddp_hpc.run``
+    puts its working directory first on sys.path)."""
+    sys.path.insert(0, workdir)
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        sys.path.remove(workdir)
+
+
+def _check_factory(key: str, spec: str, builtins: Mapping[str, Any] | None, workdir: str) -> None:
+    if ":" not in spec:
+        if builtins is not None and spec not in builtins:
+            raise ConfigError(f"{key}={spec} is neither a built-in nor an import path",
+                              f"use one of {', '.join(sorted(builtins))} or 'pkg.module:factory'")
+        return
+    mod_name, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import module {mod_name!r} ({key}={spec}): {e}",
+                          f"check the spelling, and that the module is installed or importable "
+                          f"from the job's working directory {workdir} (or PYTHONPATH)") from None
+    except Exception as e:     # the user's module failed while it ran: show what it raised
+        raise ConfigError(f"importing module {mod_name!r} ({key}={spec}) raised "
+                          f"{type(e).__name__}: {e}", f"fix the error in {mod_name}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"module {mod_name!r} has no attribute {attr!r} ({key}={spec})",
+                              f"name a class or function defined in {mod_name}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{key}={spec} is not callable: it is {reprlib.repr(obj)} "
+                          f"({type(obj).__name__})",
+                          "name a class or a function that returns the object")
+
+
+def _check_log_dir(log_dir: str, workdir: str) -> None:
+    path = _in(workdir, log_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"log.dir={log_dir} cannot be created ({path}): "
+                          f"{e.strerror or e}", _LOG_HINT) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"log.dir={log_dir} is not writable ({path})", _LOG_HINT)
+
+
+_LOG_HINT = ("set log.dir to a directory you can write that every node sees, e.g. "
+             "-- log.dir=/scratch/$USER/runs")
