@@ -15,13 +15,14 @@ from ddp_hpc.config.validate import validate_job
 DEMO = Path(__file__).resolve().parents[1] / "jobs" / "demo.yaml"
 
 
-def _validate(tmp_path, *overrides, backend="submitit"):
-    validate_job(load_config(DEMO, list(overrides)), backend=backend, workdir=str(tmp_path))
+def _validate(tmp_path, *overrides, backend="submitit", create=True):
+    validate_job(load_config(DEMO, list(overrides)), backend=backend, workdir=str(tmp_path),
+                 create_log_dir=create)
 
 
-def _refused(tmp_path, *overrides, backend="submitit") -> ConfigError:
+def _refused(tmp_path, *overrides, backend="submitit", create=True) -> ConfigError:
     with pytest.raises(ConfigError) as e:
-        _validate(tmp_path, *overrides, backend=backend)
+        _validate(tmp_path, *overrides, backend=backend, create=create)
     return e.value
 
 
@@ -142,3 +143,16 @@ def test_log_dir_that_is_not_writable(tmp_path, monkeypatch):
     monkeypatch.setattr(validate_mod.os, "access", lambda p, mode: Path(p) != ro)  # root writes anywhere
     e = _refused(tmp_path, "log.dir=ro")
     assert e.problem == f"log.dir=ro is not writable ({ro})"
+    e = _refused(tmp_path, "log.dir=ro/a/b", create=False)
+    assert e.problem == f"log.dir=ro/a/b cannot be created: {ro} is not writable ({ro}/a/b)"
+    assert not (ro / "a").exists()
+
+
+def test_dry_run_checks_log_dir_without_creating_it(tmp_path):
+    _validate(tmp_path, "log.dir=a/b/c", create=False)
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "afile").write_text("")
+    e = _refused(tmp_path, "log.dir=afile/runs", create=False)
+    assert e.problem == (f"log.dir=afile/runs cannot be created ({tmp_path}/afile/runs): "
+                         f"{tmp_path}/afile is not a directory")
+    assert e.hint.startswith("set log.dir to a directory you can write")

@@ -31,17 +31,19 @@ _PACK_HINT = ("pack the dataset once (python -m ddp_hpc.data pack SRC OUT.lmdb) 
               "data.lmdb_path=OUT.lmdb")
 
 
-def validate_job(cfg: JobConfig, *, backend: str, workdir: str) -> None:
+def validate_job(cfg: JobConfig, *, backend: str, workdir: str,
+                 create_log_dir: bool = True) -> None:
     """Refuse, with a ConfigError naming the key, its value and the fix, a job that would fail at
     its start: a factory (model.name, data.dataset, data.eval_dataset, train.loss) that does not
     import or name a callable, data.io=lmdb without data.lmdb_path or with a path that does not
     exist, train.precision=fp16 where the job would run on CPU, a log.dir that cannot be created
     or written. ``backend`` is the chosen one (local, submitit or sbatch); relative paths and
-    imports are resolved from ``workdir``, where the job runs."""
+    imports are resolved from ``workdir``, where the job runs. ``create_log_dir=False`` (a dry
+    run) leaves the file system alone: log.dir's nearest existing folder must be writable."""
     _check_data_io(cfg.data, workdir)
     _check_precision(cfg, backend)
     _check_factories(cfg, workdir)
-    _check_log_dir(cfg.log.dir, workdir)
+    _check_log_dir(cfg.log.dir, workdir, create_log_dir)
 
 
 def _in(workdir: str, path: str) -> Path:
@@ -132,15 +134,22 @@ def _check_factory(key: str, spec: str, builtins: Mapping[str, Any] | None, work
                           "name a class or a function that returns the object")
 
 
-def _check_log_dir(log_dir: str, workdir: str) -> None:
+def _check_log_dir(log_dir: str, workdir: str, create: bool) -> None:
     path = _in(workdir, log_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"log.dir={log_dir} cannot be created ({path}): "
-                          f"{e.strerror or e}", _LOG_HINT) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"log.dir={log_dir} is not writable ({path})", _LOG_HINT)
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"log.dir={log_dir} cannot be created ({path}): "
+                              f"{e.strerror or e}", _LOG_HINT) from None
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"log.dir={log_dir} cannot be created ({path}): {existing} is not a "
+                          f"directory", _LOG_HINT)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else \
+            f"cannot be created: {existing} is not writable"
+        raise ConfigError(f"log.dir={log_dir} {what} ({path})", _LOG_HINT)
 
 
 _LOG_HINT = ("set log.dir to a directory you can write that every node sees, e.g. "
