@@ -99,11 +99,13 @@ def test_local_sweep_runs_each_task_with_its_overrides(tmp_path):
         assert _events(d, 1)[-1]["status"] == "completed"
 
 
-def test_failing_run_exits_non_zero_and_names_the_rank(tmp_path):
+def test_a_model_that_cannot_be_imported_fails_before_any_rank_starts(tmp_path):
     p = _submit(tmp_path, "--nodes", "1", "--gpus", "2", str(ROOT / "jobs/demo.yaml"), "--wait",
                 "--", *SHORT, "model.name=no_such_pkg.mod:factory")
-    assert p.returncode != 0
-    assert "FAILED: rank" in p.stderr and "rank" in p.stderr
+    assert p.returncode == 2, p.stderr
+    assert "cannot import module 'no_such_pkg.mod' (model.name=no_such_pkg.mod:factory)" in p.stderr
+    assert "HINT:" in p.stderr and "FAILED: rank" not in p.stderr
+    assert not list(tmp_path.glob("**/rank0.out"))  # nothing ran
 
 
 def test_local_torchrun_launcher(tmp_path):

@@ -32,6 +32,7 @@ from typing import Sequence
 
 from ddp_hpc import cli as ddp_cli
 from ddp_hpc.config import ConfigError, JobConfig, load_config, slurm_options
+from ddp_hpc.config.validate import validate_job
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.submit import slurm as submit_slurm
@@ -148,6 +149,8 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     backend = _backend(opts, cli)
     spec = build_spec(dataclasses.replace(opts, backend=backend), config_path=config, cfg=cfg,
                       overrides=overrides, sweeps=sweeps)
+    for task_cfg in task_cfgs:   # factories, data paths, precision, log.dir: before it queues
+        validate_job(task_cfg, backend=backend, workdir=spec.workdir, create_log_dir=False)
     return dispatch(spec, args, backend, cli, task_cfgs)
 
 

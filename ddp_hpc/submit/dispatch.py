@@ -27,17 +27,18 @@ from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.submit import local as submit_local
 from ddp_hpc.submit import render
 from ddp_hpc.submit import slurm as submit_slurm
+from ddp_hpc.submit.checks import check_resources, partition_named
 from ddp_hpc.submit.spec import JobSpec, SpecError
 from ddp_hpc.submit.wait import wait_and_judge
 
-__all__ = ["say", "dispatch"]
+__all__ = ["say", "dispatch", "preflight", "record", "make_run_dirs"]
 
 
 def say(msg: str) -> None:
     print(f"ddp_hpc submit: {msg}", file=sys.stderr, flush=True)
 
 
-def _preflight(spec, backend: str, cli: SlurmCLI, dry_run: bool) -> None:
+def preflight(spec, backend: str, cli: SlurmCLI, dry_run: bool) -> None:
     """Compare the request with what sinfo lists; a dry run goes on without a cluster."""
     if not cli.available():
         if dry_run:
@@ -53,10 +54,11 @@ def _preflight(spec, backend: str, cli: SlurmCLI, dry_run: bool) -> None:
         say(f"dry run without a reachable cluster: partition and GPU checks skipped "
              f"({str(exc).splitlines()[0]})")
         return
-    submit_slurm.check_against_cluster(spec, partitions)
+    name = submit_slurm.check_against_cluster(spec, partitions)
+    check_resources(spec, partition_named(partitions, name))
 
 
-def _record(spec: JobSpec, job_id: str, backend: str, cluster: str, *, script: str | None = None,
+def record(spec: JobSpec, job_id: str, backend: str, cluster: str, *, script: str | None = None,
             pids=None) -> records.JobRecord:
     array = None
     if spec.is_array:
@@ -72,7 +74,7 @@ def _record(spec: JobSpec, job_id: str, backend: str, cluster: str, *, script: s
     return rec
 
 
-def _make_run_dirs(spec: JobSpec, task_cfgs: Sequence[JobConfig] | None) -> None:
+def make_run_dirs(spec: JobSpec, task_cfgs: Sequence[JobConfig] | None) -> None:
     """Every log directory (Slurm cannot create the directory of --output itself), each with a
     copy of the config its run trains with (`task_cfgs`, one per task; None for a script job),
     the Slurm options as submitted included."""
@@ -110,8 +112,8 @@ def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfi
         return 0
     if removed:
         say(_removed_note(removed))
-    _make_run_dirs(spec, task_cfgs)
-    rec = _record(spec, job_id, "local", socket.gethostname())
+    make_run_dirs(spec, task_cfgs)
+    rec = args.record = record(spec, job_id, "local", socket.gethostname())
     plan = submit_local.write_plan(spec, job_id, record_id=job_id,
                                    ddp_hpc_home=os.environ.get("DDP_HPC_HOME"))
     n = spec.nodes
@@ -126,7 +128,8 @@ def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfi
     records.update_record(rec)
     say(f"started in the background (driver pid {rec.pids[0]}); follow it with "
         f"`{ddp_cli.prog('status')} {job_id}`")
-    print(job_id)
+    if not getattr(args, "quiet", False):
+        print(job_id)
     return 0
 
 
@@ -151,7 +154,7 @@ def _slurm(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI,
         cluster = cli.cluster_name()
     except SlurmError:
         cluster = socket.gethostname()
-    _make_run_dirs(spec, task_cfgs)
+    make_run_dirs(spec, task_cfgs)
     env_clean, removed = submit_slurm.clean_slurm_env(os.environ)
     if removed:
         say(_removed_note(removed) + " (before submitting)")
@@ -162,11 +165,12 @@ def _slurm(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI,
     else:
         job_id = submit_slurm.submit_submitit(spec)[0].split("_")[0]
         script = submit_slurm.submitit_script(spec, job_id)
-    _record(spec, job_id, backend, cluster, script=script)
+    args.record = record(spec, job_id, backend, cluster, script=script)
     array = f", array of {len(spec.tasks)}" if spec.is_array else ""
     say(f"submitted job {job_id} ({backend}, {ddp_cli.plural(spec.nodes, 'node')} x "
         f"{ddp_cli.plural(spec.tasks_per_node, 'task')}{array}), logs in {spec.log_dir}")
-    print(job_id)
+    if not getattr(args, "quiet", False):
+        print(job_id)
     if not args.wait:
         return 0
     return wait_and_judge(spec, job_id, cli, args.wait_timeout, say)
@@ -174,9 +178,9 @@ def _slurm(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI,
 
 def dispatch(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI,
              task_cfgs: Sequence[JobConfig] | None) -> int:
-    """Run or submit ``spec`` on ``backend`` (``args``: dry_run, wait, wait_timeout); the exit
-    status of submit."""
+    """Run or submit ``spec`` on ``backend`` (``args``: dry_run, wait, wait_timeout, and quiet:
+    no job id on stdout); the exit status of submit. The job record lands in ``args.record``."""
     if backend == "local":
         return _local(spec, args, task_cfgs)
-    _preflight(spec, backend, cli, args.dry_run)
+    preflight(spec, backend, cli, args.dry_run)
     return _slurm(spec, args, backend, cli, task_cfgs)

@@ -1,0 +1,226 @@
+"""``ddp_hpc.submit(...)`` from Python, submitit-like: submit a function or a command as a DDP job
+and get a handle back.
+
+    import ddp_hpc
+    job = ddp_hpc.submit(train, args=(cfg,), nodes=2, gpus=4, time="02:00:00", partition="gpu")
+    job.job_id, job.state()        # "PENDING", "RUNNING", "COMPLETED", "FAILED", ...
+    value = job.result()           # rank 0's return value; the first failing rank's error raised
+    job = ddp_hpc.submit(["train.py", "--lr", "0.1"], nodes=2, gpus=4)   # a script, as the CLI
+
+A function runs on every rank with torchrun's variables set (``ddp_hpc.submit.functions``),
+through submitit's executor on Slurm or in local processes here; a command goes the way
+``ddp-hpc submit`` sends it (all three backends). Backend ``auto`` picks as the CLI does. The
+Slurm keywords are the fields of ``ddp_hpc.config.SlurmOptions`` (``time``, ``partition``,
+``account``, ``qos``, ``mem``, ``cpus_per_task``, ``signal``, ``sbatch_args``, ...), checked the same
+way; every job leaves a record, so ``ddp-hpc status`` lists it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pickle
+import shlex
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from ddp_hpc.config import SlurmOptions
+from ddp_hpc.config.slurm_options import merged
+from ddp_hpc.launch import RankFailedError
+from ddp_hpc.launch.tree import kill_tree
+from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.slurm.cli import SlurmCLI
+from ddp_hpc.slurm.states import JobState
+from ddp_hpc.submit import dispatch as submit_dispatch
+from ddp_hpc.submit import slurm as submit_slurm
+from ddp_hpc.submit.functions import describe, local_driver, rank_entry
+from ddp_hpc.submit.spec import JobSpec, SpecError, build_command_spec
+from ddp_hpc.submit.target import script_command
+
+__all__ = ["submit", "Job"]
+
+
+class Job:
+    """A submitted job: ``job_id``, ``log_dir``, ``backend``, ``record``; ``state()``, ``done()``,
+    ``wait()``, ``result()``, ``cancel()``."""
+
+    def __init__(self, record, *, submitit_job=None, driver=None, conn=None) -> None:
+        self.record = record
+        self.job_id: str = str(record.id)
+        self.log_dir: str = record.log_dir
+        self.backend: str = record.backend
+        self._submitit, self._driver, self._conn = submitit_job, driver, conn
+        self._message: tuple | None = None
+        self._cancelled = False
+
+    def __repr__(self) -> str:
+        return f"Job({self.job_id!r}, backend={self.backend!r}, log_dir={self.log_dir!r})"
+
+    def _received(self) -> tuple | None:
+        """The local driver's message, once it sent one."""
+        if self._message is None and self._conn is not None and self._conn.poll():
+            try:
+                self._message = self._conn.recv()
+            except EOFError:
+                code = self._driver.exitcode if self._driver is not None else None
+                self._message = ("err", RankFailedError(
+                    -1, "DriverDied", f"the local driver process ended (exit code {code}) without "
+                    "a result; when a script calls ddp_hpc.submit() at module level, put the call "
+                    "under `if __name__ == '__main__':` (the new processes import that script "
+                    "again)", exitcode=code))
+        return self._message
+
+    def state(self) -> str:
+        """The job's state name (``ddp_hpc.slurm.states.JobState``), as ``ddp-hpc status``
+        derives it (the scheduler, the processes, the run logs)."""
+        if self._driver is not None:
+            if self._cancelled:
+                return JobState.CANCELLED.value
+            msg = self._received()
+            if msg is None:
+                return JobState.RUNNING.value if self._driver.is_alive() else JobState.FAILED.value
+            return JobState.COMPLETED.value if msg[0] == "ok" else JobState.FAILED.value
+        from ddp_hpc.status.collect import collect
+        from ddp_hpc.status.sources import slurm_cli
+        from ddp_hpc.status.targets import targets_from_records
+
+        targets = targets_from_records([self.record])
+        cli = None if self.backend == "local" else slurm_cli()[0]
+        return collect(targets, cli)[0].state_name
+
+    def done(self) -> bool:
+        return JobState[self.state()].terminal
+
+    def wait(self, timeout: float | None = None, poll: float = 2.0) -> str:
+        """Block until the job ends; returns its final state. TimeoutError after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = self.state()
+            if JobState[state].terminal:
+                return state
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.job_id} still {state} after {timeout:g} s")
+            if self._conn is not None:
+                self._conn.poll(poll)
+            else:
+                time.sleep(poll)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's return value (a function job; 0 for a command that completed). Raises
+        ``ddp_hpc.launch.RankFailedError`` for the first failing rank, from the run logs."""
+        state = self.wait(timeout)
+        msg = self._received()
+        if msg is not None:
+            if msg[0] == "ok":
+                return pickle.loads(msg[1])  # noqa: S301 - our own driver's bytes, this machine
+            raise msg[1]
+        if state == JobState.COMPLETED.value:
+            return self._submitit.task(0).result() if self._submitit is not None else 0
+        raise self._failure(state)
+
+    def _failure(self, state: str) -> RankFailedError:
+        logs = RunLogs(self.log_dir)
+        f = logs.first_failure(assume_failed=True)
+        if f is None:
+            return RankFailedError(-1, state, f"job {self.job_id} ended {state}; no rank left an "
+                                   f"error in {self.log_dir}")
+        return RankFailedError(f.rank, str(f.exc_type or state), str(f.message or state),
+                               str(f.traceback_tail or ""))
+
+    def cancel(self) -> None:
+        """scancel the Slurm job, or stop every local process."""
+        self._cancelled = True
+        if self._driver is not None:
+            kill_tree([self._driver.pid])
+            self._driver.join(timeout=10)
+        elif self.backend == "local":
+            kill_tree(list(self.record.pids or [])[:1])
+        else:
+            SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0]).cancel(self.job_id)
+
+
+def _options(nodes: int, gpus: int, backend: str, slurm: Mapping[str, Any]) -> SlurmOptions:
+    unknown = sorted(set(slurm) - set(SlurmOptions.__dataclass_fields__))
+    if unknown:
+        raise SpecError(f"ddp_hpc.submit() got unknown keywords {unknown}",
+                        f"use the SlurmOptions fields: {', '.join(SlurmOptions.__dataclass_fields__)}")
+    return merged(SlurmOptions(), {"nodes": nodes, "gpus_per_node": gpus, "backend": backend,
+                                   **slurm})
+
+
+def _command(target: str | Sequence[str]) -> tuple[tuple[str, ...], str]:
+    words = shlex.split(target) if isinstance(target, str) else [str(w) for w in target]
+    if not words:
+        raise SpecError("ddp_hpc.submit() got an empty command", "give e.g. ['train.py', '--lr', '0.1']")
+    if words[0].endswith(".py"):
+        return script_command(words[0], words[1:]), Path(words[0]).stem
+    return tuple(words), Path(words[-1] if words[0].startswith("python") else words[0]).stem
+
+
+def submit(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
+           kwargs: Mapping[str, Any] | None = None, nodes: int = 1, gpus: int = 1,
+           backend: str = "auto", name: str | None = None, log_dir: str = "runs",
+           **slurm: Any) -> Job:
+    """Submit ``target`` (a function, or a command as a string or a list of words) as a DDP job of
+    ``nodes`` x ``gpus`` ranks; returns a :class:`Job`. ``args``/``kwargs`` go to the function."""
+    from ddp_hpc.submit.cli import choose_backend
+
+    opts = _options(nodes, gpus, backend, slurm)
+    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0])
+    chosen, _why = choose_backend(opts.backend, cli)
+    opts = merged(opts, {"backend": chosen})
+    ns = argparse.Namespace(dry_run=False, wait=False, wait_timeout=None, quiet=True)
+    if not callable(target):
+        command, default_name = _command(target)
+        spec = build_command_spec(opts, command=command, name=name or default_name, log_root=log_dir)
+        submit_dispatch.dispatch(spec, ns, chosen, cli, None)
+        return Job(ns.record)
+    if chosen == "sbatch":
+        raise SpecError("a Python function cannot go through backend='sbatch' (a batch script "
+                        "cannot carry it)", "use backend='submitit' or 'auto' (or submit a script)")
+    spec = build_command_spec(opts, command=[f"<function {describe(target)}>"],
+                              name=name or getattr(target, "__name__", "function"), log_root=log_dir)
+    if chosen == "local":
+        return _local_function(spec, target, tuple(args), dict(kwargs or {}))
+    return _submitit_function(spec, target, tuple(args), dict(kwargs or {}), cli)
+
+
+def _local_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> Job:
+    submit_dispatch.make_run_dirs(spec, None)
+    job_id = f"local-{Path(spec.log_dir).name}"
+    rec = submit_dispatch.record(spec, job_id, "local", socket.gethostname())
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    driver = ctx.Process(target=local_driver, name=f"ddp_hpc-{job_id}",
+                         args=(fn, args, kwargs, spec.log_dir, spec.nodes, spec.gpus_per_node,
+                               send))
+    try:
+        driver.start()
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise SpecError(f"cannot send {describe(fn)} or its arguments to a new process: {exc}",
+                        "submit a function defined at module level, with picklable arguments") from exc
+    send.close()
+    rec.pids = [driver.pid]
+    submit_dispatch.records.update_record(rec)
+    return Job(rec, driver=driver, conn=recv)
+
+
+def _submitit_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict, cli) -> Job:
+    import submitit
+
+    submit_dispatch.preflight(spec, spec.options.backend, cli, False)
+    submit_dispatch.make_run_dirs(spec, None)
+    ex = submitit.SlurmExecutor(folder=submit_slurm.submitit_folder(spec), max_num_timeout=1000)
+    ex.update_parameters(**submit_slurm.submitit_parameters(spec))
+    with submit_slurm.cleaned_environ():
+        sjob = ex.submit(rank_entry, fn, args, kwargs, spec.log_dir)
+    try:
+        cluster = cli.cluster_name()
+    except Exception:  # noqa: BLE001 - the record falls back to this host's name
+        cluster = socket.gethostname()
+    rec = submit_dispatch.record(spec, str(sjob.job_id), "submitit", cluster,
+                                 script=submit_slurm.submitit_script(spec, str(sjob.job_id)))
+    return Job(rec, submitit_job=sjob)
