@@ -57,6 +57,8 @@ class JobStatus:
     history_source: str | None = None
     runs: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    command: list[str] | None = None  # a script/module/function job: what every rank ran
+    rank_endings: dict[int, str] = field(default_factory=dict)  # from the current run's end events
 
     @property
     def job_state(self) -> JobState:
@@ -151,7 +153,21 @@ def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float)
         rank_exit_codes={} if state.state is JobState.COMPLETED else logs.srun_exit_codes(),
         scheduler_history=sched.history,
         history_source=sched.history_source, runs=[dataclasses.asdict(r) for r in runs],
-        notes=notes)
+        notes=notes, command=getattr(rec, "command", None), rank_endings=rank_endings(logs))
+
+
+def rank_endings(logs: RunLogs) -> dict[int, str]:
+    """rank -> how it ended in the current run, from its ``end`` event: ``completed``,
+    ``failed (exit 1)``, ``killed (SIGKILL)``...; ranks without an end event are left out."""
+    restart = logs.current_restart()
+    out: dict[int, str] = {}
+    for rank, stream in sorted(logs.ranks.items()):
+        end = next((e for e in reversed(stream.of_restart(restart)) if e.get("event") == "end"), None)
+        if end is None:
+            continue
+        how = end.get("signal") or (f"exit {end['exit_code']}" if end.get("exit_code") else None)
+        out[rank] = f"{end.get('status')}" + (f" ({how})" if how else "")
+    return out
 
 
 def _elapsed_from_runs(runs, active: bool, now: float) -> str | None:

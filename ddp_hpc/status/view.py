@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -123,6 +124,8 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
             bits.append(f"ETA {format_duration(p.eta_s)}")
         bits.append(f"updated {_ago(p.updated, now)}")
         out.append("Progress:   " + ", ".join(bits))
+    if st.command:
+        out.append(f"Command:    {shlex.join(st.command)}")
     out.append(f"Log dir:    {st.log_dir or '-'}")
     if st.log_dir:
         out += [f"            {name:<12} {RANK_FILE_ROLES[kind]}"
@@ -132,9 +135,30 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
     return out
 
 
+def _ending_lines(st: JobStatus) -> list[str]:
+    """``Ranks:`` how each rank ended, grouped: ``0-2 killed (SIGTERM); 3 failed (exit 1)``."""
+    if not st.rank_endings:
+        return []
+    groups: dict[str, list[int]] = {}
+    for rank, how in sorted(st.rank_endings.items()):
+        groups.setdefault(how, []).append(rank)
+    return ["Ranks:      " + "; ".join(f"{compress_ranks(r)} {how}" for how, r in groups.items())]
+
+
+def compress_ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(r) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)
+
+
 def _exit_lines(st: JobStatus) -> list[str]:
     if not (st.exit_code or st.steps or st.rank_exit_codes):
-        return []
+        return _ending_lines(st)
     out = ["Exit codes: " + (f"job {st.exit_code}" if st.exit_code else "job -")]
     out += [f"            step {s['id']}: {s['state']} {s.get('exit_code') or ''}".rstrip()
             for s in st.steps]
@@ -142,7 +166,7 @@ def _exit_lines(st: JobStatus) -> list[str]:
         codes = ", ".join(f"rank {r}: {'killed' if c < 0 else c}"
                           for r, c in sorted(st.rank_exit_codes.items()))
         out.append(f"            srun: {codes}")
-    return out
+    return out + _ending_lines(st)
 
 
 def _failure_lines(st: JobStatus) -> list[str]:

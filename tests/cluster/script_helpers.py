@@ -1,0 +1,27 @@
+"""Functions the Python API test submits (``ddp_hpc.submit(fn, ...)``): importable on every node
+of the test cluster through PYTHONPATH, as a user's own module would be."""
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def allsum(offset: float) -> dict:
+    """Every rank joins with env:// and all-reduces rank + offset; returns what rank 0 saw."""
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank()) + offset])
+    dist.all_reduce(t)
+    out = {"sum": t.item(), "world": dist.get_world_size(), "rank": int(os.environ["RANK"]),
+           "host": socket.gethostname()}
+    dist.destroy_process_group()
+    return out
+
+
+def fail_on(rank: int) -> None:
+    """Rank ``rank`` raises; the others wait in a collective until the job ends them."""
+    dist.init_process_group("gloo")
+    if dist.get_rank() == rank:
+        raise ValueError(f"rank {rank} refuses")
+    dist.barrier()

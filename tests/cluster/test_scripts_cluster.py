@@ -1,0 +1,132 @@
+"""Your own script on the real test cluster (2 nodes x 2 tasks): an unmodified torchrun-style
+script through ``submit`` on the sbatch, submitit and local backends; a rank that raises, named by
+status; hostile script arguments kept verbatim; the preemption API (USR2 -> checkpoint -> requeue
+-> resume); the Python API with a function; a request for more CPUs than a node has."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc import records
+from ddp_hpc.runlogs.reader import read_events
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAIN = str(ROOT / "tests" / "cluster" / "plain_torchrun.py")
+PREEMPTIBLE = str(ROOT / "examples" / "preemptible.py")
+PY = sys.executable
+
+
+@pytest.fixture
+def where(slurm_cluster):
+    d = slurm_cluster.shared_dir / f"scripts-{time.monotonic_ns()}"
+    d.mkdir()
+    env = {**slurm_cluster.env, "DDP_HPC_HOME": str(d / "home"), "PYTHONPATH": str(ROOT)}
+    return d, env
+
+
+def _submit(c, where, *args, timeout=300):
+    d, env = where
+    return c.run([PY, "-m", "ddp_hpc.submit", *args], cwd=str(d), env=env, timeout=timeout)
+
+
+def _status(c, where, *args) -> str:
+    d, env = where
+    p = c.run([PY, "-m", "ddp_hpc.status", *args], cwd="/", env=env, timeout=120)
+    return p.stdout + p.stderr
+
+
+def _seen(out: Path) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.parametrize("backend", ["sbatch", "submitit", "local"])
+def test_unmodified_torchrun_script_runs_2x2(slurm_cluster, where, backend):
+    c, (d, _) = slurm_cluster, where
+    out = d / "seen"
+    started = time.monotonic()
+    p = _submit(c, where, "--backend", backend, "-N", "2", "-G", "2", "-t", "10", "--wait",
+                "--wait-timeout", "240", PLAIN, str(out))
+    print(f"{backend}: {time.monotonic() - started:.1f} s", p.stderr[-600:])
+    assert p.returncode == 0, p.stdout + p.stderr
+    seen = _seen(out)
+    assert {s["WORLD_SIZE"] for s in seen} == {"4"} and {s["sum"] for s in seen} == {10.0}
+    assert len({s["MASTER_ADDR"] for s in seen}) == 1 and len({s["MASTER_PORT"] for s in seen}) == 1
+    assert [s["RANK"] for s in seen] == ["0", "1", "2", "3"]
+    assert [s["LOCAL_RANK"] for s in seen] == ["0", "1", "0", "1"]
+    assert [s["GROUP_RANK"] for s in seen] == ["0", "0", "1", "1"]
+    if backend != "local":   # two real nodes, each with its own hostname
+        assert seen[0]["host"] == seen[1]["host"] != seen[2]["host"] == seen[3]["host"]
+    (rec,) = records.list_records({"DDP_HPC_HOME": str(d / "home")})
+    assert rec.config is None and rec.command[-2:] == [PLAIN, str(out)] and rec.backend == backend
+    for r in range(4):
+        evs = read_events(Path(rec.log_dir) / f"rank{r}.events.jsonl").events
+        assert evs[0]["event"] == "start" and evs[-1]["event"] == "end", evs
+        assert evs[-1]["status"] == "completed" and evs[-1]["exit_code"] == 0
+    assert "COMPLETED" in _status(c, where, rec.id)
+
+
+def test_script_rank3_raises_status_names_it(slurm_cluster, where):
+    c, (d, _) = slurm_cluster, where
+    started = time.monotonic()
+    p = _submit(c, where, "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10", "--wait",
+                "--wait-timeout", "240", PLAIN, str(d / "seen"), "--fail-rank", "3")
+    took = time.monotonic() - started
+    job_id = p.stdout.split()[-1]
+    detail = _status(c, where, job_id)
+    print(f"ended after {took:.1f} s\n{detail}")
+    assert p.returncode != 0
+    assert "FAILED" in detail
+    assert "First failure: rank 3" in detail and "RuntimeError: rank 3 was told to fail" in detail
+
+
+def test_script_arguments_arrive_verbatim(slurm_cluster, where):
+    c, (d, _) = slurm_cluster, where
+    marker = d / "pwned"
+    hostile = ["a b", "it's", '"quoted"', f"$(touch {marker})", "`id`", "; rm -rf /", "*", "--"]
+    p = _submit(c, where, "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10", "--wait",
+                "--wait-timeout", "240", PLAIN, str(d / "seen"), "--echo", *hostile)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert all(s["echo"] == hostile for s in _seen(d / "seen"))
+    assert not marker.exists()
+
+
+def test_too_many_cpus_per_task_fails_before_submitting(slurm_cluster, where):
+    c, (d, _) = slurm_cluster, where
+    p = _submit(c, where, "--backend", "sbatch", "-N", "2", "-G", "2", "-c", "5", PLAIN, str(d))
+    print(p.stderr)
+    assert p.returncode == 2
+    assert "5 CPUs per task x 2 tasks per node = 10 CPUs" in p.stderr and "HINT:" in p.stderr
+    assert "--cpus-per-task 4" in p.stderr
+    assert not records.list_records({"DDP_HPC_HOME": str(d / "home")})
+
+
+def test_python_api_function_result_and_failure(slurm_cluster, where):
+    c, (d, env) = slurm_cluster, where
+    code = ("import ddp_hpc, json\n"
+            "from tests.cluster.script_helpers import allsum, fail_on\n"
+            "if __name__ == '__main__':\n"
+            "    job = ddp_hpc.submit(allsum, args=(0.5,), nodes=2, gpus=2, time='10')\n"
+            "    print('JOB', job.job_id, job.backend, flush=True)\n"
+            "    print('RESULT', json.dumps(job.result(timeout=240)), job.state(), flush=True)\n"
+            "    bad = ddp_hpc.submit(fail_on, args=(3,), nodes=2, gpus=2, time='10')\n"
+            "    try:\n"
+            "        bad.result(timeout=240)\n"
+            "    except Exception as e:\n"
+            "        print('ERROR', type(e).__name__, e.rank, e.exc_type, e.message, flush=True)\n")
+    started = time.monotonic()
+    p = c.run([PY, "-c", code], cwd=str(ROOT), env=env, timeout=600)
+    print(f"{time.monotonic() - started:.1f} s\n{p.stdout}\n{p.stderr[-1500:]}")
+    assert p.returncode == 0, p.stderr
+    lines = {ln.split()[0]: ln.split(maxsplit=1)[1] for ln in p.stdout.splitlines() if ln.strip()}
+    assert lines["JOB"].split()[1] == "submitit"
+    result = json.loads(lines["RESULT"].rsplit(" ", 1)[0])
+    assert result["sum"] == 0 + 1 + 2 + 3 + 4 * 0.5 and result["world"] == 4 and result["rank"] == 0
+    assert lines["RESULT"].endswith("COMPLETED")
+    assert lines["ERROR"] == "RankFailedError 3 ValueError rank 3 refuses"
