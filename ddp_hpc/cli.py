@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "env": ("ddp_hpc.env.cli", "show or check the rank, sizes and master address this task derives"),
     "launch": ("ddp_hpc.launch.cli", "run a command as N pretend nodes x G processes on this machine"),
     "run": ("ddp_hpc.run", "train a job config on this node (the on-node entry under every launcher)"),
+    "exec": ("ddp_hpc.exec", "run your own training script as one rank (torchrun variables, signals, run log)"),
     "data": ("ddp_hpc.data.cli", "pack images into LMDB, verify it, stage it to node-local disk"),
     "status": ("ddp_hpc.status.cli", "list jobs, or show one job's state, progress, logs and failing rank"),
     "records": ("ddp_hpc.records", "register a plain sbatch job so status lists it"),

@@ -28,6 +28,7 @@ class JobFacts:
     num_nodes: int                  #: SLURM_JOB_NUM_NODES (or SLURM_NNODES), 1 outside a job
     gpus_per_node: int              #: from SLURM_GPUS_PER_NODE ("gpu:2", "a100:4") or tasks per node
     submit_dir: str | None          #: SLURM_SUBMIT_DIR
+    preempt_signal: str | None = None  #: DDP_HPC_PREEMPT_SIGNAL: the job's --signal (USR2, ...), for ddp_hpc.preemption
 
 
 def _digits(value: str | None, default: int) -> int:
@@ -64,4 +65,5 @@ def job_facts(environ: Mapping[str, str] | None = None) -> JobFacts:
         num_nodes=_digits(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES"), 1),
         gpus_per_node=_digits(env.get("SLURM_GPUS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE"), 1),
         submit_dir=env.get("SLURM_SUBMIT_DIR") or None,
+        preempt_signal=env.get("DDP_HPC_PREEMPT_SIGNAL") or None,
     )

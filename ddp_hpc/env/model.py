@@ -122,3 +122,23 @@ class DistEnv:
         # (RANK & co. would otherwise read as torchrun's); child processes ignore the mark.
         target["DDP_HPC_EXPORTED"] = f"{os.getpid()}:{self.launcher}"
         return newly
+
+    def child_environ(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """A copy of ``environ`` with the whole torchrun contract for a child process (what
+        ``python -m ddp_hpc.exec`` gives the command it runs): `export`'s variables (same refusal
+        to replace a different value), plus GROUP_RANK (node rank), GROUP_WORLD_SIZE, ROLE_RANK,
+        ROLE_WORLD_SIZE, ROLE_NAME, TORCHELASTIC_RUN_ID (the job id; an outer torchrun's is kept
+        when the job id is unknown) and DDP_HPC_JOB_ID / DDP_HPC_NUM_NODES, so the child's own
+        `detect()` names the same job and node count."""
+        child = dict(os.environ if environ is None else environ)
+        self.export(child)
+        del child["DDP_HPC_EXPORTED"]  # the mark is for this process only
+        child.update({
+            "GROUP_RANK": str(self.node_rank), "GROUP_WORLD_SIZE": str(self.num_nodes),
+            "ROLE_RANK": str(self.rank), "ROLE_WORLD_SIZE": str(self.world_size), "ROLE_NAME": "default",
+            "TORCHELASTIC_RUN_ID": self.job_id or child.get("TORCHELASTIC_RUN_ID") or "none",
+            "DDP_HPC_NUM_NODES": str(self.num_nodes),
+        })
+        if self.job_id:
+            child["DDP_HPC_JOB_ID"] = self.job_id
+        return child

@@ -21,15 +21,16 @@ EVENT_KEYS = ("time", "event", "rank", "job_id", "restart", "host")
 #: event name -> its extra keys (docs/architecture.md, "Run logs")
 EVENTS: dict[str, tuple[str, ...]] = {
     "start": ("world_size", "num_nodes", "local_rank", "pid", "total_steps", "epochs", "launcher",
-              "device"),
-    "step": ("epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "rss_mb", "cpu_percent"),
+              "device", "command"),
+    "step": ("epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "rss_mb", "cpu_percent",
+             "metrics"),
     "epoch": ("epoch", "step", "loss", "samples_per_s"),
     "eval": ("epoch", "step", "metrics"),
     "checkpoint": ("step", "path"),
     "preempt": ("signal", "reason", "step"),
     "requeue": ("job_id",),
-    "error": ("exc_type", "message", "traceback"),
-    "end": ("status", "step"),
+    "error": ("exc_type", "message", "traceback", "exit_code", "signal"),
+    "end": ("status", "step", "exit_code", "signal", "duration_s"),
 }
 
 CONFIG_FILE = "config.yaml"

@@ -76,9 +76,9 @@ def prune(directory: str | Path, keep_last: int) -> None:
             pass
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
     """Load and check one checkpoint (weights_only=True); raises ValueError when it is not one."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = torch.load(path, map_location=map_location, weights_only=True)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a ddp_hpc checkpoint (format marker missing)")
     missing = [k for k in REQUIRED_KEYS if k not in state]
@@ -87,13 +87,13 @@ def load_checkpoint(path: str | Path) -> dict:
     return state
 
 
-def find_latest_valid(directory: str | Path,
-                      warn: Callable[[str], None] | None = None) -> tuple[Path, dict] | None:
+def find_latest_valid(directory: str | Path, warn: Callable[[str], None] | None = None,
+                      map_location: Any = "cpu") -> tuple[Path, dict] | None:
     """Newest checkpoint in `directory` that loads; broken ones are skipped with a warning."""
     warn = warn or (lambda m: warnings.warn(m, stacklevel=2))
     for _, path in list_checkpoints(directory):
         try:
-            return path, load_checkpoint(path)
+            return path, load_checkpoint(path, map_location)
         except Exception as e:  # noqa: BLE001 - any failure to load means "skip this file"
             first = (str(e).strip().splitlines() or [""])[0]
             warn(f"skipping unusable checkpoint {path}: {type(e).__name__}: {first}")

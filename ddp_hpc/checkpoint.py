@@ -1,0 +1,135 @@
+"""Checkpoints for your own training script: ``save`` on every rank, ``load`` on every rank.
+
+    from ddp_hpc import checkpoint
+
+    state = checkpoint.load(ckpt_dir, model, opt)          # None on the first run
+    start = state["step"] if state else 0
+    ...
+    checkpoint.save(ckpt_dir, model, opt, step=step, epoch=epoch)   # any plain extras
+
+The files are the training core's (``ddp_hpc.train.checkpoint``): ``ckpt-<step>.pt`` written
+atomically by rank 0 (a temporary file, fsync, rename), the newest ``keep_last`` kept, read with
+``torch.load(weights_only=True)`` (no pickled code runs), a broken file skipped for the next newest.
+The model's state dict is saved without DDP's ``module.`` prefix (the model is unwrapped), so a
+checkpoint loads into a plain model as well as into a DDP one.  When torch.distributed is
+initialised, ``save`` ends with a barrier (no rank runs ahead of the file) and in ``load`` rank 0
+picks the checkpoint and every rank loads that one, so the directory must be one every node sees.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_hpc.env import detect
+from ddp_hpc.report import rank_log
+from ddp_hpc.train.checkpoint import (CheckpointError, find_latest_valid, load_checkpoint,
+                                      save_checkpoint)
+
+__all__ = ["save", "load", "last_saved_step", "unwrap", "CheckpointError"]
+
+_PLAIN = (int, float, str, bool, type(None), torch.Tensor)
+_last_saved: list[int] = []
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DistributedDataParallel / DataParallel / torch.compile wrappers."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else detect().rank
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Extras must load with weights_only=True: numbers, strings, tensors, lists and dicts."""
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_plain(v, f"{where}[{k!r}]")
+    elif not isinstance(value, _PLAIN):
+        raise CheckpointError(
+            f"checkpoint.save: {where} is a {type(value).__name__}, which torch.load(weights_only=True) "
+            "refuses to load", "pass plain numbers, strings, tensors, lists or dicts (e.g. float(x), x.tolist())")
+
+
+def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         step: int, keep_last: int = 3, **extra: Any) -> Path | None:
+    """Rank 0 writes ``<directory>/ckpt-<step>.pt`` (model without ``module.``, optimizer, extras)
+    and returns its path; other ranks return None.  Call it on every rank (a barrier when
+    distributed).  Extras come back from `load`."""
+    _check_plain(extra, "extras")
+    path = None
+    if _rank() == 0:
+        state = {"model": unwrap(model).state_dict(),
+                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                 "epoch": extra.get("epoch"), "batch_in_epoch": extra.get("batch_in_epoch"),
+                 "extra": extra}
+        path = save_checkpoint(directory, int(step), state, keep_last=keep_last)
+        log = rank_log()
+        if log is not None:
+            log.event("checkpoint", step=int(step), path=str(path))
+    _last_saved[:] = [int(step)]
+    if _distributed():
+        dist.barrier()
+    return path
+
+
+def last_saved_step() -> int | None:
+    """The step of the newest `save` in this process, None before the first."""
+    return _last_saved[0] if _last_saved else None
+
+
+def _choose(directory_or_file: str | Path, map_location: Any) -> tuple[str | None, dict | None]:
+    """Rank 0's choice (path, state) of the newest valid checkpoint; others get only the path."""
+    src = Path(directory_or_file)
+    found = None
+    if _rank() == 0:
+        if src.is_file():
+            found = (src, load_checkpoint(src, map_location))
+        else:
+            log = rank_log()
+            found = find_latest_valid(src, warn=log.warning if log else None, map_location=map_location)
+    box = [str(found[0]) if found else None]
+    if _distributed():
+        dist.broadcast_object_list(box, src=0)
+    return box[0], (found[1] if found else None)
+
+
+def load(directory_or_file: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         map_location: Any = "cpu") -> dict | None:
+    """Load the newest valid checkpoint in a directory (or the given file) into ``model`` (plain
+    or DDP; saved with or without ``module.``) and ``optimizer``; returns the extras saved with it
+    plus ``step``, or None when there is no checkpoint yet.  Call it on every rank."""
+    path, state = _choose(directory_or_file, map_location)
+    if path is None:
+        return None
+    if state is None:
+        try:
+            state = load_checkpoint(path, map_location)
+        except Exception as exc:
+            raise CheckpointError(
+                f"rank {_rank()} cannot load checkpoint {path} that rank 0 chose: {type(exc).__name__}: {exc}",
+                f"keep checkpoints on a filesystem every node sees (not {directory_or_file})") from exc
+    weights = state["model"]
+    if weights and all(k.startswith("module.") for k in weights):
+        weights = {k.removeprefix("module."): v for k, v in weights.items()}
+    unwrap(model).load_state_dict(weights)
+    if optimizer is not None and state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return {**(state.get("extra") or {}), "step": int(state["step"])}

@@ -1,0 +1,122 @@
+"""How a wrapped command ended, in the run logs' words: the ``end`` status, and for a failure the
+``error`` event's fields, taken from the command's own output when it left a Python traceback.
+
+The rules (docs/scripts.md, "Events"):
+
+- exit 0 -> ``completed``; exit 75 (EX_TEMPFAIL, what ``ddp_hpc.preemption.requeue()`` and the
+  training core exit with) -> ``preempted``;
+- anything else after the wrapper passed on SIGINT -> ``interrupted``, after SIGTERM -> ``killed``,
+  and death by any signal the wrapper passed on -> ``killed``: consequences of someone stopping
+  the job (scancel, srun's --kill-on-bad-exit, Ctrl-C, the launcher stopping the other ranks), so
+  no ``error`` event, which would hide the rank that really failed;
+- anything else -> ``failed``, with an ``error`` event: the child's last Python traceback in
+  ``rank<R>.out`` (written after it started), else "exited with status N" / "killed by signal N".
+"""
+from __future__ import annotations
+
+import json
+import signal
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from ddp_hpc.runlogs.srun import exception_of, traceback_in
+
+EX_TEMPFAIL = 75
+TRACEBACK_MARK = b"Traceback (most recent call last):"
+TAIL_BYTES = 1 << 20     # how much of the end of a file is read for a traceback or the last step
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str               #: completed | failed | preempted | killed | interrupted
+    exit_code: int | None     #: the child's exit code; None when a signal killed it
+    signal: str | None        #: the signal that killed the child ("SIGKILL"), else None
+    exit_status: int          #: what the wrapper exits with: the exit code, or 128 + signal number
+    is_cause: bool            #: the child failed on its own: write an error event
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def classify(returncode: int, forwarded: Sequence[int]) -> Outcome:
+    """`Popen.returncode` (negative: killed by that signal) and the signals the wrapper passed on,
+    in order, to the ``end`` status and the wrapper's exit status."""
+    signum = -returncode if returncode < 0 else None
+    code = None if signum else returncode
+    name = signal_name(signum) if signum else None
+    status_code = 128 + signum if signum else returncode
+    stops = [s for s in forwarded if s in (signal.SIGINT, signal.SIGTERM)]
+    if returncode == 0:
+        status = "completed"
+    elif returncode == EX_TEMPFAIL:
+        status = "preempted"
+    elif stops:
+        status = "interrupted" if stops[0] == signal.SIGINT else "killed"
+    elif signum in forwarded:
+        status = "killed"
+    else:
+        return Outcome("failed", code, name, status_code, True)
+    return Outcome(status, code, name, status_code, False)
+
+
+def _tail(path: Path, start: int) -> bytes:
+    """What was appended to ``path`` after offset ``start`` (at most its last TAIL_BYTES)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            if size <= start:
+                return b""
+            f.seek(max(start, size - TAIL_BYTES))
+            return f.read()
+    except OSError:
+        return b""
+
+
+def traceback_since(path: Path, start: int) -> list[str] | None:
+    """The last Python traceback written to ``path`` after offset ``start``, or None."""
+    tail = _tail(path, start)
+    if TRACEBACK_MARK not in tail:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".out") as f:   # read this run's part, not the file's
+        f.write(tail)
+        f.flush()
+        return traceback_in(Path(f.name))
+
+
+def error_fields(outcome: Outcome, out_path: Path | None, out_start: int) -> dict:
+    """The ``error`` event's fields for a child that failed on its own."""
+    block = traceback_since(out_path, out_start) if out_path and outcome.exit_code else None
+    if block:
+        exc_type, message = exception_of(block)
+        fields = {"exc_type": exc_type or "Exited", "message": message or "",
+                  "traceback": "\n".join(block) + "\n"}
+    elif outcome.signal:
+        signum = outcome.exit_status - 128
+        fields = {"exc_type": "Signal", "message": f"killed by signal {signum} ({outcome.signal})",
+                  "traceback": None}
+    else:
+        fields = {"exc_type": "Exited", "message": f"exited with status {outcome.exit_code}",
+                  "traceback": None}
+    return {**fields, "exit_code": outcome.exit_code, "signal": outcome.signal}
+
+
+def last_step(events_path: Path | None, start: int) -> int | None:
+    """The step of the newest ``step`` event appended to ``events_path`` after offset ``start``
+    (what the child reported through ``ddp_hpc.report``), or None."""
+    if events_path is None:
+        return None
+    tail = _tail(events_path, start)
+    for line in reversed(tail.splitlines()):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "step" and isinstance(event.get("step"), int):
+            return event["step"]
+    return None

@@ -1,0 +1,93 @@
+"""Progress of your own training script, for ``ddp-hpc status``: ``ddp_hpc.report(...)``.
+
+    from ddp_hpc import report
+    for step in range(start, total):
+        loss = train_step(...)
+        report(step=step + 1, total=total, loss=loss, lr=sched.get_last_lr()[0])
+
+Each call may write a ``step`` event (epoch, step, total_steps, loss, lr, samples_per_s, and any
+other keyword under ``metrics``) to this rank's ``rank<R>.events.jsonl`` in ``$DDP_HPC_LOG_DIR``
+(set by ``python -m ddp_hpc.exec`` and the submit backends); without a log directory it does
+nothing.  Cheap enough for every step: the file stays open, and at most one event per second is
+written (the first and the final one, ``step >= total``, always), so a tensor ``loss`` is turned
+into a number (a GPU sync) only when an event is written.  A log that cannot be written is
+reported once on stderr and never stops the script.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import types
+from typing import Any
+
+from ddp_hpc.env import EnvError, detect, job_facts
+from ddp_hpc.exec.events import SafeLog
+
+__all__ = ["report", "rank_log", "last_step", "MIN_INTERVAL_S"]
+
+MIN_INTERVAL_S = 1.0
+#: keywords with their own key in a step event (docs/architecture.md, "Run logs")
+STEP_KEYS = ("epoch", "lr", "samples_per_s")
+
+
+class _State:
+    """This process's run log and throttle; reopened in a forked child (its pid differs)."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.pid = pid
+        self.log: SafeLog | None = None
+        self.last_write: float | None = None
+        self.step: int | None = None
+
+
+_state = _State()
+
+
+def rank_log() -> SafeLog | None:
+    """This rank's run log in ``$DDP_HPC_LOG_DIR`` (opened once per process), None without one."""
+    global _state
+    if _state.pid != os.getpid():
+        _state = _State(os.getpid())
+        log_dir = job_facts().log_dir
+        if log_dir:
+            try:
+                env = detect()
+            except EnvError as exc:
+                print(f"ddp_hpc: no run log: {exc}", file=sys.stderr, flush=True)
+                return None
+            _state.log = SafeLog(log_dir, env.rank, env.job_id, env.restart_count, who="ddp_hpc.report")
+    return _state.log
+
+
+def last_step() -> int | None:
+    """The newest step passed to `report` in this process (None before the first)."""
+    return _state.step
+
+
+def report(step: int | None = None, total: int | None = None, loss: Any = None, **metrics: Any) -> None:
+    """Record progress: a ``step`` event at most once a second (the first and the final one,
+    ``step >= total``, always).  ``loss`` and metrics may be tensors or numbers."""
+    log = rank_log()
+    if step is not None:
+        _state.step = int(step)
+    if log is None or not log.active:
+        return
+    now = time.monotonic()
+    final = step is not None and total is not None and step >= total
+    if _state.last_write is not None and not final and now - _state.last_write < MIN_INTERVAL_S:
+        return
+    _state.last_write = now
+    epoch, lr, samples_per_s = (metrics.pop(key, None) for key in STEP_KEYS)
+    log.event("step", epoch=epoch, step=step, total_steps=total, loss=loss, lr=lr,
+              samples_per_s=samples_per_s, metrics=metrics or None)
+
+
+class _CallableModule(types.ModuleType):
+    """``import ddp_hpc.report; ddp_hpc.report(step=...)`` calls `report`, like the function."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        report(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
