@@ -64,8 +64,9 @@ def _check_plain(value: Any, where: str) -> None:
             _check_plain(v, f"{where}[{k!r}]")
     elif not isinstance(value, _PLAIN):
         raise CheckpointError(
-            f"checkpoint.save: {where} is a {type(value).__name__}, which torch.load(weights_only=True) "
-            "refuses to load", "pass plain numbers, strings, tensors, lists or dicts (e.g. float(x), x.tolist())")
+            f"checkpoint.save: {where} ({type(value).__name__}) cannot be loaded again: "
+            "torch.load(weights_only=True) refuses it",
+            "pass plain numbers, strings, tensors, lists or dicts (e.g. float(x), x.tolist())")
 
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
