@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=prog("exec"), formatter_class=HelpFormatter, epilog=EXAMPLES,
         usage="%(prog)s [--log-dir DIR] [--] CMD [ARGS...]",
-        description="Run a training script as one rank of a distributed job: torchrun's variables "
-                    "from whichever launcher started this process, signals passed on, start and "
+        description="Run a training script as one rank of a distributed job: torchrun's variables\n"
+                    "from whichever launcher started this process, signals passed on, start and\n"
                     "end events in the run log.")
     ap.add_argument("--log-dir", metavar="DIR",
                     help="where rankR.events.jsonl and rankR.log go (default: $DDP_HPC_LOG_DIR, else "
@@ -160,7 +160,7 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
 def _record_end(log: SafeLog, outcome, out: tuple, events: tuple, started: float) -> None:
     if outcome.is_cause:
         log.event("error", **error_fields(outcome, *out))
-    elif outcome.signal and outcome.status == "killed" and outcome.signal not in ("SIGTERM", "SIGINT"):
+    elif outcome.status == "killed" and outcome.signal in ("SIGUSR1", "SIGUSR2"):
         log.warning(f"the command died of {outcome.signal}, passed on by the wrapper: it does not "
                     "handle that signal (ddp_hpc.preemption.install() catches the job's --signal)")
     log.event("end", status=outcome.status, exit_code=outcome.exit_code, signal=outcome.signal,
