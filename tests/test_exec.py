@@ -236,3 +236,38 @@ def test_in_process_run_restores_signal_handlers(tmp_path, monkeypatch):
                         str(tmp_path)) == 41
     assert signal.getsignal(signal.SIGUSR2) is before
     assert events(tmp_path, 0)[-1]["status"] == "failed"
+
+
+def _env(local_world_size: int):
+    local_rank = local_world_size - 1
+    from ddp_hpc.env import DistEnv
+    return DistEnv(rank=local_rank, local_rank=local_rank, world_size=local_world_size,
+                   local_world_size=local_world_size, node_rank=0, num_nodes=1, master_addr="127.0.0.1",
+                   master_port=29500, hostnames=("h",), job_id=None, restart_count=0, launcher="local")
+
+
+@pytest.mark.parametrize("visible, lws, words", [
+    ("0", 2, "each task sees only its own GPU"),              # --gpus-per-task=1: LOCAL_RANK fails
+    ("0,1", 4, "has no GPU to bind"),                          # fewer GPUs than tasks
+    ("0,1", 2, None),                                          # every task sees the node's GPUs
+    ("0", 1, None),
+    (None, 2, None),                                           # unknown without torch: no guess
+    ("", 2, None),                                             # CPU only
+])
+def test_binding_note(visible, lws, words):
+    from ddp_hpc.exec.wrapper import binding_note
+    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    note = binding_note(_env(lws), environ)
+    if words is None:
+        assert note is None
+    else:
+        assert words in note and "set_device(LOCAL_RANK" in note and "ddp_hpc.dist.setup_ddp()" in note
+
+
+def test_per_task_gpu_binding_warns_in_the_rank_log(tmp_path):
+    res = run_local([*EXEC, "--", sys.executable, "-c", "pass"], nodes=1, procs_per_node=2, log_dir=tmp_path,
+                    env=clean_env(CUDA_VISIBLE_DEVICES="0"))
+    assert res.ok
+    for r in (0, 1):
+        assert "WARNING: each task sees only its own GPU" in (tmp_path / f"rank{r}.log").read_text()
+        assert "WARNING" in (tmp_path / f"rank{r}.out").read_text()
