@@ -137,7 +137,7 @@ def test_one_free_port_and_no_dunder_import():
     assert not dunder, dunder
 
 
-COMMANDS = ["submit", "env", "launch", "run", "data", "status", "records", "testcluster"]
+COMMANDS = ["submit", "env", "launch", "run", "exec", "data", "status", "records", "testcluster"]
 
 
 def _ddp_hpc(*args: str) -> subprocess.CompletedProcess:

@@ -193,3 +193,16 @@ def test_the_package_re_exports_the_reader():
     from ddp_hpc.runlogs import reader
     assert set(reader.__all__) <= set(runlogs.__all__)
     assert all(getattr(runlogs, n) is getattr(reader, n) for n in reader.__all__)
+
+
+def test_traceback_with_torch_rank_prefixes_is_read(tmp_path):
+    """torch.distributed prefixes an uncaught exception's lines with "[rank3]: "."""
+    from ddp_hpc.runlogs.srun import exception_of, traceback_in
+    p = tmp_path / "rank3.out"
+    p.write_text("starting\n[rank3]: Traceback (most recent call last):\n"
+                 '[rank3]:   File "/x/train.py", line 24, in <module>\n'
+                 '[rank3]:     raise RuntimeError("rank 3 was told to fail")\n'
+                 "[rank3]: RuntimeError: rank 3 was told to fail\n")
+    block = traceback_in(p)
+    assert block[0] == "Traceback (most recent call last):" and block[1].startswith("  File")
+    assert exception_of(block) == ("RuntimeError", "rank 3 was told to fail")

@@ -14,6 +14,8 @@ from pathlib import Path
 SRUN_EXIT_RE = re.compile(
     r"tasks? ([\d,\-]+): (?:Exited with exit code (\d+)|Killed|Terminated|Segmentation fault|Aborted)")
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
+#: torch.distributed prefixes every line of an uncaught exception with the rank: "[rank3]: "
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 
 def srun_exit_codes(paths) -> dict[int, int]:
@@ -28,8 +30,9 @@ def srun_exit_codes(paths) -> dict[int, int]:
 
 
 def traceback_in(path: Path) -> list[str] | None:
-    """The last Python traceback block in a text file, or None."""
-    lines = _read_text(path).splitlines()
+    """The last Python traceback block in a text file, or None (torch's ``[rankN]: `` line
+    prefixes removed)."""
+    lines = [_RANK_PREFIX.sub("", ln) for ln in _read_text(path).splitlines()]
     starts = [i for i, ln in enumerate(lines) if "Traceback (most recent call last):" in ln]
     if not starts:
         return None
