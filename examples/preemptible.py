@@ -3,7 +3,7 @@ stop, exits 75, and the next run (a requeued Slurm job, or the same command agai
 
     ddp-hpc launch --nodes 2 --procs-per-node 2 -- python -m ddp_hpc.exec -- python examples/preemptible.py
     torchrun --nproc-per-node 2 examples/preemptible.py --steps 500 --sleep 0.01
-    ddp-hpc submit ... -- python examples/preemptible.py          # Slurm: requeued on preemption
+    ddp-hpc submit -N 2 -G 4 -t 02:00:00 examples/preemptible.py   # Slurm: requeued on preemption
 
 Plain torch.distributed (env:// from torchrun's variables); the ddp_hpc lines are the preemption
 check (`ddp_hpc.preemption`), the checkpoints (`ddp_hpc.checkpoint`) and progress for
