@@ -93,7 +93,7 @@ def test_script_arguments_arrive_verbatim(slurm_cluster, where):
     p = _submit(c, where, "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10", "--wait",
                 "--wait-timeout", "240", PLAIN, str(d / "seen"), "--echo", *hostile)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert all(s["echo"] == hostile for s in _seen(d / "seen"))
+    assert all(s["argv"] == [str(d / "seen"), "--echo", *hostile] for s in _seen(d / "seen"))
     assert not marker.exists()
 
 
@@ -130,3 +130,40 @@ def test_python_api_function_result_and_failure(slurm_cluster, where):
     assert result["sum"] == 0 + 1 + 2 + 3 + 4 * 0.5 and result["world"] == 4 and result["rank"] == 0
     assert lines["RESULT"].endswith("COMPLETED")
     assert lines["ERROR"] == "RankFailedError 3 ValueError rank 3 refuses"
+
+
+def _events(log_dir: Path, rank: int) -> list[dict]:
+    return read_events(Path(log_dir) / f"rank{rank}.events.jsonl").events
+
+
+def test_preemption_api_usr2_checkpoints_requeues_and_resumes(slurm_cluster, where):
+    c, (d, _) = slurm_cluster, where
+    p = _submit(c, where, "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "15", PREEMPTIBLE,
+                "--steps", "300", "--sleep", "0.05", "--ckpt-dir", str(d / "ckpt"))
+    assert p.returncode == 0, p.stderr
+    job_id = p.stdout.split()[-1]
+    (rec,) = records.list_records({"DDP_HPC_HOME": str(d / "home")})
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:         # wait until the script reports progress
+        if any(e["event"] == "step" and (e.get("step") or 0) >= 10 for e in _events(rec.log_dir, 0)):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(_status(c, where, job_id))
+    started = time.monotonic()
+    assert c.run(["scancel", "--signal=USR2", job_id], timeout=30).returncode == 0
+    state = c.wait(job_id, timeout=400)
+    detail = _status(c, where, job_id)
+    print(f"ended {time.monotonic() - started:.1f} s after USR2\n{detail}")
+    ev = _events(rec.log_dir, 0)
+    kinds = [(e["event"], e["restart"]) for e in ev]
+    assert state == "COMPLETED", (kinds, detail)
+    for want in [("preempt", 0), ("checkpoint", 0), ("requeue", 0), ("end", 0), ("start", 1)]:
+        assert want in kinds, (want, kinds)
+    first_end = next(e for e in ev if e["event"] == "end")
+    assert first_end["status"] == "preempted" and first_end["exit_code"] == 75
+    stopped = next(e for e in ev if e["event"] == "checkpoint")["step"]
+    resumed = [e["step"] for e in ev if e["event"] == "step" and e["restart"] == 1]
+    assert resumed and min(resumed) > stopped - 1 and max(resumed) == 300
+    assert "resumed from step" in (Path(rec.log_dir) / "rank0.out").read_text()
+    assert "restarts: 1" in detail and "COMPLETED" in detail
