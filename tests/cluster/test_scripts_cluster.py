@@ -72,10 +72,11 @@ def test_unmodified_torchrun_script_runs_2x2(slurm_cluster, where, backend):
     assert "COMPLETED" in _status(c, where, rec.id)
 
 
-def test_script_rank3_raises_status_names_it(slurm_cluster, where):
+@pytest.mark.parametrize("backend", ["sbatch", "submitit"])
+def test_script_rank3_raises_status_names_it(slurm_cluster, where, backend):
     c, (d, _) = slurm_cluster, where
     started = time.monotonic()
-    p = _submit(c, where, "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10", "--wait",
+    p = _submit(c, where, "--backend", backend, "-N", "2", "-G", "2", "-t", "10", "--wait",
                 "--wait-timeout", "240", PLAIN, str(d / "seen"), "--fail-rank", "3")
     took = time.monotonic() - started
     job_id = p.stdout.split()[-1]
