@@ -109,7 +109,7 @@ def test_too_many_cpus_per_task_fails_before_submitting(slurm_cluster, where):
 
 
 def test_python_api_function_result_and_failure(slurm_cluster, where):
-    c, (d, env) = slurm_cluster, where
+    c, (_, env) = slurm_cluster, where
     code = ("import ddp_hpc, json\n"
             "from tests.cluster.script_helpers import allsum, fail_on\n"
             "if __name__ == '__main__':\n"
