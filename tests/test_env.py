@@ -301,3 +301,14 @@ def test_cli_check_fails_with_hint():
     out = run_cli(["--check"], {**base, **e})
     assert out.returncode == 1
     assert "env [n1 task 0]: error: Uneven tasks per node" in out.stderr and "\nHINT: Request" in out.stderr
+
+
+@pytest.mark.parametrize("var", ["SLURM_PROCID", "SLURM_NODEID", "SLURM_LOCALID"])
+def test_task_ids_without_a_step_id_are_refused_not_rank_0_of_1(var):
+    """srun variables partly stripped (a container): non-zero task ids but no SLURM_STEP_ID."""
+    from ddp_hpc.env import EnvError, detect
+    environ = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1", var: "3"}
+    with pytest.raises(EnvError) as exc:
+        detect(environ)
+    assert f"{var}=3" in str(exc.value) and "no SLURM_STEP_ID" in str(exc.value)
+    assert "rank 0 of 1" in str(exc.value)

@@ -148,6 +148,17 @@ def from_slurm(environ: Mapping[str, str], launcher: str = "slurm") -> DistEnv:
 
 def _slurm_batch_script(environ: Mapping[str, str], launcher: str) -> DistEnv:
     key = job_key(environ)
+    ids = {k: environ[k] for k in ("SLURM_PROCID", "SLURM_NODEID", "SLURM_LOCALID")
+           if environ.get(k, "0").strip() not in ("", "0")}
+    if ids:   # an srun task whose step variables were stripped (a container, a wrapper script)
+        raise EnvError(
+            f"This process has task variables of an srun step ({', '.join(f'{k}={v}' for k, v in ids.items())}) "
+            f"but no SLURM_STEP_ID, so it cannot tell its place in Slurm job {key}; it would "
+            "run as rank 0 of 1 beside its peers.",
+            "Pass Slurm's variables into the container unchanged (e.g. apptainer/singularity keep them; "
+            "for docker/enroot add --env SLURM_STEP_ID and the other SLURM_STEP_* variables), or "
+            "start the process with srun directly.",
+        )
     ntasks = int_var(environ, "SLURM_NTASKS", 1)
     if ntasks > 1:
         raise EnvError(
