@@ -23,6 +23,7 @@ from typing import Any
 
 from ddp_hpc.env import EnvError, detect, job_facts
 from ddp_hpc.exec.events import SafeLog
+from ddp_hpc.runlogs.watchdog import HangWatch
 
 __all__ = ["report", "rank_log", "last_step", "MIN_INTERVAL_S"]
 
@@ -39,6 +40,7 @@ class _State:
         self.log: SafeLog | None = None
         self.last_write: float | None = None
         self.step: int | None = None
+        self.watch: HangWatch | None = None
 
 
 _state = _State()
@@ -57,6 +59,8 @@ def rank_log() -> SafeLog | None:
                 print(f"ddp_hpc: no run log: {exc}", file=sys.stderr, flush=True)
                 return None
             _state.log = SafeLog(log_dir, env.rank, env.job_id, env.restart_count, who="ddp_hpc.report")
+            # `ddp-hpc status JOBID --stacks` can then ask this rank for its threads' stacks
+            _state.watch = HangWatch(_state.log, None).start()
     return _state.log
 
 
@@ -71,6 +75,8 @@ def report(step: int | None = None, total: int | None = None, loss: Any = None, 
     log = rank_log()
     if step is not None:
         _state.step = int(step)
+        if _state.watch is not None:
+            _state.watch.beat(_state.step)
     if log is None or not log.active:
         return
     now = time.monotonic()

@@ -29,15 +29,16 @@ from ddp_hpc.errors import HintError, report
 from ddp_hpc.exec.events import SafeLog
 from ddp_hpc.exec.outcome import classify, error_fields, last_step
 from ddp_hpc.runlogs.schema import events_file, rank_out
+from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 
 EXIT_USAGE = 2
 EXIT_CANNOT_RUN = 126     # the shell's codes: found but not runnable / not found
 EXIT_NOT_FOUND = 127
 
 #: signals passed on to the child: scancel and srun (TERM, INT, the job's --signal USR1/USR2),
-#: Ctrl-C, job suspension (CONT) and a lost terminal (HUP)
+#: Ctrl-C, job suspension (CONT), a lost terminal (HUP) and `ddp-hpc status --stacks` (URG)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT,
-             signal.SIGHUP)
+             signal.SIGHUP, STACK_SIGNAL)
 
 EXAMPLES = """examples:
   srun python -m ddp_hpc.exec -- python train.py --lr 0.1
@@ -45,7 +46,7 @@ EXAMPLES = """examples:
 
 The command gets the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID) and
-DDP_HPC_LOG_DIR; SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGCONT and SIGHUP are passed on to it, and
+DDP_HPC_LOG_DIR; SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGCONT, SIGHUP and SIGURG (status --stacks) are passed on to it, and
 its exit status is this command's. See docs/scripts.md."""
 
 

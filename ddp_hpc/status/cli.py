@@ -6,6 +6,7 @@
                                             # traceback, exit codes, requeues
     ddp-hpc status 1234 --logs -n 20        # rank-prefixed tails of the rank logs
     ddp-hpc status 1234 --logs --rank 3 --follow
+    ddp-hpc status 1234 --stacks            # ask a running job's ranks for their Python stacks
     ddp-hpc status --watch 5                # refresh the table every 5 s
     ddp-hpc status 1234 --source sacct-c    # ask one source only (compare them)
     ... --json                              # every view as JSON
@@ -28,6 +29,7 @@ from ddp_hpc.runlogs.schema import rank_out, text_log
 from ddp_hpc.status import view
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.sources import current_cluster, slurm_cli
+from ddp_hpc.status.stacks import ask_stacks, render_stacks
 from ddp_hpc.status.targets import StatusError, is_slurm_id, job_targets, recent_targets
 
 FOLLOW_STATE_S = 5.0  # --follow: how often to ask whether the job still runs
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default="auto",
                    help="where the state comes from: auto (squeue, else sacct, else sacct -c, else "
                         "the logs) or only the one named, to compare them")
+    p.add_argument("--stacks", action="store_true",
+                   help="ask every rank of a running job for the Python stacks of all its "
+                        "threads (SIGURG to the ranks) and show where each one is")
     p.add_argument("--log-dir", metavar="DIR",
                    help="log directory of a job that has no job record (e.g. a hand-written sbatch)")
     return p
@@ -79,6 +84,8 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
                      f"{me} JOBID --logs --rank R --follow")
     if args.logs and args.job is None:
         parser.error(f"--logs needs a job id: {me} JOBID --logs")
+    if args.stacks and (args.job is None or args.logs or args.watch is not None):
+        parser.error(f"--stacks needs a job id and goes alone: {me} JOBID --stacks")
     if args.follow and args.watch is not None:
         parser.error("--follow and --watch do not combine: --follow already keeps printing")
     if args.lines < 0:
@@ -105,6 +112,8 @@ def run(args, me: str) -> int:
                               current_cluster(cli) if is_slurm_id(args.job) else None)
         if args.logs:
             return _logs(args, targets, cli, note)
+        if args.stacks:
+            return _stacks(args, targets, cli)
 
         def render():
             sts = collect(targets, cli, note, history=True, only=only)
@@ -122,6 +131,18 @@ def run(args, me: str) -> int:
         sys.stdout.write(render())
     else:
         view.watch(render, args.watch, args.count, header=not args.json)
+    return 0
+
+
+def _stacks(args, targets, cli) -> int:
+    found = []
+    for t in targets:
+        how, answers, silent = ask_stacks(t, cli)
+        found.append({"id": t.id, "asked_with": how, "stacks": answers, "silent_ranks": silent})
+        if not args.json:
+            sys.stdout.write(render_stacks(t.id, how, answers, silent))
+    if args.json:
+        sys.stdout.write(view.to_json(found[0] if len(found) == 1 else found))
     return 0
 
 

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_hpc.config import ConfigError, JobConfig, config_to_dict
+from ddp_hpc.runlogs.watchdog import HangWatch, dump_after
 from ddp_hpc.runlogs.writer import Progress, RunLog
 from ddp_hpc.train import checkpoint as ckpt
 from ddp_hpc.train.build import make_optimizer, make_precision, make_scheduler, seed_everything
@@ -210,10 +211,12 @@ class Trainer:
         stepper = Stepper(self.model, self.module, self.loss_fn, self.optimizer, self.scheduler,
                           autocast=self.autocast, scaler=self.scaler, train=cfg.train,
                           batches_per_epoch=self.batches_per_epoch, device=self.device)
+        self.watch = HangWatch(self.log, dump_after(cfg.train.collective_timeout_s)).start()
         try:
             self._loop(cadence, stepper)
             self.flag.drain()    # not on errors: a peer that died may never join that collective
         finally:
+            self.watch.stop()
             self.flag.restore()
             progress.close()
         result = self.result
@@ -244,6 +247,7 @@ class Trainer:
             result.epoch = pos.epoch
             if self.eval_data is not None and cadence.eval_due(pos.epoch):
                 result.eval_metrics = self._evaluate(pos.epoch - 1, pos.step)
+                self.watch.beat(pos.step)
             if cadence.epoch_checkpoint_due(pos.epoch, pos.step):
                 self._save()
         result.step, result.epoch = pos.step, pos.epoch
@@ -258,6 +262,7 @@ class Trainer:
         self.model.train()
         for inputs, targets in self._epoch_batches(pos.epoch, pos.micro):
             loss, last = stepper.micro_batch(pos.micro, inputs, targets)
+            self.watch.beat(pos.step)
             cadence.add(loss, targets.shape[0])
             pos.micro += 1
             if not last:
