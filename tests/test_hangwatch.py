@@ -1,0 +1,125 @@
+"""The hang watchdog (ddp_hpc.runlogs.watchdog): stacks of every thread as a `stack` event, once
+per silence before the collective timeout, and on request (SIGURG) while the main thread is busy;
+`ddp-hpc status --stacks` on a real local job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc.runlogs.watchdog import STACK_SIGNAL, HangWatch, dump_after, format_stacks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Log:
+    def __init__(self):
+        self.events, self.lines = [], []
+
+    def event(self, name, **fields):
+        self.events.append({"event": name, **fields})
+
+    def info(self, msg, console=True):
+        self.lines.append(msg)
+
+
+def _parked_in_here(stop: threading.Event) -> None:
+    stop.wait()
+
+
+def test_dump_after_leaves_a_margin_before_the_timeout():
+    assert dump_after(600) == 480 and dump_after(20) == 15 and dump_after(3) == 1.0
+    assert dump_after(None) is None and dump_after(0) is None
+
+
+def test_format_stacks_lists_the_main_thread_first_innermost_frame_first():
+    stop, out = threading.Event(), []
+    parked = threading.Thread(target=_parked_in_here, args=(stop,), name="parked")
+    parked.start()
+    dumper = threading.Thread(target=lambda: out.append(format_stacks()), name="dumper")
+    try:
+        dumper.start()
+        dumper.join()
+    finally:
+        stop.set()
+        parked.join()
+    text = out[0]
+    main_block = text.split("\n\n")[0].splitlines()
+    assert main_block[0].startswith("Current thread 0x") and '"MainThread"' in main_block[0]
+    assert "threading.py" in main_block[1]   # innermost first: the main thread waits in join()
+    assert any("in test_format_stacks_lists_the_main_thread_first" in ln for ln in main_block)
+    assert '"parked" (most recent call first):' in text and "in _parked_in_here" in text
+    assert '"dumper"' not in text      # the dumping thread leaves itself out
+
+
+def test_timer_dumps_once_per_silence_and_a_beat_rearms_it():
+    log = _Log()
+    w = HangWatch(log, dump_after_s=0.5)
+    w.start()
+    try:
+        time.sleep(2.6)
+        dumps = [e for e in log.events if e["event"] == "stack"]
+        assert len(dumps) == 1 and dumps[0]["reason"].startswith("collective timeout: no step for")
+        assert "test_timer_dumps_once_per_silence" in dumps[0]["stack"]
+        w.beat(7)
+        time.sleep(2.6)
+    finally:
+        w.stop()
+    dumps = [e for e in log.events if e["event"] == "stack"]
+    assert len(dumps) == 2 and dumps[1]["step"] == 7
+    assert log.lines[0].startswith("stacks of all threads (collective timeout")
+
+
+def test_sigurg_asks_for_stacks_while_the_main_thread_is_busy():
+    log = _Log()
+    w = HangWatch(log, dump_after_s=None).start()
+    try:
+        os.kill(os.getpid(), STACK_SIGNAL)
+        deadline = time.monotonic() + 5
+        while not log.events and time.monotonic() < deadline:
+            sum(range(100_000))      # busy in Python: the watchdog thread answers anyway
+    finally:
+        w.stop()
+    assert log.events and log.events[0]["reason"] == "on request"
+    assert "test_sigurg_asks_for_stacks" in log.events[0]["stack"]
+
+
+@pytest.mark.slow
+def test_status_stacks_on_a_running_local_job(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDP_HPC_"))}
+    env.update(DDP_HPC_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                  if not (Path(p) / "sbatch").exists())
+    p = subprocess.run(
+        [sys.executable, "-m", "ddp_hpc.submit", "-N", "1", "-G", "2", str(ROOT / "jobs" / "demo.yaml"),
+         "train.epochs=1", "data.kwargs.size=8192", f"log.dir={tmp_path / 'runs'}",
+         "data.dataset=tests.cluster.status_helpers:slow_synthetic", "data.kwargs.delay=0.02"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.split()[-1]
+    log_dir = next((tmp_path / "runs").iterdir())
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:   # until training is under way on both ranks
+            if all(any('"step"' in ln for ln in (log_dir / f"rank{r}.events.jsonl").read_text().splitlines())
+                   for r in (0, 1) if (log_dir / f"rank{r}.events.jsonl").exists()) and \
+                    (log_dir / "rank1.events.jsonl").exists():
+                break
+            time.sleep(0.5)
+        s = subprocess.run([sys.executable, "-m", "ddp_hpc.status", job, "--stacks", "--json"],
+                           cwd="/", env=env, capture_output=True, text=True, timeout=60)
+        assert s.returncode == 0, s.stderr
+        got = json.loads(s.stdout)
+        assert sorted(got["stacks"]) == ["0", "1"] and got["silent_ranks"] == []
+        assert all("in _train_epoch" in ev["stack"] for ev in got["stacks"].values())
+    finally:
+        subprocess.run([sys.executable, "-c", "import json,os,signal,sys;"
+                        "[os.kill(p, signal.SIGTERM) for p in json.load(open(sys.argv[1]))['pids'][:1]]",
+                        str(next((tmp_path / "home" / "jobs").glob("*.json")))], env=env)
