@@ -28,12 +28,24 @@ _WORTH = re.compile(r"NCCL version|Bootstrap|NET/|SOCKET_IFNAME|IB|Using network
 
 
 def _host_addr() -> str:
-    """This host's address as its name resolves (what MASTER_ADDR is on a cluster)."""
+    """This host's address (what MASTER_ADDR is on a cluster): its name's, unless that is a
+    loopback address (Debian's 127.0.1.1 line), then the source address of its outward route,
+    then the first non-loopback IPv4 address of any interface."""
     try:
         addr = socket.gethostbyname(socket.gethostname())
+        if not addr.startswith("127."):
+            return addr
     except OSError:
-        return "127.0.0.1"
-    return addr
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 9))          # no packet is sent; only the route is looked up
+            return s.getsockname()[0]
+    except OSError:
+        pass
+    import psutil
+    return next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                 if a.family == socket.AF_INET and not a.address.startswith("127.")), "127.0.0.1")
 
 
 def _run(mode: str, addr: str) -> tuple[subprocess.CompletedProcess, dict]:
