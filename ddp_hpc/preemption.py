@@ -17,8 +17,9 @@ How it works (the same rules as the training core, ``ddp_hpc.train.preempt``): t
 only records what arrived; `requested` agrees on it with one all_reduce(MAX) when
 torch.distributed is initialised (so call it on every rank, at the same steps), and is local
 otherwise.  The preemption signal is the job's ``--signal`` (``$DDP_HPC_PREEMPT_SIGNAL``, set by
-``ddp-hpc submit``; USR2 by default); SIGTERM (a plain ``scancel``, Slurm ending the job) also
-stops the run, but only the preemption signal requeues.  `requeue` writes ``preempt`` and
+``ddp-hpc submit``; USR2 by default); SIGTERM (a plain ``scancel``, Slurm ending the job) and
+SIGINT (Ctrl-C; a second one raises KeyboardInterrupt at once) also stop the run, but only the
+preemption signal requeues.  `requeue` writes ``preempt`` and
 ``requeue`` events to the rank's run log, destroys the process group and ends the process with
 exit status 75 (EX_TEMPFAIL), which ``python -m ddp_hpc.exec`` records as "preempted".  Outside
 Slurm nothing is requeued: run the same command again and it resumes from the checkpoint.
@@ -59,7 +60,7 @@ def signal_name(spec: str | None = None) -> str:
 
 
 def install(signal: str | None = None) -> PreemptionFlag:
-    """Catch the preemption signal (`signal_name`) and SIGTERM from now on; idempotent (a
+    """Catch the preemption signal (`signal_name`), SIGTERM and SIGINT from now on; idempotent (a
     different ``signal`` replaces the handlers).  `requested` calls it too, but a signal that
     arrives before the first call ends the process, so call it at start-up."""
     global _flag
@@ -77,7 +78,7 @@ def _distributed() -> bool:
 
 
 def requested() -> bool:
-    """True on every rank once any rank received the preemption signal or SIGTERM.  A collective
+    """True on every rank once any rank received the preemption signal, SIGTERM or SIGINT.  A collective
     when torch.distributed is initialised: call it on every rank at the same step."""
     flag = install()
     if not _distributed():
@@ -99,7 +100,7 @@ def requeue() -> NoReturn:
     env = detect()
     log = rank_log() or SafeLog(None, env.rank, env.job_id, env.restart_count)
     sig = _signal.Signals(flag.received).name if flag.received else None
-    reason = classify(flag.received_at, job_facts().end_time, TIMELIMIT_WINDOW_S)
+    reason = classify(flag.received_at, job_facts().end_time, TIMELIMIT_WINDOW_S, flag.received)
     step = last_saved_step() if last_saved_step() is not None else last_step()
     log.event("preempt", signal=sig, reason=reason, step=step)
     log.info(f"stopping at step {step}: {reason} (signal {sig or 'on another rank'})")

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
+import json
 import os
-import time
+import re
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -157,20 +159,21 @@ def _teardown(ok: bool) -> None:
     ddp_dist.cleanup_ddp()
 
 
-def _run_id(env) -> str:
-    """The job id, or one timestamp agreed by all ranks."""
+def _run_id(env, cfg: JobConfig) -> str:
+    """The job id; without one (a plain ``python -m ddp_hpc.run``, torchrun) ``<name>-<hash of
+    the resolved config>``: the same command again finds the same run directory and resumes from
+    its checkpoints, as a requeued Slurm job does. Every rank derives the same id."""
     if env.job_id:
         return str(env.job_id)
-    box = [time.strftime("%Y%m%d-%H%M%S")]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
+    text = json.dumps(config_to_dict(cfg), sort_keys=True, default=str)
+    name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", str(cfg.name)).strip("_.") or "run"
+    return f"{name[:64]}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
 
 
 def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classification,
            batches=None, on_step=None) -> TrainResult:
     env = ctx.env
-    log_dir = resolve_log_dir(cfg.log.dir, _run_id(env))
+    log_dir = resolve_log_dir(cfg.log.dir, _run_id(env, cfg))
     log = RunLog(log_dir, env.rank, env.job_id, env.restart_count)
     log_dir = log_dir.absolute()           # events name paths other tools open from elsewhere
     if env.rank == 0 and not (log_dir / CONFIG_FILE).exists():   # submit's copy (with Slurm options) wins
@@ -188,9 +191,12 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
                  f"{log_dir}, checkpoints {ckpt_dir}")
         result = trainer.run()
         step = result.step
-        log.event("end", status=result.status, step=result.step)
-        log.info(f"end: {result.status} at step {result.step}"
-                 + (f" ({result.reason})" if result.reason else ""))
+        status = "interrupted" if result.reason == "interrupted" else result.status
+        log.event("end", status=status, step=result.step)
+        log.info(f"end: {status} at step {result.step}"
+                 + (f" ({result.reason})" if result.reason and result.reason != status else ""))
+        if result.status == "preempted" and not result.requeued:
+            log.info(_how_to_resume(env, ckpt_dir))
         return result
     except BaseException as e:
         log.event("error", exc_type=type(e).__name__, message=str(e),
@@ -200,6 +206,12 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
         raise
     finally:
         log.close()
+
+
+def _how_to_resume(env, ckpt_dir: Path) -> str:
+    same = ("run the same command again (the same config and overrides find the same run "
+            "directory), or " if not env.job_id else "")
+    return f"to resume: {same}add checkpoint.dir={ckpt_dir} to any launch of this config"
 
 
 def fit(model: nn.Module, train_dataset: Dataset, *, eval_dataset: Dataset | None = None,

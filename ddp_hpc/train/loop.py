@@ -288,7 +288,8 @@ class Trainer:
             pos.epoch, pos.micro = pos.epoch + 1, 0
         self._save()
         sig = signal.Signals(flag.received).name if flag.received else None
-        reason = classify(flag.received_at, self.end_time, self.cfg.preempt.timelimit_window_s)
+        reason = classify(flag.received_at, self.end_time, self.cfg.preempt.timelimit_window_s,
+                          flag.received)
         log.event("preempt", signal=sig, reason=reason, step=pos.step)
         log.info(f"stopping at step {pos.step}: {reason} (signal {sig or 'on another rank'}); "
                  f"checkpoint {result.checkpoint or 'written by rank 0'}")

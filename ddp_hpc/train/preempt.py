@@ -45,21 +45,30 @@ def signal_number(name: str) -> int:
 
 
 class PreemptionFlag:
-    """Installs handlers for the configured signal and SIGTERM that only record what arrived."""
+    """Installs handlers for the configured signal, SIGTERM and SIGINT (Ctrl-C: a clean stop at
+    the next agreed step, with a checkpoint, instead of a KeyboardInterrupt in the middle of a
+    collective) that only record what arrived."""
 
     NONE, TERMINATE, PREEMPT = 0, 1, 2
 
     def __init__(self, signal_name: str = "USR2") -> None:
         self.preempt_signum = signal_number(signal_name)
-        self.signums = sorted({self.preempt_signum, int(signal.SIGTERM)})
+        self.signums = sorted({self.preempt_signum, int(signal.SIGTERM), int(signal.SIGINT)})
         self.agreed = self.NONE
         """What all ranks agreed on at the deciding step: NONE, TERMINATE or PREEMPT (requeue)."""
         self.received: int | None = None
         self.received_at: float | None = None
         self._previous: dict[int, object] = {}
+        self._interrupted_at: float | None = None
         self._pending: tuple[object, torch.Tensor] | None = None
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002 - signal API
+        if signum == signal.SIGINT:
+            # a second Ctrl-C stops right here; one that arrives twice at once (the terminal's
+            # and a launcher's forwarded copy) is still the first
+            if self._interrupted_at is not None and time.time() - self._interrupted_at > 2.0:
+                raise KeyboardInterrupt
+            self._interrupted_at = self._interrupted_at or time.time()
         if self.received is None:
             self.received, self.received_at = signum, time.time()
 
@@ -153,8 +162,12 @@ def slurm_end_time(job_id: str) -> float | None:
     return next((end for end in ends if end is not None), None)
 
 
-def classify(received_at: float | None, end_time: float | None, window_s: float) -> str:
-    """'timelimit' when the signal came within `window_s` of the job's end time, else 'preemption'."""
+def classify(received_at: float | None, end_time: float | None, window_s: float,
+             signum: int | None = None) -> str:
+    """'interrupted' for SIGINT (Ctrl-C); 'timelimit' when the signal came within `window_s` of
+    the job's end time; else 'preemption'."""
+    if signum == signal.SIGINT:
+        return "interrupted"
     if received_at is not None and end_time is not None and end_time - received_at <= window_s:
         return "timelimit"
     return "preemption"
