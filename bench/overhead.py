@@ -9,14 +9,17 @@ progress output off.
 
     python bench/overhead.py                 # 2 processes, prints samples/s and the ratio
     python bench/overhead.py --procs 4 --epochs 3
+    python bench/overhead.py --device cuda   # GPUs: a ResNet-style CNN in bf16 (bench/overhead_cuda.py)
 
 Target: ratio (toolkit / plain) >= 0.97.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -84,8 +87,20 @@ def _worker(rank: int, world: int, args_d: dict, tmp: str):
         cleanup_ddp()
 
 
+def _device(argv) -> str:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    return pre.parse_known_args(argv)[0].device
+
+
 def main(argv=None) -> int:
+    if _device(argv) == "cuda":      # its own model and options: bench/overhead_cuda.py --help
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from overhead_cuda import main as cuda_main
+        return cuda_main(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: this MLP benchmark; cuda: bench/overhead_cuda.py (one rank per GPU)")
     p.add_argument("--procs", type=int, default=2, help="local processes (ranks)")
     p.add_argument("--size", type=int, default=16384, help="samples")
     p.add_argument("--in-dim", type=int, default=128, help="MLP input width")
