@@ -354,3 +354,46 @@ def test_one_duration_format_for_every_spelling():
 def test_timestamp():
     assert timestamp("Unknown") is None and timestamp("N/A") is None and timestamp("garbage") is None
     assert timestamp("2026-11-22T15:00:01") - timestamp("2026-11-22T15:00:00") == 1.0
+
+
+def test_a_controller_that_does_not_answer_is_asked_once(monkeypatch):
+    """After one command found slurmctld unreachable (each such command retries for ~9 s),
+    later commands that need it fail at once; sacct (slurmdbd) is still tried."""
+    import subprocess as sp
+    calls = []
+
+    def runner(argv, **kw):
+        calls.append(argv[0])
+        return sp.CompletedProcess(argv, 1, "", "slurm_load_partitions: Unable to contact slurm "
+                                                 "controller (connect failure)\n")
+
+    cli = SlurmCLI(runner=runner)
+    with pytest.raises(SlurmError, match="Unable to contact"):
+        cli.sinfo_partitions()
+    with pytest.raises(SlurmError) as exc:
+        cli.squeue(["12"])
+    assert "not run: the controller did not answer an earlier command" in str(exc.value)
+    assert calls == ["sinfo"]
+    with pytest.raises(SlurmError):
+        cli.sacct(["12"])
+    assert calls == ["sinfo", "sacct"]
+
+
+def test_a_slow_command_is_named_while_it_runs(monkeypatch):
+    import subprocess as sp
+    import time as _time
+    import ddp_hpc.slurm.cli as slurm_cli
+    monkeypatch.setattr(slurm_cli, "SLOW_S", 0.05)
+    notes = []
+
+    def runner(argv, **kw):
+        _time.sleep(0.3)
+        return sp.CompletedProcess(argv, 0, "", "")
+
+    SlurmCLI(runner=runner, slow_note=notes.append).squeue(["12"])
+    assert len(notes) == 1 and notes[0].startswith("`squeue") and "has not answered for 0.05 s" in notes[0]
+    notes.clear()
+    SlurmCLI(runner=lambda argv, **kw: sp.CompletedProcess(argv, 0, "", ""),
+             slow_note=notes.append).squeue(["12"])
+    _time.sleep(0.1)
+    assert notes == []

@@ -24,6 +24,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ddp_hpc.errors import HintError
@@ -51,6 +52,13 @@ SACCT_FIELDS = (
     "JobID", "JobIDRaw", "State", "ExitCode", "Elapsed", "Timelimit", "NNodes", "NodeList",
     "Partition", "Submit", "Start", "End", "JobName",
 )
+
+
+#: commands that talk to slurmctld (sacct talks to slurmdbd, or reads the jobcomp file)
+NEEDS_CONTROLLER = frozenset({"sbatch", "srun", "salloc", "squeue", "sinfo", "scontrol", "scancel",
+                              "sbcast"})
+CONTROLLER_DOWN = "Unable to contact slurm controller"
+SLOW_S = 3.0
 
 
 class SlurmError(HintError, RuntimeError):
@@ -115,10 +123,15 @@ class SlurmCLI:
     """
 
     def __init__(self, runner: Runner | None = None, env: Mapping[str, str] | None = None,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, slow_note: Callable[[str], None] | None = None):
         self.runner = runner or _default_runner
         self.env = dict(env) if env is not None else None
         self.timeout = timeout
+        #: called once with a message when a command has not finished after SLOW_S seconds
+        self.slow_note = slow_note
+        #: why the controller is known not to answer (set by the first command that found out);
+        #: later commands that need it fail at once instead of retrying for seconds each
+        self.controller_down: str | None = None
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -127,6 +140,14 @@ class SlurmCLI:
         full_env = self.env
         if env:
             full_env = {**(self.env if self.env is not None else os.environ), **env}
+        if self.controller_down and argv[0] in NEEDS_CONTROLLER:
+            raise SlurmError(argv, None, self.controller_down, "is slurmctld reachable (scontrol ping)?",
+                             status="not run: the controller did not answer an earlier command")
+        timer = threading.Timer(SLOW_S, self.slow_note or (lambda _: None), (
+            f"`{shlex.join(argv)}` has not answered for {SLOW_S:g} s; Slurm retries an "
+            "unreachable controller for several seconds",))
+        timer.daemon = True
+        timer.start()
         try:
             done = self.runner(argv, input=input, cwd=cwd, env=full_env, timeout=self.timeout)
         except FileNotFoundError as exc:
@@ -135,8 +156,12 @@ class SlurmCLI:
         except subprocess.TimeoutExpired as exc:
             raise SlurmError(argv, None, "(killed)", "is slurmctld reachable (scontrol ping)?",
                              status=f"did not finish within {self.timeout:g} s") from exc
+        finally:
+            timer.cancel()
         if done.returncode != 0:
             stderr = done.stderr or ""
+            if CONTROLLER_DOWN in stderr and argv[0] in NEEDS_CONTROLLER:
+                self.controller_down = next(ln for ln in stderr.splitlines() if CONTROLLER_DOWN in ln)
             if not hint and "accounting storage is disabled" in stderr + (done.stdout or ""):
                 hint = ("sacct needs slurmdbd (AccountingStorageType=accounting_storage/slurmdbd); "
                         "sacct -c (completion=True) needs JobCompType in slurm.conf")

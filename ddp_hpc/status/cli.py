@@ -102,6 +102,8 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
 
 def run(args, me: str) -> int:
     cli, note = slurm_cli()
+    if cli is not None:   # a silent wait of many seconds looks like a hang: say what is slow
+        cli.slow_note = lambda msg: print(f"{me}: {msg}", file=sys.stderr, flush=True)
     only = None if args.source == "auto" else args.source.replace("sacct-c", "sacct -c")
     if args.job is None:
         def render():

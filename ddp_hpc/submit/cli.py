@@ -145,7 +145,7 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     check_overrides(overrides)
     cfg, task_cfgs = _load(config, overrides, sweep_tasks(sweeps))
     opts = slurm_options.merged(cfg.slurm, slurm_options.given(args))
-    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0])
+    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)
     spec = build_spec(dataclasses.replace(opts, backend=backend), config_path=config, cfg=cfg,
                       overrides=overrides, sweeps=sweeps)
@@ -164,7 +164,7 @@ def _submit_command(args: argparse.Namespace, target: Target) -> int:
         name = Path(str(target.what)).stem
     sweeps = script_sweeps(args.sweep)
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
-    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0])
+    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)
     spec = build_command_spec(dataclasses.replace(opts, backend=backend), command=command,
                               name=name, log_root=args.log_dir or "runs", sweeps=sweeps)
