@@ -11,7 +11,9 @@ that id (optionally only on one cluster). Writes are atomic (temp file in the sa
 fsync, rename), so a reader never sees half a record.
 
 Fields (docs/architecture.md, "Job records"): id, cluster, name, backend, nodes, gpus_per_node,
-time_limit, log_dir, config, overrides, submitted_at, cwd, array, pids, script.
+time_limit, log_dir, config, overrides, submitted_at, cwd, array, pids, script, command, final.
+``final`` is written by ``ddp_hpc.status`` once the scheduler reports the job ended (Slurm forgets
+it later; a cluster can go down): see :func:`store_final`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ __all__ = [
     "update_record",
     "load_record",
     "list_records",
+    "final_of",
+    "store_final",
 ]
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -72,6 +76,10 @@ class JobRecord:
     pids: list[int] | None = None
     script: str | None = None
     command: list[str] | None = None
+    #: the job's terminal state as the scheduler last reported it (see `store_final`): state,
+    #: state_name, source, seen_at, elapsed, time_limit, exit_code, steps, rank_exit_codes,
+    #: node_list; for a job array a dict of those per task id (``{"3": {...}}``)
+    final: dict | None = None
     #: keys a newer writer added that this version does not know; kept so a rewrite loses nothing
     extra: dict = dataclasses.field(default_factory=dict)
     #: the file this record was read from or written to (not stored inside the file)
@@ -142,6 +150,49 @@ def update_record(rec: JobRecord, environ: Mapping[str, str] | None = None) -> P
     path = Path(rec.path)
     atomic_write_json(path, rec.to_dict())
     return path
+
+
+def final_of(rec: JobRecord | None, task_id: str | int | None = None) -> dict | None:
+    """The stored terminal state of the job (``task_id``: of that task of an array), or None."""
+    final = getattr(rec, "final", None)
+    if not isinstance(final, dict):
+        return None
+    if getattr(rec, "array", None):
+        got = final.get(str(task_id)) if task_id is not None else None
+        return got if isinstance(got, dict) else None
+    return final
+
+
+def store_final(rec: JobRecord, finals: Mapping[str | None, dict],
+                environ: Mapping[str, str] | None = None) -> bool:
+    """Keep the terminal states the scheduler reported (task id -> facts; the key None for a
+    job that is not an array) in the record, rewriting its file atomically when they changed
+    (``seen_at`` aside). The file is read again first, so fields another process wrote since
+    ``rec`` was loaded (the local driver's pids) survive. Returns True when it wrote."""
+    fresh = _read(Path(rec.path)) if rec.path else None
+    base = fresh or rec
+    final = dict(base.final or {}) if base.array else None
+    changed = False
+    for task_id, facts in finals.items():
+        old = final.get(str(task_id)) if final is not None else base.final
+        if _same(old, facts):
+            continue
+        changed = True
+        if final is not None:
+            final[str(task_id)] = facts
+        else:
+            final = facts
+    if not changed:
+        return False
+    base.final = rec.final = final
+    update_record(base, environ)
+    return True
+
+
+def _same(a: object, b: Mapping) -> bool:
+    if not isinstance(a, dict):
+        return False
+    return {k: v for k, v in a.items() if k != "seen_at"} == {k: v for k, v in b.items() if k != "seen_at"}
 
 
 def _read(path: Path) -> JobRecord | None:

@@ -8,7 +8,8 @@ non-JSON line is skipped and counted.
 
 Why so much care about *which* rank failed first: when one rank raises, srun's kill-on-bad-exit and
 collective timeouts make every other rank die too, often with errors of their own ("connection
-reset by peer"). The earliest ``error`` event is the cause; the rest are echoes.
+reset by peer"), and a rank that was killed or hangs writes nothing at all. Who is to blame is
+decided by evidence in ``ddp_hpc.runlogs.attribution``; this module reads the files it weighs.
 """
 from __future__ import annotations
 
@@ -16,11 +17,18 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOG_RE, OUT_RE, rank_out
-from ddp_hpc.runlogs.srun import exception_of, srun_exit_codes, tail_file, tail_lines, traceback_in
+from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute, first_failure
+from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOG_RE, OUT_RE
+from ddp_hpc.runlogs.srun import (LOCAL_DRIVER_OUT, TaskReport, exception_of, local_reports,
+                                  node_failures, srun_exit_codes, tail_file, tail_lines,
+                                  task_reports, traceback_in)
 
 __all__ = ["RunLogs", "RankStream", "Failure", "Progress", "RunSummary", "read_events",
            "traceback_in", "exception_of", "tail_file", "tail_lines"]
+
+#: how many of the last lines of a ``rank{R}.out`` are searched for a peer's failure (NCCL's
+#: watchdog) and for the rank's own last error line
+OUT_TAIL_LINES = 200
 
 
 @dataclass
@@ -38,20 +46,6 @@ class RankStream:
 
     def of_restart(self, restart: int) -> list[dict]:
         return [e for e in self.events if _int(e.get("restart"), 0) == restart]
-
-
-@dataclass
-class Failure:
-    """The first rank that failed, how we know, and what it raised."""
-
-    rank: int
-    basis: str  # "error event" | "traceback in rankN.out" | "srun exit report" | "events stopped first"
-    exc_type: str | None = None
-    message: str | None = None
-    traceback_tail: list[str] = field(default_factory=list)
-    time: float | None = None
-    host: str | None = None
-    restart: int = 0
 
 
 @dataclass
@@ -115,6 +109,8 @@ class RunLogs:
         self.ranks: dict[int, RankStream] = {}
         self.outs: dict[int, Path] = {}
         self.texts: dict[int, Path] = {}
+        self._tracebacks: dict[int, list[str] | None] = {}
+        self._tails: dict[int, list[str]] = {}
         if self.log_dir is None or not self.log_dir.is_dir():
             return
         for p in sorted(self.log_dir.iterdir()):
@@ -255,68 +251,57 @@ class RunLogs:
                                  for e in evs) else None
         return p
 
-    def first_failure(self, assume_failed: bool = False,
-                      evidence_only: bool = False) -> Failure | None:
-        """The first rank that failed in the current run (the newest restart).
-
-        Order of evidence: the earliest ``error`` event; else a Python traceback in a
-        ``rank{R}.out`` (the earliest such rank by its event stream's last time); else srun's
-        "task R: Exited with exit code" report; else, when the job failed (``assume_failed``: the
-        scheduler says so) or some ranks ended while others did not, the rank whose event stream
-        stopped first. ``evidence_only`` (the job still runs, or was stopped from outside) skips
-        the last two: a rank that has not written ``end`` yet may just be slower, and srun reports
-        the ranks a cancel or a preemption stopped as well.
-        """
-        restart = self.current_restart()
-        errors = [e for e in self.all_events()
-                  if e.get("event") == "error" and _int(e.get("restart"), 0) == restart]
-        if errors:
-            first = errors[0]
-            tb = str(first.get("traceback") or "")
-            return Failure(rank=_int(first.get("rank"), -1), basis="error event",
-                           exc_type=first.get("exc_type"), message=first.get("message"),
-                           traceback_tail=tail_lines(tb, 12), time=_float(first.get("time"), None),
-                           host=first.get("host"), restart=restart)
-        with_tb = {r: tb for r, p in self.outs.items() if (tb := traceback_in(p)) is not None}
-        if with_tb:
-            rank = min(with_tb, key=lambda r: (self._stop_time(r), r))
-            block = with_tb[rank]
-            exc_type, message = exception_of(block)
-            last = self.ranks[rank].last if rank in self.ranks else None
-            return Failure(rank=rank, basis=f"traceback in {rank_out(rank)}", exc_type=exc_type,
-                           message=message, traceback_tail=tail_lines("\n".join(block), 12),
-                           time=_float(last.get("time"), None) if last else None,
-                           host=last.get("host") if last else None, restart=restart)
-        if evidence_only:  # srun reports every rank stopped from outside too (exit 75, Killed)
-            return None
-        codes = {r: c for r, c in self.srun_exit_codes().items() if c != 0}
-        codes = {r: c for r, c in codes.items() if c > 0} or codes  # an exit code beats "Killed"
-        if codes:
-            rank = min(codes, key=lambda r: (self._stop_time(r), r))
-            return Failure(rank=rank, basis="srun exit report", restart=restart,
-                           message=f"exit code {codes[rank]}" if codes[rank] >= 0 else "killed")
-        if assume_failed or self.outcome() == "failed" or self._some_stopped_without_end():
-            cands = [r for r, s in self.ranks.items()
-                     if s.of_restart(restart) and not any(
-                         e.get("event") == "end" and e.get("status") == "completed"
-                         for e in s.of_restart(restart))]
-            if cands:
-                rank = min(cands, key=lambda r: (self._stop_time(r), r))
-                last = self.ranks[rank].of_restart(restart)[-1]
-                return Failure(rank=rank, basis="events stopped first", restart=restart,
-                               time=_float(last.get("time"), None), host=last.get("host"))
+    def last_eval(self) -> dict | None:
+        """The newest ``eval`` event (rank 0's, else any rank's) with metrics, of any run."""
+        for stream in sorted(self.ranks.values(), key=lambda s: s.rank):
+            evals = [e for e in stream.events if e.get("event") == "eval" and isinstance(e.get("metrics"), dict)]
+            if evals:
+                return evals[-1]
         return None
 
-    def _some_stopped_without_end(self) -> bool:
-        """True when some ranks of the current run ended and others did not (a lost rank)."""
-        restart = self.current_restart()
-        ended = [any(e.get("event") == "end" for e in s.of_restart(restart))
-                 for s in self.ranks.values() if s.of_restart(restart)]
-        return any(ended) and not all(ended)
+    def first_failure(self, assume_failed: bool = False, evidence_only: bool = False,
+                      sched: SchedulerFacts | None = None) -> Failure | None:
+        """The primary cause of the current run's failure, by evidence rather than by the first
+        timestamp (``ddp_hpc.runlogs.attribution``): a raised error, a killed rank, a lost node, a
+        rank stuck while the others timed out; else, when the job failed (``assume_failed``:
+        the scheduler says so) or some ranks ended while others did not, the rank whose events
+        stopped first. ``evidence_only`` (the job still runs, or was stopped from outside) counts
+        only what ranks wrote themselves: srun reports the ranks a cancel stopped as well."""
+        return first_failure(self, assume_failed=assume_failed, evidence_only=evidence_only,
+                             sched=sched)
 
-    def _stop_time(self, rank: int) -> float:
-        s = self.ranks.get(rank)
-        return _float(s.last.get("time"), float("inf")) if s and s.last else float("inf")
+    def attribute(self, restart: int | None = None, sched: SchedulerFacts | None = None,
+                  assume_failed: bool = False, evidence_only: bool = False, files: bool = True):
+        """(primary cause, every rank's ending) of one run: see `attribution.attribute`."""
+        return attribute(self, restart, sched, assume_failed, evidence_only, files)
+
+    def out_traceback(self, rank: int) -> list[str] | None:
+        """The last Python traceback in ``rank{R}.out`` (read once), or None."""
+        if rank not in self._tracebacks:
+            p = self.outs.get(rank)
+            self._tracebacks[rank] = traceback_in(p) if p is not None else None
+        return self._tracebacks[rank]
+
+    def out_tail(self, rank: int, n: int = OUT_TAIL_LINES) -> list[str]:
+        """The last lines of ``rank{R}.out`` (read once)."""
+        if rank not in self._tails:
+            p = self.outs.get(rank)
+            self._tails[rank] = tail_file(p, n, max_bytes=1 << 18) if p is not None else []
+        return self._tails[rank]
+
+    def task_reports(self) -> dict[int, TaskReport]:
+        """How srun (``slurm-*.out``), else the local driver (``local-driver.out``), said each
+        task ended."""
+        if self.log_dir is None or not self.log_dir.is_dir():
+            return {}
+        return (task_reports(sorted(self.log_dir.glob(BATCH_OUT_GLOB)))
+                or local_reports(self.log_dir / LOCAL_DRIVER_OUT))
+
+    def node_failures(self) -> tuple[bool, list[str]]:
+        """(Slurm reported a node failure in the batch output, the nodes it named)."""
+        if self.log_dir is None or not self.log_dir.is_dir():
+            return False, []
+        return node_failures(sorted(self.log_dir.glob(BATCH_OUT_GLOB)))
 
     def srun_exit_codes(self) -> dict[int, int]:
         """Per-task exit codes that srun reported in the batch output (``slurm-*.out``)."""

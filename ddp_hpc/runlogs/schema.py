@@ -31,6 +31,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "requeue": ("job_id",),
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),
     "end": ("status", "step", "exit_code", "signal", "duration_s"),
+    "stack": ("reason", "stack", "step"),
 }
 
 CONFIG_FILE = "config.yaml"

@@ -1,32 +1,134 @@
 """Plain-text rank output: Python tracebacks, srun's task exit reports, file tails.
 
 The run logs' JSONL events are the first witness of a failure; these helpers read what is left
-when a rank died before it could write an ``error`` event: its stdout/stderr (``rank{R}.out``)
-and srun's report in the batch output ("srun: error: n2: task 3: Exited with exit code 1").
+when a rank died before it could write an ``error`` event: its stdout/stderr (``rank{R}.out``),
+srun's report in the batch output ("srun: error: n2: task 3: Exited with exit code 1", "srun:
+error: n2: task 3: Killed", "srun: error: Node failure on n2") and the local driver's line
+("ddp_hpc local: job local-x FAILED: rank 3 exited with -9").
 """
 from __future__ import annotations
 
 import re
+import signal as _signal
+from dataclasses import dataclass
 from pathlib import Path
 
+from ddp_hpc.slurm.hostlist import HostlistError, expand
+
+#: srun prints a signalled task with strsignal(3)'s words: the word -> the signal number
+SIGNAL_WORDS = {"Killed": 9, "Terminated": 15, "Segmentation fault": 11, "Aborted": 6,
+                "Bus error": 7, "Interrupt": 2, "Hangup": 1, "Floating point exception": 8,
+                "Illegal instruction": 4, "User defined signal 1": 10, "User defined signal 2": 12}
 #: srun's report of a task's exit: "srun: error: n2: task 3: Exited with exit code 1",
 #: "srun: error: n1: tasks 0-1: Killed".
 SRUN_EXIT_RE = re.compile(
-    r"tasks? ([\d,\-]+): (?:Exited with exit code (\d+)|Killed|Terminated|Segmentation fault|Aborted)")
+    r"(?:(?P<host>[\w.\-\[\],]+): )?tasks? (?P<tasks>[\d,\-]+): (?:Exited with exit code (?P<code>\d+)|"
+    r"(?P<word>" + "|".join(SIGNAL_WORDS) + r"))")
+#: srun / slurmstepd stopping the whole step: reports after one of these are of tasks it stopped
+ABORT_RE = re.compile(r"srun: (?:Terminating|Job step aborted|forcing job termination)|"
+                      r"\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED")
+#: Slurm's words for a lost node: srun's "Node failure on n2", slurmstepd's "... DUE TO NODE FAILURE"
+NODE_FAILURE_RE = re.compile(r"Node failure on (?P<nodes>\S+)|(?P<stepd>DUE TO NODE FAILURE)")
+#: the local backend's driver output, in the job's log directory (ddp_hpc.submit.local)
+LOCAL_DRIVER_OUT = "local-driver.out"
+#: the local backend's driver (local-driver.out): "FAILED: rank 3 exited with -9; see ..."
+LOCAL_EXIT_RE = re.compile(r"FAILED: rank (?P<rank>\d+) exited with (?P<rc>-?\d+)")
+
+
+@dataclass
+class TaskReport:
+    """srun's (or the local driver's) word on how one task ended. ``order``: position among the
+    reports (the first task to end abnormally comes first); ``after_abort``: reported after srun
+    began stopping the whole step, so it was stopped rather than failing on its own."""
+
+    task: int
+    exit_code: int | None  # None when a signal ended it
+    signal: int | None
+    order: int
+    host: str | None = None
+    after_abort: bool = False
+    source: str = "srun"
+
+    @property
+    def signal_text(self) -> str | None:
+        return signal_text(self.signal) if self.signal else None
+
+
+def signal_name(signum: int) -> str:
+    """``9`` -> ``SIGKILL`` (``signal 99`` when there is no such signal)."""
+    try:
+        return _signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def signal_text(signum: int) -> str:
+    """``9`` -> ``signal 9 (SIGKILL)``."""
+    name = signal_name(signum)
+    return f"signal {signum} ({name})" if name.startswith("SIG") else name
+
+
+def signal_number(name: object) -> int | None:
+    """``"SIGKILL"`` / ``"KILL"`` / ``9`` -> 9; None when not a signal."""
+    text = str(name or "").strip().upper()
+    if text.isdigit():
+        return int(text)
+    try:
+        return int(_signal.Signals[text if text.startswith("SIG") else "SIG" + text])
+    except KeyError:
+        return None
+
+
+def task_reports(paths) -> dict[int, TaskReport]:
+    """Each task's newest report in the batch output files (``slurm-*.out``), in file order."""
+    lines = [ln for p in paths for ln in _read_text(Path(p)).splitlines()]
+    found: list[tuple[int, re.Match]] = [(i, m) for i, ln in enumerate(lines)
+                                         for m in SRUN_EXIT_RE.finditer(ln)]
+    out: dict[int, TaskReport] = {}
+    for i, m in found:
+        code = int(m.group("code")) if m.group("code") else None
+        sig = SIGNAL_WORDS.get(m.group("word") or "")
+        if code is not None and code > 128:  # a shell or the exec wrapper: 128 + the signal
+            sig = code - 128
+        for task in _expand_ids(m.group("tasks")):
+            out[task] = TaskReport(task, code, sig, i, m.group("host"))
+    first = min((r.order for r in out.values()), default=0)
+    aborts = [i for i, ln in enumerate(lines) if i >= first and ABORT_RE.search(ln)]
+    for r in out.values():
+        r.after_abort = any(a < r.order for a in aborts)
+    return out
+
+
+def node_failures(paths) -> tuple[bool, list[str]]:
+    """(Slurm reported a node failure, the nodes it named) from batch output files."""
+    seen, nodes = False, []
+    for p in paths:
+        for m in NODE_FAILURE_RE.finditer(_read_text(Path(p))):
+            seen = True
+            if m.group("nodes"):
+                nodes += [n for n in _expand_hosts(m.group("nodes")) if n not in nodes]
+    return seen, nodes
+
+
+def local_reports(path: Path) -> dict[int, TaskReport]:
+    """The local driver's "FAILED: rank R exited with RC" lines (RC < 0: killed by -RC)."""
+    out: dict[int, TaskReport] = {}
+    for i, m in enumerate(LOCAL_EXIT_RE.finditer(_read_text(path))):
+        rc = int(m.group("rc"))
+        out[int(m.group("rank"))] = TaskReport(int(m.group("rank")), rc if rc >= 0 else None,
+                                               -rc if rc < 0 else (rc - 128 if rc > 128 else None),
+                                               i, source="local driver")
+    return out
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
 #: torch.distributed prefixes every line of an uncaught exception with the rank: "[rank3]: "
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 
 def srun_exit_codes(paths) -> dict[int, int]:
-    """Per-task exit codes from srun's reports in batch output files (-1: killed by a signal);
+    """Per-task exit codes that srun reported in batch output files (-1: killed by a signal);
     the newest report of a task wins."""
-    codes: dict[int, int] = {}
-    for p in paths:
-        for m in SRUN_EXIT_RE.finditer(_read_text(Path(p))):
-            for task in _expand_ids(m.group(1)):
-                codes[task] = int(m.group(2)) if m.group(2) else -1
-    return codes
+    return {t: (r.exit_code if r.exit_code is not None else -1)
+            for t, r in sorted(task_reports(paths).items())}
 
 
 def traceback_in(path: Path) -> list[str] | None:
@@ -85,6 +187,13 @@ def _expand_ids(text: str) -> list[int]:
         if lo.isdigit() and (not hi or hi.isdigit()):
             out.extend(range(int(lo), int(hi or lo) + 1))
     return out
+
+
+def _expand_hosts(text: str) -> list[str]:
+    try:
+        return expand(text.strip().rstrip(".,"))
+    except (HostlistError, ValueError):
+        return [text.strip().rstrip(".,")]
 
 
 def _read_text(path: Path) -> str:

@@ -11,9 +11,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddp_hpc import records
 from ddp_hpc.cli import plural
+from ddp_hpc.runlogs import timing
+from ddp_hpc.runlogs.attribution import SchedulerFacts
 from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
-from ddp_hpc.slurm.states import JobState
+from ddp_hpc.runlogs.srun import LOCAL_DRIVER_OUT
+from ddp_hpc.runlogs.stacks import stack_summary
+from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.targets import Target
@@ -59,6 +64,14 @@ class JobStatus:
     notes: list[str] = field(default_factory=list)
     command: list[str] | None = None  # a script/module/function job: what every rank ran
     rank_endings: dict[int, str] = field(default_factory=dict)  # from the current run's end events
+    #: rank -> how it ended by the evidence (kind raised|exited|killed|vanished|stuck|consequence|
+    #: stopped|lost|completed|preempted|running, text, basis, times): ddp_hpc.runlogs.attribution
+    rank_classification: dict[str, dict] = field(default_factory=dict)
+    stall: dict | None = None  # a running job's silent ranks (ddp_hpc.runlogs.timing.stall)
+    timing: dict | None = None  # per-rank and per-node step times, stragglers (timing.stragglers)
+    eval_metrics: dict | None = None  # the newest eval event's metrics
+    eval_step: int | None = None
+    overrides: list[str] | None = None  # an array task's overrides (the record's array[i])
 
     @property
     def job_state(self) -> JobState:
@@ -74,7 +87,8 @@ class JobStatus:
 def collect(targets: list[Target], cli=None, cli_note: str | None = None, history: bool = False,
             now: float | None = None, only: str | None = None) -> list[JobStatus]:
     """Status of every target; Slurm ones are queried in one batch per source. ``only`` names
-    the one source to ask (squeue | sacct | "sacct -c" | logs), for comparing them."""
+    the one source to ask (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal
+    state the scheduler reports is kept in the job's record (`records.store_final`)."""
     now = time.time() if now is None else now
     cluster, down = (src.cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
                      else (None, None))
@@ -92,41 +106,74 @@ def collect(targets: list[Target], cli=None, cli_note: str | None = None, histor
         found, more = src.query_slurm(slurm_ids, cli, expect, history=history,
                                       controller_down=down, only=only)
         tried += more
-    out = []
+    out, finals = [], {}
     for t in targets:
-        st = _one(t, found.get(t.id), tried, now)
+        st, final = _one(t, found.get(t.id), tried, now, only)
         if t.id in foreign:
             st.notes.append(f"submitted on cluster {t.record.cluster!r}, not this one ({cluster!r}): "
                             "the scheduler was not asked (job ids repeat across clusters)")
+        if final is not None and getattr(t.record, "path", None):
+            finals.setdefault(id(t.record), (t.record, {}))[1][_task_id(t)] = final
         out.append(st)
+    for rec, per_task in finals.values():
+        try:
+            records.store_final(rec, per_task)
+        except OSError:  # a read-only job store: status still answers
+            pass
     return out
 
 
-def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float) -> JobStatus:
+def _task_id(t: Target) -> str | None:
+    """The array task id of a target made from an array record (``123_4`` -> ``"4"``)."""
+    return t.id.rsplit("_", 1)[-1] if getattr(t.record, "array", None) and "_" in t.id else None
+
+
+def _state_of(t: Target, sched: src.SourceState | None, tried: list[str], logs: RunLogs,
+              notes: list[str], only: str | None) -> src.SourceState:
+    """Where the state comes from: the scheduler, a local job's processes and logs, else the
+    final state kept in the record, else the logs."""
     rec = t.record
-    logs = RunLogs(t.log_dir)
-    notes: list[str] = []
     if t.local:
         alive = src.pids_alive(getattr(rec, "pids", None), getattr(rec, "submitted_at", None),
                                getattr(rec, "cluster", None))
         if alive is None and getattr(rec, "pids", None):
             notes.append("pids recorded on another host; state from the logs")
-        sched = src.from_logs(logs, [], src.PROCESSES if alive is not None else src.LOGS, alive)
-    elif sched is None:
-        sched = src.from_logs(logs, tried)
+        driver = str(Path(rec.log_dir) / LOCAL_DRIVER_OUT) if getattr(rec, "log_dir", None) else None
+        return src.from_logs(logs, [], src.PROCESSES if alive is not None else src.LOGS, alive,
+                             driver_out=driver)
+    final = records.final_of(rec, _task_id(t)) if only in (None, src.LOGS) else None
+    if final and (sched is None or sched.state.state is JobState.UNKNOWN):
+        return _from_final(final, sched.tried if sched else tried)
+    return sched if sched is not None else src.from_logs(logs, tried)
+
+
+def _from_final(final: dict, tried: list[str]) -> src.SourceState:
+    seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(final.get("seen_at") or 0)))
+    note = f"record: the final state {final.get('source') or 'the scheduler'} reported at {seen}"
+    return src.SourceState(parse_state(final.get("state")), "record", list(tried) + [note],
+                           elapsed=final.get("elapsed"), time_limit=final.get("time_limit"),
+                           node_list=final.get("node_list"), exit_code=final.get("exit_code"),
+                           steps=list(final.get("steps") or []), restarts=final.get("restarts"))
+
+
+def _final(sched: src.SourceState, codes: dict[int, int], now: float) -> dict | None:
+    """What to keep of a terminal state a Slurm source reported (None: not one)."""
+    if sched.source not in (src.SQUEUE, src.SACCT, src.SACCT_C) or not sched.state.state.terminal:
+        return None
+    return {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
+            "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
+            "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
+            "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in codes.items()}}
+
+
+def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float,
+         only: str | None = None) -> tuple[JobStatus, dict | None]:
+    rec = t.record
+    logs = RunLogs(t.log_dir)
+    notes: list[str] = []
+    sched = _state_of(t, sched, tried, logs, notes, only)
     state = sched.state
-    failure = None
-    if state.state in CRASHED or logs.outcome() == "failed":
-        failure = logs.first_failure(assume_failed=state.state in CRASHED)
-    elif state.state.terminal or state.state is JobState.UNKNOWN:
-        # cancelled, timed out, preempted: every rank was stopped from outside, so only a rank
-        # that raised on its own (an error event, a traceback) counts as a failure
-        failure = logs.first_failure(evidence_only=True)
-    elif state.state.active:
-        failure = logs.first_failure(evidence_only=True)
-        if failure is not None:
-            notes.append(f"the scheduler says {state.label} but rank {failure.rank} failed "
-                         f"({failure.basis}); the job should end soon (kill-on-bad-exit)")
+    failure, endings = _diagnose(logs, sched, notes)
     runs = logs.runs()
     restarts = max([sched.restarts or 0] + [r.restart for r in runs])
     progress = logs.progress(now)
@@ -138,7 +185,14 @@ def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float)
         notes.append(f"{plural(bad, 'unreadable line')} in the event streams skipped")
     if t.log_dir and not Path(t.log_dir).is_dir():
         notes.append(f"log directory {t.log_dir} does not exist (yet)")
-    return JobStatus(
+    # srun's "task R: Exited" lines stay in the appended batch output after a requeue: only
+    # worth showing when the job did not complete
+    codes = {} if state.state is JobState.COMPLETED else logs.srun_exit_codes()
+    if not codes and sched.source == "record":
+        codes = {int(r): c for r, c in (records.final_of(rec, _task_id(t)) or {}).get(
+            "rank_exit_codes", {}).items()}
+    ev = logs.last_eval()
+    st = JobStatus(
         id=t.id, name=getattr(rec, "name", None), backend=getattr(rec, "backend", None),
         state=state.label, state_name=state.state.name, source=sched.source, tried=sched.tried,
         nodes=getattr(rec, "nodes", None) or sched.nodes,
@@ -147,13 +201,74 @@ def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float)
         restarts=restarts, log_dir=t.log_dir, cwd=getattr(rec, "cwd", None),
         submitted_at=getattr(rec, "submitted_at", None), reason=sched.reason,
         node_list=sched.node_list, progress=progress, last_events=logs.last_events(),
-        failure=failure, exit_code=sched.exit_code, steps=sched.steps,
-        # srun's "task R: Exited" lines stay in the appended batch output after a requeue: only
-        # worth showing when the job did not complete
-        rank_exit_codes={} if state.state is JobState.COMPLETED else logs.srun_exit_codes(),
-        scheduler_history=sched.history,
-        history_source=sched.history_source, runs=[dataclasses.asdict(r) for r in runs],
-        notes=notes, command=getattr(rec, "command", None), rank_endings=rank_endings(logs))
+        failure=failure, exit_code=sched.exit_code, steps=sched.steps, rank_exit_codes=codes,
+        scheduler_history=sched.history, history_source=sched.history_source,
+        runs=_runs(logs, runs, sched), notes=notes, command=getattr(rec, "command", None),
+        rank_endings=rank_endings(logs), rank_classification={str(r): e.to_dict() for r, e in endings.items()},
+        eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
+        overrides=_overrides(t))
+    _timing(st, logs, now)
+    return st, _final(sched, logs.srun_exit_codes(), now)
+
+
+def _diagnose(logs: RunLogs, sched: src.SourceState, notes: list[str]):
+    """(the primary failure, every rank's ending) as far as the job's state allows judging. A
+    job the scheduler requeued before its new run wrote events is judged by its last run."""
+    state = sched.state.state
+    cur = logs.current_restart()
+    over = bool(logs.ranks) and (sched.restarts or 0) > cur
+    hist = [h.get("state") for h in sched.history]
+    name = (parse_state(hist[cur]).state.name if cur < len(hist) else None) if over else state.name
+    facts = SchedulerFacts(name, [c for c in [sched.exit_code] + [s.get("exit_code") for s in sched.steps] if c])
+    crashed = name is not None and JobState[name] in CRASHED
+    if crashed or over or logs.outcome() == "failed":
+        return logs.attribute(sched=facts, assume_failed=crashed)
+    # cancelled, timed out, preempted, unknown, still running: every rank may have been stopped
+    # from outside, so only a rank that failed on its own (an error event, a traceback) counts
+    failure, endings = logs.attribute(sched=facts, evidence_only=True)
+    if failure is not None and state.active:
+        notes.append(f"the scheduler says {sched.state.label} but rank {failure.rank} failed "
+                     f"({failure.basis}); the job should end soon (kill-on-bad-exit)")
+    return failure, endings
+
+
+def _runs(logs: RunLogs, runs, sched: src.SourceState) -> list[dict]:
+    """The runs of the event logs; an earlier run that failed says who broke it."""
+    hist = [h.get("state") for h in sched.history]
+    out = []
+    for r in runs:
+        d = dataclasses.asdict(r)
+        if r.restart < logs.current_restart() and r.end_status not in ("completed", "preempted"):
+            name = parse_state(hist[r.restart]).state.name if r.restart < len(hist) else None
+            f, _ = logs.attribute(restart=r.restart, sched=SchedulerFacts(name), files=False,
+                                  assume_failed=name is not None and JobState[name] in CRASHED)
+            d["cause"] = f.summary if f else None
+        out.append(d)
+    return out
+
+
+def _timing(st: JobStatus, logs: RunLogs, now: float) -> None:
+    """Stall (a running job) and straggler facts from the current run's step events."""
+    restart = logs.current_restart()
+    per_rank = {r: s.of_restart(restart) for r, s in logs.ranks.items()}
+    hosts = {r: next((e.get("host") for e in reversed(evs) if e.get("host")), None)
+             for r, evs in per_rank.items()}
+    st.timing = timing.stragglers(per_rank, hosts)
+    if st.job_state is JobState.RUNNING and (stall := timing.stall(per_rank, now)) is not None:
+        stacks = {}
+        for r in stall["ranks"]:
+            evs = [e for e in per_rank.get(r, []) if e.get("event") == "stack"]
+            if evs and (where := stack_summary(str(evs[-1].get("stack") or ""))):
+                stacks[str(r)] = where
+        st.stall = {**stall, "stacks": stacks}
+
+
+def _overrides(t: Target) -> list[str] | None:
+    task = _task_id(t)
+    for entry in getattr(t.record, "array", None) or []:
+        if task is not None and str(entry.get("task_id")) == task:
+            return list(entry.get("overrides") or [])
+    return None
 
 
 def rank_endings(logs: RunLogs) -> dict[int, str]:

@@ -30,7 +30,6 @@ SQUEUE, SACCT, SACCT_C, PROCESSES, LOGS, NONE = (
 CONTROLLER_DOWN = ("Unable to contact slurm controller", "Could not establish a configuration")
 #: How long one SlurmCLI keeps its answer to "which cluster is this, is the controller up?"
 CLUSTER_CACHE_S = 60.0
-
 #: How far Slurm's submit time may precede the record's before the row is taken for an older
 #: job that had the same id (ids restart at 1 when a controller's state is wiped).
 SUBMIT_SLACK_S = 600.0
@@ -288,9 +287,11 @@ class _Query:
 
 
 def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
-              now_alive: bool | None = None) -> SourceState:
-    """A state told by the run logs alone (no scheduler knows the job)."""
+              now_alive: bool | None = None, driver_out: str | None = None) -> SourceState:
+    """A state told by the run logs alone (no scheduler knows the job); ``driver_out``: where a
+    local job's driver wrote what happened before the ranks could write events."""
     outcome = logs.outcome()
+    reason = None
     if now_alive:
         return SourceState(StateInfo(JobState.RUNNING, "processes alive"), source, list(tried))
     if outcome == "completed":
@@ -302,6 +303,9 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
         requeued = bool(runs and runs[-1].requeued)
         st = StateInfo(JobState.REQUEUED if requeued else JobState.PREEMPTED,
                        "end: preempted", "(requeue requested)" if requeued else "")
+    elif now_alive is False and not logs.ranks:  # died before any rank wrote an event
+        st = StateInfo(JobState.FAILED, "ended before its first event")
+        reason = "ended before its first event" + (f"; see {driver_out}" if driver_out else "")
     elif not logs.exists:
         st = StateInfo(JobState.UNKNOWN, "no scheduler record and no run logs")
     elif now_alive is False:
@@ -309,13 +313,15 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
                        "(processes gone without an end event)")
     else:
         st = StateInfo(JobState.UNKNOWN, "logs have no end event yet")
-    return SourceState(st, source, list(tried))
+    return SourceState(st, source, list(tried), reason=reason)
 
 
 def pids_alive(pids, submitted_at: float | None, cluster: str | None) -> bool | None:
     """True when any of the local job's processes still runs; None when this machine cannot tell
     (the record was written on another host). A pid reused by a process started long after the
-    submission does not count."""
+    submission does not count. An empty list is the local driver's word that it finished."""
+    if pids is not None and len(pids) == 0:
+        return False
     if not pids:
         return None
     if cluster and cluster not in (socket.gethostname(), socket.getfqdn(), "localhost"):

@@ -1,7 +1,8 @@
 """Render job statuses: the recent-jobs table, one job's detail page, rank-prefixed log tails.
 
 Every view has a JSON twin (``--json``) with the same facts, so scripts never parse the table.
-Pure functions return text; only :func:`follow_logs` and :func:`watch` loop and print.
+Pure functions return text; only :func:`follow_logs` (``ddp_hpc.runlogs.tails``) and
+:func:`watch` loop and print.
 """
 from __future__ import annotations
 
@@ -10,17 +11,25 @@ import os
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Iterable
 
 from ddp_hpc import cli as ddp_cli
-from ddp_hpc.runlogs.schema import LOG_RE, OUT_RE, RANK_FILE_ROLES, rank_out, text_log
-from ddp_hpc.runlogs.srun import tail_file
+from ddp_hpc.runlogs.consequences import compress as compress_ranks
+from ddp_hpc.runlogs.consequences import ranks_text
+from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
+from ddp_hpc.runlogs.tails import follow_logs, log_line, logs_tail, rank_files, render_logs
+from ddp_hpc.runlogs.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.status.collect import JobStatus
 
+__all__ = ["render_table", "render_detail", "to_json", "files_guide", "watch", "compress_ranks",
+           "follow_logs", "log_line", "logs_tail", "rank_files", "render_logs"]
+
 COLUMNS = ("ID", "NAME", "BACKEND", "STATE", "NODESxGPUS", "ELAPSED/LIMIT", "RESTARTS",
            "PROGRESS", "LOSS", "SAMPLES/S", "ETA", "LOG DIR")
+#: columns shown only when some job has them, before LOG DIR: final eval metrics, sweep overrides
+OPTIONAL = ("EVAL", "OVERRIDES")
+CELL_MAX = 40  # characters of an EVAL / OVERRIDES cell
 
 
 def _num(v, fmt: str) -> str:
@@ -49,25 +58,50 @@ def progress_text(st: JobStatus) -> str:
     return " ".join(parts) or "-"
 
 
-def table_row(st: JobStatus) -> list[str]:
+def state_text(st: JobStatus) -> str:
+    """The STATE cell: ``STALLED 00:02:10`` for a running job whose ranks went silent."""
+    if st.stall:
+        return f"STALLED {format_duration(st.stall['silent_for_s'])}"
+    return st.state
+
+
+def eval_text(st: JobStatus, limit: int = CELL_MAX) -> str:
+    """``accuracy=0.91 loss=0.32``: the newest eval event's metrics, or ``-``."""
+    m = st.eval_metrics or {}
+    return _cut(" ".join(f"{k}={_short(v)}" for k, v in m.items()) or "-", limit)
+
+
+def overrides_text(st: JobStatus, limit: int = CELL_MAX) -> str:
+    return _cut(" ".join(st.overrides or []) or "-", limit)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def table_row(st: JobStatus, optional: tuple[str, ...] = ()) -> list[str]:
     p = st.progress
     per = "-" if st.gpus_per_node is None else str(st.gpus_per_node)
+    extra = {"EVAL": eval_text, "OVERRIDES": overrides_text}
     return [
-        st.id, st.name or "-", st.backend or "-", st.state,
+        st.id, st.name or "-", st.backend or "-", state_text(st),
         f"{st.nodes or '-'}x{per}" + ("cpu" if st.device == "cpu" else ""),
         f"{st.elapsed or '-'}/{st.time_limit or '-'}",
         str(st.restarts), progress_text(st),
         _num(p.loss if p else None, ".4g"), _num(p.samples_per_s if p else None, ".1f"),
         (format_duration(p.eta_s) if p and p.eta_s is not None else "-"),
-        st.log_dir or "-",
-    ]
+    ] + [extra[c](st) for c in optional] + [st.log_dir or "-"]
 
 
 def render_table(statuses: Iterable[JobStatus]) -> str:
-    rows = [list(COLUMNS)] + [table_row(s) for s in statuses]
+    statuses = list(statuses)
+    optional = tuple(c for c, have in zip(OPTIONAL, (any(s.eval_metrics for s in statuses),
+                                                     any(s.overrides for s in statuses))) if have)
+    columns = list(COLUMNS[:-1]) + list(optional) + [COLUMNS[-1]]
+    rows = [columns] + [table_row(s, optional) for s in statuses]
     if len(rows) == 1:
         return f"no ddp_hpc jobs recorded (submit one with {ddp_cli.prog('submit')})\n"
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -79,7 +113,7 @@ def _ago(t, now) -> str:
 
 
 def _event_text(ev: dict) -> str:
-    skip = {"time", "event", "rank", "job_id", "host", "traceback", "restart"}
+    skip = {"time", "event", "rank", "job_id", "host", "traceback", "restart", "stack"}
     extras = " ".join(f"{k}={_short(v)}" for k, v in ev.items() if k not in skip)
     return f"{ev.get('event')}" + (f" {extras}" if extras else "")
 
@@ -99,8 +133,8 @@ def files_guide() -> str:
 
 def render_detail(st: JobStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
-    out = _head_lines(st, now) + _exit_lines(st) + _failure_lines(st) + _event_lines(st, now)
-    out += _history_lines(st) + [f"Note: {n}" for n in st.notes]
+    out = _head_lines(st, now) + _exit_lines(st) + _failure_lines(st) + _timing_lines(st)
+    out += _event_lines(st, now) + _history_lines(st) + [f"Note: {n}" for n in st.notes]
     return "\n".join(out) + "\n"
 
 
@@ -111,6 +145,7 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
            f"State:      {st.state}   [source: {st.source}]"
            + (f"   reason: {st.reason}" if st.reason and st.reason not in ("None",) else "")]
     out += [f"            ({t})" for t in st.tried]
+    out += _stall_lines(st)
     out.append(f"Elapsed:    {st.elapsed or '-'} / limit {st.time_limit or '-'}   "
                f"restarts: {st.restarts}")
     p = st.progress
@@ -124,8 +159,13 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
             bits.append(f"ETA {format_duration(p.eta_s)}")
         bits.append(f"updated {_ago(p.updated, now)}")
         out.append("Progress:   " + ", ".join(bits))
+    if st.eval_metrics:
+        at = f" (step {st.eval_step})" if st.eval_step is not None else ""
+        out.append("Eval:       " + ", ".join(f"{k}={_short(v)}" for k, v in st.eval_metrics.items()) + at)
     if st.command:
         out.append(f"Command:    {shlex.join(st.command)}")
+    if st.overrides:
+        out.append(f"Overrides:  {shlex.join(st.overrides)}")
     out.append(f"Log dir:    {st.log_dir or '-'}")
     if st.log_dir:
         out += [f"            {name:<12} {RANK_FILE_ROLES[kind]}"
@@ -145,17 +185,6 @@ def _ending_lines(st: JobStatus) -> list[str]:
     return ["Ranks:      " + "; ".join(f"{compress_ranks(r)} {how}" for how, r in groups.items())]
 
 
-def compress_ranks(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        start = r if start is None else start
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(r) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(out)
-
-
 def _exit_lines(st: JobStatus) -> list[str]:
     if not (st.exit_code or st.steps or st.rank_exit_codes):
         return _ending_lines(st)
@@ -169,14 +198,52 @@ def _exit_lines(st: JobStatus) -> list[str]:
     return out + _ending_lines(st)
 
 
+def _stall_lines(st: JobStatus) -> list[str]:
+    """Which ranks went silent, for how long, and where they were if they wrote a stack."""
+    sl = st.stall
+    if not sl:
+        return []
+    who = ranks_text(sl["ranks"])
+    line = f"Stalled:    {who} silent for {format_duration(sl['silent_for_s'])}"
+    if sl.get("others_last_s") is not None:
+        line += f"; the others last wrote {format_duration(sl['others_last_s'])} ago"
+    elif sl.get("behind"):
+        steps = sl.get("last_steps", {})
+        line += (f"; {ranks_text(sl['behind'])} stopped first (last step "
+                 f"{', '.join(str(steps.get(str(r))) for r in sl['behind'])}, the others' "
+                 f"{max(v for v in steps.values() if v is not None)})")
+    out = [line, f"            (no event for > {format_duration(sl['threshold_s'])}: max({STALL_FACTOR:g} x "
+                 f"the median interval between step events, {sl['median_interval_s']:.3g} s, "
+                 f"{STALL_MIN_S:g} s))"]
+    out += [f"            rank {r} was in {where}" for r, where in sorted(sl.get("stacks", {}).items())]
+    return out
+
+
 def _failure_lines(st: JobStatus) -> list[str]:
     f = st.failure
     if f is None:
         return []
-    where = f" on {f.host}" if f.host else ""
-    what = ": ".join(x for x in (f.exc_type, f.message) if x)
-    return [f"First failure: rank {f.rank}{where} (restart {f.restart}, from {f.basis})"
-            + (f": {what}" if what else "")] + [f"    {ln}" for ln in f.traceback_tail]
+    head = f.summary
+    if not head:  # a Failure made elsewhere (no attribution): today's words
+        where = f" on {f.host}" if f.host else ""
+        what = ": ".join(x for x in (f.exc_type, f.message) if x)
+        head = f"rank {f.rank}{where} (restart {f.restart}, from {f.basis})" + (f": {what}" if what else "")
+    out = [f"First failure: {head}"]
+    out += [f"    {ranks_text(c['ranks'])}: {c['text']}" for c in f.consequences]
+    if f.kind in ("killed", "vanished", "stuck"):
+        out.append(f"    how we know: {f.basis} (restart {f.restart})")
+    if f.stack and f.stack.get("summary"):
+        why = f" ({f.stack['reason']})" if f.stack.get("reason") else ""
+        out.append(f"    rank {f.rank} was in {f.stack['summary']}{why}:")
+        out += [f"        {ln}" for ln in f.stack.get("lines", [])]
+    out += [f"    {ranks_text(p['ranks'])} {'was' if len(p['ranks']) == 1 else 'were'} in {p['summary']}"
+            for p in f.peer_stacks]
+    return out + [f"    {ln}" for ln in f.traceback_tail]
+
+
+def _timing_lines(st: JobStatus) -> list[str]:
+    lines = (st.timing or {}).get("lines") or []
+    return [("Stragglers: " if i == 0 else "            ") + ln for i, ln in enumerate(lines)]
 
 
 def _event_lines(st: JobStatus, now: float) -> list[str]:
@@ -205,119 +272,13 @@ def _history_lines(st: JobStatus) -> list[str]:
                 how += ", requeue requested"
             out.append(f"  restart {r['restart']}: ranks {len(r['ranks'])}, last step "
                        f"{r['last_step'] if r['last_step'] is not None else '-'}, {how}"
-                       + (f", {ddp_cli.plural(r['errors'], 'error event')}" if r["errors"] else ""))
+                       + (f", {ddp_cli.plural(r['errors'], 'error event')}" if r["errors"] else "")
+                       + (f"; first failure: {r['cause']}" if r.get("cause") else ""))
     return out
 
 
 def to_json(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
-
-
-def _rank_kind(name: str) -> tuple[int, str] | None:
-    """(rank, "log" | "out") for a rank's text log or raw output file name, else None."""
-    for kind, pattern in (("log", LOG_RE), ("out", OUT_RE)):
-        if m := pattern.match(name):
-            return int(m.group(1)), kind
-    return None
-
-
-def rank_files(log_dir: str | Path, rank: int | None = None,
-               kind: str = "log") -> list[tuple[int, str, Path]]:
-    """(rank, kind, path) of the rank files to show, sorted by rank.
-
-    ``kind="log"``: each rank's ``rank{R}.log`` (the training core's text log), or its
-    ``rank{R}.out`` when it has no .log (a rank that died before logging anything);
-    ``kind="out"``: the ``rank{R}.out`` files (the process's stdout/stderr: Python tracebacks,
-    srun and NCCL messages); ``kind="all"``: both.
-    """
-    d = Path(log_dir)
-    if not d.is_dir():
-        return []
-    found: dict[int, dict[str, Path]] = {}
-    for p in d.iterdir():
-        rk = _rank_kind(p.name)
-        if rk and (rank is None or rk[0] == rank):
-            found.setdefault(rk[0], {})[rk[1]] = p
-    out = []
-    for r, files in sorted(found.items()):
-        if kind == "all":
-            kinds = sorted(files)
-        elif kind in files:
-            kinds = [kind]
-        else:
-            kinds = ["out"] if kind == "log" and "out" in files else []
-        out.extend((r, k, files[k]) for k in kinds)
-    return out
-
-
-def logs_tail(log_dir, rank: int | None, n: int, kind: str = "log") -> list[dict]:
-    """The last ``n`` lines of each rank file, as records {rank, file, line}."""
-    out = []
-    for r, _, p in rank_files(log_dir, rank, kind):
-        for ln in tail_file(p, n):
-            out.append({"rank": r, "file": p.name, "line": ln})
-    return out
-
-
-def log_line(rec: dict) -> str:
-    """One record as ``[rank R] line`` (``[rank R out] line`` for raw output). The training log's
-    own lines already name their rank after the time stamp: that tag is dropped, not repeated."""
-    r, line = rec["rank"], rec["line"]
-    if (_rank_kind(rec["file"]) or (r, "out"))[1] == "out":
-        return f"[rank {r} out] {line}"
-    return f"[rank {r}] " + line.replace(f"[rank {r}] ", "", 1)
-
-
-def render_logs(records: list[dict]) -> str:
-    return "".join(log_line(x) + "\n" for x in records)
-
-
-def follow_logs(log_dir, rank: int | None, n: int, active: Callable[[], bool], as_json: bool,
-                write=None, interval: float = 0.5, sleep=time.sleep, kind: str = "log") -> None:
-    """Print the tails, then new lines as they arrive (files that appear later included), until
-    the job is no longer active and everything written has been shown (or Ctrl-C)."""
-    write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    emit = (lambda rec: write(json.dumps(rec) + "\n")) if as_json else (
-        lambda rec: write(log_line(rec) + "\n"))
-    for rec in logs_tail(log_dir, rank, n, kind):
-        emit(rec)
-    offsets = {p: p.stat().st_size for _, _, p in rank_files(log_dir, rank, kind)}
-    partial: dict[Path, tuple[int, str]] = {}  # path -> (rank, its unfinished last line)
-    try:
-        while True:
-            still = active()
-            for r, _, p in rank_files(log_dir, rank, kind):
-                data = _read_from(p, offsets)
-                if data is None:
-                    continue
-                lines = (partial.pop(p, (r, ""))[1] + data).split("\n")
-                if lines[-1]:
-                    partial[p] = (r, lines[-1])
-                for ln in lines[:-1]:
-                    emit({"rank": r, "file": p.name, "line": ln})
-            if not still:
-                for p, (r, rest) in partial.items():
-                    emit({"rank": r, "file": p.name, "line": rest})
-                return
-            sleep(interval)
-    except KeyboardInterrupt:
-        return
-
-
-def _read_from(p: Path, offsets: dict[Path, int]) -> str | None:
-    """What was appended to ``p`` since ``offsets[p]`` (from the start when it shrank), and move
-    the offset; None when it cannot be read."""
-    pos = offsets.get(p, 0)
-    try:
-        if p.stat().st_size < pos:  # truncated or replaced: start over
-            pos = 0
-        with open(p, "rb") as f:
-            f.seek(pos)
-            data = f.read()
-    except OSError:
-        return None
-    offsets[p] = pos + len(data)
-    return data.decode("utf-8", errors="replace")
 
 
 def watch(render: Callable[[], str], interval: float, count: int | None, write=None,

@@ -1,0 +1,100 @@
+"""Python stacks in the run logs: the ``stack`` event's ``stack`` text, faulthandler's dump of
+all threads, turned into one line a user can act on ("loop.py:337 in backward") and a short
+excerpt.
+
+faulthandler writes each thread as a block, innermost call first::
+
+    Thread 0x00007f3b2c7fe640 (most recent call first):
+      File "/usr/lib/python3.11/threading.py", line 324 in wait
+      File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+    Current thread 0x00007f3b3a1c9740 (most recent call first):
+      File "/src/ddp_hpc/train/loop.py", line 337 in backward
+      File "<frozen runpy>", line 88 in _run_code
+
+The thread that matters is the main thread (the training loop). faulthandler does not name it;
+it is the thread whose outermost frame is not ``threading``'s ``_bootstrap`` (every other thread
+starts there). When a helper thread wrote the dump (a watchdog before a collective timeout), the
+"Current thread" is that helper, so it is preferred only when it is the main thread. Text in
+``traceback.format_stack`` order (innermost call last) is read as well.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_HEADER = re.compile(r"^(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)?.*"
+                     r"\(most recent call first\):\s*$")
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
+_THREAD_START = ("_bootstrap", "_bootstrap_inner")
+
+#: how many lines of the chosen thread the excerpt keeps (its header and the innermost frames)
+EXCERPT_LINES = 12
+
+
+@dataclass
+class Thread:
+    """One thread of a dump: its header line and its frames, innermost first."""
+
+    header: str
+    current: bool
+    lines: list[str] = field(default_factory=list)  # the frame lines as written
+    frames: list[tuple[str, int, str]] = field(default_factory=list)  # (file, line, function)
+
+    @property
+    def started_by_threading(self) -> bool:
+        return bool(self.frames) and (self.frames[-1][2] in _THREAD_START
+                                      and self.frames[-1][0].endswith("threading.py"))
+
+
+def threads(text: str) -> list[Thread]:
+    """The thread blocks of a faulthandler dump; a traceback-style text (innermost call last)
+    becomes one thread with its frames reversed."""
+    out: list[Thread] = []
+    cur: Thread | None = None
+    for ln in str(text or "").splitlines():
+        if m := _HEADER.match(ln.strip()):
+            cur = Thread(ln.strip(), m.group("current") == "Current thread")
+            out.append(cur)
+        elif (f := _FRAME.match(ln)) and cur is not None:
+            cur.lines.append(ln.rstrip())
+            cur.frames.append((f.group("file"), int(f.group("line")), f.group("func")))
+    if out:
+        return out
+    frames = [(ln.rstrip(), f) for ln in str(text or "").splitlines() if (f := _FRAME.match(ln))]
+    if not frames:
+        return []
+    frames.reverse()
+    return [Thread("(most recent call first)", True, [ln for ln, _ in frames],
+                   [(f.group("file"), int(f.group("line")), f.group("func")) for _, f in frames])]
+
+
+def main_thread(text: str) -> Thread | None:
+    """The thread running the training loop (see the module docstring), or None."""
+    blocks = [t for t in threads(text) if t.frames]
+    if not blocks:
+        return None
+    for pick in (lambda t: t.current and not t.started_by_threading,
+                 lambda t: not t.started_by_threading, lambda t: t.current):
+        found = [t for t in blocks if pick(t)]
+        if found:
+            return found[0]
+    return blocks[0]
+
+
+def stack_summary(text: str) -> str | None:
+    """The innermost frame of the main thread as ``loop.py:337 in backward`` (file name only),
+    or None when the text holds no frame."""
+    t = main_thread(text)
+    if t is None:
+        return None
+    path, line, func = t.frames[0]
+    return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line} in {func}"
+
+
+def stack_excerpt(text: str, n: int = EXCERPT_LINES) -> list[str]:
+    """The main thread's header and its innermost frames, ``n`` lines at most."""
+    t = main_thread(text)
+    if t is None or n <= 0:
+        return []
+    return ([t.header] + [ln.strip() for ln in t.lines])[:n]

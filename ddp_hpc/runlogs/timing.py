@@ -1,0 +1,141 @@
+"""Time between step events: stalls while they happen, and ranks or nodes slower than the rest.
+
+Both read the ``step`` events of the current run (``time``, ``step``, ``rank``, ``host``), so they
+work for the training core and for scripts that call ``ddp_hpc.report`` alike (docs/status.md,
+"Stalls" and "Stragglers").
+
+- **Stall**: a rank of a running job is silent when its newest event (other than ``stack``) is
+  older than ``max(STALL_FACTOR x the median interval between its step events, STALL_MIN_S)``.
+  A rank with fewer than two step events is judged by the median of all ranks' intervals; before
+  any rank has two step events nothing is judged (a first step may take long: compilation,
+  data staging).
+- **Straggler**: a rank's step time is the median of (seconds / steps) between its consecutive
+  step events; with at least ``STRAGGLER_MIN_INTERVALS`` of them, a rank whose step time is
+  ``>= STRAGGLER_RATIO`` x the median of the other ranks' is named, and likewise a node (its
+  step time: the median of its ranks') against the median of the other nodes.
+
+Note that a step event written after a collective (the training core reduces its metrics before
+writing one) is written at nearly the same time on every rank: a rank that makes the others
+wait then shows in their timing as much as in its own, and only step events that carry each
+rank's own time tell it apart.
+"""
+from __future__ import annotations
+
+import statistics
+
+#: a rank is silent after max(STALL_FACTOR x its median step-event interval, STALL_MIN_S) seconds
+STALL_FACTOR = 10.0
+STALL_MIN_S = 60.0
+#: a rank or node is slow at >= STRAGGLER_RATIO x the median of the others, over at least
+#: STRAGGLER_MIN_INTERVALS step intervals
+STRAGGLER_RATIO = 1.25
+STRAGGLER_MIN_INTERVALS = 5
+
+
+def _steps(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("event") == "step" and _num(e.get("time")) is not None]
+
+
+def _last_time(events: list[dict]) -> float | None:
+    times = [_num(e.get("time")) for e in events if e.get("event") != "stack"]
+    times = [t for t in times if t is not None]
+    return max(times) if times else None
+
+
+def event_intervals(events: list[dict]) -> list[float]:
+    """Seconds between consecutive step events."""
+    ts = [_num(e.get("time")) for e in _steps(events)]
+    return [b - a for a, b in zip(ts, ts[1:]) if b > a]
+
+
+def step_times(events: list[dict]) -> list[float]:
+    """Seconds per step between consecutive step events (their ``step`` numbers must grow)."""
+    st = [e for e in _steps(events) if isinstance(e.get("step"), (int, float))]
+    out = []
+    for a, b in zip(st, st[1:]):
+        dt, ds = _num(b.get("time")) - _num(a.get("time")), b["step"] - a["step"]
+        if dt > 0 and ds > 0:
+            out.append(dt / ds)
+    return out
+
+
+def stall(per_rank: dict[int, list[dict]], now: float) -> dict | None:
+    """The silent ranks of a running job (see the module docstring), or None.
+
+    ``per_rank``: rank -> its events of the current run. Ranks that wrote ``end`` or ``error``
+    are not silent: they ended. Returns ``ranks`` (silent), ``silent_for_s`` (since the newest
+    event of a silent rank), ``others_last_s`` (since the newest event of the others; None when
+    every rank is silent), ``threshold_s``, ``median_interval_s``, ``behind`` (silent ranks whose
+    last step is behind the others': the ones that stopped first) and ``last_steps``."""
+    live = {r: evs for r, evs in per_rank.items()
+            if evs and not any(e.get("event") in ("end", "error") for e in evs)}
+    medians = {r: statistics.median(iv) for r, evs in live.items() if (iv := event_intervals(evs))}
+    if not medians:
+        return None
+    overall = statistics.median(medians.values())
+    limits = {r: max(STALL_FACTOR * medians.get(r, overall), STALL_MIN_S) for r in live}
+    last = {r: _last_time(evs) for r, evs in live.items()}
+    silent = sorted(r for r in live if last[r] is not None and now - last[r] > limits[r])
+    if not silent:
+        return None
+    others = [last[r] for r in live if r not in silent and last[r] is not None]
+    steps = {r: max((e["step"] for e in _steps(live[r]) if isinstance(e.get("step"), int)),
+                    default=None) for r in silent}
+    known = [s for s in steps.values() if s is not None]
+    behind = [r for r in silent if steps[r] is not None and known and steps[r] < max(known)]
+    newest = max(last[r] for r in silent)
+    return {"ranks": silent, "silent_for_s": round(now - newest, 3),
+            "others_last_s": round(now - max(others), 3) if others else None,
+            "threshold_s": round(max(limits[r] for r in silent), 3),
+            "median_interval_s": round(overall, 3), "behind": behind,
+            "last_steps": {str(r): steps[r] for r in silent}}
+
+
+def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict | None:
+    """Per-rank and per-node step times and the slow ones (see the module docstring), or None
+    when no rank has enough step events. ``hosts``: rank -> its host."""
+    ranks: dict[int, dict] = {}
+    for r, evs in sorted(per_rank.items()):
+        times = step_times(evs)
+        if len(times) >= STRAGGLER_MIN_INTERVALS:
+            ranks[r] = {"host": hosts.get(r), "step_s": statistics.median(times),
+                        "intervals": len(times)}
+    if not ranks:
+        return None
+    _ratios(ranks)
+    by_node: dict[str, list[int]] = {}
+    for r, d in ranks.items():
+        if d["host"]:
+            by_node.setdefault(d["host"], []).append(r)
+    nodes = {h: {"ranks": rs, "step_s": statistics.median(ranks[r]["step_s"] for r in rs)}
+             for h, rs in sorted(by_node.items())}
+    _ratios(nodes)
+    slow_nodes = [h for h, d in nodes.items() if d["slow"]]
+    lines = [f"{h} is {nodes[h]['ratio']:.1f}x slower than the median node "
+             f"(ranks {', '.join(map(str, nodes[h]['ranks']))})" for h in slow_nodes]
+    slow_ranks = [r for r, d in ranks.items() if d["slow"]]
+    lines += [f"rank {r}" + (f" on {ranks[r]['host']}" if ranks[r]["host"] else "")
+              + f" is {ranks[r]['ratio']:.1f}x slower than the median rank "
+              f"({ranks[r]['step_s']:.3g} s per step)"
+              for r in slow_ranks if ranks[r]["host"] not in slow_nodes]
+    for d in list(ranks.values()) + list(nodes.values()):
+        d["step_s"] = round(d["step_s"], 6)
+    return {"ranks": {str(r): d for r, d in ranks.items()}, "nodes": nodes,
+            "slow_ranks": slow_ranks, "slow_nodes": slow_nodes, "lines": lines,
+            "ratio_threshold": STRAGGLER_RATIO, "min_intervals": STRAGGLER_MIN_INTERVALS}
+
+
+def _ratios(items: dict) -> None:
+    """Each item's step time over the median of the others'; ``slow`` at >= STRAGGLER_RATIO."""
+    for k, d in items.items():
+        others = [o["step_s"] for j, o in items.items() if j != k]
+        ref = statistics.median(others) if others else None
+        d["ratio"] = round(d["step_s"] / ref, 3) if ref else None
+        d["slow"] = bool(d["ratio"] and d["ratio"] >= STRAGGLER_RATIO)
+
+
+def _num(v) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None

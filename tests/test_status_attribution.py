@@ -1,0 +1,312 @@
+"""Who broke the job: attribution by evidence, not by the first timestamp.
+
+Each test writes a log directory the way a real 2-node x 2-task job leaves it (event lines in the
+run-log format, srun's report lines in ``slurm-<id>.out``, gloo's and NCCL's words in the errors
+and ``rank<R>.out``) and asserts the exact lines a user reads in ``status JOBID``: the state comes
+from a scheduler that answers like Slurm (a duck-typed SlurmCLI), the rest from the files.
+"""
+import json
+
+from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.runlogs.stacks import stack_excerpt, stack_summary
+from ddp_hpc.status.collect import collect
+from ddp_hpc.status.targets import Target
+from ddp_hpc.status.view import render_detail
+
+T0 = 1_800_000_000.0
+RESET = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.89.0.3]:36218: "
+         "Connection reset by peer")
+CLOSED = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.89.0.3]:28107"
+TIMEOUT = ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+           "30000ms for recv operation to complete")
+STACK_PEER = '''Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2501 in all_reduce
+  File "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", line 1644 in _sync
+  File "/src/ddp_hpc/train/loop.py", line 337 in backward
+  File "/src/ddp_hpc/train/loop.py", line 210 in run
+  File "<frozen runpy>", line 88 in _run_code
+
+Thread 0x00007f3b2c7fe640 "pin_memory" (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+'''
+STACK_BUSY = '''Thread 0x00007f3b2c7fe640 "pin_memory" (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+  File "/usr/lib/python3.11/threading.py", line 1045 in _bootstrap_inner
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):
+  File "/data/slow_loader.py", line 12 in __getitem__
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 674 in __next__
+  File "/src/ddp_hpc/train/loop.py", line 301 in batches
+  File "/src/ddp_hpc/run.py", line 40 in main
+  File "<frozen runpy>", line 88 in _run_code
+'''
+
+
+def ev(rank, t, event, restart=0, **kw):
+    return {"time": T0 + t, "event": event, "rank": rank, "job_id": "77", "restart": restart,
+            "host": f"n{rank // 2 + 1}", **kw}
+
+
+def run_until(rank, last_step, every=1.0, restart=0):
+    """start and one step event per step up to ``last_step``, ``every`` seconds apart."""
+    evs = [ev(rank, 0, "start", restart, world_size=4, num_nodes=2, local_rank=rank % 2, pid=100 + rank,
+              total_steps=100, epochs=1, launcher="slurm", device="cpu")]
+    return evs + [ev(rank, s * every, "step", restart, epoch=0, step=s, total_steps=100, loss=1.0 / s,
+                     lr=0.1, samples_per_s=64.0, rss_mb=300.0, cpu_percent=99.0)
+                  for s in range(1, last_step + 1)]
+
+
+def peer_error(rank, t, message, restart=0):
+    tb = ("Traceback (most recent call last):\n  File \"/src/ddp_hpc/train/loop.py\", line 337, in "
+          f"backward\n    loss.backward()\nRuntimeError: {message}")
+    return [ev(rank, t, "error", restart, exc_type="RuntimeError", message=message, traceback=tb),
+            ev(rank, t + 0.05, "end", restart, status="failed", step=40)]
+
+
+def write(d, rank, events):
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"rank{rank}.events.jsonl", "a") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+
+
+class FakeSlurm:
+    """squeue / sacct / scontrol as ddp_hpc.slurm.cli.SlurmCLI returns them (rows as dicts)."""
+
+    def __init__(self, squeue=(), sacct=()):
+        self.squeue_rows, self.sacct_rows = list(squeue), list(sacct)
+
+    def cluster_name(self):
+        return "test"
+
+    def squeue(self, job_ids=None, **kw):
+        return [r for r in self.squeue_rows if r["JobID"].split("_")[0] in map(str, job_ids)]
+
+    def sacct(self, job_ids, completion=False, duplicates=False, **kw):
+        rows = [r for r in self.sacct_rows if r["JobID"].split(".")[0].split("_")[0] in map(str, job_ids)]
+        return rows if duplicates else [r for r in rows if r.get("_last", True)]
+
+
+def sacct_row(job="77", state="FAILED", exit_code="1:0", elapsed="00:01:23", **kw):
+    return {"JobID": job, "JobIDRaw": job, "State": state, "ExitCode": exit_code, "Elapsed": elapsed,
+            "Timelimit": "00:30:00", "NNodes": "2", "NodeList": "n[1-2]", "JobName": "demo", **kw}
+
+
+def detail(d, sched=None, job="77", now=T0 + 300):
+    st = collect([Target(job, None, str(d))], sched, history=True, now=now)[0]
+    return st, render_detail(st, now=now).splitlines()
+
+
+def first_failure(lines):
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("First failure: "))
+    return lines[i:]
+
+
+def test_sigkill_of_rank3_blames_rank3_not_the_survivors_reset(tmp_path):
+    """The OOM killer's SIGKILL: rank 3 writes nothing; the others' "Connection reset by peer"
+    errors come first in time but are consequences."""
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 40) + peer_error(r, 40.3 + r / 10, RESET))
+    write(tmp_path, 3, run_until(3, 40))
+    (tmp_path / "slurm-77.out").write_text(
+        "ddp_hpc: job 77 on n[1-2]\nsrun: error: n2: task 3: Killed\nsrun: Terminating StepId=77.0\n"
+        "slurmstepd: error: *** STEP 77.0 ON n1 CANCELLED AT 2026-11-23T04:10:11 ***\n"
+        "srun: error: n1: tasks 0-1: Exited with exit code 1\nsrun: error: n2: task 2: Exited with exit code 1\n")
+    st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row(exit_code="1:0")]))
+    assert st.state_name == "FAILED" and st.source == "sacct"
+    assert first_failure(lines)[:3] == [
+        "First failure: rank 3 on n2 killed by signal 9 (SIGKILL)",
+        "    ranks 0-2: lost their peer rank 3 (Connection reset by peer)",
+        "    how we know: srun exit report (restart 0)"]
+    js = st.to_dict()
+    assert js["failure"]["rank"] == 3 and js["failure"]["kind"] == "killed" and js["failure"]["signal"] == 9
+    assert {r: c["kind"] for r, c in js["rank_classification"].items()} == {
+        "0": "consequence", "1": "consequence", "2": "consequence", "3": "killed"}
+    assert js["rank_classification"]["3"]["text"] == "killed by signal 9 (SIGKILL)"
+
+
+def test_sigkill_under_the_exec_wrapper_and_the_local_driver(tmp_path):
+    """A script's rank killed under ddp_hpc.exec (its error event names the signal), and a
+    training-core rank killed under the local backend (the driver's line names it)."""
+    wrapped, local = tmp_path / "exec", tmp_path / "local"
+    for r in range(3):
+        write(wrapped, r, run_until(r, 40) + peer_error(r, 40.2, CLOSED))
+        write(local, r, run_until(r, 40) + peer_error(r, 40.2, CLOSED))
+    write(wrapped, 3, run_until(3, 40) + [
+        ev(3, 40.1, "error", exc_type="Signal", message="killed by signal 9 (SIGKILL)", traceback=None,
+           exit_code=None, signal="SIGKILL"),
+        ev(3, 40.1, "end", status="failed", exit_code=None, signal="SIGKILL", step=40, duration_s=41.0)])
+    write(local, 3, run_until(3, 40))
+    (local / "local-driver.out").write_text(
+        "ddp_hpc local: job local-x: 4 processes on 2 pretend nodes, logs in /l\n"
+        f"ddp_hpc local: job local-x FAILED: rank 3 exited with -9; see {local}/rank3.out\n")
+    for d in (wrapped, local):
+        lines = first_failure(detail(d, job="local-x")[1])
+        assert lines[:2] == ["First failure: rank 3 on n2 killed by signal 9 (SIGKILL)",
+                             "    ranks 0-2: lost their peer rank 3 (Connection closed by peer)"], d
+
+
+def test_a_killed_rank_without_any_report_is_the_one_whose_events_stopped(tmp_path):
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 40) + peer_error(r, 40.2, RESET))
+    write(tmp_path, 3, run_until(3, 39))
+    f = RunLogs(tmp_path).first_failure(assume_failed=True)
+    assert (f.rank, f.kind, f.basis) == (3, "lost", "events stopped first")
+    assert f.consequences == [{"ranks": [0, 1, 2], "text": "lost their peer rank 3 (Connection reset by peer)"}]
+    # the scheduler's exit code names the signal: killed
+    st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row(exit_code="0:9")]))
+    assert first_failure(lines)[0] == "First failure: rank 3 on n2 killed by signal 9 (SIGKILL)"
+
+
+def test_sigstop_rank3_is_stuck_and_its_peers_timed_out_waiting(tmp_path):
+    """A hang: the others time out in the collective 35 s after rank 3's last step; srun kills
+    the frozen rank 3 only after it began ending the step."""
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 41) + [
+            ev(r, 65, "stack", reason="collective timeout: no step for 24 s", stack=STACK_PEER, step=41)]
+            + peer_error(r, 76 + r / 100, TIMEOUT))
+    write(tmp_path, 3, run_until(3, 41))
+    (tmp_path / "slurm-77.out").write_text(
+        "srun: error: n1: tasks 0-1: Exited with exit code 1\nsrun: error: n2: task 2: Exited with exit code 1\n"
+        "srun: Job step aborted: Waiting up to 32 seconds for job step to finish.\n"
+        "srun: error: n2: task 3: Killed\n")
+    st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))
+    assert first_failure(lines)[:4] == [
+        "First failure: rank 3 on n2 stuck: its last event (step 41) is 35 s older than the others'",
+        "    ranks 0-2: timed out waiting for rank 3 (Timed out waiting 30000ms for recv)",
+        "    how we know: its events stopped while the others timed out in a collective; "
+        "srun exit report (restart 0)",
+        "    ranks 0-2 were in distributed_c10d.py:2501 in all_reduce"]
+    assert st.to_dict()["rank_classification"]["3"]["kind"] == "stuck"
+
+
+def test_a_stuck_rank_that_wrote_its_stack_shows_where_it_was(tmp_path):
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 41) + peer_error(r, 76, TIMEOUT))
+    write(tmp_path, 3, run_until(3, 41) + [
+        ev(3, 65, "stack", reason="collective timeout: no step for 24 s", stack=STACK_BUSY, step=41)])
+    lines = first_failure(detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))[1])
+    assert lines[0] == "First failure: rank 3 on n2 stuck: its last event (step 41) is 35 s older than the others'"
+    i = lines.index("    rank 3 was in slow_loader.py:12 in __getitem__ (collective timeout: no step for 24 s):")
+    assert lines[i + 1:i + 3] == [
+        '        Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):',
+        '        File "/data/slow_loader.py", line 12 in __getitem__']
+
+
+def test_nccl_watchdog_abort_is_a_consequence(tmp_path):
+    """NCCL's watchdog aborts the waiting ranks (no Python error event; its words in rank<R>.out),
+    while the rank that never reached the collective was killed first."""
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 40))
+        (tmp_path / f"rank{r}.out").write_text(
+            f"[rank{r}]:[E1123 04:10:11.123456 1234 ProcessGroupNCCL.cpp:616] [Rank {r}] Watchdog caught "
+            "collective operation timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+            "Timeout(ms)=600000) ran for 600094 milliseconds before timing out.\n"
+            "terminate called after throwing an instance of 'c10::DistBackendError'\n")
+    write(tmp_path, 3, run_until(3, 40))
+    (tmp_path / "slurm-77.out").write_text(
+        "srun: error: n2: task 3: Killed\nsrun: error: n1: tasks 0-1: Aborted\nsrun: error: n2: task 2: Aborted\n")
+    lines = first_failure(detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))[1])
+    assert lines[:2] == ["First failure: rank 3 on n2 killed by signal 9 (SIGKILL)",
+                         "    ranks 0-2: lost their peer rank 3 (Watchdog caught collective operation timeout)"]
+
+
+def test_node_failure_names_the_node(tmp_path):
+    """Every process of n2 killed: Slurm says NODE_FAIL; the survivors' errors are consequences."""
+    for r in (0, 1):
+        write(tmp_path, r, run_until(r, 40) + peer_error(r, 40.5, CLOSED))
+    for r in (2, 3):
+        write(tmp_path, r, run_until(r, 40))
+    st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row(state="NODE_FAIL", exit_code="0:0")]))
+    assert first_failure(lines)[:3] == [
+        "First failure: node n2 failed (NODE_FAIL): ranks 2-3 vanished",
+        "    ranks 0-1: lost their peers on n2 (Connection closed by peer)",
+        "    how we know: NODE_FAIL (restart 0)"]
+    js = st.to_dict()
+    assert (js["failure"]["kind"], js["failure"]["node"], js["failure"]["ranks"]) == ("vanished", "n2", [2, 3])
+    # from the logs alone (the scheduler forgot the job): every rank of n2 went silent
+    lines = first_failure(detail(tmp_path)[1])
+    assert lines[0] == ("First failure: node n2 lost: ranks 2-3 vanished without end events while the "
+                        "others failed")
+    # srun's own words name the node
+    (tmp_path / "slurm-77.out").write_text("srun: error: Node failure on n2\n"
+                                           "srun: error: n1: tasks 0-1: Exited with exit code 1\n")
+    f = RunLogs(tmp_path).first_failure(assume_failed=True)
+    assert f.summary == "node n2 failed (srun: Node failure on n2): ranks 2-3 vanished"
+
+
+def test_node_failure_then_requeue_names_the_node_while_the_job_waits(tmp_path):
+    for r in (0, 1):
+        write(tmp_path, r, run_until(r, 40) + peer_error(r, 40.5, CLOSED))
+    for r in (2, 3):
+        write(tmp_path, r, run_until(r, 40))
+    sched = FakeSlurm(squeue=[{"JobID": "77", "JobArrayID": "77", "State": "PENDING", "Reason": "BeginTime",
+                               "TimeUsed": "0:00", "TimeLimit": "30:00", "NumNodes": "2", "RestartCnt": "1",
+                               "Name": "demo"}],
+                      sacct=[sacct_row(state="NODE_FAIL", _last=False), sacct_row(state="PENDING")])
+    st, lines = detail(tmp_path, sched)
+    assert st.state_name == "PENDING" and st.restarts == 1
+    assert first_failure(lines)[0] == "First failure: node n2 failed (NODE_FAIL): ranks 2-3 vanished"
+
+
+def test_a_python_exception_keeps_its_line_and_the_echoes_are_consequences(tmp_path):
+    tb = ('Traceback (most recent call last):\n  File "loop.py", line 9, in step\n    batch = next(it)\n'
+          "InjectedFailure: injected failure on rank 3")
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 40) + peer_error(r, 41, CLOSED))
+    write(tmp_path, 3, run_until(3, 40) + [
+        ev(3, 40.5, "error", exc_type="InjectedFailure", message="injected failure on rank 3", traceback=tb),
+        ev(3, 40.6, "end", status="failed", step=40)])
+    (tmp_path / "slurm-77.out").write_text("srun: error: n2: task 3: Exited with exit code 1\n"
+                                           "srun: error: n1: tasks 0-2: Killed\n")
+    lines = first_failure(detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))[1])
+    assert lines[:2] == [
+        "First failure: rank 3 on n2 (restart 0, from error event): InjectedFailure: injected failure on rank 3",
+        "    ranks 0-2: lost their peer rank 3 (Connection closed by peer)"]
+    assert "    InjectedFailure: injected failure on rank 3" in lines
+
+
+def test_srun_kills_after_a_bad_exit_are_srun_stopping_the_step(tmp_path):
+    for r in range(4):
+        write(tmp_path, r, run_until(r, 20 if r != 1 else 19))
+    (tmp_path / "slurm-77.out").write_text("srun: error: n1: task 1: Exited with exit code 7\n"
+                                           "srun: error: n1: tasks 0,2-3: Killed\n")
+    lines = first_failure(detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))[1])
+    assert lines[:2] == ["First failure: rank 1 on n1 (restart 0, from srun exit report): exit code 7",
+                         "    ranks 0,2-3: stopped after rank 1 failed (SIGKILL)"]
+
+
+def test_a_wrappers_exit_status_gives_way_to_the_ranks_own_error_line(tmp_path):
+    """submitit's "python -m ddp_hpc.run exited with status 2": the real line is in rank0.out."""
+    write(tmp_path, 0, [ev(0, 1, "error", exc_type="RuntimeError",
+                           message="python -m ddp_hpc.run exited with status 2",
+                           traceback="Traceback (most recent call last):\n  File \"submitit/core.py\", "
+                                     "line 9, in result\nRuntimeError: python -m ddp_hpc.run exited with status 2")])
+    (tmp_path / "rank0.out").write_text("ddp_hpc run: error: cannot import module 'foo.bar' "
+                                        "(model.name=foo.bar:baz)\nHINT: check model.name\n")
+    f = RunLogs(tmp_path).first_failure(assume_failed=True)
+    assert f.summary == ("rank 0 on n1 (restart 0, from error event; rank0.out): ddp_hpc run: error: "
+                         "cannot import module 'foo.bar' (model.name=foo.bar:baz)")
+    assert f.traceback_tail[-1] == "RuntimeError: python -m ddp_hpc.run exited with status 2"
+
+
+def test_stack_summary_reads_faulthandler_and_traceback_text():
+    assert stack_summary(STACK_PEER) == "distributed_c10d.py:2501 in all_reduce"
+    # faulthandler's own dump from a helper thread: "Current thread" is the helper; the main
+    # thread is the one not started by threading
+    dump = ("Current thread 0x0000000000000001 (most recent call first):\n"
+            '  File "/src/watch.py", line 5 in _run\n'
+            '  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap\n\n'
+            "Thread 0x0000000000000002 (most recent call first):\n"
+            '  File "/src/ddp_hpc/train/loop.py", line 337 in backward\n'
+            '  File "/src/train.py", line 3 in <module>\n')
+    assert stack_summary(dump) == "loop.py:337 in backward"
+    tb = 'Traceback (most recent call last):\n  File "/x/a.py", line 1, in <module>\n  File "/x/b.py", line 7, in f\n'
+    assert stack_summary(tb) == "b.py:7 in f"
+    assert stack_summary("") is None and stack_summary("no frames here") is None
+    assert stack_excerpt(STACK_PEER, 3) == [
+        'Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):',
+        'File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2501 in all_reduce',
+        'File "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", line 1644 in _sync']
