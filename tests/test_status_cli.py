@@ -351,3 +351,48 @@ def test_local_backend_job_where_rank1_raises_is_failed_naming_rank1(home):
     assert js["progress"]["step"] >= 10  # it trained a while before failing (step events every 10)
     assert js["last_events"]["1"]["event"] == "end" and js["last_events"]["1"]["status"] == "failed"
     assert js["last_events"]["1"]["step"] >= 10  # the end event names the last finished step
+
+
+@pytest.mark.parametrize("files", ["none", "traceback"])
+def test_local_job_that_ended_before_its_first_event_is_failed(home, files):
+    """The driver cleared its pids (or died) and no rank wrote an event: FAILED, pointing at the
+    driver's output, not UNKNOWN(logs have no end event yet) forever."""
+    d = home / "logs" / "local-early"
+    d.mkdir(parents=True)
+    if files == "traceback":
+        (d / "rank0.out").write_text("Traceback (most recent call last):\n  File \"run.py\", line 1, in "
+                                     "<module>\nModuleNotFoundError: No module named 'foo'\n")
+    record(home, "local-early", d, backend="local", pids=[])
+    js = json.loads(status(home, "local-early", "--json").stdout)
+    assert (js["state_name"], js["source"]) == ("FAILED", "processes")
+    assert js["reason"] == f"ended before its first event; see {d}/local-driver.out"
+    text = status(home, "local-early").stdout
+    assert f"State:      FAILED   [source: processes]   reason: ended before its first event; see {d}/local-driver.out" in text
+    if files == "traceback":
+        assert js["failure"]["rank"] == 0 and js["failure"]["exc_type"] == "ModuleNotFoundError"
+
+
+def test_sweep_table_shows_eval_metrics_and_each_tasks_overrides(home):
+    tasks = []
+    for i, lr in enumerate(("0.1", "0.01")):
+        d = home / "logs" / "909" / str(i)
+        for r in range(2):
+            write_events(d, r, [start(r), step(r, 10, 100),
+                                ev(r, 11, "eval", epoch=1, step=100, metrics={"accuracy": 0.9 - i / 10, "loss": 0.25}),
+                                ev(r, 12, "end", status="completed", step=100)])
+        tasks.append({"task_id": i, "overrides": [f"optim.lr={lr}", "seed=1"], "log_dir": str(d)})
+    record(home, "909", home / "logs" / "909", array=tasks)
+    completed_job(home, "101")  # no eval events: "-" in the new columns
+    lines = status(home).stdout.splitlines()
+    head = lines[0].split()
+    assert head[-3:] == ["EVAL", "OVERRIDES", "LOG"] or head[-4:] == ["EVAL", "OVERRIDES", "LOG", "DIR"]
+    rows = {ln.split()[0]: ln for ln in lines[1:]}
+    assert "accuracy=0.9 loss=0.25  optim.lr=0.1 seed=1" in rows["909_0"]
+    assert "accuracy=0.8 loss=0.25  optim.lr=0.01 seed=1" in rows["909_1"]
+    assert rows["101"].split()[-3:-1] == ["-", "-"]
+    js = {r["id"]: r for r in json.loads(status(home, "--json").stdout)}
+    assert js["909_1"]["eval_metrics"] == {"accuracy": 0.8, "loss": 0.25}
+    assert js["909_1"]["overrides"] == ["optim.lr=0.01", "seed=1"] and js["101"]["overrides"] is None
+    detail = status(home, "909_0").stdout
+    assert "Eval:       accuracy=0.9, loss=0.25 (step 100)" in detail
+    assert "Overrides:  optim.lr=0.1 seed=1" in detail

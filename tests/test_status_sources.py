@@ -6,6 +6,7 @@ tests/cluster/test_status_cluster.py. The subject, the precedence and parsing in
 ddp_hpc.status.sources, runs unmodified.
 """
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +200,64 @@ def test_failing_rank_guess_only_for_jobs_that_broke(tmp_path):
         (st,) = collect([Target("5", None, str(tmp_path))], slurmcli.SlurmCLI(runner=sched))
         assert st.state.split()[0] == state.split()[0]
         assert (st.failure.rank if st.failure else None) == blamed, state
+
+
+def _record(home, job_id, log_dir, array=None):
+    from ddp_hpc import records
+    rec = records.JobRecord(id=job_id, cluster="test", name="demo", backend="sbatch", nodes=2,
+                            gpus_per_node=2, time_limit="00:30:00", log_dir=str(log_dir), config=None,
+                            overrides=[], submitted_at=timestamp("2026-11-22T15:00:00"), cwd=str(home),
+                            array=array)
+    records.write_record(rec)
+    return records.load_record(job_id)
+
+
+def test_final_state_is_kept_in_the_record_and_wins_once_slurm_forgot_the_job(tmp_path, monkeypatch):
+    """FAILED with its elapsed time and limit, as sacct said it; after the cluster went down the
+    record tells the same, instead of UNKNOWN with times from the logs."""
+    from ddp_hpc import records
+    from ddp_hpc.status.collect import collect
+    from ddp_hpc.status.targets import targets_from_records
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    for r in range(2):
+        _events(tmp_path, r, ("start", {"world_size": 2}), ("step", {"step": 4, "total_steps": 9}))
+    (tmp_path / "slurm-5.out").write_text("srun: error: n1: task 1: Exited with exit code 3\n")
+    rec = _record(tmp_path, "5", tmp_path)
+    sched = Scheduler(sacct=[sacct_row(State="FAILED", ExitCode="3:0", Elapsed="00:07:41", Timelimit="00:30:00")])
+    (st,) = collect(targets_from_records([rec]), slurmcli.SlurmCLI(runner=sched), now=2e9)
+    assert (st.state, st.source, st.elapsed) == ("FAILED", "sacct", "00:07:41")
+    final = records.load_record("5").final
+    assert {k: final[k] for k in ("state", "state_name", "source", "elapsed", "time_limit", "exit_code",
+                                  "rank_exit_codes", "seen_at")} == {
+        "state": "FAILED", "state_name": "FAILED", "source": "sacct", "elapsed": "00:07:41",
+        "time_limit": "00:30:00", "exit_code": "3:0", "rank_exit_codes": {"1": 3}, "seen_at": 2e9}
+    path = Path(records.load_record("5").path)
+    mtime = path.stat().st_mtime_ns
+    collect(targets_from_records([records.load_record("5")]), slurmcli.SlurmCLI(runner=sched), now=2e9 + 60)
+    assert path.stat().st_mtime_ns == mtime  # the same facts seen again: the record is not rewritten
+    down = Scheduler(sacct=None, sacct_c=None, controller_down=True)
+    (st,) = collect(targets_from_records([records.load_record("5")]), slurmcli.SlurmCLI(runner=down))
+    assert (st.state, st.source, st.elapsed, st.time_limit, st.exit_code) == (
+        "FAILED", "record", "00:07:41", "00:30:00", "3:0")
+    assert st.tried[-1].startswith("record: the final state sacct reported at ")
+    assert st.rank_exit_codes == {1: 3} and st.failure.rank == 1
+
+
+def test_an_array_keeps_a_final_state_per_task(tmp_path, monkeypatch):
+    from ddp_hpc import records
+    from ddp_hpc.status.collect import collect
+    from ddp_hpc.status.targets import targets_from_records
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    tasks = [{"task_id": i, "overrides": [f"seed={i}"], "log_dir": str(tmp_path / str(i))} for i in (0, 1)]
+    rec = _record(tmp_path, "7", tmp_path, array=tasks)
+    sched = Scheduler(sacct=[sacct_row(JobID="7_0", JobIDRaw="8", State="COMPLETED", ExitCode="0:0"),
+                             sacct_row(JobID="7_1", JobIDRaw="9", State="TIMEOUT", ExitCode="0:15",
+                                       Elapsed="00:30:02")])
+    sts = collect(targets_from_records([rec]), slurmcli.SlurmCLI(runner=sched))
+    assert [(s.id, s.state, s.overrides) for s in sts] == [("7_0", "COMPLETED", ["seed=0"]),
+                                                          ("7_1", "TIMEOUT", ["seed=1"])]
+    final = records.load_record("7").final
+    assert (final["0"]["state"], final["1"]["state"], final["1"]["elapsed"]) == ("COMPLETED", "TIMEOUT", "00:30:02")
+    down = Scheduler(sacct=None, sacct_c=[])
+    sts = collect(targets_from_records([records.load_record("7")]), slurmcli.SlurmCLI(runner=down))
+    assert [(s.state, s.source) for s in sts] == [("COMPLETED", "record"), ("TIMEOUT", "record")]

@@ -11,8 +11,9 @@ work for the training core and for scripts that call ``ddp_hpc.report`` alike (d
   data staging).
 - **Straggler**: a rank's step time is the median of (seconds / steps) between its consecutive
   step events; with at least ``STRAGGLER_MIN_INTERVALS`` of them, a rank whose step time is
-  ``>= STRAGGLER_RATIO`` x the median of the other ranks' is named, and likewise a node (its
-  step time: the median of its ranks') against the median of the other nodes.
+  ``>= STRAGGLER_RATIO`` x the median of the other ranks' is named; a node (its step time: the
+  median of its ranks') is named instead of its ranks when it is ``>= STRAGGLER_RATIO`` x the
+  median of the other nodes and every rank on it is slow.
 
 Note that a step event written after a collective (the training core reduces its metrics before
 writing one) is written at nearly the same time on every rank: a rank that makes the others
@@ -110,6 +111,8 @@ def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) ->
     nodes = {h: {"ranks": rs, "step_s": statistics.median(ranks[r]["step_s"] for r in rs)}
              for h, rs in sorted(by_node.items())}
     _ratios(nodes)
+    for d in nodes.values():  # a node is slow when its ranks are, not when one of them is
+        d["slow"] = d["slow"] and all(ranks[r]["slow"] for r in d["ranks"])
     slow_nodes = [h for h, d in nodes.items() if d["slow"]]
     lines = [f"{h} is {nodes[h]['ratio']:.1f}x slower than the median node "
              f"(ranks {', '.join(map(str, nodes[h]['ranks']))})" for h in slow_nodes]

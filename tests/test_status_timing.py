@@ -1,0 +1,140 @@
+"""Stalls while they happen and ranks or nodes slower than the rest, from the step events.
+
+Log directories are written the way ranks write them (one ``step`` event per interval, with
+``time``, ``step``, ``rank``, ``host``); the job's state comes from a scheduler that answers like
+Slurm's squeue/sacct, and ``now`` is injected, so the thresholds are tested exactly.
+"""
+import json
+
+import pytest
+
+from ddp_hpc.runlogs import timing
+from ddp_hpc.status.collect import collect
+from ddp_hpc.status.targets import Target
+from ddp_hpc.status.view import render_detail, render_table
+
+T0 = 1_800_000_000.0
+
+
+def steps(rank, last_step, every=1.0, first=1, host=None):
+    return [{"time": T0 + s * every, "event": "step", "rank": rank, "job_id": "88", "restart": 0,
+             "host": host or f"n{rank // 2 + 1}", "epoch": 0, "step": s, "total_steps": 1000,
+             "loss": 0.5, "lr": 0.1, "samples_per_s": 10.0, "rss_mb": 1.0, "cpu_percent": 1.0}
+            for s in range(first, last_step + 1)]
+
+
+def write(d, rank, events):
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"rank{rank}.events.jsonl", "a") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+
+
+class Squeue:
+    """A scheduler whose squeue lists job 88 in ``state`` (rows as SlurmCLI returns them)."""
+
+    def __init__(self, state="RUNNING"):
+        self.state = state
+
+    def cluster_name(self):
+        return "test"
+
+    def squeue(self, job_ids=None, **kw):
+        return [{"JobID": "88", "JobArrayID": "88", "State": self.state, "Reason": "None",
+                 "TimeUsed": "5:00", "TimeLimit": "1:00:00", "NumNodes": "2", "RestartCnt": "0",
+                 "NodeList": "n[1-2]", "Name": "demo"}]
+
+    def sacct(self, job_ids, **kw):
+        return []
+
+
+def status(d, now, state="RUNNING"):
+    st = collect([Target("88", None, str(d))], Squeue(state), now=now)[0]
+    return st, render_detail(st, now=now).splitlines()
+
+
+def test_one_silent_rank_while_the_others_write(tmp_path):
+    for r in range(3):
+        write(tmp_path, r, steps(r, 200))
+    write(tmp_path, 3, steps(3, 70))
+    st, lines = status(tmp_path, now=T0 + 203)
+    # threshold max(10 x 1 s, 60 s) = 60 s; rank 3 silent since t=70
+    assert st.stall["ranks"] == [3] and st.stall["silent_for_s"] == 133 and st.stall["threshold_s"] == 60
+    assert lines[1] == "State:      RUNNING   [source: squeue]"
+    assert lines[2] == "Stalled:    rank 3 silent for 00:02:13; the others last wrote 00:00:03 ago"
+    assert lines[3] == ("            (no event for > 00:01:00: max(10 x the median interval between "
+                        "step events, 1 s, 60 s))")
+    row = render_table([st]).splitlines()[1]
+    assert "STALLED 00:02:13" in row
+    assert st.to_dict()["stall"]["ranks"] == [3]
+
+
+def test_every_rank_silent_names_the_one_that_stopped_first(tmp_path):
+    """A frozen rank holds the others in the collective: all go silent, it stopped a step earlier."""
+    for r in range(3):
+        write(tmp_path, r, steps(r, 41))
+    write(tmp_path, 3, steps(3, 40))
+    st, lines = status(tmp_path, now=T0 + 41 + 130)
+    assert lines[2] == ("Stalled:    ranks 0-3 silent for 00:02:10; rank 3 stopped first (last step 40, "
+                        "the others' 41)")
+    assert st.stall["behind"] == [3] and st.stall["others_last_s"] is None
+
+
+@pytest.mark.parametrize("every,after,stalled", [
+    (1.0, 59, False), (1.0, 61, True),      # fast steps: the 60 s floor
+    (10.0, 99, False), (10.0, 101, True),   # slow steps: 10 x the median interval
+])
+def test_the_threshold(tmp_path, every, after, stalled):
+    for r in range(2):
+        write(tmp_path, r, steps(r, 20, every=every))
+    got = timing.stall({r: steps(r, 20, every=every) for r in range(2)}, now=T0 + 20 * every + after)
+    assert (got is not None) == stalled
+    st, _ = status(tmp_path, now=T0 + 20 * every + after)
+    assert (st.stall is not None) == stalled
+
+
+def test_no_stall_before_two_steps_nor_once_the_job_ended(tmp_path):
+    write(tmp_path, 0, steps(0, 1))
+    assert timing.stall({0: steps(0, 1)}, now=T0 + 10_000) is None
+    for r in range(2):
+        write(tmp_path, r, steps(r, 20, first=2))
+    st, _ = status(tmp_path, now=T0 + 1000, state="COMPLETED")
+    assert st.stall is None
+
+
+def test_the_constants_are_module_level(monkeypatch):
+    evs = {0: steps(0, 20)}
+    assert timing.stall(evs, now=T0 + 20 + 61) is not None
+    monkeypatch.setattr(timing, "STALL_MIN_S", 120.0)
+    assert timing.stall(evs, now=T0 + 20 + 61) is None
+
+
+def test_a_slow_node_is_named_with_its_ranks(tmp_path):
+    for r in (0, 1):
+        write(tmp_path, r, steps(r, 12, every=1.0))
+    for r in (2, 3):
+        write(tmp_path, r, steps(r, 12, every=1.8))
+    st, lines = status(tmp_path, now=T0 + 30)
+    assert "Stragglers: n2 is 1.8x slower than the median node (ranks 2, 3)" in lines
+    t = st.to_dict()["timing"]
+    assert t["slow_nodes"] == ["n2"] and t["slow_ranks"] == [2, 3]
+    assert t["nodes"]["n2"]["step_s"] == pytest.approx(1.8) and t["nodes"]["n1"]["ratio"] == pytest.approx(1 / 1.8, abs=1e-3)
+    assert t["ranks"]["3"] == {"host": "n2", "step_s": pytest.approx(1.8), "intervals": 11,
+                               "ratio": pytest.approx(1.8), "slow": True}
+
+
+def test_a_slow_rank_is_named_alone_when_its_node_mate_is_not(tmp_path):
+    for r in range(3):
+        write(tmp_path, r, steps(r, 12, every=1.0))
+    write(tmp_path, 3, steps(3, 12, every=1.5))
+    st, lines = status(tmp_path, now=T0 + 20)
+    assert [ln for ln in lines if ln.startswith("Stragglers:")] == [
+        "Stragglers: rank 3 on n2 is 1.5x slower than the median rank (1.5 s per step)"]
+    assert st.timing["slow_nodes"] == []
+
+
+def test_no_straggler_below_the_threshold_or_with_too_few_intervals(tmp_path):
+    even = {r: steps(r, 12, every=1.2 if r == 3 else 1.0) for r in range(4)}
+    assert timing.stragglers(even, {r: f"n{r // 2 + 1}" for r in range(4)})["lines"] == []
+    short = {r: steps(r, 5, every=3.0 if r == 3 else 1.0) for r in range(4)}  # 4 intervals
+    assert timing.stragglers(short, {r: f"n{r // 2 + 1}" for r in range(4)}) is None
