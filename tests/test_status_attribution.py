@@ -310,3 +310,46 @@ def test_stack_summary_reads_faulthandler_and_traceback_text():
         'Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):',
         'File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2501 in all_reduce',
         'File "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", line 1644 in _sync']
+
+
+def test_the_oom_killer_by_srun_or_by_the_scheduler(tmp_path):
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 40) + peer_error(r, 40.2, RESET))
+    write(tmp_path, 3, run_until(3, 40))
+    lines = first_failure(detail(tmp_path, FakeSlurm(sacct=[sacct_row(state="OUT_OF_MEMORY", exit_code="0:125")]))[1])
+    assert lines[:2] == ["First failure: rank 3 on n2 killed by the OOM killer",
+                         "    ranks 0-2: lost their peer rank 3 (Connection reset by peer)"]
+    (tmp_path / "slurm-77.out").write_text(
+        "slurmstepd: error: Detected 1 oom_kill event in StepId=77.0. Some of the step tasks have been OOM Killed.\n"
+        "srun: error: n2: task 3: Out Of Memory\n")
+    assert RunLogs(tmp_path).first_failure(assume_failed=True).summary == "rank 3 on n2 killed by the OOM killer"
+
+
+def test_a_real_script_rank_killed_under_the_exec_wrapper(tmp_path):
+    """Real processes: two ranks of a sleeping script under ddp_hpc.exec, rank 1's script
+    SIGKILLed; the wrapper's events name the signal, the launcher stops rank 0."""
+    import os
+    import signal
+    import socket
+    import sys
+    import time
+
+    from ddp_hpc.launch import start_local
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDP_HPC_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    run = start_local([sys.executable, "-m", "ddp_hpc.exec", "--", sys.executable, str(script)],
+                      nodes=1, procs_per_node=2, log_dir=tmp_path, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while len(RunLogs(tmp_path).last_events()) < 2:
+            assert time.monotonic() < deadline, "no start events"
+            time.sleep(0.05)
+        os.kill(RunLogs(tmp_path).ranks[1].events[0]["pid"], signal.SIGKILL)
+        run.wait()
+    finally:
+        run.kill(grace=0)
+    f = RunLogs(tmp_path).first_failure(assume_failed=True)
+    assert f.summary == f"rank 1 on {socket.gethostname()} killed by signal 9 (SIGKILL)"
+    assert f.consequences == [{"ranks": [0], "text": "stopped after rank 1 failed (SIGTERM)"}]

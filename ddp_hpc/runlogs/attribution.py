@@ -81,11 +81,14 @@ def classify(logs: RunLogs, restart: int | None = None, sched: SchedulerFacts | 
         evs = stream.of_restart(restart)
         if not evs:
             continue
-        tb = logs.out_traceback(rank) if files else None
-        tail = logs.out_tail(rank) if files else []
+        end = next((e for e in reversed(evs) if e.get("event") == "end"), {})
+        read = files and end.get("status") not in ("completed", "preempted", "killed", "interrupted")
+        tb = logs.out_traceback(rank) if read else None
+        tail = logs.out_tail(rank) if read else []
         out[rank] = own_ending(rank, evs, tb, tail, reports.get(rank), rank_out(rank))
     # srun knows a task, or a rank*.out holds a traceback, of a rank that never wrote an event
-    silent = set(reports) | {r for r in logs.outs if files and logs.out_traceback(r)}
+    silent = set(reports) | {r for r in logs.outs
+                             if files and r not in logs.ranks and logs.out_traceback(r)}
     for rank in sorted(silent - set(logs.ranks)):
         out[rank] = own_ending(rank, [], logs.out_traceback(rank), logs.out_tail(rank),
                                reports.get(rank), rank_out(rank))
@@ -140,8 +143,10 @@ def _lost_nodes(endings: dict[int, RankEnding], node_fail: bool, named: list[str
     for e in endings.values():
         if e.host:
             hosts.setdefault(e.host, []).append(e)
-    if node_fail and named:
-        return [h for h in named if h in hosts]
+    if node_fail and named:  # Slurm's node names may be the hosts' short names, or not at all
+        match = [h for h in hosts if h in named or h.split(".")[0] in {n.split(".")[0] for n in named}]
+        if match:
+            return match
     silent = [h for h, es in hosts.items() if all(_silent(e) for e in es)]
     spoke = [e for h, es in hosts.items() if h not in silent for e in es if e.spoke]
     if node_fail:
@@ -220,8 +225,11 @@ def _failure(logs: RunLogs, endings: dict[int, RankEnding], blamed: list[RankEnd
                 traceback_tail=tail_lines("\n".join(p.traceback or []), 12) if p.traceback else [],
                 time=p.time if p.from_event else p.last_time, host=p.host, restart=restart,
                 kind=p.kind, ranks=[e.rank for e in blamed], signal=p.signal)
-    if p.kind == "lost" and (sig := _sched_signal(sched)) and len(
-            [e for e in endings.values() if e.kind == "lost"]) == 1:
+    alone = len([e for e in endings.values() if e.kind == "lost"]) == 1
+    if p.kind == "lost" and alone and sched.state == "OUT_OF_MEMORY":
+        p.kind, f.kind, f.signal, p.text = "killed", "killed", 9, "killed by the OOM killer"
+        f.basis = p.basis = "no end event; the scheduler says OUT_OF_MEMORY"
+    elif p.kind == "lost" and alone and (sig := _sched_signal(sched)):
         p.kind, f.kind, f.signal = "killed", "killed", sig
         p.text = f"killed by {signal_text(sig)}"
         f.basis = p.basis = f"no end event; the scheduler's exit code names {signal_text(sig)}"

@@ -157,7 +157,10 @@ def _from_error(base: RankEnding, e: dict, end: dict | None, out_tb, out_tail,
     elif wrapper and (line := own_error_line(out_tail)):  # its own words first, the wrapper's below
         tb = (tb or []) + ([f"{exc_type}: {message}"] if tb is None else [])
         return _words(base, None, line, tb, f"error event; {out_name}", out_tail)
-    return _words(base, exc_type, message, tb, "error event", out_tail)
+    ended = _words(base, exc_type, message, tb, "error event", out_tail)
+    if ended.kind == "raised" and exc_type == "Exited" and not tb:  # a status, no Python error
+        ended.kind = "exited"
+    return ended
 
 
 def _from_end(base: RankEnding, end: dict, out_tb, out_tail, out_name: str) -> RankEnding:
@@ -169,7 +172,8 @@ def _from_end(base: RankEnding, end: dict, out_tb, out_tail, out_name: str) -> R
         return _set(base, status, status, "end event", exit_code=code)
     if status in ("killed", "interrupted"):  # a SIGTERM/SIGINT the exec wrapper passed on
         how = f" by {signal_name(sig)}" if sig else ""
-        return _set(base, "stopped", f"{status}{how}", "end event", signal=sig, exit_code=code)
+        word = "stopped" if status == "killed" else status
+        return _set(base, "stopped", f"{word}{how}", "end event", signal=sig, exit_code=code)
     if sig:
         return _set(base, "killed", f"killed by {signal_text(sig)}", "end event", signal=sig)
     if out_tb:
@@ -185,8 +189,8 @@ def _from_report(base: RankEnding, r: TaskReport) -> RankEnding:
         if r.signal in STOP_SIGNALS or r.after_abort:
             return _set(base, "stopped", f"stopped by {signal_name(r.signal)}", basis,
                         signal=r.signal, exit_code=r.exit_code)
-        return _set(base, "killed", f"killed by {signal_text(r.signal)}", basis, signal=r.signal,
-                    exit_code=r.exit_code)
+        what = "killed by the OOM killer" if r.oom else f"killed by {signal_text(r.signal)}"
+        return _set(base, "killed", what, basis, signal=r.signal, exit_code=r.exit_code)
     if r.exit_code:
         return _set(base, "exited", f"exit code {r.exit_code}", basis, exit_code=r.exit_code,
                     message=f"exit code {r.exit_code}")

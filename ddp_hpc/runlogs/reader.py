@@ -21,13 +21,14 @@ from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute, firs
 from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOG_RE, OUT_RE
 from ddp_hpc.runlogs.srun import (LOCAL_DRIVER_OUT, TaskReport, exception_of, local_reports,
                                   node_failures, srun_exit_codes, tail_file, tail_lines,
-                                  task_reports, traceback_in)
+                                  task_reports, traceback_in, traceback_in_lines)
 
 __all__ = ["RunLogs", "RankStream", "Failure", "Progress", "RunSummary", "read_events",
            "traceback_in", "exception_of", "tail_file", "tail_lines"]
 
-#: how many of the last lines of a ``rank{R}.out`` are searched for a peer's failure (NCCL's
-#: watchdog) and for the rank's own last error line
+#: how much of the end of a ``rank{R}.out`` is read for its last traceback, and how many of its
+#: last lines are searched for a peer's failure (NCCL's watchdog) and the rank's own error line
+OUT_TAIL_BYTES = 1 << 16
 OUT_TAIL_LINES = 200
 
 
@@ -109,8 +110,7 @@ class RunLogs:
         self.ranks: dict[int, RankStream] = {}
         self.outs: dict[int, Path] = {}
         self.texts: dict[int, Path] = {}
-        self._tracebacks: dict[int, list[str] | None] = {}
-        self._tails: dict[int, list[str]] = {}
+        self._outs_read: dict[int, tuple[list[str] | None, list[str]]] = {}
         if self.log_dir is None or not self.log_dir.is_dir():
             return
         for p in sorted(self.log_dir.iterdir()):
@@ -276,18 +276,19 @@ class RunLogs:
         return attribute(self, restart, sched, assume_failed, evidence_only, files)
 
     def out_traceback(self, rank: int) -> list[str] | None:
-        """The last Python traceback in ``rank{R}.out`` (read once), or None."""
-        if rank not in self._tracebacks:
-            p = self.outs.get(rank)
-            self._tracebacks[rank] = traceback_in(p) if p is not None else None
-        return self._tracebacks[rank]
+        """The last Python traceback in the end of ``rank{R}.out`` (read once), or None."""
+        return self._out(rank)[0]
 
-    def out_tail(self, rank: int, n: int = OUT_TAIL_LINES) -> list[str]:
-        """The last lines of ``rank{R}.out`` (read once)."""
-        if rank not in self._tails:
+    def out_tail(self, rank: int) -> list[str]:
+        """The last `OUT_TAIL_LINES` lines of ``rank{R}.out`` (read once)."""
+        return self._out(rank)[1]
+
+    def _out(self, rank: int) -> tuple[list[str] | None, list[str]]:
+        if rank not in self._outs_read:
             p = self.outs.get(rank)
-            self._tails[rank] = tail_file(p, n, max_bytes=1 << 18) if p is not None else []
-        return self._tails[rank]
+            lines = tail_file(p, 1 << 30, max_bytes=OUT_TAIL_BYTES) if p is not None else []
+            self._outs_read[rank] = (traceback_in_lines(lines), lines[-OUT_TAIL_LINES:])
+        return self._outs_read[rank]
 
     def task_reports(self) -> dict[int, TaskReport]:
         """How srun (``slurm-*.out``), else the local driver (``local-driver.out``), said each

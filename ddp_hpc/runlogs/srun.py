@@ -16,7 +16,7 @@ from pathlib import Path
 from ddp_hpc.slurm.hostlist import HostlistError, expand
 
 #: srun prints a signalled task with strsignal(3)'s words: the word -> the signal number
-SIGNAL_WORDS = {"Killed": 9, "Terminated": 15, "Segmentation fault": 11, "Aborted": 6,
+SIGNAL_WORDS = {"Out Of Memory": 9, "Killed": 9, "Terminated": 15, "Segmentation fault": 11, "Aborted": 6,
                 "Bus error": 7, "Interrupt": 2, "Hangup": 1, "Floating point exception": 8,
                 "Illegal instruction": 4, "User defined signal 1": 10, "User defined signal 2": 12}
 #: srun's report of a task's exit: "srun: error: n2: task 3: Exited with exit code 1",
@@ -48,6 +48,7 @@ class TaskReport:
     host: str | None = None
     after_abort: bool = False
     source: str = "srun"
+    oom: bool = False  # srun's "Out Of Memory": the kernel's OOM killer (cgroup limit)
 
     @property
     def signal_text(self) -> str | None:
@@ -91,7 +92,8 @@ def task_reports(paths) -> dict[int, TaskReport]:
         if code is not None and code > 128:  # a shell or the exec wrapper: 128 + the signal
             sig = code - 128
         for task in _expand_ids(m.group("tasks")):
-            out[task] = TaskReport(task, code, sig, i, m.group("host"))
+            out[task] = TaskReport(task, code, sig, i, m.group("host"),
+                                   oom=m.group("word") == "Out Of Memory")
     first = min((r.order for r in out.values()), default=0)
     aborts = [i for i, ln in enumerate(lines) if i >= first and ABORT_RE.search(ln)]
     for r in out.values():
@@ -134,7 +136,12 @@ def srun_exit_codes(paths) -> dict[int, int]:
 def traceback_in(path: Path) -> list[str] | None:
     """The last Python traceback block in a text file, or None (torch's ``[rankN]: `` line
     prefixes removed)."""
-    lines = [_RANK_PREFIX.sub("", ln) for ln in _read_text(path).splitlines()]
+    return traceback_in_lines(_read_text(path).splitlines())
+
+
+def traceback_in_lines(raw: list[str]) -> list[str] | None:
+    """The last Python traceback block among text lines, or None (see `traceback_in`)."""
+    lines = [_RANK_PREFIX.sub("", ln) for ln in raw]
     starts = [i for i, ln in enumerate(lines) if "Traceback (most recent call last):" in ln]
     if not starts:
         return None
