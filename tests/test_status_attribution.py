@@ -353,3 +353,17 @@ def test_a_real_script_rank_killed_under_the_exec_wrapper(tmp_path):
     f = RunLogs(tmp_path).first_failure(assume_failed=True)
     assert f.summary == f"rank 1 on {socket.gethostname()} killed by signal 9 (SIGKILL)"
     assert f.consequences == [{"ranks": [0], "text": "stopped after rank 1 failed (SIGTERM)"}]
+
+
+def test_while_srun_still_ends_the_step_the_silent_rank_is_blamed_not_the_first_echo(tmp_path):
+    """squeue still says RUNNING a few seconds after rank 3 was killed: the survivors' errors
+    are already there, srun's report not yet."""
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 40) + peer_error(r, 40.3, RESET))
+    write(tmp_path, 3, run_until(3, 40))
+    running = {"JobID": "77", "JobArrayID": "77", "State": "RUNNING", "Reason": "None", "TimeUsed": "0:41",
+               "TimeLimit": "30:00", "NumNodes": "2", "RestartCnt": "0", "Name": "demo"}
+    st, lines = detail(tmp_path, FakeSlurm(squeue=[running]), now=T0 + 42)
+    assert first_failure(lines)[:2] == ["First failure: rank 3 on n2 (restart 0, from events stopped first)",
+                                        "    ranks 0-2: lost their peer rank 3 (Connection reset by peer)"]
+    assert any("the scheduler says RUNNING but rank 3 failed" in n for n in st.notes)

@@ -201,6 +201,9 @@ def attribute(logs: RunLogs, restart: int | None = None, sched: SchedulerFacts |
     if evidence_only:
         endings_cause = {r: e for r, e in endings.items() if e.from_event or e.kind == "raised"}
         blamed = primary(endings_cause, False)
+        if blamed and blamed[0].kind == "consequence":  # ranks lost a peer: the run is breaking,
+            endings = classify(logs, restart, sched, ended=True, files=files)  # silence counts
+            blamed = primary(endings, True)
     else:
         blamed = primary(endings, allow_lost)
     if not blamed:

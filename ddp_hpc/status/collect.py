@@ -222,10 +222,10 @@ def _diagnose(logs: RunLogs, sched: src.SourceState, notes: list[str]):
     facts = SchedulerFacts(name, [c for c in [sched.exit_code] + [s.get("exit_code") for s in sched.steps] if c])
     crashed = name is not None and JobState[name] in CRASHED
     if crashed or logs.outcome() == "failed":
-        return logs.attribute(sched=facts, assume_failed=crashed)
-    # cancelled, timed out, preempted, unknown, still running: every rank may have been stopped
-    # from outside, so only a rank that failed on its own (an error event, a traceback) counts
-    failure, endings = logs.attribute(sched=facts, evidence_only=True)
+        failure, endings = logs.attribute(sched=facts, assume_failed=crashed)
+    else:  # cancelled, timed out, preempted, unknown, still running: every rank may have been
+        # stopped from outside, so only what a rank wrote itself (an error event, a traceback)
+        failure, endings = logs.attribute(sched=facts, evidence_only=True)
     if failure is not None and state.active and not over:
         notes.append(f"the scheduler says {sched.state.label} but rank {failure.rank} failed "
                      f"({failure.basis}); the job should end soon (kill-on-bad-exit)")
