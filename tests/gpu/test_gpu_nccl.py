@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 
+import psutil
 import pytest
 
 from ddp_hpc.env import free_port, interface_for
@@ -29,23 +30,24 @@ _WORTH = re.compile(r"NCCL version|Bootstrap|NET/|SOCKET_IFNAME|IB|Using network
 
 def _host_addr() -> str:
     """This host's address (what MASTER_ADDR is on a cluster): its name's, unless that is a
-    loopback address (Debian's 127.0.1.1 line), then the source address of its outward route,
-    then the first non-loopback IPv4 address of any interface."""
+    loopback address (Debian's 127.0.1.1 line) or not one of this machine's, then the source
+    address of its outward route, then its first non-loopback IPv4 address."""
+    mine = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family == socket.AF_INET and not a.address.startswith("127.")]
     try:
         addr = socket.gethostbyname(socket.gethostname())
-        if not addr.startswith("127."):
+        if addr in mine:
             return addr
     except OSError:
         pass
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(("10.254.254.254", 9))          # no packet is sent; only the route is looked up
-            return s.getsockname()[0]
+            if s.getsockname()[0] in mine:
+                return s.getsockname()[0]
     except OSError:
         pass
-    import psutil
-    return next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-                 if a.family == socket.AF_INET and not a.address.startswith("127.")), "127.0.0.1")
+    return mine[0] if mine else "127.0.0.1"
 
 
 def _run(mode: str, addr: str) -> tuple[subprocess.CompletedProcess, dict]:
