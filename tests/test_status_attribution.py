@@ -367,3 +367,19 @@ def test_while_srun_still_ends_the_step_the_silent_rank_is_blamed_not_the_first_
     assert first_failure(lines)[:2] == ["First failure: rank 3 on n2 (restart 0, from events stopped first)",
                                         "    ranks 0-2: lost their peer rank 3 (Connection reset by peer)"]
     assert any("the scheduler says RUNNING but rank 3 failed" in n for n in st.notes)
+
+
+def test_a_node_silenced_by_srun_after_a_rank_raised_is_not_a_lost_node(tmp_path):
+    tb = "Traceback (most recent call last):\n  File \"loop.py\", line 9, in step\nValueError: bad batch"
+    write(tmp_path, 0, run_until(0, 40) + [ev(0, 40.5, "error", exc_type="ValueError", message="bad batch",
+                                              traceback=tb), ev(0, 40.6, "end", status="failed", step=40)])
+    write(tmp_path, 1, run_until(1, 40) + peer_error(1, 41, CLOSED))
+    for r in (2, 3):
+        write(tmp_path, r, run_until(r, 40))
+    (tmp_path / "slurm-77.out").write_text("srun: error: n1: task 0: Exited with exit code 1\n"
+                                           "srun: Terminating StepId=77.0\nsrun: error: n2: tasks 2-3: Killed\n"
+                                           "srun: error: n1: task 1: Exited with exit code 1\n")
+    lines = first_failure(detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))[1])
+    assert lines[:3] == ["First failure: rank 0 on n1 (restart 0, from error event): ValueError: bad batch",
+                         "    rank 1: lost its peer rank 0 (Connection closed by peer)",
+                         "    ranks 2-3: stopped after rank 0 failed (SIGKILL)"]

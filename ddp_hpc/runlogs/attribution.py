@@ -157,8 +157,8 @@ def _lost_nodes(endings: dict[int, RankEnding], node_fail: bool, named: list[str
     # the others' failures must include more than timeouts: ranks that only timed out waited
     # for ranks that hung (stuck), not for ranks that are gone
     gone = [e for e in spoke if not (e.kind == "consequence" and TIMEOUT_RE.search(e.phrase or ""))]
-    if len(hosts) < 2 or not gone:
-        return []
+    if len(hosts) < 2 or not gone or any(e.kind in CAUSES for e in spoke):
+        return []  # a rank elsewhere failed on its own: the silent ones were stopped after it
     return [h for h in silent if len(hosts[h]) >= 2]
 
 

@@ -141,7 +141,7 @@ def _state_of(t: Target, sched: src.SourceState | None, tried: list[str], logs: 
         driver = str(Path(rec.log_dir) / LOCAL_DRIVER_OUT) if getattr(rec, "log_dir", None) else None
         return src.from_logs(logs, [], src.PROCESSES if alive is not None else src.LOGS, alive,
                              driver_out=driver)
-    final = records.final_of(rec, _task_id(t)) if only in (None, src.LOGS) else None
+    final = records.final_of(rec, _task_id(t)) if only is None else None
     if final and (sched is None or sched.state.state is JobState.UNKNOWN):
         return _from_final(final, sched.tried if sched else tried)
     return sched if sched is not None else src.from_logs(logs, tried)
