@@ -112,8 +112,11 @@ print(f"| torch / CUDA / cuDNN / NCCL | {torch.__version__} / {torch.version.cud
 print(f"| Python / OS | {platform.python_version()} / {platform.platform()} |")
 EOF
 )
-REV=$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git here)")
-DIRTY=$(git status --porcelain 2>/dev/null | wc -l | tr -d ' ')
+if REV=$(git rev-parse --short HEAD 2>/dev/null); then
+  DIRTY=$(git status --porcelain 2>/dev/null | wc -l | tr -d ' ')
+else
+  REV="(no git here: a copy of the tree)" DIRTY="?"
+fi
 
 # --- 4. the checks
 cmd="$PY -m pytest tests/gpu -m gpu -rA -p no:cacheprovider --junitxml=$OUT_DIR/gpu-junit.xml ${PYTEST_ARGS[*]}"
