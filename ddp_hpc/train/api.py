@@ -142,7 +142,10 @@ def _context(rank: int | None, world_size: int | None, timeout_s: float = 1800.0
     if dist.is_available() and dist.is_initialized():
         env = DistEnv.detect()
         env = dataclasses.replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
-        return _Context(env, ddp_dist.select_device(env)), False
+        device = ddp_dist.select_device(env)
+        if device.type == "cuda":   # nccl's object collectives and .cuda() use the current device
+            torch.cuda.set_device(device)
+        return _Context(env, device), False
     return ddp_dist.setup_ddp(rank, world_size, timeout=timeout_s), True
 
 

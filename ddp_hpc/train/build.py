@@ -58,6 +58,10 @@ def make_precision(precision: str, device: torch.device
         raise ConfigError(
             f"train.precision=fp16 needs CUDA (GradScaler), but the device is {device}",
             "use train.precision=bf16 on CPU")
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"train.precision=bf16 is not supported by {torch.cuda.get_device_name(device)} "
+            f"({device})", "use train.precision=fp16 (with GradScaler) or fp32 on this GPU")
     dtype = _AUTOCAST_DTYPES.get(precision)
     autocast = contextlib.nullcontext
     if dtype is not None:
