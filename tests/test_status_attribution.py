@@ -178,7 +178,7 @@ def test_sigstop_rank3_is_stuck_and_its_peers_timed_out_waiting(tmp_path):
         "    ranks 0-2: timed out waiting for rank 3 (Timed out waiting 30000ms for recv)",
         "    how we know: its events stopped while the others timed out in a collective; "
         "srun exit report (restart 0)",
-        "    ranks 0-2 were in distributed_c10d.py:2501 in all_reduce"]
+        "    ranks 0-2 were in distributed_c10d.py:2501 in all_reduce, from loop.py:337 in backward"]
     assert st.to_dict()["rank_classification"]["3"]["kind"] == "stuck"
 
 
@@ -293,7 +293,7 @@ def test_a_wrappers_exit_status_gives_way_to_the_ranks_own_error_line(tmp_path):
 
 
 def test_stack_summary_reads_faulthandler_and_traceback_text():
-    assert stack_summary(STACK_PEER) == "distributed_c10d.py:2501 in all_reduce"
+    assert stack_summary(STACK_PEER) == "distributed_c10d.py:2501 in all_reduce, from loop.py:337 in backward"
     # faulthandler's own dump from a helper thread: "Current thread" is the helper; the main
     # thread is the one not started by threading
     dump = ("Current thread 0x0000000000000001 (most recent call first):\n"
@@ -383,3 +383,14 @@ def test_a_node_silenced_by_srun_after_a_rank_raised_is_not_a_lost_node(tmp_path
     assert lines[:3] == ["First failure: rank 0 on n1 (restart 0, from error event): ValueError: bad batch",
                          "    rank 1: lost its peer rank 0 (Connection closed by peer)",
                          "    ranks 2-3: stopped after rank 0 failed (SIGKILL)"]
+
+
+def test_the_local_driver_names_the_killed_rank_of_an_array_task(tmp_path):
+    task = tmp_path / "task1"
+    write(task, 0, run_until(0, 20) + peer_error(0, 20.2, CLOSED))
+    write(task, 1, run_until(1, 20))
+    (tmp_path / "local-driver.out").write_text(
+        "ddp_hpc local: task 0 local-x_0 completed: all 2 ranks exited 0\n"
+        f"ddp_hpc local: task 1 local-x_1 FAILED: rank 1 exited with -9; see {task}/rank1.out\n")
+    f = RunLogs(task).first_failure(assume_failed=True)
+    assert f.summary == "rank 1 on n1 killed by signal 9 (SIGKILL)" and f.basis == "local driver exit report"

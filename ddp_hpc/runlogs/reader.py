@@ -14,6 +14,7 @@ decided by evidence in ``ddp_hpc.runlogs.attribution``; this module reads the fi
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -295,8 +296,10 @@ class RunLogs:
         task ended."""
         if self.log_dir is None or not self.log_dir.is_dir():
             return {}
-        return (task_reports(sorted(self.log_dir.glob(BATCH_OUT_GLOB)))
-                or local_reports(self.log_dir / LOCAL_DRIVER_OUT))
+        found = task_reports(sorted(self.log_dir.glob(BATCH_OUT_GLOB)))
+        if not found and (m := re.fullmatch(r"task(\d+)", self.log_dir.name)):  # a local array's task
+            found = local_reports(self.log_dir.parent / LOCAL_DRIVER_OUT, int(m.group(1)))
+        return found or local_reports(self.log_dir / LOCAL_DRIVER_OUT)
 
     def node_failures(self) -> tuple[bool, list[str]]:
         """(Slurm reported a node failure in the batch output, the nodes it named)."""

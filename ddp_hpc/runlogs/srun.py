@@ -29,10 +29,13 @@ ABORT_RE = re.compile(r"srun: (?:Terminating|Job step aborted|forcing job termin
                       r"\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED")
 #: Slurm's words for a lost node: srun's "Node failure on n2", slurmstepd's "... DUE TO NODE FAILURE"
 NODE_FAILURE_RE = re.compile(r"Node failure on (?P<nodes>\S+)|(?P<stepd>DUE TO NODE FAILURE)")
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
+#: torch.distributed prefixes every line of an uncaught exception with the rank: "[rank3]: "
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 #: the local backend's driver output, in the job's log directory (ddp_hpc.submit.local)
 LOCAL_DRIVER_OUT = "local-driver.out"
 #: the local backend's driver (local-driver.out): "FAILED: rank 3 exited with -9; see ..."
-LOCAL_EXIT_RE = re.compile(r"FAILED: rank (?P<rank>\d+) exited with (?P<rc>-?\d+)")
+LOCAL_EXIT_RE = re.compile(r"(?:task (?P<task>\d+) \S+ )?FAILED: rank (?P<rank>\d+) exited with (?P<rc>-?\d+)")
 
 
 @dataclass
@@ -112,18 +115,18 @@ def node_failures(paths) -> tuple[bool, list[str]]:
     return seen, nodes
 
 
-def local_reports(path: Path) -> dict[int, TaskReport]:
-    """The local driver's "FAILED: rank R exited with RC" lines (RC < 0: killed by -RC)."""
+def local_reports(path: Path, task: int | None = None) -> dict[int, TaskReport]:
+    """The local driver's "FAILED: rank R exited with RC" lines (RC < 0: killed by -RC); of
+    array task ``task`` only when given ("task 3 local-x_3 FAILED: ...")."""
     out: dict[int, TaskReport] = {}
     for i, m in enumerate(LOCAL_EXIT_RE.finditer(_read_text(path))):
+        if (int(m.group("task")) if m.group("task") else None) != task:
+            continue
         rc = int(m.group("rc"))
         out[int(m.group("rank"))] = TaskReport(int(m.group("rank")), rc if rc >= 0 else None,
                                                -rc if rc < 0 else (rc - 128 if rc > 128 else None),
                                                i, source="local driver")
     return out
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
-#: torch.distributed prefixes every line of an uncaught exception with the rank: "[rank3]: "
-_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 
 def srun_exit_codes(paths) -> dict[int, int]:

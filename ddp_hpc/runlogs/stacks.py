@@ -27,6 +27,7 @@ _HEADER = re.compile(r"^(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+
                      r"\(most recent call first\):\s*$")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
 _THREAD_START = ("_bootstrap", "_bootstrap_inner")
+_STDLIB = re.compile(r"/lib/python\d+(\.\d+)?/[^/]+(\.py)?(/|$)")
 
 #: how many lines of the chosen thread the excerpt keeps (its header and the innermost frames)
 EXCERPT_LINES = 12
@@ -83,13 +84,30 @@ def main_thread(text: str) -> Thread | None:
 
 
 def stack_summary(text: str) -> str | None:
-    """The innermost frame of the main thread as ``loop.py:337 in backward`` (file name only),
-    or None when the text holds no frame."""
+    """The innermost frame of the main thread as ``loop.py:337 in backward`` (file name only);
+    when that frame is in an installed library (torch), the innermost frame of the program's
+    own code follows: ``graph.py:979 in _engine_run_backward, from step.py:56 in micro_batch``.
+    None when the text holds no frame."""
     t = main_thread(text)
     if t is None:
         return None
-    path, line, func = t.frames[0]
-    return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line} in {func}"
+    out = _frame(t.frames[0])
+    if _library(t.frames[0][0]):
+        own = next((f for f in t.frames[1:] if not _library(f[0])), None)
+        if own is not None:
+            out += f", from {_frame(own)}"
+    return out
+
+
+def _frame(f: tuple[str, int, str]) -> str:
+    return f"{f[0].replace(chr(92), '/').rsplit('/', 1)[-1]}:{f[1]} in {f[2]}"
+
+
+def _library(path: str) -> bool:
+    """Installed packages and the standard library (not the program's own code)."""
+    p = path.replace("\\", "/")
+    return (p.startswith("<") or "/site-packages/" in p or "/dist-packages/" in p
+            or bool(_STDLIB.search(p)))
 
 
 def stack_excerpt(text: str, n: int = EXCERPT_LINES) -> list[str]:
