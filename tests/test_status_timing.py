@@ -138,3 +138,24 @@ def test_no_straggler_below_the_threshold_or_with_too_few_intervals(tmp_path):
     assert timing.stragglers(even, {r: f"n{r // 2 + 1}" for r in range(4)})["lines"] == []
     short = {r: steps(r, 5, every=3.0 if r == 3 else 1.0) for r in range(4)}  # 4 intervals
     assert timing.stragglers(short, {r: f"n{r // 2 + 1}" for r in range(4)}) is None
+
+
+def test_a_frozen_rank_is_the_one_that_wrote_no_stack(tmp_path):
+    """SIGSTOP on rank 3: every rank stops writing steps at the same step (they wait for it in the
+    collective); the others' watchdogs write their stacks, the frozen rank cannot."""
+    stack = ('Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):\n'
+             '  File "/venv/lib/python3.11/site-packages/torch/autograd/graph.py", line 979 in _engine_run_backward\n'
+             '  File "/src/ddp_hpc/train/step.py", line 56 in micro_batch\n')
+    for r in range(4):
+        write(tmp_path, r, steps(r, 41) + ([{"time": T0 + 41 + 480, "event": "stack", "rank": r, "job_id": "88",
+                                              "restart": 0, "host": f"n{r // 2 + 1}", "step": 41,
+                                              "reason": "collective timeout: no step for 480 s",
+                                              "stack": stack}] if r != 3 else []))
+    st, lines = status(tmp_path, now=T0 + 41 + 500)
+    i = lines.index("Stalled:    ranks 0-3 silent for 00:08:20")
+    assert lines[i + 2:i + 6] == [
+        "            rank 0 was in graph.py:979 in _engine_run_backward, from step.py:56 in micro_batch",
+        "            rank 1 was in graph.py:979 in _engine_run_backward, from step.py:56 in micro_batch",
+        "            rank 2 was in graph.py:979 in _engine_run_backward, from step.py:56 in micro_batch",
+        "            rank 3 wrote no stack while the others did: frozen (stopped, a hang in the kernel) or gone"]
+    assert st.to_dict()["stall"]["no_stack"] == [3]

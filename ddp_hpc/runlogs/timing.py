@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import statistics
 
+from ddp_hpc.runlogs.stacks import stack_summary
+
 #: a rank is silent after max(STALL_FACTOR x its median step-event interval, STALL_MIN_S) seconds
 STALL_FACTOR = 10.0
 STALL_MIN_S = 60.0
@@ -90,6 +92,20 @@ def stall(per_rank: dict[int, list[dict]], now: float) -> dict | None:
             "threshold_s": round(max(limits[r] for r in silent), 3),
             "median_interval_s": round(overall, 3), "behind": behind,
             "last_steps": {str(r): steps[r] for r in silent}}
+
+
+def silent_stacks(per_rank: dict[int, list[dict]], ranks: list[int]) -> tuple[dict[str, str], list[int]]:
+    """(rank -> where its newest stack event, written during its silence, says it is; the silent
+    ranks that wrote none while others did). A rank's watchdog writes its stacks before the
+    collective timeout: a rank that does not is frozen (SIGSTOP, a kernel hang) or gone."""
+    where: dict[str, str] = {}
+    for r in ranks:
+        evs = per_rank.get(r, [])
+        since = _last_time(evs) or 0.0
+        stacks = [e for e in evs if e.get("event") == "stack" and (_num(e.get("time")) or 0) >= since]
+        if stacks and (s := stack_summary(str(stacks[-1].get("stack") or ""))):
+            where[str(r)] = s
+    return where, ([r for r in ranks if str(r) not in where] if where else [])
 
 
 def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict | None:

@@ -17,7 +17,6 @@ from ddp_hpc.runlogs import timing
 from ddp_hpc.runlogs.attribution import SchedulerFacts
 from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
 from ddp_hpc.runlogs.srun import LOCAL_DRIVER_OUT
-from ddp_hpc.runlogs.stacks import stack_summary
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import sources as src
@@ -255,12 +254,8 @@ def _timing(st: JobStatus, logs: RunLogs, now: float) -> None:
              for r, evs in per_rank.items()}
     st.timing = timing.stragglers(per_rank, hosts)
     if st.job_state is JobState.RUNNING and (stall := timing.stall(per_rank, now)) is not None:
-        stacks = {}
-        for r in stall["ranks"]:
-            evs = [e for e in per_rank.get(r, []) if e.get("event") == "stack"]
-            if evs and (where := stack_summary(str(evs[-1].get("stack") or ""))):
-                stacks[str(r)] = where
-        st.stall = {**stall, "stacks": stacks}
+        stacks, none = timing.silent_stacks(per_rank, stall["ranks"])
+        st.stall = {**stall, "stacks": stacks, "no_stack": none}
 
 
 def _overrides(t: Target) -> list[str] | None:

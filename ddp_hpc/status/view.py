@@ -215,7 +215,11 @@ def _stall_lines(st: JobStatus) -> list[str]:
     out = [line, f"            (no event for > {format_duration(sl['threshold_s'])}: max({STALL_FACTOR:g} x "
                  f"the median interval between step events, {sl['median_interval_s']:.3g} s, "
                  f"{STALL_MIN_S:g} s))"]
-    out += [f"            rank {r} was in {where}" for r, where in sorted(sl.get("stacks", {}).items())]
+    out += [f"            rank {r} was in {where}" for r, where in sorted(sl.get("stacks", {}).items(),
+                                                                   key=lambda kv: int(kv[0]))]
+    if sl.get("no_stack"):
+        out.append(f"            {ranks_text(sl['no_stack'])} wrote no stack while the others did: "
+                   "frozen (stopped, a hang in the kernel) or gone")
     return out
 
 
