@@ -118,8 +118,8 @@ def _in_context(endings: dict[int, RankEnding], logs: RunLogs, sched: SchedulerF
                     "every rank of the node went silent while the others failed")
     timed = [e for e in endings.values() if e.kind == "consequence" and TIMEOUT_RE.search(e.phrase or "")]
     if timed:
-        ref = min(t for e in timed if (t := e.time or e.last_time) is not None) if any(
-            e.time or e.last_time for e in timed) else None
+        times = [t for e in timed if (t := e.time or e.last_time) is not None]
+        ref = min(times) if times else None
         first_timed_report = min((e.report_order for e in timed if e.report_order is not None),
                                  default=None)
         for e in endings.values():
