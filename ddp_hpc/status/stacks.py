@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.runlogs.stacks import stack_summary
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.status.targets import StatusError
 
@@ -72,22 +72,10 @@ def ask_stacks(target, cli, wait_s: float = WAIT_S) -> tuple[str, dict[int, dict
     return how, answers, [r for r in ranks if r not in answers]
 
 
-def _innermost(stack: str) -> str | None:
-    """``loop.py:337 in backward``: the innermost frame of the main thread (listed first)."""
-    first = None
-    for line in stack.splitlines():
-        if line.startswith(("Current thread", "Thread")) and first is not None:
-            break
-        if line.strip().startswith('File "') and first is None:
-            path, _, rest = line.strip()[6:].partition('", line ')
-            first = f"{Path(path).name}:{rest}"
-    return first
-
-
 def render_stacks(job_id: str, how: str, answers: dict[int, dict], silent: list[int]) -> str:
     out = [f"Stacks of job {job_id} (asked with {how}):"]
     for r, ev in sorted(answers.items()):
-        where = _innermost(str(ev.get("stack") or ""))
+        where = stack_summary(str(ev.get("stack") or ""))
         out.append(f"rank {r} on {ev.get('host') or '?'}: in {where or '?'}"
                    + (f" (step {ev['step']})" if ev.get("step") is not None else ""))
         lines = str(ev.get("stack") or "").rstrip().splitlines()

@@ -127,8 +127,10 @@ class Job:
         if f is None:
             return RankFailedError(-1, state, f"job {self.job_id} ended {state}; no rank left an "
                                    f"error in {self.log_dir}")
-        return RankFailedError(f.rank, str(f.exc_type or state), str(f.message or state),
-                               str(f.traceback_tail or ""))
+        tb = f.traceback_tail
+        tb = "\n".join(tb) if isinstance(tb, (list, tuple)) else str(tb or "")
+        return RankFailedError(f.rank, str(f.exc_type or f.kind or state),
+                               str(f.message or f.summary or state), tb)
 
     def cancel(self) -> None:
         """scancel the Slurm job, or stop every local process."""
