@@ -159,3 +159,28 @@ def test_a_frozen_rank_is_the_one_that_wrote_no_stack(tmp_path):
         "            rank 2 was in graph.py:979 in _engine_run_backward, from step.py:56 in micro_batch",
         "            rank 3 wrote no stack while the others did: frozen (stopped, a hang in the kernel) or gone"]
     assert st.to_dict()["stall"]["no_stack"] == [3]
+
+
+def _data_events(rank, host, data_s, n=8, step_s=0.5):
+    return [{"event": "step", "time": 1000.0 + i * step_s * 10, "step": i * 10, "rank": rank,
+             "host": host, "data_s": data_s} for i in range(n)]
+
+
+def test_the_training_cores_own_data_wait_names_a_slow_loader():
+    """Training-core step events are written after a collective (same times on every rank);
+    their data_s tells the rank with the slow loader apart."""
+    from ddp_hpc.runlogs.timing import stragglers
+    per_rank = {0: _data_events(0, "n1", 0.01), 1: _data_events(1, "n1", 0.012),
+                2: _data_events(2, "n2", 0.011), 3: _data_events(3, "n2", 0.2)}
+    out = stragglers(per_rank, {0: "n1", 1: "n1", 2: "n2", 3: "n2"})
+    assert out["slow_ranks"] == [3] and out["measure"].startswith("data_s")
+    assert out["lines"] == ["rank 3 on n2 is 18.2x slower waiting for data than the median rank "
+                            "(0.2 s per step)"]
+
+
+def test_a_tiny_data_wait_is_not_a_straggler_however_large_the_ratio():
+    from ddp_hpc.runlogs.timing import stragglers
+    per_rank = {r: _data_events(r, "n1", 0.0001) for r in range(3)}
+    per_rank[3] = _data_events(3, "n1", 0.0009)   # 9x, but 0.8 ms of a 0.5 s step
+    out = stragglers(per_rank, {r: "n1" for r in range(4)})
+    assert out["slow_ranks"] == [] and out["lines"] == []

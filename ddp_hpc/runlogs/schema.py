@@ -22,8 +22,8 @@ EVENT_KEYS = ("time", "event", "rank", "job_id", "restart", "host")
 EVENTS: dict[str, tuple[str, ...]] = {
     "start": ("world_size", "num_nodes", "local_rank", "pid", "total_steps", "epochs", "launcher",
               "device", "command"),
-    "step": ("epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "rss_mb", "cpu_percent",
-             "metrics"),
+    "step": ("epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "data_s", "rss_mb",
+             "cpu_percent", "metrics"),
     "epoch": ("epoch", "step", "loss", "samples_per_s"),
     "eval": ("epoch", "step", "metrics"),
     "checkpoint": ("step", "path"),

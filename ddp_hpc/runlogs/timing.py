@@ -26,6 +26,8 @@ import statistics
 
 from ddp_hpc.runlogs.stacks import stack_summary
 
+#: with data_s, a rank's extra wait must also be at least this share of the median step time
+OWN_MIN_SHARE = 0.1
 #: a rank is silent after max(STALL_FACTOR x its median step-event interval, STALL_MIN_S) seconds
 STALL_FACTOR = 10.0
 STALL_MIN_S = 60.0
@@ -108,49 +110,66 @@ def silent_stacks(per_rank: dict[int, list[dict]], ranks: list[int]) -> tuple[di
     return where, ([r for r in ranks if str(r) not in where] if where else [])
 
 
+def _own_times(evs: list[dict]) -> list[float]:
+    """The rank's own seconds per step waiting for data (``data_s`` of the training core's step
+    events), when its events carry them."""
+    return [float(e["data_s"]) for e in _steps(evs) if isinstance(e.get("data_s"), (int, float))]
+
+
 def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict | None:
     """Per-rank and per-node step times and the slow ones (see the module docstring), or None
-    when no rank has enough step events. ``hosts``: rank -> its host."""
+    when no rank has enough step events. ``hosts``: rank -> its host. Step events that carry
+    ``data_s`` (the training core's) are judged by it: their times are the same on every rank,
+    and a rank with a slow data loader is the one that waits longest for its batches."""
     ranks: dict[int, dict] = {}
+    own = all(len(_own_times(evs)) >= STRAGGLER_MIN_INTERVALS for evs in per_rank.values()) and per_rank
     for r, evs in sorted(per_rank.items()):
-        times = step_times(evs)
+        times = _own_times(evs) if own else step_times(evs)
         if len(times) >= STRAGGLER_MIN_INTERVALS:
             ranks[r] = {"host": hosts.get(r), "step_s": statistics.median(times),
                         "intervals": len(times)}
     if not ranks:
         return None
-    _ratios(ranks)
+    floor = 0.0
+    if own:   # a wait for data counts only when it is a real share of the step
+        floor = OWN_MIN_SHARE * statistics.median(
+            [t for evs in per_rank.values() for t in step_times(evs)] or [0.0])
+    _ratios(ranks, floor)
     by_node: dict[str, list[int]] = {}
     for r, d in ranks.items():
         if d["host"]:
             by_node.setdefault(d["host"], []).append(r)
     nodes = {h: {"ranks": rs, "step_s": statistics.median(ranks[r]["step_s"] for r in rs)}
              for h, rs in sorted(by_node.items())}
-    _ratios(nodes)
+    _ratios(nodes, floor)
     for d in nodes.values():  # a node is slow when its ranks are, not when one of them is
         d["slow"] = d["slow"] and all(ranks[r]["slow"] for r in d["ranks"])
     slow_nodes = [h for h, d in nodes.items() if d["slow"]]
-    lines = [f"{h} is {nodes[h]['ratio']:.1f}x slower than the median node "
+    what = " waiting for data" if own else ""
+    lines = [f"{h} is {nodes[h]['ratio']:.1f}x slower{what} than the median node "
              f"(ranks {', '.join(map(str, nodes[h]['ranks']))})" for h in slow_nodes]
     slow_ranks = [r for r, d in ranks.items() if d["slow"]]
     lines += [f"rank {r}" + (f" on {ranks[r]['host']}" if ranks[r]["host"] else "")
-              + f" is {ranks[r]['ratio']:.1f}x slower than the median rank "
+              + f" is {ranks[r]['ratio']:.1f}x slower{what} than the median rank "
               f"({ranks[r]['step_s']:.3g} s per step)"
               for r in slow_ranks if ranks[r]["host"] not in slow_nodes]
     for d in list(ranks.values()) + list(nodes.values()):
         d["step_s"] = round(d["step_s"], 6)
     return {"ranks": {str(r): d for r, d in ranks.items()}, "nodes": nodes,
             "slow_ranks": slow_ranks, "slow_nodes": slow_nodes, "lines": lines,
+            "measure": "data_s (own wait for data per step)" if own else "step event intervals",
             "ratio_threshold": STRAGGLER_RATIO, "min_intervals": STRAGGLER_MIN_INTERVALS}
 
 
-def _ratios(items: dict) -> None:
-    """Each item's step time over the median of the others'; ``slow`` at >= STRAGGLER_RATIO."""
+def _ratios(items: dict, floor: float = 0.0) -> None:
+    """Each item's step time over the median of the others'; ``slow`` at >= STRAGGLER_RATIO and
+    at least ``floor`` seconds above that median."""
     for k, d in items.items():
         others = [o["step_s"] for j, o in items.items() if j != k]
         ref = statistics.median(others) if others else None
         d["ratio"] = round(d["step_s"] / ref, 3) if ref else None
-        d["slow"] = bool(d["ratio"] and d["ratio"] >= STRAGGLER_RATIO)
+        d["slow"] = bool(d["ratio"] and d["ratio"] >= STRAGGLER_RATIO
+                         and d["step_s"] - ref >= floor)
 
 
 def _num(v) -> float | None:

@@ -65,6 +65,21 @@ class Cadence:
         self.interval, self.this_epoch = Window(device), Window(device)
         self.resources = ResourceSampler()
         self.loss: float | None = None       # mean loss of the newest log interval, all ranks
+        self.data_wait = 0.0                 # this rank's seconds waiting for batches, this interval
+
+    def timed(self, batches):
+        """``batches``, adding the time each one took to arrive to `data_wait`: this rank's own
+        time (step events are written after a collective, so their times are the same on every
+        rank; a rank with a slow loader shows here)."""
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self.data_wait += time.perf_counter() - t0
+            yield item
 
     def start_epoch(self) -> None:
         self.this_epoch.reset()
@@ -88,8 +103,11 @@ class Cadence:
         if self.auto_check:      # same reduced numbers on every rank -> same interval
             step_s = seconds / max(self.interval.steps, 1)
             self.check_every = max(1, min(1000, int(PREEMPT_CHECK_S / max(step_s, 1e-9))))
+        data_s = self.data_wait / max(self.interval.steps, 1)
+        self.data_wait = 0.0
         self.log.event("step", epoch=epoch, step=step, total_steps=self.total_steps, loss=self.loss,
-                       lr=self.lr(), samples_per_s=sps, **self.resources.sample())
+                       lr=self.lr(), samples_per_s=sps, data_s=round(data_s, 6),
+                       **self.resources.sample())
         if self.progress.lines:
             self.log.info(f"epoch {epoch} step {step}/{self.total_steps} "
                           f"loss {self.loss:.4f} {sps:.0f} samples/s")

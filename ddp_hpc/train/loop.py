@@ -260,7 +260,7 @@ class Trainer:
         pos = self.pos
         cadence.start_epoch()
         self.model.train()
-        for inputs, targets in self._epoch_batches(pos.epoch, pos.micro):
+        for inputs, targets in cadence.timed(self._epoch_batches(pos.epoch, pos.micro)):
             loss, last = stepper.micro_batch(pos.micro, inputs, targets)
             self.watch.beat(pos.step)
             cadence.add(loss, targets.shape[0])
