@@ -60,7 +60,7 @@ def test_one_silent_rank_while_the_others_write(tmp_path):
     st, lines = status(tmp_path, now=T0 + 203)
     # threshold max(10 x 1 s, 60 s) = 60 s; rank 3 silent since t=70
     assert st.stall["ranks"] == [3] and st.stall["silent_for_s"] == 133 and st.stall["threshold_s"] == 60
-    assert lines[1] == "State:      RUNNING   [source: squeue]"
+    assert lines[1] == "State:      RUNNING, STALLED 00:02:13   [source: squeue]"
     assert lines[2] == "Stalled:    rank 3 silent for 00:02:13; the others last wrote 00:00:03 ago"
     assert lines[3] == ("            (no event for > 00:01:00: max(10 x the median interval between "
                         "step events, 1 s, 60 s))")

@@ -94,6 +94,7 @@ def classify(logs: RunLogs, restart: int | None = None, sched: SchedulerFacts | 
                                reports.get(rank), rank_out(rank))
     if ended:
         _in_context(out, logs, sched or SchedulerFacts(), files)
+        _frozen(out, logs, restart)
     else:
         for e in out.values():
             e.kind = "running" if e.kind == "silent" else e.kind
@@ -136,6 +137,30 @@ def _in_context(endings: dict[int, RankEnding], logs: RunLogs, sched: SchedulerF
     for e in endings.values():
         if e.kind == "silent":
             e.kind, e.text, e.basis = "lost", "no end event", "events stopped first"
+
+
+def _frozen(endings: dict[int, RankEnding], logs: RunLogs, restart: int) -> None:
+    """A rank that wrote no watchdog stack before the others' collective timeouts, while they
+    did, was frozen (SIGSTOP, a hang outside Python): ``stuck``, even when it wrote events later
+    (Slurm sends SIGCONT before it ends a step, so a stopped rank wakes and fails too)."""
+    timed = [e.time for e in endings.values() if e.kind == "consequence" and e.time is not None
+             and TIMEOUT_RE.search(e.phrase or "")]
+    if not timed or any(e.kind in ("vanished", "stuck") for e in endings.values()):
+        return
+    ref = min(timed)
+    dumped = {r for r, s in logs.ranks.items()
+              if any(ev.get("event") == "stack" and str(ev.get("reason", "")).startswith("collective")
+                     and float(ev.get("time") or 0) <= ref for ev in s.of_restart(restart))}
+    frozen = [e for r, e in endings.items() if r not in dumped and e.kind in ("consequence", "lost", "silent")]
+    if not dumped or not frozen or len(frozen) > len(endings) // 2:
+        return
+    for e in frozen:
+        at = f"step {e.last_step}" if e.last_step is not None else "its start"
+        e.kind, e.gap_s = "stuck", None
+        e.text = (f"stuck after {at}: it wrote no stack before the others' collective timeout "
+                  "while they did (frozen: stopped, or a hang outside Python)")
+        e.basis = "the watchdog stacks of the others" + (f"; {e.basis}" if e.basis else "")
+        e.last_time = min(e.last_time or ref, ref)
 
 
 def _lost_nodes(endings: dict[int, RankEnding], node_fail: bool, named: list[str]) -> list[str]:

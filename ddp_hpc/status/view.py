@@ -142,7 +142,7 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
     """Who the job is, its state and where that came from, time, progress, where its logs are."""
     out = [f"Job {st.id}" + (f" ({st.name})" if st.name else "")
            + (f", backend {st.backend}" if st.backend else "") + f", {shape_text(st)}",
-           f"State:      {st.state}   [source: {st.source}]"
+           f"State:      {st.state}" + (f", {state_text(st)}" if st.stall else "") + f"   [source: {st.source}]"
            + (f"   reason: {st.reason}" if st.reason and st.reason not in ("None",) else "")]
     out += [f"            ({t})" for t in st.tried]
     out += _stall_lines(st)

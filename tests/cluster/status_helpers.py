@@ -7,6 +7,7 @@ failing rank has written start/step events like a real job that dies mid-run.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch.distributed as dist
@@ -61,3 +62,18 @@ class SlowSynthetic(Dataset):
 def slow_synthetic(**kwargs) -> SlowSynthetic:
     """Factory for ``data.dataset``."""
     return SlowSynthetic(**kwargs)
+
+
+class OneSlowRank(SlowSynthetic):
+    """``delay`` per fetch on every rank, ``slow_delay`` on rank ``slow_rank``: a straggler whose
+    data loader is slow (the rank is read from RANK, which ddp_hpc exports before training)."""
+
+    def __init__(self, slow_rank: int = 3, slow_delay: float = 0.02, **kwargs):
+        super().__init__(**kwargs)
+        if int(os.environ.get("RANK", "-1")) == int(slow_rank):
+            self.delay = float(slow_delay)
+
+
+def one_slow_rank(**kwargs) -> OneSlowRank:
+    """Factory for ``data.dataset``."""
+    return OneSlowRank(**kwargs)
