@@ -149,7 +149,7 @@ def _frozen(endings: dict[int, RankEnding], logs: RunLogs, restart: int) -> None
         return
     ref = min(timed)
     dumped = {r for r, s in logs.ranks.items()
-              if any(ev.get("event") == "stack" and str(ev.get("reason", "")).startswith("collective")
+              if any(ev.get("event") == "stack" and str(ev.get("reason", "")).startswith(("collective", "stalled"))
                      and float(ev.get("time") or 0) <= ref for ev in s.of_restart(restart))}
     frozen = [e for r, e in endings.items() if r not in dumped and e.kind in ("consequence", "lost", "silent")]
     if not dumped or not frozen or len(frozen) > len(endings) // 2:

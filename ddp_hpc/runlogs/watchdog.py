@@ -20,9 +20,11 @@ asyncio loop) keeps it, and only (1) works there.
 """
 from __future__ import annotations
 
+import collections
 import os
 import select
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -33,6 +35,10 @@ __all__ = ["STACK_SIGNAL", "HangWatch", "format_stacks", "dump_after"]
 
 STACK_SIGNAL = signal.SIGURG
 POLL_S = 1.0
+#: the first dump of a silence comes when status would call the job stalled (the same rule as
+#: ``runlogs.timing``: max(10 x the usual step interval, 60 s)), so a running, stalled job shows
+#: where its ranks are; the second before the collective timeout (`dump_after`)
+STALL_FACTOR, STALL_MIN_S = 10.0, 60.0
 
 
 def dump_after(collective_timeout_s: float | None) -> float | None:
@@ -71,7 +77,8 @@ class HangWatch:
         self.log, self.dump_after_s, self.clock = log, dump_after_s, clock
         self.step: int | None = None
         self._last = clock()
-        self._dumped_at: float | None = None
+        self._intervals: collections.deque[float] = collections.deque(maxlen=20)
+        self._dumps = 0          # dumps made in the current silence
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pipe: tuple[int, int] | None = None
@@ -79,9 +86,19 @@ class HangWatch:
         self._old_handler: Any = None
 
     def beat(self, step: int | None = None) -> None:
-        """A step finished (cheap: two attribute stores)."""
-        self._last = self.clock()
-        self.step = step
+        """A step (or a micro-batch) finished: cheap, a few attribute stores."""
+        now = self.clock()
+        if step != self.step:
+            self._intervals.append(now - self._last)
+        self._last, self.step, self._dumps = now, step, 0
+
+    def thresholds(self) -> list[float]:
+        """Seconds of silence after which to dump, in order (see STALL_FACTOR)."""
+        usual = statistics.median(self._intervals) if self._intervals else 0.0
+        out = [max(STALL_FACTOR * usual, STALL_MIN_S)]
+        if self.dump_after_s is not None:
+            out = sorted({*(t for t in out if t < self.dump_after_s), self.dump_after_s})
+        return out
 
     def start(self) -> "HangWatch":
         if self._thread is None:
@@ -139,10 +156,11 @@ class HangWatch:
                 self.dump("on request")
                 continue
             silent = self.clock() - self._last
-            due = self.dump_after_s is not None and silent >= self.dump_after_s
-            if due and (self._dumped_at is None or self._dumped_at < self._last):
-                self._dumped_at = self.clock()
-                self.dump(f"collective timeout: no step for {silent:.0f} s")
+            marks = self.thresholds()
+            if self._dumps < len(marks) and silent >= marks[self._dumps]:
+                last = self.dump_after_s is not None and marks[self._dumps] == self.dump_after_s
+                self._dumps += 1
+                self.dump(f"{'collective timeout' if last else 'stalled'}: no step for {silent:.0f} s")
 
     def dump(self, reason: str) -> None:
         text = format_stacks()
