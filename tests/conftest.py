@@ -32,6 +32,7 @@ What the fixture yields (a :class:`SlurmTestCluster`)::
         c.local_dir                  # same path on every node, each node's own folder behind it
         c.jobcomp_file               # Path of the jobcomp/filetxt records (`sacct -c`)
         c.accounting                 # 'slurmdbd' (plain sacct works) or 'jobcomp' (sacct disabled)
+        c.fail_node("n2")            # kill every process of n2 (a dead machine); c.revive_node("n2")
         c.stop_slurmdbd()            # switch to a jobcomp-only cluster (sacct: "accounting storage
         c.start_slurmdbd()           #   is disabled") and back; restarts slurmctld, keeps jobs
         c.cluster_name               # 'ddphpc' (job ids restart at 1 in every session)
@@ -205,6 +206,18 @@ class SlurmTestCluster:
         from ddp_hpc.testcluster import load_state
         from ddp_hpc.testcluster.health import accounting_mode
         return accounting_mode(self._spec, load_state(self.state_dir) or {})
+
+    def fail_node(self, node: str) -> list[int]:
+        """Kill every process of ``node`` at once (slurmd, slurmstepd, ranks): a dead machine.
+        Call `revive_node` afterwards (in a finally): later tests need every node."""
+        if self.layout != "netns":
+            pytest.skip("a node failure needs the netns layout")
+        from ddp_hpc.testcluster.nodefail import fail_node
+        return fail_node(self.state_dir, node)
+
+    def revive_node(self, node: str) -> None:
+        from ddp_hpc.testcluster.nodefail import revive_node
+        revive_node(self.state_dir, node)
 
     def stop_slurmdbd(self) -> None:
         """Make this a cluster without accounting storage (sacct: "Slurm accounting storage is

@@ -394,3 +394,21 @@ def test_the_local_driver_names_the_killed_rank_of_an_array_task(tmp_path):
         f"ddp_hpc local: task 1 local-x_1 FAILED: rank 1 exited with -9; see {task}/rank1.out\n")
     f = RunLogs(task).first_failure(assume_failed=True)
     assert f.summary == "rank 1 on n1 killed by signal 9 (SIGKILL)" and f.basis == "local driver exit report"
+
+
+def test_a_stopped_rank_woken_by_slurm_is_still_the_stuck_one(tmp_path):
+    """SIGSTOP on rank 3: the others' watchdogs dump their stacks, then they time out; Slurm sends
+    SIGCONT before it ends the step, so rank 3 wakes, dumps late and fails with a peer error too.
+    It is the one that wrote no stack before the others' timeouts."""
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 40) + [ev(r, 64, "stack", reason="stalled: no step for 60 s",
+                                                  stack=STACK_PEER, step=40)]
+              + peer_error(r, 100.2 + r / 10, TIMEOUT if r != 1 else CLOSED))
+    write(tmp_path, 3, run_until(3, 40) + [ev(3, 100.6, "stack", reason="collective timeout: no step "
+                                              "for 100 s", stack=STACK_BUSY, step=40)]
+          + peer_error(3, 100.7, CLOSED))
+    st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))
+    assert first_failure(lines)[0].startswith(
+        "First failure: rank 3 on n2 stuck after step 40: it wrote no stack before the others' "
+        "collective timeout while they did")
+    assert any("timed out waiting for rank 3" in ln for ln in lines)
