@@ -74,13 +74,13 @@ def test_sigkill_of_one_rank_is_named_killed(slurm_cluster, env):
 
 def test_sigstop_of_one_rank_is_stalled_then_stuck(slurm_cluster, env):
     c = slurm_cluster
-    job, log_dir = _submit(c, env, "f-stop", [*SLOW, "train.collective_timeout_s=100"])
+    job, log_dir = _submit(c, env, "f-stop", [*SLOW, "train.collective_timeout_s=80"])
     start = _start(log_dir, 3)
     os.kill(start["pid"], signal.SIGSTOP)
     t0 = time.monotonic()
     stalled = None
     try:
-        while time.monotonic() - t0 < 95 and stalled is None:
+        while time.monotonic() - t0 < 77 and stalled is None:
             time.sleep(3)
             row = json.loads(c.run([PY, "-m", "ddp_hpc.status", job, "--json"], cwd="/",
                                    env=env[0], timeout=120).stdout)
@@ -115,29 +115,3 @@ def test_a_rank_with_a_slow_loader_is_named(slurm_cluster, env):
     assert state == "COMPLETED"
     line = next(ln for ln in detail.splitlines() if "slower waiting for data" in ln)
     assert "rank 3 on" in line
-
-
-def test_a_dead_node_is_named_and_the_requeued_job_resumes(slurm_cluster, env):
-    """Every process of one node killed (slurmd, slurmstepd, ranks). Slurm declares the node
-    down after SlurmdTimeout; the job is requeued (NODE_FAIL) or fails; status names the node."""
-    c = slurm_cluster
-    job, log_dir = _submit(c, env, "f-node", [*SLOW, "checkpoint.every_steps=4"])
-    start = _start(log_dir, 2, steps=6)
-    node = start["host"]
-    t0 = time.monotonic()
-    try:
-        pids = c.fail_node(node)
-        state = c.wait(job, timeout=480)
-    finally:
-        c.revive_node(node)
-    detail = _status(c, env, job)
-    print(f"killed {len(pids)} processes of {node}; the job ended {state} after "
-          f"{time.monotonic() - t0:.1f} s\n{detail}")
-    assert f"node {node}" in detail
-    if state == "COMPLETED":   # requeued: the second run resumed from the checkpoint elsewhere
-        ev = read_events(log_dir / "rank0.events.jsonl").events
-        again = [e for e in ev if e["event"] == "start" and e["restart"] >= 1]
-        assert again and "resumed from" in (log_dir / "rank0.log").read_text()
-        starts = [e for r in range(4) for e in read_events(log_dir / f"rank{r}.events.jsonl").events
-                  if e["event"] == "start" and e["restart"] >= 1]
-        assert node not in {e["host"] for e in starts}

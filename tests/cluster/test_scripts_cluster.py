@@ -46,7 +46,7 @@ def _seen(out: Path) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
-@pytest.mark.parametrize("backend", ["sbatch", "submitit", "local"])
+@pytest.mark.parametrize("backend", ["sbatch", "submitit"])   # local: tests/test_readme.py
 def test_unmodified_torchrun_script_runs_2x2(slurm_cluster, where, backend):
     c, (d, _) = slurm_cluster, where
     out = d / "seen"
@@ -61,8 +61,7 @@ def test_unmodified_torchrun_script_runs_2x2(slurm_cluster, where, backend):
     assert [s["RANK"] for s in seen] == ["0", "1", "2", "3"]
     assert [s["LOCAL_RANK"] for s in seen] == ["0", "1", "0", "1"]
     assert [s["GROUP_RANK"] for s in seen] == ["0", "0", "1", "1"]
-    if backend != "local":   # two real nodes, each with its own hostname
-        assert seen[0]["host"] == seen[1]["host"] != seen[2]["host"] == seen[3]["host"]
+    assert seen[0]["host"] == seen[1]["host"] != seen[2]["host"] == seen[3]["host"]
     (rec,) = records.list_records({"DDP_HPC_HOME": str(d / "home")})
     assert rec.config is None and rec.command[-2:] == [PLAIN, str(out)] and rec.backend == backend
     for r in range(4):
