@@ -52,14 +52,14 @@ def preflight(spec, backend: str, cli: SlurmCLI, dry_run: bool) -> None:
         if not dry_run:
             raise
         say(f"dry run without a reachable cluster: partition and GPU checks skipped "
-             f"({str(exc).splitlines()[0]})")
+            f"({str(exc).splitlines()[0]})")
         return
     name = submit_slurm.check_against_cluster(spec, partitions)
     check_resources(spec, partition_named(partitions, name))
 
 
 def record(spec: JobSpec, job_id: str, backend: str, cluster: str, *, script: str | None = None,
-            pids=None) -> records.JobRecord:
+           pids=None) -> records.JobRecord:
     array = None
     if spec.is_array:
         array = [{"task_id": t.task_id, "overrides": list(t.overrides), "log_dir": t.log_dir}
