@@ -57,7 +57,7 @@ SACCT_FIELDS = (
 #: commands that talk to slurmctld (sacct talks to slurmdbd, or reads the jobcomp file)
 NEEDS_CONTROLLER = frozenset({"sbatch", "srun", "salloc", "squeue", "sinfo", "scontrol", "scancel",
                               "sbcast"})
-CONTROLLER_DOWN = "Unable to contact slurm controller"
+CONTROLLER_DOWN = ("Unable to contact slurm controller", "Could not establish a configuration")
 SLOW_S = 3.0
 
 
@@ -160,8 +160,8 @@ class SlurmCLI:
             timer.cancel()
         if done.returncode != 0:
             stderr = done.stderr or ""
-            if CONTROLLER_DOWN in stderr and argv[0] in NEEDS_CONTROLLER:
-                self.controller_down = next(ln for ln in stderr.splitlines() if CONTROLLER_DOWN in ln)
+            down = [ln for ln in stderr.splitlines() if any(t in ln for t in CONTROLLER_DOWN)]
+            self.controller_down = self.controller_down or (down[0] if down and argv[0] in NEEDS_CONTROLLER else None)
             if not hint and "accounting storage is disabled" in stderr + (done.stdout or ""):
                 hint = ("sacct needs slurmdbd (AccountingStorageType=accounting_storage/slurmdbd); "
                         "sacct -c (completion=True) needs JobCompType in slurm.conf")

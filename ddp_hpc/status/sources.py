@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from ddp_hpc.runlogs.reader import RunLogs
-from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
+from ddp_hpc.slurm.cli import CONTROLLER_DOWN, SlurmCLI, SlurmError
 from ddp_hpc.slurm.states import JobState, StateInfo, parse_state
 from ddp_hpc.slurm.times import normalize_duration, timestamp
 
@@ -27,7 +27,6 @@ SQUEUE, SACCT, SACCT_C, PROCESSES, LOGS, NONE = (
     "squeue", "sacct", "sacct -c", "processes", "logs", "none")
 
 #: Slurm's own words (on stderr) for a controller that does not answer
-CONTROLLER_DOWN = ("Unable to contact slurm controller", "Could not establish a configuration")
 #: How long one SlurmCLI keeps its answer to "which cluster is this, is the controller up?"
 CLUSTER_CACHE_S = 60.0
 #: How far Slurm's submit time may precede the record's before the row is taken for an older
