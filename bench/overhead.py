@@ -128,6 +128,7 @@ def _worker(rank: int, world: int, args_d: dict, tmp: str) -> list[dict]:
     setup_ddp()
     try:
         data = SyntheticClassification(size=a.size, in_dim=a.in_dim, num_classes=10, seed=0)
+        (Path(tmp) / "warm").mkdir(exist_ok=True)
         for kind in ("plain", "toolkit"):     # untimed: first-call imports and allocations
             _timed(kind, a, data, rank, world, f"{tmp}/warm")
         pairs, total = [], {"plain": 0.0, "toolkit": 0.0}
