@@ -13,6 +13,10 @@ Guarantees:
   dies), so racing local ranks, or two ranks that both believe they are local rank 0, copy once.
 * reuse: the folder is keyed by job id and source fingerprint, so a requeued job (same job id,
   new ``SLURM_RESTART_COUNT``) finds the verified copy and skips the shared read.
+* sharing: node leaders that see one stage folder (pretend nodes on one machine, a ``/tmp`` that
+  is not node-local) copy once between them: the first copies, the others find the marker under
+  the lock and reuse the copy (not hashed again in the same attempt).  Each registers on it, and
+  :func:`cleanup_staged` removes it when the last of them is done (:mod:`ddp_hpc.data.stagefolder`).
 * free space is checked first; too little is a :class:`StageError` naming both sizes and the fix.
 
 With ``python -m ddp_hpc.data sbcast`` run first in the batch script, Slurm's ``sbcast`` has
@@ -23,7 +27,6 @@ The copy kernels are :mod:`ddp_hpc.data.copy`'s, the checksums :mod:`ddp_hpc.dat
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -31,17 +34,19 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 
 from ddp_hpc.data.copy import Progress, copy_dir_tar, copy_file, source_kind, source_size
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.data.hashing import file_hash
+from ddp_hpc.data.stagefolder import MARKER, USERS, folder_lock, read_users, register_user, unregister_and_remove
 from ddp_hpc.env import job_facts
 from ddp_hpc.fsutil import atomic_write_json
 
-__all__ = ["stage", "resolve_stage_dir", "cleanup_staged", "StageError", "stage_key", "sbcast_paths"]
+__all__ = ["stage", "stage_result", "StageResult", "resolve_stage_dir", "cleanup_staged", "StageError",
+           "stage_key", "sbcast_paths"]
 
 log = logging.getLogger("ddp_hpc.data.stage")
-MARKER = "COMPLETE.json"
 FAILED = "FAILED.json"
 SPACE_MARGIN = 16 << 20
 
@@ -146,9 +151,9 @@ def _adopt_sbcast(src: str, kind: str, dest: str, folder: str, attempt: str) -> 
 
 
 def _clear_leftovers(folder: str) -> None:
-    """Delete what a dead copier left in ``folder`` (the caller holds the lock)."""
+    """Delete what a dead copier left in ``folder`` (the caller holds the lock; the users stay)."""
     for leftover in os.listdir(folder):
-        if leftover != MARKER:
+        if leftover not in (MARKER, USERS):
             p = os.path.join(folder, leftover)
             shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
 
@@ -184,6 +189,28 @@ def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> d
     return marker
 
 
+@dataclass(frozen=True)
+class StageResult:
+    """What :func:`stage_result` did on this process, for the run log."""
+
+    path: str            #: the node-local copy to read
+    src: str             #: the shared source
+    method: str          #: copy | sbcast (adopted) | reused (a verified copy was there) | waited
+    bytes: int           #: size of the copy
+    files: int           #: files in it (1 for a file or an LMDB)
+    seconds: float       #: this call's wall time: lock wait + copy, adoption or check
+    copy_seconds: float  #: how long the copy (or adoption) itself took, whoever made it
+    made_by: str         #: ``job:restart`` of the attempt that made the copy
+    users: tuple[str, ...] = ()  #: node leaders registered on the copy after this call
+
+    @property
+    def mb_per_s(self) -> float | None:
+        """MB/s of the copy this call made (None for reused or waited: nothing was copied)."""
+        if self.method not in ("copy", "sbcast"):
+            return None
+        return self.bytes / 1e6 / max(self.copy_seconds, 1e-9)
+
+
 def stage(src: str | os.PathLike, dest: str | None = None, *, job_id: str | None = None,
           restart_count: int = 0, copier: bool = True, wait_timeout: float = 6 * 3600,
           poll_s: float = 0.2, recheck: bool = True, progress: bool | None = None) -> str:
@@ -191,8 +218,24 @@ def stage(src: str | os.PathLike, dest: str | None = None, *, job_id: str | None
 
     ``copier`` is True on local rank 0 of each node; others pass False and wait for the marker
     (up to ``wait_timeout`` seconds).  Reuse of a verified copy is free (``recheck`` re-reads a
-    staged file/LMDB's hash once, locally).
+    staged file/LMDB's hash once per attempt, locally).  :func:`stage_result` says more.
     """
+    return stage_result(src, dest, job_id=job_id, restart_count=restart_count, copier=copier,
+                        wait_timeout=wait_timeout, poll_s=poll_s, recheck=recheck, progress=progress).path
+
+
+def stage_result(src: str | os.PathLike, dest: str | None = None, *, job_id: str | None = None,
+                 restart_count: int = 0, copier: bool = True, user: str | None = None,
+                 wait_timeout: float = 6 * 3600, poll_s: float = 0.2, recheck: bool = True,
+                 progress: bool | None = None) -> StageResult:
+    """:func:`stage`, returning what was done (copy, sbcast, reused), bytes and seconds.
+
+    ``user`` names this node's leader (the same name on its waiting local ranks) when several
+    node leaders may share ``dest``: the copier registers it on the copy (cleanup then removes
+    the copy only when the last registered leader is done, :func:`cleanup_staged`), and the
+    waiters wait until their own leader has verified the copy for this attempt.
+    """
+    t0 = time.monotonic()
     src = os.path.abspath(os.fspath(src))
     dest = os.path.abspath(dest or resolve_stage_dir("auto"))
     kind = source_kind(src)
@@ -202,26 +245,43 @@ def stage(src: str | os.PathLike, dest: str | None = None, *, job_id: str | None
     folder = os.path.join(dest, stage_key(src, job_id))
     attempt = f"{job_id}:{restart_count}"
     if copier:
-        marker = _copy_once(src, kind, dest, folder, attempt, recheck, progress)
-        return os.path.join(folder, marker["name"])
-    return _wait_for_copy(folder, attempt, wait_timeout, poll_s)
+        marker, method, users = _copy_once(src, kind, dest, folder, attempt, recheck, progress, user)
+    else:
+        marker, method, users = _wait_for_copy(folder, attempt, wait_timeout, poll_s, user), "waited", {}
+    return StageResult(path=os.path.join(folder, marker["name"]), src=src, method=method,
+                       bytes=int(marker["bytes"]), files=int(marker.get("files", 1)),
+                       seconds=time.monotonic() - t0, copy_seconds=float(marker.get("seconds", 0.0)),
+                       made_by=str(marker.get("attempt")), users=tuple(sorted(users)))
 
 
-def _copy_once(src: str, kind: str, dest: str, folder: str, attempt: str, recheck: bool, progress) -> dict:
-    """The copier: under the folder's lock, reuse a verified copy, else adopt sbcast's or copy."""
-    os.makedirs(folder, exist_ok=True)
-    with open(folder + ".lock", "a+") as lockf:
-        fcntl.flock(lockf, fcntl.LOCK_EX)  # released by the kernel if we die
-        try:
-            marker = _read_marker(folder)
-            if marker is not None and _staged_ok(folder, marker, recheck):
-                log.info("stage: reusing %s (made by attempt %s)", folder, marker.get("attempt"))
-                for p in sbcast_paths(dest, os.path.basename(folder)):  # a requeue's repeated sbcast
-                    if os.path.exists(p):
-                        os.remove(p)
-                return marker
-            if marker is not None:
-                os.remove(os.path.join(folder, MARKER))
+def _reuse(folder: str, dest: str, attempt: str, recheck: bool) -> dict | None:
+    """The folder's marker if its copy can be used as it is (the caller holds the lock), else
+    None, with a stale marker removed.  A copy made or verified by this attempt is not hashed
+    again: on a shared stage folder only the first node leader reads it."""
+    marker = _read_marker(folder)
+    if marker is None:
+        return None
+    fresh = marker.get("attempt") == attempt or attempt in read_users(folder).values()
+    if _staged_ok(folder, marker, recheck and not fresh):
+        for p in sbcast_paths(dest, os.path.basename(folder)):  # a requeue's repeated sbcast
+            if os.path.exists(p):
+                os.remove(p)
+        return marker
+    os.remove(os.path.join(folder, MARKER))
+    return None
+
+
+def _copy_once(src: str, kind: str, dest: str, folder: str, attempt: str, recheck: bool, progress,
+               user: str | None) -> tuple[dict, str, dict]:
+    """The copier: under the folder's lock, reuse a verified copy, else adopt sbcast's or copy;
+    -> (marker, method, registered users)."""
+    with folder_lock(folder):
+        os.makedirs(folder, exist_ok=True)  # under the lock: a cleanup may just have removed it
+        marker = _reuse(folder, dest, attempt, recheck)
+        if marker is not None:
+            method = "reused"
+            log.info("stage: reusing %s (made by attempt %s)", folder, marker.get("attempt"))
+        else:
             try:
                 marker = (_adopt_sbcast(src, kind, dest, folder, attempt)
                           or _do_copy(src, kind, folder, attempt, progress))
@@ -229,19 +289,20 @@ def _copy_once(src: str, kind: str, dest: str, folder: str, attempt: str, rechec
                 failed = {"attempt": attempt, "error": getattr(e, "problem", str(e)), "hint": getattr(e, "hint", "")}
                 atomic_write_json(os.path.join(folder, FAILED), failed, indent=None)
                 raise
+            method = marker["method"]
             log.info("stage: copied %s -> %s (%d bytes, %.1f s)", src, folder, marker["bytes"], marker["seconds"])
-            return marker
-        finally:
-            fcntl.flock(lockf, fcntl.LOCK_UN)
+        users = register_user(folder, user, attempt) if user else read_users(folder)
+        return marker, method, users
 
 
-def _wait_for_copy(folder: str, attempt: str, wait_timeout: float, poll_s: float) -> str:
-    """Another local rank: poll for the copier's marker (or its failure) of this attempt."""
+def _wait_for_copy(folder: str, attempt: str, wait_timeout: float, poll_s: float, user: str | None) -> dict:
+    """Another local rank: poll for the copier's marker (or its failure) of this attempt; with
+    ``user``, until that node leader has registered on the copy in this attempt."""
     deadline = time.monotonic() + wait_timeout
     while True:
         marker = _read_marker(folder)
-        if marker is not None:
-            return os.path.join(folder, marker["name"])
+        if marker is not None and (user is None or read_users(folder).get(user) == attempt):
+            return marker
         try:
             with open(os.path.join(folder, FAILED)) as f:
                 failed = json.load(f)
@@ -255,13 +316,15 @@ def _wait_for_copy(folder: str, attempt: str, wait_timeout: float, poll_s: float
         time.sleep(poll_s)
 
 
-def cleanup_staged(path: str) -> None:
-    """Remove a staged copy (the whole stage folder) under the copier lock."""
+def cleanup_staged(path: str, user: str | None = None) -> tuple[str, list[str]]:
+    """Remove a staged copy (the whole stage folder) under its lock, or only unregister ``user``
+    while other node leaders sharing the folder still use it.
+
+    -> ``(outcome, users left)``: ``removed``, ``kept`` or ``gone`` (another leader removed it).
+    ``user=None`` removes the copy whoever uses it.  A removal that fails raises
+    :class:`StageError` naming the folder and what is left in it."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.basename(folder).startswith("ddp_hpc-stage-"):
         raise StageError(f"cleanup_staged: {path!r} is not inside a ddp_hpc stage folder; refusing to delete",
                          "pass the path stage() returned")
-    with open(folder + ".lock", "a+") as lockf:
-        fcntl.flock(lockf, fcntl.LOCK_EX)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.remove(folder + ".lock")
+    return unregister_and_remove(folder, user)
