@@ -13,6 +13,7 @@ decided by evidence in ``ddp_hpc.runlogs.attribution``; this module reads the fi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -23,10 +24,22 @@ from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOG_RE, OUT_RE
 from ddp_hpc.runlogs.srun import (LOCAL_DRIVER_OUT, TaskReport, exception_of, local_reports,
                                   node_failures, srun_exit_codes, tail_file, tail_lines,
                                   task_reports, traceback_in, traceback_in_lines)
+from ddp_hpc.runlogs.tails import read_window
+from ddp_hpc.runlogs.timing import Progress, progress
 
 __all__ = ["RunLogs", "RankStream", "Failure", "Progress", "RunSummary", "read_events",
            "traceback_in", "exception_of", "tail_file", "tail_lines"]
 
+#: the read budget: a log directory's event files are read whole while together they hold at
+#: most FULL_READ_BYTES (about 100,000 events); beyond that, rank 0's file is read whole (up to
+#: that size: it gives progress, ETA, eval metrics) and of every other rank's file only the first
+#: HEAD_BYTES and the last TAIL_LINES lines (read back from TAIL_BYTES, at most TAIL_MAX_BYTES:
+#: a stack event can be long), so status of a job of thousands of ranks takes seconds, not minutes
+FULL_READ_BYTES = 32 << 20
+HEAD_BYTES = 4 << 10
+TAIL_LINES = 32
+TAIL_BYTES = 8 << 10
+TAIL_MAX_BYTES = 1 << 20
 #: how much of the end of a ``rank{R}.out`` is read for its last traceback, and how many of its
 #: last lines are searched for a peer's failure (NCCL's watchdog) and the rank's own error line
 OUT_TAIL_BYTES = 1 << 16
@@ -41,27 +54,30 @@ class RankStream:
     path: Path
     events: list[dict] = field(default_factory=list)
     bad_lines: int = 0
+    skipped: int = 0  # bytes in the middle of the file not read (see `RunLogs`: read budget)
+    #: the events grouped by restart number, and the (list, length) it was built from: status
+    #: asks for one run's events many times per rank, and a scan per question made it quadratic
+    _by_restart: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def last(self) -> dict | None:
         return self.events[-1] if self.events else None
 
+    def _runs(self) -> dict[int, list[dict]]:
+        """restart number -> its events in file order; rebuilt when `events` changed length."""
+        key = (id(self.events), len(self.events))
+        if self._by_restart is None or self._by_restart[0] != key:
+            runs: dict[int, list[dict]] = {}
+            for e in self.events:
+                runs.setdefault(_int(e.get("restart"), 0), []).append(e)
+            self._by_restart = (key, runs)
+        return self._by_restart[1]
+
     def of_restart(self, restart: int) -> list[dict]:
-        return [e for e in self.events if _int(e.get("restart"), 0) == restart]
+        return list(self._runs().get(restart, ()))
 
-
-@dataclass
-class Progress:
-    """Where training stands, from the newest metrics events of the current run."""
-
-    epoch: int | None = None
-    step: int | None = None
-    total_steps: int | None = None
-    percent: float | None = None
-    loss: float | None = None
-    samples_per_s: float | None = None
-    eta_s: float | None = None
-    updated: float | None = None
+    def restart_numbers(self) -> set[int]:
+        return set(self._runs())
 
 
 @dataclass
@@ -79,14 +95,20 @@ class RunSummary:
     errors: int
 
 
-def read_events(path: Path) -> RankStream:
-    """Parse one ``rank{R}.events.jsonl``; malformed lines are skipped and counted."""
+def read_events(path: Path, window: bool = False) -> RankStream:
+    """Parse one ``rank{R}.events.jsonl``; malformed lines are skipped and counted. ``window``:
+    only its first `HEAD_BYTES` and its last `TAIL_LINES` lines (`skipped` says how many bytes
+    between them were not read)."""
     m = EVENTS_RE.match(path.name)
     stream = RankStream(rank=int(m.group(1)) if m else -1, path=path)
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return stream
+    if window:
+        head, tail, stream.skipped = read_window(path, HEAD_BYTES, TAIL_LINES, TAIL_BYTES, TAIL_MAX_BYTES)
+        text = head + tail
+    else:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return stream
     for line in text.splitlines():
         if not line.strip():
             continue
@@ -112,15 +134,24 @@ class RunLogs:
         self.outs: dict[int, Path] = {}
         self.texts: dict[int, Path] = {}
         self._outs_read: dict[int, tuple[list[str] | None, list[str]]] = {}
+        self._memo: dict[str, tuple] = {}
         if self.log_dir is None or not self.log_dir.is_dir():
             return
-        for p in sorted(self.log_dir.iterdir()):
-            if m := EVENTS_RE.match(p.name):
-                self.ranks[int(m.group(1))] = read_events(p)
-            elif m := OUT_RE.match(p.name):
+        paths = sorted(self.log_dir.iterdir())
+        events = [(int(m.group(1)), p) for p in paths if (m := EVENTS_RE.match(p.name))]
+        window = _over_budget([p for _, p in events])
+        for rank, p in events:
+            self.ranks[rank] = read_events(p, window and (rank != 0 or _size(p) > FULL_READ_BYTES))
+        for p in paths:
+            if m := OUT_RE.match(p.name):
                 self.outs[int(m.group(1))] = p
             elif m := LOG_RE.match(p.name):
                 self.texts[int(m.group(1))] = p
+
+    @property
+    def partial(self) -> list[int]:
+        """The ranks whose event files were read only in part (the read budget)."""
+        return [r for r, s in sorted(self.ranks.items()) if s.skipped]
 
     @property
     def exists(self) -> bool:
@@ -132,7 +163,7 @@ class RunLogs:
 
     def restarts(self) -> list[int]:
         """Every restart number seen in any event, ascending."""
-        return sorted({_int(e.get("restart"), 0) for s in self.ranks.values() for e in s.events})
+        return sorted(set().union(*(s.restart_numbers() for s in self.ranks.values())))
 
     def current_restart(self) -> int:
         r = self.restarts()
@@ -151,13 +182,21 @@ class RunLogs:
     def device(self) -> str | None:
         """The device type the newest run trained on ("cpu", "cuda", ...) as its ``start`` events
         tell it (rank 0's first); None when no start event names one."""
+        restart = self.current_restart()  # once: inside the comprehension it was once per rank
         starts = [e for s in sorted(self.ranks.values(), key=lambda s: s.rank)
-                  for e in s.of_restart(self.current_restart())
+                  for e in s.of_restart(restart)
                   if e.get("event") == "start" and e.get("device")]
         return str(starts[0]["device"]).split(":", 1)[0] if starts else None
 
     def runs(self) -> list[RunSummary]:
-        """One summary per restart number: what each run of a requeued job did."""
+        """One summary per restart number: what each run of a requeued job did (computed once
+        while the streams do not change; each call returns copies)."""
+        key = tuple((id(s.events), len(s.events)) for s in self.ranks.values())
+        if self._memo.get("runs", (None,))[0] != key:
+            self._memo["runs"] = (key, self._runs())
+        return [dataclasses.replace(r) for r in self._memo["runs"][1]]
+
+    def _runs(self) -> list[RunSummary]:
         out = []
         for restart in self.restarts():
             evs = [e for s in self.ranks.values() for e in s.of_restart(restart)]
@@ -209,48 +248,13 @@ class RunLogs:
         return None
 
     def progress(self, now: float | None = None) -> Progress | None:
-        """Epoch/step/percent, last loss, samples/s and an ETA from the current run's metrics."""
+        """Epoch/step/percent, last loss, samples/s and an ETA from rank 0's (else the first
+        rank's) metrics events of the current run (`timing.progress`)."""
         restart = self.current_restart()
         stream = self.ranks.get(0) or next(iter(self.ranks.values()), None)
         if stream is None:
             return None
-        evs = stream.of_restart(restart) or stream.events
-        kinds = ("step", "epoch", "end", "eval", "checkpoint")
-        metrics = [e for e in evs if e.get("event") in kinds]
-        if not metrics:  # a requeued run that has only started: show where the last one got to
-            evs = stream.events
-            metrics = [e for e in evs if e.get("event") in kinds]
-        if not metrics:
-            return None
-        p = Progress(updated=_float(metrics[-1].get("time"), None))
-        for e in metrics:
-            if e.get("epoch") is not None:
-                p.epoch = _int(e.get("epoch"), p.epoch)
-            if e.get("step") is not None:  # steps only grow within a run: keep the largest
-                p.step = max(_int(e.get("step"), 0), p.step or 0)
-        # the newest step's loss and throughput (epoch events carry epoch means: a fallback)
-        for kind in ("epoch", "step"):
-            for e in (x for x in metrics if x.get("event") == kind):
-                if e.get("loss") is not None:
-                    p.loss = _float(e.get("loss"), p.loss)
-                if e.get("samples_per_s") is not None:
-                    p.samples_per_s = _float(e.get("samples_per_s"), p.samples_per_s)
-        totals = [e.get("total_steps") for e in stream.events if e.get("total_steps") is not None]
-        p.total_steps = _int(totals[-1], None) if totals else None
-        if p.total_steps and p.step is not None:
-            p.percent = min(100.0, 100.0 * p.step / p.total_steps)
-        steps = [e for e in evs if e.get("event") == "step" and e.get("step") is not None]
-        ended = any(e.get("event") == "end" for e in evs)
-        if not ended and len(steps) >= 2 and p.total_steps and p.step is not None:
-            s0, s1 = steps[0], steps[-1]
-            dt = _float(s1.get("time"), 0.0) - _float(s0.get("time"), 0.0)
-            ds = _int(s1.get("step"), 0) - _int(s0.get("step"), 0)
-            if dt > 0 and ds > 0:
-                p.eta_s = max(0.0, (p.total_steps - p.step) * dt / ds)
-        elif ended and p.total_steps:
-            p.eta_s = 0.0 if any(e.get("event") == "end" and e.get("status") == "completed"
-                                 for e in evs) else None
-        return p
+        return progress(stream.of_restart(restart), stream.events)
 
     def last_eval(self) -> dict | None:
         """The newest ``eval`` event (rank 0's, else any rank's) with metrics, of any run."""
@@ -312,6 +316,23 @@ class RunLogs:
         if self.log_dir is None or not self.log_dir.is_dir():
             return {}
         return srun_exit_codes(sorted(self.log_dir.glob(BATCH_OUT_GLOB)))
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _over_budget(paths: list[Path]) -> bool:
+    """True when the event files together are larger than FULL_READ_BYTES."""
+    total = 0
+    for p in paths:
+        total += _size(p)
+        if total > FULL_READ_BYTES:
+            return True
+    return False
 
 
 def _int(v, default):

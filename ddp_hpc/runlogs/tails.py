@@ -6,6 +6,7 @@ Pure functions return records ``{rank, file, line}``; only :func:`follow_logs` l
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,38 @@ from typing import Callable
 from ddp_hpc.runlogs.schema import LOG_RE, OUT_RE
 from ddp_hpc.runlogs.srun import tail_file
 
-__all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs"]
+__all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs", "read_window"]
+
+
+def read_window(path: Path, head_bytes: int, tail_lines: int, tail_bytes: int,
+                max_tail_bytes: int) -> tuple[str, str, int]:
+    """(head, tail, bytes skipped between them) of a text file, without reading all of it.
+
+    ``head``: the complete lines within the first ``head_bytes``; ``tail``: the complete lines
+    (and what follows the last newline) of the file's end, read backwards in chunks from
+    ``tail_bytes`` until they hold more than ``tail_lines`` lines or reach ``max_tail_bytes``. A file
+    whose head and tail meet is read whole: (its text, "", 0). An unreadable file is ("", "", 0).
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(head_bytes)
+            cut = head.rfind(b"\n") + 1   # the head ends with its last complete line
+            chunk = tail_bytes
+            while True:
+                start = max(cut, size - chunk)
+                f.seek(start)
+                tail = f.read(size - start)
+                if start == cut or tail.count(b"\n") > tail_lines or chunk >= max_tail_bytes:
+                    break
+                chunk *= 2
+    except OSError:
+        return "", "", 0
+    if start == cut:  # nothing left between them: the whole file
+        return (head[:cut] + tail).decode("utf-8", errors="replace"), "", 0
+    first = tail.find(b"\n") + 1  # the tail's first line is cut: start after it
+    return (head[:cut].decode("utf-8", errors="replace"), tail[first:].decode("utf-8", errors="replace"),
+            start + first - cut)
 
 
 def _rank_kind(name: str) -> tuple[int, str] | None:

@@ -22,7 +22,9 @@ rank's own time tell it apart.
 """
 from __future__ import annotations
 
+import bisect
 import statistics
+from dataclasses import dataclass
 
 from ddp_hpc.runlogs.stacks import stack_summary
 
@@ -35,6 +37,20 @@ STALL_MIN_S = 60.0
 #: STRAGGLER_MIN_INTERVALS step intervals
 STRAGGLER_RATIO = 1.25
 STRAGGLER_MIN_INTERVALS = 5
+
+
+@dataclass
+class Progress:
+    """Where training stands, from the newest metrics events of the current run."""
+
+    epoch: int | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    percent: float | None = None
+    loss: float | None = None
+    samples_per_s: float | None = None
+    eta_s: float | None = None
+    updated: float | None = None
 
 
 def _steps(events: list[dict]) -> list[dict]:
@@ -164,12 +180,26 @@ def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) ->
 def _ratios(items: dict, floor: float = 0.0) -> None:
     """Each item's step time over the median of the others'; ``slow`` at >= STRAGGLER_RATIO and
     at least ``floor`` seconds above that median."""
-    for k, d in items.items():
-        others = [o["step_s"] for j, o in items.items() if j != k]
-        ref = statistics.median(others) if others else None
+    ordered = sorted(d["step_s"] for d in items.values())
+    for d in items.values():
+        ref = _median_without(ordered, d["step_s"])
         d["ratio"] = round(d["step_s"] / ref, 3) if ref else None
         d["slow"] = bool(d["ratio"] and d["ratio"] >= STRAGGLER_RATIO
                          and d["step_s"] - ref >= floor)
+
+
+def _median_without(ordered: list[float], value: float) -> float | None:
+    """``statistics.median`` of ``ordered`` (sorted) without one occurrence of ``value``, in
+    O(log n) instead of a new list per item (which made `_ratios` quadratic in the ranks)."""
+    n = len(ordered) - 1
+    if n < 1:
+        return None
+    gone = bisect.bisect_left(ordered, value)
+
+    def at(i: int) -> float:  # the i-th of the others
+        return ordered[i] if i < gone else ordered[i + 1]
+    mid = n // 2
+    return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2
 
 
 def _num(v) -> float | None:
@@ -177,3 +207,60 @@ def _num(v) -> float | None:
         return float(v)
     except (TypeError, ValueError):
         return None
+
+
+def progress(evs: list[dict], all_events: list[dict]) -> Progress | None:
+    """Where training stands from one rank's events of the current run (``evs``; all its runs'
+    in ``all_events``): epoch, the largest step, the newest loss and samples/s, and an ETA from
+    the rate between the run's first and last step events."""
+    evs = evs or all_events
+    kinds = ("step", "epoch", "end", "eval", "checkpoint")
+    metrics = [e for e in evs if e.get("event") in kinds]
+    if not metrics:  # a requeued run that has only started: show where the last one got to
+        evs = all_events
+        metrics = [e for e in evs if e.get("event") in kinds]
+    if not metrics:
+        return None
+    p = Progress(updated=_num(metrics[-1].get("time")))
+    for e in metrics:
+        if e.get("epoch") is not None:
+            p.epoch = _int(e.get("epoch"), p.epoch)
+        if e.get("step") is not None:  # steps only grow within a run: keep the largest
+            p.step = max(_int(e.get("step"), 0), p.step or 0)
+    # the newest step's loss and throughput (epoch events carry epoch means: a fallback)
+    for kind in ("epoch", "step"):
+        for e in (x for x in metrics if x.get("event") == kind):
+            if e.get("loss") is not None:
+                p.loss = _float(e.get("loss"), p.loss)
+            if e.get("samples_per_s") is not None:
+                p.samples_per_s = _float(e.get("samples_per_s"), p.samples_per_s)
+    totals = [e.get("total_steps") for e in all_events if e.get("total_steps") is not None]
+    p.total_steps = _int(totals[-1], None) if totals else None
+    if p.total_steps and p.step is not None:
+        p.percent = min(100.0, 100.0 * p.step / p.total_steps)
+    steps = [e for e in evs if e.get("event") == "step" and e.get("step") is not None]
+    ended = any(e.get("event") == "end" for e in evs)
+    if not ended and len(steps) >= 2 and p.total_steps and p.step is not None:
+        s0, s1 = steps[0], steps[-1]
+        dt = _float(s1.get("time"), 0.0) - _float(s0.get("time"), 0.0)
+        ds = _int(s1.get("step"), 0) - _int(s0.get("step"), 0)
+        if dt > 0 and ds > 0:
+            p.eta_s = max(0.0, (p.total_steps - p.step) * dt / ds)
+    elif ended and p.total_steps:
+        p.eta_s = 0.0 if any(e.get("event") == "end" and e.get("status") == "completed"
+                             for e in evs) else None
+    return p
+
+
+def _int(v, default):
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _float(v, default):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return default
