@@ -99,7 +99,7 @@ class _Log:
 def test_only_rank_0_requeues_its_slurm_job_for_the_preemption_signal(monkeypatch, signum, env,
                                                                       rank, enabled, expected):
     calls = []
-    monkeypatch.setattr(preempt.SlurmCLI, "requeue", lambda self, job: calls.append(job))
+    monkeypatch.setattr(preempt.SlurmCLI, "requeue", lambda self, job, exclude=(): calls.append(job))
     flag = PreemptionFlag("USR2")
     flag._handler(signum, None)
     flag.poll(distributed=False)

@@ -91,6 +91,7 @@ class CheckpointConfig:
 class PreemptConfig:
     signal: str = "USR2"                 # plus SIGTERM, always
     requeue: bool = True                 # under Slurm rank 0 requeues its own job
+    exclude_failed_nodes: bool = True    # requeues keep the job off nodes that failed earlier runs
     exit_code: int = 75                  # outside Slurm (EX_TEMPFAIL: "try again")
     timelimit_window_s: float = 180.0    # a signal this close to the job's end time = time limit
     check_every_steps: int = 0           # all-reduce the flag every N steps; 0: auto (~every 0.2 s)

@@ -29,6 +29,9 @@ class JobFacts:
     gpus_per_node: int              #: from SLURM_GPUS_PER_NODE ("gpu:2", "a100:4") or tasks per node
     submit_dir: str | None          #: SLURM_SUBMIT_DIR
     preempt_signal: str | None = None  #: DDP_HPC_PREEMPT_SIGNAL: the job's --signal (USR2, ...), for ddp_hpc.preemption
+    node_list: str | None = None    #: SLURM_JOB_NODELIST: the job's nodes (a host list)
+    #: DDP_HPC_EXCLUDE_FAILED_NODES (default on; 0/false/no/off: off): requeues avoid failed nodes
+    exclude_failed_nodes: bool = True
 
 
 def _digits(value: str | None, default: int) -> int:
@@ -66,4 +69,7 @@ def job_facts(environ: Mapping[str, str] | None = None) -> JobFacts:
         gpus_per_node=_digits(env.get("SLURM_GPUS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE"), 1),
         submit_dir=env.get("SLURM_SUBMIT_DIR") or None,
         preempt_signal=env.get("DDP_HPC_PREEMPT_SIGNAL") or None,
+        node_list=env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or None,
+        exclude_failed_nodes=env.get("DDP_HPC_EXCLUDE_FAILED_NODES", "1").strip().lower()
+        not in ("0", "false", "no", "off"),
     )

@@ -1,9 +1,8 @@
 """The one module of ddp_hpc that starts Slurm commands (sbatch, scontrol, scancel, squeue, sacct, sinfo).
 
-Why one module: every command is built as an argument list here (never a shell string), every
-job id a user typed is validated here, every failure becomes the same `SlurmError` naming the
-command line, exit status and stderr, and tests can swap the process runner for a recording one to
-check the argv without a cluster.
+Every command is an argument list built here (never a shell string), every job id a user typed is
+validated here, every failure is one `SlurmError` (command line, exit status, stderr), and tests
+swap the process runner for a recording one.
 
 Output parsing was checked against Slurm 22.05.8 (Debian 12's slurm-wlm) on the real test cluster
 (tests/cluster/test_slurmcli_cluster.py):
@@ -29,13 +28,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.hostlist import HostlistError, compress, expand
+from ddp_hpc.slurm.values import JOB_ID, NODE_NAME, SlurmArgumentError, gpus_in_gres, validate_job_id
 
 __all__ = ["SlurmCLI", "SlurmError", "SlurmArgumentError", "validate_job_id", "gpus_in_gres"]
 
 Runner = Callable[..., subprocess.CompletedProcess]
 
 SEP = "\x1f"  # ASCII unit separator: never in job names, states, times or node lists
-_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?\Z")
 _SIGNAL = re.compile(r"(?:SIG)?[A-Z][A-Z0-9+-]*\Z|[0-9]+\Z")
 _USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.@-]*\Z")
 
@@ -74,37 +73,6 @@ class SlurmError(HintError, RuntimeError):
             status = ("could not be started" if returncode is None
                       else f"exited with status {returncode}")
         super().__init__(f"`{self.command}` {status}: {stderr.strip() or '(nothing on stderr)'}", hint)
-
-
-class SlurmArgumentError(HintError, ValueError):
-    """A value that cannot go into a Slurm command line (a job id, a signal, a path)."""
-
-
-def validate_job_id(job_id: object) -> str:
-    """A Slurm job id as digits with an optional ``_N`` array task suffix; anything else raises
-    SlurmArgumentError, a ValueError (ids end up in argv, so nothing like ``1;rm`` or ``--all`` may
-    pass)."""
-    text = str(job_id).strip() if isinstance(job_id, (str, int)) else None
-    if text is None or not _JOB_ID.match(text):
-        raise SlurmArgumentError(
-            f"invalid Slurm job id {job_id!r}: expected digits with an optional _N array task "
-            "suffix, such as 1234 or 1234_7"
-        )
-    return text
-
-
-def gpus_in_gres(gres: str) -> int:
-    """GPUs in one node's Gres string: ``gpu:4`` -> 4, ``gpu:a100:2(S:0-1),gpu:v100:1`` -> 3,
-    ``(null)`` -> 0."""
-    total = 0
-    for item in re.split(r",(?![^(]*\))", gres or ""):
-        item = re.sub(r"\(.*\)\Z", "", item.strip())
-        parts = item.split(":")
-        if parts[0] != "gpu":
-            continue
-        count = parts[-1] if len(parts) > 1 else "1"
-        total += int(count) if count.isdigit() else 1
-    return total
 
 
 def _default_runner(argv, *, input=None, cwd=None, env=None, timeout=None):
@@ -218,7 +186,7 @@ class SlurmCLI:
         done = self._run(argv, input=script_text, cwd=cwd, env=env)
         first = (done.stdout or "").strip().splitlines()
         job_id = first[-1].split(";", 1)[0].strip() if first else ""
-        if not _JOB_ID.match(job_id):
+        if not JOB_ID.match(job_id):
             raise SlurmError(argv, done.returncode, f"unexpected output {done.stdout!r} "
                              f"(stderr {done.stderr!r}): no job id")
         return job_id
@@ -234,9 +202,21 @@ class SlurmCLI:
         self._run(argv, hint="sbcast runs inside an allocation (sbatch/salloc) and needs the destination "
                              "folder to exist on every node; try data.stage_to=tmpdir")
 
-    def requeue(self, job_id: object) -> None:
-        """``scontrol requeue JOB``: the job goes back to PENDING and later runs again."""
-        self._run(["scontrol", "requeue", validate_job_id(job_id)])
+    def requeue(self, job_id: object, exclude: Iterable[str] = ()) -> None:
+        """``scontrol requeue JOB``: the job goes back to PENDING and later runs again. With
+        ``exclude``, then ``scontrol update JobId=JOB ExcNodeList=...`` (its list plus these nodes):
+        Slurm takes that only while the job pends, so right after the requeue (it waits BeginTime)."""
+        job = validate_job_id(job_id)
+        nodes = sorted(set(exclude))
+        bad = [n for n in nodes if not NODE_NAME.match(str(n))]
+        if bad:
+            raise SlurmArgumentError(f"invalid node name(s) {bad!r} to exclude", "pass Slurm node names")
+        self._run(["scontrol", "requeue", job])
+        if nodes:
+            shown = self._run(["scontrol", "show", "job", "-o", job]).stdout or ""
+            m = re.search(r"\bExcNodeList=(\S+)", shown)
+            had = expand(m.group(1)) if m and m.group(1) != "(null)" else []
+            self._run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={compress(sorted({*had, *nodes}))}"])
 
     def cancel(self, job_id: object, signal: str | int | None = None, batch: bool = False) -> None:
         """``scancel [--signal=SIG] [--batch] JOB``; with a signal the job keeps running unless

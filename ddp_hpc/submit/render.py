@@ -12,6 +12,8 @@ why:
   run's output after a requeue;
 - ``srun --kill-on-bad-exit=1``: one dead rank ends the step instead of leaving the others
   blocked in a collective until the NCCL/gloo timeout;
+- a node that failed: a restart placed again on a node that failed an earlier run requeues
+  itself with that node in ``ExcNodeList`` (``ddp_hpc.slurm.avoid``) before srun starts;
 - logs: the batch output and one ``rank%t.out`` per rank in the job's log directory, which is
   also ``DDP_HPC_LOG_DIR`` for the run logs; an array task gets its own directory;
 - safety: every value that reaches shell code goes through ``shlex.quote``; values in
@@ -79,6 +81,8 @@ def render(spec: JobSpec) -> str:
     ]
     if spec.is_command:   # what ddp_hpc.preemption listens for in the user's script
         lines.insert(-1, f"export DDP_HPC_PREEMPT_SIGNAL={spec.signal}")
+    if not spec.exclude_failed_nodes:   # preempt.exclude_failed_nodes=false
+        lines.insert(-1, "export DDP_HPC_EXCLUDE_FAILED_NODES=0")
     if spec.is_array:
         lines.append('case "${SLURM_ARRAY_TASK_ID:-}" in')
         for task in spec.tasks:
@@ -94,6 +98,11 @@ def render(spec: JobSpec) -> str:
         'mkdir -p "$LOG_DIR"',
         'echo "ddp_hpc: job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0} on '
         '${SLURM_JOB_NODELIST:-?}, logs in $LOG_DIR"',
+        "# a restart placed on a node that failed an earlier run requeues itself off it (exit 75)",
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
+        f'  rc=0; {shlex.quote(spec.python)} -m ddp_hpc.slurm.avoid "$LOG_DIR" || rc=$?',
+        '  if [ "$rc" = 75 ]; then exit 0; fi',
+        "fi",
         'exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/'
         + rank_out("%t") + '" "${ARGS[@]}"',
         "",

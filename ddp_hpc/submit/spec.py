@@ -102,6 +102,7 @@ class JobSpec:
     workdir: str                    # absolute; the job runs from here
     python: str                     # the interpreter the tasks run
     command: tuple[str, ...] | None = None   # a script/module job: the argv every rank runs
+    exclude_failed_nodes: bool = True         # preempt.exclude_failed_nodes (ddp_hpc.slurm.avoid)
 
     name = property(lambda self: self.options.job_name)
     nodes = property(lambda self: self.options.nodes)
@@ -188,7 +189,8 @@ def build_spec(opts: SlurmOptions, *, config_path: str | os.PathLike, cfg: Any,
         tasks = (TaskSpec(None, (), str(log_dir)),)
     return JobSpec(options=options, config=str(Path(config_path).resolve()),
                    overrides=tuple(overrides), tasks=tasks, log_dir=str(log_dir),
-                   workdir=workdir, python=python or sys.executable)
+                   workdir=workdir, python=python or sys.executable,
+                   exclude_failed_nodes=bool(cfg.preempt.exclude_failed_nodes))
 
 
 _SCRIPT_KEY = re.compile(r"^-{0,2}[A-Za-z0-9_][A-Za-z0-9_.-]*$")

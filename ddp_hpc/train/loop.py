@@ -296,7 +296,8 @@ class Trainer:
         result.status, result.step, result.epoch, result.reason = "preempted", pos.step, pos.epoch, reason
         result.requeued = requeue_if_wanted(flag, self.ctx.env, rank=self.rank,
                                             enabled=self.cfg.preempt.requeue,
-                                            distributed=self.distributed, log=log)
+                                            distributed=self.distributed, log=log,
+                                            exclude=self.cfg.preempt.exclude_failed_nodes)
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, epoch: int, step: int) -> dict:

@@ -173,25 +173,31 @@ def classify(received_at: float | None, end_time: float | None, window_s: float,
     return "preemption"
 
 
-def requeue(job_id: str) -> None:
-    """Requeue this Slurm job (``JOBID_TASK`` for an array task) through ddp_hpc.slurm.cli."""
-    SlurmCLI().requeue(job_id)
+def requeue(job_id: str, log_dir=None, exclude: bool = True) -> list[str]:
+    """Requeue this Slurm job (``JOBID_TASK`` for an array task) through ddp_hpc.slurm.cli; with
+    ``exclude``, off the nodes that failed its earlier runs (ddp_hpc.slurm.avoid; returned)."""
+    from ddp_hpc.slurm.avoid import requeue_avoiding
+    return requeue_avoiding(job_id, log_dir, exclude=exclude, restart=job_facts().restart_count)
 
 
 def requeue_if_wanted(flag: PreemptionFlag, env, *, rank: int, enabled: bool, distributed: bool,
-                      log) -> bool:
+                      log, exclude: bool | None = None) -> bool:
     """Rank 0 requeues its Slurm job when the preemption signal (not SIGTERM) stopped the run and
-    preempt.requeue is on; every rank learns whether that worked (a collective when distributed)."""
+    preempt.requeue is on; every rank learns whether that worked (a collective when distributed).
+    ``exclude`` (default: DDP_HPC_EXCLUDE_FAILED_NODES, on): keep the job off failed nodes."""
     requeued = False
     slurm_rank0 = rank == 0 and in_slurm(env)
     if slurm_rank0 and not flag.requeue_wanted:
         log.info("not requeuing: SIGTERM (a user's scancel, or Slurm ending or requeueing the job itself)")
     if slurm_rank0 and env.job_id and enabled and flag.requeue_wanted:
         try:
-            requeue(env.job_id)
+            facts = job_facts()
+            avoid = requeue(env.job_id, getattr(log, "dir", None) or facts.log_dir,
+                            facts.exclude_failed_nodes if exclude is None else exclude)
             requeued = True
-            log.event("requeue", job_id=env.job_id)
-            log.info(f"requeued Slurm job {env.job_id}")
+            log.event("requeue", job_id=env.job_id, exclude_nodes=avoid)
+            log.info(f"requeued Slurm job {env.job_id}"
+                     + (f", off the failed node(s) {', '.join(avoid)}" if avoid else ""))
         except Exception as e:  # noqa: BLE001 - report, then exit with the preempt code
             log.warning(f"requeue of job {env.job_id} failed: {type(e).__name__}: {e}")
     if distributed:
