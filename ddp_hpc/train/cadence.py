@@ -1,22 +1,26 @@
 """What happens between optimizer steps: every N steps, at a preemption check, at an epoch's end.
 
-Why it costs nothing measurable per step: losses are summed on the device (no host sync), metrics
-are reduced across ranks once per ``log.every_n_steps`` steps in one collective, and the
-preemption flag is all-reduced asynchronously every ``check_every`` steps (see preempt.py).  With
-``preempt.check_every_steps=0`` that interval follows the measured step time: every step until
-the first log interval, then about every `PREEMPT_CHECK_S` seconds of training.  Every rank
-computes the same interval from the same reduced numbers, so collectives always match.
+Why it costs nothing measurable per step: losses are summed on the device (no host sync); a log
+interval's numbers are summed across ranks by one all_reduce that is started at its last step
+and read back at the next step boundary (it runs while that step computes), after which its
+``step`` event is written; the preemption flag is all-reduced asynchronously every
+``check_every`` steps (see preempt.py); process resources are sampled at most once a second.  With
+``preempt.check_every_steps=0`` the check interval follows the measured step time: every step
+until the first log interval's numbers are back, then about every `PREEMPT_CHECK_S` seconds of
+training.  Every rank reads the reduced numbers at the same step and computes the same interval
+from them, so collectives always match.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ddp_hpc.config import JobConfig
 from ddp_hpc.runlogs.writer import Progress, RunLog
-from ddp_hpc.train.metrics import ResourceSampler, all_reduce_sum
+from ddp_hpc.train.metrics import AsyncSum, ResourceSampler, all_reduce_sum
 from ddp_hpc.train.preempt import PreemptionFlag
 
 #: with preempt.check_every_steps=0 the flag is all-reduced about this often (seconds of training):
@@ -44,10 +48,32 @@ class Window:
 
     def reduce(self, world: int) -> tuple[float, float, float]:
         """Collective: (mean loss per micro-batch, samples/s, seconds per rank) over all ranks."""
-        loss, micro, samples, seconds = all_reduce_sum(
-            [float(self.loss), self.micro, self.samples, time.perf_counter() - self.t0], self.device)
-        per_rank = seconds / world
-        return loss / max(micro, 1), samples / max(per_rank, 1e-9), per_rank
+        return _means(all_reduce_sum(
+            [float(self.loss), self.micro, self.samples, time.perf_counter() - self.t0], self.device),
+            world)
+
+    def start_reduce(self) -> AsyncSum:
+        """Collective, not waited for: the sums of `reduce`, read later with `_means`."""
+        return AsyncSum(self.loss, [self.micro, self.samples, time.perf_counter() - self.t0],
+                        self.device)
+
+
+def _means(sums: list[float], world: int) -> tuple[float, float, float]:
+    loss, micro, samples, seconds = sums
+    per_rank = seconds / world
+    return loss / max(micro, 1), samples / max(per_rank, 1e-9), per_rank
+
+
+@dataclass
+class _Interval:
+    """A finished log interval whose cross-rank sums are under way, and what its event needs."""
+    step: int
+    epoch: int
+    steps: int
+    lr: float
+    data_s: float
+    resources: dict
+    sums: AsyncSum
 
 
 class Cadence:
@@ -66,6 +92,7 @@ class Cadence:
         self.resources = ResourceSampler()
         self.loss: float | None = None       # mean loss of the newest log interval, all ranks
         self.data_wait = 0.0                 # this rank's seconds waiting for batches, this interval
+        self._pending: _Interval | None = None
 
     def timed(self, batches):
         """``batches``, adding the time each one took to arrive to `data_wait`: this rank's own
@@ -90,28 +117,36 @@ class Cadence:
         self.this_epoch.add(loss, samples)
 
     def after_step(self, step: int, epoch: int) -> None:
-        """After each optimizer step: progress, the caller's hook, and every N steps the step
-        event (a collective)."""
+        """After each optimizer step: progress, the caller's hook, the previous log interval's
+        step event, and every N steps the start of this interval's reduction (a collective)."""
         self.interval.steps += 1
         self.progress.update(1)
         self.on_step(step, epoch)
+        self.flush()
         if step % self.every == 0 or step == self.total_steps:
-            self._log_interval(step, epoch)
+            w = self.interval
+            data_s = self.data_wait / max(w.steps, 1)
+            self.data_wait = 0.0
+            self._pending = _Interval(step, epoch, w.steps, self.lr(), round(data_s, 6),
+                                      self.resources.sample(), w.start_reduce())
+            w.reset()
 
-    def _log_interval(self, step: int, epoch: int) -> None:
-        self.loss, sps, seconds = self.interval.reduce(self.world)
-        if self.auto_check:      # same reduced numbers on every rank -> same interval
-            step_s = seconds / max(self.interval.steps, 1)
+    def flush(self) -> None:
+        """Write the step event of the newest log interval, once its sums are back.  Every rank
+        calls it at the same steps (the next step, an epoch's end, the end of training): it may
+        wait for the collective, and it sets the automatic preemption check interval."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        self.loss, sps, seconds = _means(p.sums.result(), self.world)
+        if self.auto_check:      # same reduced numbers on every rank, same step -> same interval
+            step_s = seconds / max(p.steps, 1)
             self.check_every = max(1, min(1000, int(PREEMPT_CHECK_S / max(step_s, 1e-9))))
-        data_s = self.data_wait / max(self.interval.steps, 1)
-        self.data_wait = 0.0
-        self.log.event("step", epoch=epoch, step=step, total_steps=self.total_steps, loss=self.loss,
-                       lr=self.lr(), samples_per_s=sps, data_s=round(data_s, 6),
-                       **self.resources.sample())
+        self.log.event("step", epoch=p.epoch, step=p.step, total_steps=self.total_steps,
+                       loss=self.loss, lr=p.lr, samples_per_s=sps, data_s=p.data_s, **p.resources)
         if self.progress.lines:
-            self.log.info(f"epoch {epoch} step {step}/{self.total_steps} "
+            self.log.info(f"epoch {p.epoch} step {p.step}/{self.total_steps} "
                           f"loss {self.loss:.4f} {sps:.0f} samples/s")
-        self.interval.reset()
 
     def checkpoint_due(self, step: int) -> bool:
         """A mid-run checkpoint after this step (checkpoint.every_steps)."""
@@ -123,7 +158,9 @@ class Cadence:
         return step % self.check_every == 0 and self.flag.poll(self.distributed)
 
     def end_epoch(self, epoch: int, step: int) -> None:
-        """At an epoch's end (or where max_steps ended it): the epoch event (a collective)."""
+        """At an epoch's end (or where max_steps ended it): the epoch event (a collective), after
+        the step event of its last log interval."""
+        self.flush()
         loss, sps, _ = self.this_epoch.reduce(self.world)
         self.log.event("epoch", epoch=epoch, step=step, loss=loss, samples_per_s=sps)
         self.log.info(f"epoch {epoch} done: step {step}/{self.total_steps} loss {loss:.4f} "

@@ -3,9 +3,10 @@ ranks agree to (preemption), then evaluate and return a TrainResult.
 
 `Trainer.run` orchestrates three parts: `Stepper` (step.py: one optimizer step of `grad_accum`
 micro-batches), `Cadence` (cadence.py: logging, preemption checks, eval and checkpoint rules) and
-the checkpoint state kept here.  Per step the toolkit adds only an asynchronous one-integer
-all_reduce (the preemption flag, see preempt.py) and a device-side loss accumulation over a plain
-DDP loop (bench/overhead.py measures it).
+the checkpoint state kept here.  Over a plain DDP loop a step adds only a device-side loss
+accumulation and a few attribute updates; every few steps an asynchronous all_reduce of the
+preemption flag (preempt.py) and, per log interval, one of the interval's numbers (cadence.py),
+neither waited for on the step that starts it (bench/overhead.py measures the overhead).
 
 Exactness rules kept here:
 - every rank starts from the same weights (same seed, and DDP broadcasts rank 0's anyway), then
@@ -234,6 +235,7 @@ class Trainer:
         t, pos, result = self.cfg.train, self.pos, self.result
         while pos.epoch < t.epochs and pos.step < self.total_steps:
             if self._train_epoch(cadence, stepper):
+                cadence.flush()          # the last step event before the checkpoint and preempt
                 self._preempted()
                 return
             cadence.end_epoch(pos.epoch, pos.step)
