@@ -19,7 +19,9 @@ one process, and times ddp_hpc's code on real-shaped inputs:
 
 The scheduler is not asked (status runs as on a machine without Slurm's commands): this measures
 ddp_hpc's costs, not slurmctld's. Times are the best of a few repetitions (the machine may be
-shared); the event files are in the page cache, having just been written.
+shared) in CPU seconds of this process, which other work on a shared machine does not stretch
+(the status goal shows the wall clock too); the event files are in the page cache, having just
+been written.
 
 Each line shows the cost per unit (per rank, per host, per record) at every size and the growth
 factor: the cost per unit at the largest size over that at the smallest. Linear or better means
@@ -67,13 +69,22 @@ SECTIONS = ("env", "hostlist expand", "hostlist compress", "groups: node/leader/
             "table --limit 0")
 
 
+#: wall-clock seconds of the last `best_of` (its best repetition): the CPU time is what the
+#: tables show, as other work on a shared machine stretches the wall clock but not this
+#: process's CPU time; the status goal is shown in both
+LAST_WALL = [0.0]
+
+
 def best_of(fn, reps: int) -> float:
-    """The shortest of ``reps`` timed calls of ``fn()``, in seconds."""
-    best = float("inf")
+    """The least CPU time (user + system, seconds) of ``reps`` calls of ``fn()``."""
+    best, wall = float("inf"), 0.0
     for _ in range(max(1, reps)):
-        t0 = time.perf_counter()
+        t0, w0 = time.process_time(), time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        cpu = time.process_time() - t0
+        if cpu < best:
+            best, wall = cpu, time.perf_counter() - w0
+    LAST_WALL[0] = wall
     return best
 
 
@@ -267,8 +278,9 @@ def run_status(argv: list[str]) -> str:
     return buf.getvalue()
 
 
-def bench_status(work: Path, ranks: int, n_events: int, reps: int) -> tuple[float, float, float]:
-    """(seconds to write the logs, ``status JOBID``, ``status JOBID --json``) for one job."""
+def bench_status(work: Path, ranks: int, n_events: int, reps: int) -> tuple[float, float, float, float]:
+    """(seconds to write the logs, CPU seconds of ``status JOBID`` and of ``status JOBID --json``,
+    wall-clock seconds of ``status JOBID``) for one job."""
     home, log_dir = work / f"home-{ranks}", work / f"logs-{ranks}"
     t0 = time.perf_counter()
     bad = write_logs(log_dir, ranks, n_events)
@@ -280,9 +292,10 @@ def bench_status(work: Path, ranks: int, n_events: int, reps: int) -> tuple[floa
         doc = json.loads(run_status([JOB_ID, "--json"]))
         assert doc["failure"]["rank"] == bad and len(doc["last_events"]) == ranks
         t_detail = best_of(lambda: run_status([JOB_ID]), reps)
+        wall = LAST_WALL[0]
         t_json = best_of(lambda: run_status([JOB_ID, "--json"]), reps)
     shutil.rmtree(log_dir, ignore_errors=True)
-    return t_write, t_detail, t_json
+    return t_write, t_detail, t_json, wall
 
 
 def bench_table(work: Path, n_records: int, reps: int) -> tuple[float, float]:
@@ -327,8 +340,8 @@ def measure(sizes: tuple[int, ...], table_sizes: tuple[int, ...], n_events: int,
         add("groups: node/leader/strided lists", n, "rank of the world", n, t_lists)
         add("groups: build_plan two_level", n, "rank of the world", n, t_plan)
         log(f"  {n} ranks: writing {n} x {n_events} events, then status ...")
-        t_write, t_detail, t_json = bench_status(work, n, n_events, 2 if n <= 512 else 1)
-        add("status detail", n, "rank", n, t_detail, write_s=t_write)
+        t_write, t_detail, t_json, wall = bench_status(work, n, n_events, 2 if n <= 512 else 1)
+        add("status detail", n, "rank", n, t_detail, write_s=t_write, wall_s=wall)
         add("status --json", n, "rank", n, t_json)
     for n in table_sizes:
         log(f"  {n} job records: status table ...")
@@ -353,7 +366,7 @@ def summarize(rows: list[dict]) -> dict:
     out["goals"]["linear or better"] = all(s["linear"] for s in out["sections"].values())
     if biggest is not None:
         out["goals"][f"status of {biggest['size']} ranks under {STATUS_GOAL_S:g} s"] = (
-            biggest["seconds"] < STATUS_GOAL_S, round(biggest["seconds"], 3))
+            biggest["seconds"] < STATUS_GOAL_S, round(biggest["seconds"], 3), round(biggest["wall_s"], 3))
     return out
 
 
@@ -375,7 +388,7 @@ def render(rows: list[dict], summary: dict) -> str:
             growth = "-" if g is None else f"x{g['growth']:.2f}"
             lines.append(f"{s:<36}{unit:<18}{cells}{growth:>9}  {verdict}")
         lines.append("")
-    lines.append("totals (s):")
+    lines.append("totals (CPU seconds):")
     for s in ("env", "status detail", "status --json", "table --limit 0"):
         got = sorted((r for r in rows if r["section"] == s), key=lambda r: r["size"])
         lines.append(f"  {s:<20}" + "  ".join(f"{r['size']:,}: {r['seconds']:.3f}" for r in got))
@@ -383,8 +396,10 @@ def render(rows: list[dict], summary: dict) -> str:
     lines.append("  env per rank (us)   " + "  ".join(f"{r['size']:,}: {r['per_rank_us']:.1f}" for r in env))
     lines.append("verdict:")
     for goal, ok in summary["goals"].items():
-        good, value = ok if isinstance(ok, tuple) else (ok, None)
-        lines.append(f"  {goal}: {'yes' if good else 'NO'}" + (f" ({value:.2f} s)" if value is not None else ""))
+        if isinstance(ok, tuple):
+            lines.append(f"  {goal}: {'yes' if ok[0] else 'NO'} ({ok[1]:.2f} s CPU, {ok[2]:.2f} s wall clock)")
+        else:
+            lines.append(f"  {goal}: {'yes' if ok else 'NO'}")
     return "\n".join(lines) + "\n"
 
 
@@ -401,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(n % PER_NODE for n in sizes):
         p.error(f"--sizes: every size must be a multiple of {PER_NODE}")
     table_sizes = tuple(n for n in TABLE_SIZES if n <= 64) if args.quick else TABLE_SIZES
-    events = min(args.events, 200) if args.quick else args.events
+    events = min(args.events, 100) if args.quick else args.events
     work = Path(tempfile.mkdtemp(prefix="ddp_hpc_scale-", dir=args.workdir))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
