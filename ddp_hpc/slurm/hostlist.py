@@ -41,6 +41,7 @@ MAX_HOSTS = 1 << 20  # our guard against a typo that would expand to billions of
 _SEPARATORS = ", \t"
 _NUMBER = re.compile(r"[0-9]+\Z")
 _TRAILING_DIGITS = re.compile(r"^(.*?)([0-9]+)\Z", re.S)
+_FORBIDDEN = frozenset("[]" + _SEPARATORS)  # characters a host name to compress must not hold
 
 
 class HostlistError(HintError, ValueError):
@@ -95,8 +96,8 @@ def _parse_group(expr: str, body: str) -> list[str]:
             raise _fail(expr, f"range {part!r} in '[{body}]' runs backwards ({low} > {high})")
         if high - low + 1 > MAX_RANGE:
             raise _fail(expr, f"range {part!r} has more than {MAX_RANGE} hosts (Slurm's limit)")
-        width = len(lo)
-        numbers.extend(f"{n:0{width}d}" for n in range(low, high + 1))
+        width = len(lo)  # zfill pads like "%0*d" for the non-negative numbers here
+        numbers.extend([str(n).zfill(width) for n in range(low, high + 1)])
     return numbers
 
 
@@ -117,11 +118,15 @@ def _expand_item(expr: str, item: str) -> list[str]:
         total *= len(group)
     if total > MAX_HOSTS:
         raise _fail(expr, f"{item!r} would expand to {total} hosts (more than {MAX_HOSTS})")
+    if len(groups) == 1:  # the usual gpu[0001-1024]: no product to take
+        return [literals[0] + number for number in groups[0]]
     # Slurm's nesting: group n-1 outermost, down to group 1, then group n innermost.
     order = list(range(len(groups) - 2, -1, -1)) + [len(groups) - 1]
     hosts = []
+    numbers = [""] * len(groups)
     for combo in itertools.product(*(groups[i] for i in order)):
-        numbers = dict(zip(order, combo))
+        for i, number in zip(order, combo):
+            numbers[i] = number
         hosts.append("".join(lit + numbers[i] for i, lit in enumerate(literals[:-1])))
     return hosts
 
@@ -147,8 +152,7 @@ def expand(expr: str) -> list[str]:
 def _check_host(host: object, hosts: list) -> str:
     if not isinstance(host, str):
         raise TypeError(f"compress() wants host names as str, got {host!r} in {hosts!r}")
-    bad = set(host) & set("[]" + _SEPARATORS)
-    if not host or bad:
+    if not host or not _FORBIDDEN.isdisjoint(host):
         raise HostlistError(
             f"cannot compress host name {host!r} (from {hosts!r}): a host name must be non-empty "
             "and must not contain brackets, commas or whitespace"
@@ -168,7 +172,7 @@ def compress(hosts: Iterable[str]) -> str:
     if isinstance(hosts, str):
         raise TypeError(f"compress() wants a list of host names, not the string {hosts!r}")
     hosts = list(hosts)
-    # runs: [prefix, [[lo_text, hi_value], ...]] or [name, None] for names without a number
+    # runs: [prefix, [[lo_text, hi_value, lo_value], ...]] or [name, None] for names without a number
     runs: list[list] = []
     for host in hosts:
         _check_host(host, hosts)
@@ -180,21 +184,21 @@ def compress(hosts: Iterable[str]) -> str:
         value = int(digits)
         last = runs[-1] if runs else None
         if last is not None and last[1] is not None and last[0] == prefix:
-            lo_text, hi_value = last[1][-1]
-            joinable = value == hi_value + 1 and value - int(lo_text) < MAX_RANGE
-            if joinable and f"{value:0{len(lo_text)}d}" == digits:
+            lo_text, hi_value, lo_value = last[1][-1]
+            joinable = value == hi_value + 1 and value - lo_value < MAX_RANGE
+            if joinable and str(value).zfill(len(lo_text)) == digits:
                 last[1][-1][1] = value
             else:
-                last[1].append([digits, value])
+                last[1].append([digits, value, value])
         else:
-            runs.append([prefix, [[digits, value]]])
+            runs.append([prefix, [[digits, value, value]]])
     out = []
     for prefix, ranges in runs:
         if ranges is None:
             out.append(prefix)
             continue
         parts = [
-            lo if int(lo) == hi else f"{lo}-{hi:0{len(lo)}d}" for lo, hi in ranges
+            lo if lo_value == hi else f"{lo}-{hi:0{len(lo)}d}" for lo, hi, lo_value in ranges
         ]
         if len(ranges) == 1 and "-" not in parts[0]:
             out.append(prefix + parts[0])

@@ -15,7 +15,8 @@ from ddp_hpc import records
 from ddp_hpc.cli import plural
 from ddp_hpc.runlogs import timing
 from ddp_hpc.runlogs.attribution import SchedulerFacts
-from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
+from ddp_hpc.runlogs.consequences import compress as compress_ranks
+from ddp_hpc.runlogs.reader import HEAD_BYTES, TAIL_LINES, Failure, Progress, RunLogs
 from ddp_hpc.runlogs.srun import LOCAL_DRIVER_OUT
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
@@ -179,6 +180,10 @@ def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float,
     if progress is not None and not state.state.active:
         progress.eta_s = 0.0 if state.state is JobState.COMPLETED else None
     elapsed = sched.elapsed or _elapsed_from_runs(runs, state.state.active, now)
+    if partial := logs.partial:
+        notes.append(f"the event files of {plural(len(partial), 'rank')} ({compress_ranks(partial)}) are too big "
+                     f"to read whole: status read their first {HEAD_BYTES >> 10} KiB and last {TAIL_LINES} lines "
+                     "(step times and earlier runs are judged from those)")
     bad = sum(s.bad_lines for s in logs.ranks.values())
     if bad:
         notes.append(f"{plural(bad, 'unreadable line')} in the event streams skipped")
