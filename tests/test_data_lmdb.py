@@ -163,3 +163,80 @@ def test_missing_image_folder_names_the_config_keys(tmp_path):
     assert issubclass(ImageFolderError, FileNotFoundError)
     with pytest.raises(ValueError, match=r"count=0.*\nHINT: use count >= 1"):
         make_images(tmp_path / "x", count=0)
+
+
+@pytest.mark.parametrize("txn_bytes", [64 << 20, 64 << 10])
+def test_packed_file_is_at_most_1_3x_its_payload_for_800_byte_records(tmp_path, txn_bytes):
+    import random
+
+    rng = random.Random(3)
+    src = tmp_path / "recs"
+    src.mkdir()
+    sizes = [rng.randint(700, 900) for _ in range(3000)]
+    for i, n in enumerate(sizes):
+        (src / f"r{i:05d}.bin").write_bytes(rng.randbytes(n))
+    info = pack(src, tmp_path / "recs.lmdb", txn_bytes=txn_bytes, progress=False)
+    size = os.path.getsize(tmp_path / "recs.lmdb" / "data.mdb")
+    assert info["bytes"] == sum(sizes)
+    assert size <= 1.3 * sum(sizes), f"{size} bytes for {sum(sizes)} of payload ({size / sum(sizes):.2f}x)"
+    ds = LMDBDataset(tmp_path / "recs.lmdb")
+    assert verify(tmp_path / "recs.lmdb")["verified_bytes"] == sum(sizes)
+    assert [len(ds.raw_item(i)[0]) for i in range(0, 3000, 7)] == sizes[::7]
+
+
+def test_raw_items_negative_and_missing_indices(packed, images):
+    from ddp_hpc.data.errors import RecordIndexError
+
+    ds, direct = LMDBDataset(packed), ImageFolderDataset(images)
+    want = [direct.raw_item(i) for i in range(len(direct))]
+    assert ds.raw_items([3, 0, 39, 3]) == [want[3], want[0], want[39], want[3]]
+    assert ds.raw_item(-1) == want[-1] and ds.raw_item(-40) == want[0]  # as a list counts
+    for bad in (40, -41, 10**12):
+        with pytest.raises(RecordIndexError, match=rf"no record {bad} \(0\.\.39\)"):
+            ds.raw_item(bad)
+    with pytest.raises(RecordIndexError, match=r"no record 40 "):
+        ds.raw_items([1, 40, 2])
+    assert ds.raw_items([]) == []
+
+
+def test_big_datasets_format_keys_instead_of_caching_them(monkeypatch, packed, images):
+    from ddp_hpc.data import lmdb as lmdb_mod
+    from ddp_hpc.data.errors import RecordIndexError
+
+    monkeypatch.setattr(lmdb_mod, "KEY_CACHE_MAX", 10)
+    ds, direct = LMDBDataset(packed), ImageFolderDataset(images)
+    assert not isinstance(ds._key, type([].__getitem__))
+    assert ds.raw_item(25) == direct.raw_item(25) and ds.raw_item(-1) == direct.raw_item(39)
+    assert ds.raw_items([39, 5]) == [direct.raw_item(39), direct.raw_item(5)]
+    with pytest.raises(RecordIndexError):
+        ds.raw_item(40)
+
+
+def test_handles_are_reopened_after_close_all_and_fork(packed):
+    import multiprocessing as mp
+
+    from ddp_hpc.data import lmdb as lmdb_mod
+
+    ds = LMDBDataset(packed)
+    first = ds.raw_item(5)
+    txn = ds._txn
+    lmdb_mod.close_all()
+    assert ds._txn is None and ds.raw_item(5) == first and ds._txn is not txn
+    global _INHERITED
+    _INHERITED = ds  # inherited through fork, not pickled: the child must not use our handle
+    try:
+        with mp.get_context("fork").Pool(1) as pool:
+            before, child_pid, child_first, after = pool.apply(_read_inherited)
+    finally:
+        _INHERITED = None
+    assert before is None and after == child_pid != os.getpid() and child_first == first
+    assert ds._pid == os.getpid()
+
+
+_INHERITED = None
+
+
+def _read_inherited():
+    before = _INHERITED._pid  # forgotten at fork
+    value = _INHERITED.raw_item(5)
+    return before, os.getpid(), value, _INHERITED._pid

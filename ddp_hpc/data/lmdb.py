@@ -5,7 +5,9 @@ per rank into one, and memory-mapped random reads stay fast.
 
 Layout of an environment written by :func:`ddp_hpc.data.pack.pack`:
 
-* ``b"%010d" % i`` -> the i-th file's bytes, unchanged (a read is one ``get``, nothing to parse);
+* ``b"%010d" % i`` -> the i-th file's bytes, unchanged (a read is one ``get``, nothing to parse),
+  appended in key order so leaf pages are full (a pack of 800-byte files is about 1.2x their
+  bytes; LMDB's page is 4 KiB, so the rest of a page that holds no further record stays empty);
 * ``b"__meta__"`` -> JSON: format version, count, classes, kind ("images" | "files"), source, bytes;
 * ``b"__labels__"`` -> int64 array (class index per record; -1 for a flat folder),
   ``b"__crc32__"`` -> uint32 array (per-record checksum, checked by :func:`verify`),
@@ -14,13 +16,16 @@ Layout of an environment written by :func:`ddp_hpc.data.pack.pack`:
 Reading rules (:class:`LMDBDataset`): the environment is opened lazily in the process that reads
 (never inherited across ``fork``: an LMDB handle must not cross a fork), read-only, ``lock=False``
 (no lock file writes on a shared filesystem), ``readahead=False`` (random access), with one long
-read transaction per process, reopened when the pid changes (fork, spawn, persistent workers).
+read transaction per process, opened again in a forked child or a spawned worker (persistent
+workers included).
 """
 from __future__ import annotations
 
 import json
 import os
 import struct
+import threading
+import weakref
 import zlib
 from array import array
 
@@ -37,20 +42,42 @@ __all__ = ["verify", "LMDBDataset", "VerifyError", "read_meta", "record_key", "c
 FORMAT_VERSION = 1
 META_KEY = b"__meta__"
 LABELS_KEY, CRC_KEY, NAMES_KEY = b"__labels__", b"__crc32__", b"__names__"
+_FS = fsio.STATE  # is a shared root being counted? (read when a process opens its handle)
+_LIVE: "weakref.WeakSet[LMDBDataset]" = weakref.WeakSet()  # datasets holding a handle in this process
+_OPEN_LOCK = threading.Lock()  # reader threads may make a dataset's first read at the same time
 
 
-def _refresh_pid() -> None:
-    global _PID
-    _PID = os.getpid()
+def _forget_handles_in_child() -> None:
+    """After ``fork`` every dataset opens lazily again: an LMDB handle must not cross a fork
+    (this replaces a pid check per read)."""
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()  # another thread of the parent may have held it
+    for ds in list(_LIVE):
+        ds._forget()
+    _LIVE.clear()
 
 
-_FS = fsio.STATE  # read once per sample: is a shared root being counted?
-_PID = os.getpid()  # kept current in forked children: no getpid() syscall per sample
-os.register_at_fork(after_in_child=_refresh_pid)
+os.register_at_fork(after_in_child=_forget_handles_in_child)
 
 
 def record_key(i: int) -> bytes:
     return b"%010d" % i
+
+
+KEY_CACHE_MAX = 1 << 18  # records up to which a dataset keeps its keys formatted (~56 bytes each)
+
+
+def _key_function(count: int):
+    """``i -> record_key(i)`` for ``-count <= i < count`` (negative indices count from the end, as
+    in a list); an index outside gives a key that is not stored or raises IndexError.  Up to
+    :data:`KEY_CACHE_MAX` records it is a lookup in a list of the formatted keys, a C call:
+    formatting costs about a tenth of a read, as much as the Python call around it."""
+    if count <= KEY_CACHE_MAX:
+        return [record_key(i) for i in range(count)].__getitem__
+
+    def key(i: int) -> bytes:
+        return b"%010d" % (i + count if i < 0 else i)
+    return key
 
 
 _ENVS: dict = {}
@@ -171,9 +198,34 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> dict:
 def close_all() -> None:
     """Close this process's LMDB handles (datasets reopen on next use): a fresh start, e.g. after
     the file was replaced, or per benchmark scenario so opens are counted as a new job's."""
+    for ds in list(_LIVE):
+        ds.close()
     for env in _ENVS.values():
         env.close()
     _ENVS.clear()
+
+
+def _counted(get, data_path: str):
+    def counted_get(key: bytes):  # ``get`` that adds the bytes read to fsio's shared-root counts
+        value = get(key)
+        if value is not None:
+            fsio.note_bytes(data_path, len(value))
+        return value
+    return counted_get
+
+
+class _FirstRead:
+    """A dataset's ``_get`` until its process opens the handle (a weak reference: no cycle)."""
+
+    __slots__ = ("dataset",)
+
+    def __init__(self, dataset):
+        self.dataset = weakref.ref(dataset)
+
+    def __call__(self, key: bytes):
+        ds = self.dataset()
+        ds._open()
+        return ds._get(key)
 
 
 class LMDBDataset(torch.utils.data.Dataset):
@@ -182,6 +234,14 @@ class LMDBDataset(torch.utils.data.Dataset):
     ``decode`` maps the stored bytes to the input tensor; the default is the image decode shared
     with :class:`ddp_hpc.examples.images.ImageFolderDataset` for image packs and a uint8 tensor of
     the raw bytes otherwise.
+
+    A read is one ``txn.get`` of this process's long read transaction.  Until the process opens
+    it, ``self._get`` is a :class:`_FirstRead`, which opens it and stores ``txn.get`` in its place,
+    so later reads call py-lmdb directly: no pid or counter check per read (and a plain instance
+    attribute, not one that hides a method: that lookup alone cost 10% of a read).  A fork (see
+    ``_forget_handles_in_child``), pickling for a spawned worker, :meth:`close` and
+    :func:`close_all` put the :class:`_FirstRead` back.  Bytes are counted for :mod:`fsio` when
+    the shared root was watched as the process opened its handle.
     """
 
     def __init__(self, path: str | os.PathLike, decode=None):
@@ -196,37 +256,69 @@ class LMDBDataset(torch.utils.data.Dataset):
         self.kind = meta["kind"]
         self._decode = decode
         self._data_path = os.path.join(self.path, "data.mdb")
-        self._env = None
-        self._txn = None
-        self._get = None
-        self._pid = None
+        self._env = self._txn = self._pid = None
+        self._key = _key_function(self._len)
+        self._get = _FirstRead(self)
 
     def __len__(self) -> int:
         return self._len
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.update(_env=None, _txn=None, _get=None, _pid=None)  # handles never cross a process boundary
+        state.pop("_get", None)  # handles never cross a process boundary
+        state.pop("_key", None)  # rebuilt by the receiver: cheaper than pickling the key list
+        state.update(_env=None, _txn=None, _pid=None)
         return state
 
-    def _begin(self):
-        if self._pid != _PID:  # first use in this process (after fork / in a worker)
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._key = _key_function(self._len)
+        self._get = _FirstRead(self)
+
+    def _open(self) -> None:
+        """Open this process's handle and store its ``get`` on the instance."""
+        with _OPEN_LOCK:
+            if not isinstance(self._get, _FirstRead):  # another thread was first
+                return
             self._env = _open_readonly(self.path)
-            self._txn = self._env.begin(buffers=False)  # one long read txn per process
-            self._get = self._txn.get
-            self._pid = _PID
-        return self._txn
+            self._txn = self._env.begin(buffers=False)  # one long read txn per process; values are bytes
+            self._pid = os.getpid()
+            watched = _FS.root is not None and self._data_path.startswith(_FS.root)
+            self._get = _counted(self._txn.get, self._data_path) if watched else self._txn.get
+            _LIVE.add(self)
+
+    def _forget(self) -> None:
+        """Drop this process's handle without touching it (after fork it is the parent's)."""
+        self._get = _FirstRead(self)
+        self._env = self._txn = self._pid = None
+
+    def _missing(self, index) -> RecordIndexError:
+        return RecordIndexError(f"LMDBDataset {self.path!r}: no record {index} (0..{self._len - 1})",
+                                "if the index is in range run python -m ddp_hpc.data verify")
 
     def raw_item(self, index: int) -> tuple[bytes, int]:
         """(stored file bytes, label) of record ``index``: the hot path, kept to one ``get``."""
-        get = self._get if self._pid == _PID else self._begin().get
-        value = get(b"%010d" % index)
+        get = self._get  # a local first: a specialised attribute load, not a method lookup
+        try:
+            value = get(self._key(index))
+        except (IndexError, TypeError):  # out of the cached keys' range, or not an int
+            raise self._missing(index) from None
         if value is None:
-            raise RecordIndexError(f"LMDBDataset {self.path!r}: no record {index} (0..{self._len - 1})",
-                                   "if the index is in range run python -m ddp_hpc.data verify")
-        if _FS.root is not None:
-            fsio.note_bytes(self._data_path, len(value))
+            raise self._missing(index)
         return value, self._labels[index]
+
+    def raw_items(self, indices) -> list[tuple[bytes, int]]:
+        """:meth:`raw_item` of each index, read in C-level loops (the broadcast reader's bulk read)."""
+        if isinstance(self._get, _FirstRead):
+            self._open()
+        try:
+            values = list(map(self._get, map(self._key, indices)))
+        except (IndexError, TypeError):
+            values = [None]
+        if None in values:
+            for i in indices:  # raises, naming the first index that is not stored
+                self.raw_item(i)
+        return list(zip(values, map(self._labels.__getitem__, indices)))
 
     def decode_item(self, data: bytes, label: int):
         if self._decode is not None:
@@ -238,11 +330,16 @@ class LMDBDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         return self.decode_item(*self.raw_item(index))
 
+    def __getitems__(self, indices) -> list:
+        """A DataLoader batch (torch calls this instead of ``__getitem__`` per index): one bulk read."""
+        return [self.decode_item(value, label) for value, label in self.raw_items(indices)]
+
     def relocated(self, new_path: str) -> "LMDBDataset":
         return LMDBDataset(new_path, decode=self._decode)
 
     def close(self) -> None:
         """End this process's read transaction (the shared handle stays for other datasets)."""
-        if self._txn is not None and self._pid == _PID:
+        if self._txn is not None:
             self._txn.abort()
-        self._env = self._txn = self._get = self._pid = None
+        _LIVE.discard(self)
+        self._forget()

@@ -4,7 +4,7 @@ Why: a parallel filesystem pays a metadata round trip per open; one LMDB file tu
 per rank into one.  The layout written here is described in :mod:`ddp_hpc.data.lmdb`, which
 reads and verifies it.
 
-Large write transactions (committed every ``txn_bytes``); the map starts at ``map_size`` and
+Appended in key order, in large write transactions (committed every ``txn_bytes``); the map starts at ``map_size`` and
 doubles whenever LMDB reports it full (the pending transaction is replayed).  Every image is
 decoded first (unless ``check_images=False``), so a corrupt file is refused by name instead of
 failing mid-training.  Atomic: written to a temporary sibling, renamed when complete.
@@ -68,8 +68,12 @@ def _read(path: str, check_image: bool) -> bytes:
 
 
 class _Writer:
-    """Buffered puts into a new environment: one write transaction per ``txn_bytes`` of values;
-    a full map doubles and the pending transaction is replayed."""
+    """Puts in ascending key order into a new environment, appended (``MDB_APPEND``): LMDB then
+    fills each leaf page before starting the next instead of splitting full pages in half, which
+    left them about 70% full (a pack of 800-byte records was 1.5x its payload; appended it is
+    about 1.1x).  One write transaction per ``txn_bytes`` of values, so a pack that fits is one
+    transaction and leaves no freed pages behind; a full map doubles and the pending
+    transaction is replayed."""
 
     def __init__(self, path: str, map_size: int, txn_bytes: int):
         self.env = lmdb.open(path, map_size=int(map_size), subdir=True, lock=True, sync=False,
@@ -85,11 +89,15 @@ class _Writer:
             self.flush()
 
     def flush(self) -> None:
+        if not self.pending:
+            return
         while True:
             try:
                 with self.env.begin(write=True) as txn:
-                    for k, v in self.pending:
-                        txn.put(k, v, overwrite=True)
+                    _, added = txn.cursor().putmulti(self.pending, overwrite=False, append=True)
+                    if added != len(self.pending):  # append skips, silently, a key not above the last
+                        raise PackError(f"pack: {len(self.pending) - added} keys were not written in "
+                                        "ascending order", "this is a bug in ddp_hpc.data.pack: report it")
                 break
             except lmdb.MapFullError:
                 self.growths += 1
@@ -140,10 +148,10 @@ def pack(src: str | os.PathLike, out: str | os.PathLike, *, map_size: int = 64 <
             total_bytes += len(payload)
         meta = {"format": FORMAT_VERSION, "count": len(samples), "classes": classes, "kind": kind,
                 "source": src, "bytes": total_bytes}
-        for key, value in ((LABELS_KEY, labels.tobytes()), (CRC_KEY, crcs.tobytes()),
-                           (NAMES_KEY, "\0".join(rel for rel, _ in samples).encode("utf-8")),
-                           (META_KEY, json.dumps(meta).encode())):
-            writer.put(key, value)
+        index = {LABELS_KEY: labels.tobytes(), CRC_KEY: crcs.tobytes(), META_KEY: json.dumps(meta).encode(),
+                 NAMES_KEY: "\0".join(rel for rel, _ in samples).encode("utf-8")}
+        for key in sorted(index):  # "__" sorts after the digits of the record keys: still ascending
+            writer.put(key, index[key])
         writer.close()
         _publish(tmp, out, overwrite)
     except BaseException:
