@@ -83,7 +83,8 @@ def versions() -> dict:
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--files", type=int, default=20000, help="images in the dataset (default: 20000)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 400 files (unless --files is given)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 400 files, batch 16 (unless --files / --batch are given)")
     p.add_argument("--nodes", type=int, default=2, help="pretend nodes (default: 2)")
     p.add_argument("--procs-per-node", type=int, default=2, help="ranks per pretend node (default: 2)")
     p.add_argument("--batch", type=int, default=io_bench().BATCH, help="batch size (default: bench/io.py's)")
@@ -92,8 +93,11 @@ def _parse(argv):
     p.add_argument("--workdir", default="/tmp/ddp_hpc_peers_bench", help="where shared and node-local folders go")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "peers.json"), help="the JSON written")
     args = p.parse_args(argv)
-    if args.quick and "--files" not in " ".join(argv or sys.argv[1:]):
+    given = " ".join(sys.argv[1:] if argv is None else argv)
+    if args.quick and "--files" not in given:
         args.files = 400
+    if args.quick and "--batch" not in given:
+        args.batch = 16  # several batches per rank, so the resume test stops mid-epoch
     return args
 
 

@@ -21,7 +21,8 @@ their documentation recommends for training from a shared POSIX directory, batch
   ``batched`` in the pipeline and ``WebLoader(batch_size=None)``.
 * LitData: ``StreamingDataset("local:<shared dir>", cache_dir=<node-local dir>, shuffle=True,
   drop_last=True)`` (its "network drives" and multi-node pages), ``StreamingDataLoader``.
-  LitData reads the node count from ``NNODES`` (on CPU), which the rank sets.
+  LitData reads the node count from ``NNODES`` (on CPU), which the rank sets.  A second row,
+  ``litdata drop_last=False``, shows what LitData gives without dropping the last items.
 * MosaicML Streaming: ``StreamingDataset(remote=<shared dir>, local=<node-local dir>,
   shuffle=True, batch_size=BATCH)`` with its defaults (py1e shuffle, relaxed partition),
   ``StreamingDataLoader``; it reads RANK / WORLD_SIZE / LOCAL_WORLD_SIZE from the environment.
@@ -115,13 +116,16 @@ class WebDatasetLoader:
 
 
 class LitDataLoader:
+    drop_last = True  # what LitData's multi-GPU page asks for in training
+
     def __init__(self, label, ctx, a, tag):
         import litdata
 
         self.cache = os.path.join(os.environ["TMPDIR"], CACHES, "litdata-" + tag)
         os.makedirs(self.cache, exist_ok=True)
         self.ds = litdata.StreamingDataset("local:" + os.path.join(a["shared"], "litdata"), cache_dir=self.cache,
-                                           shuffle=True, drop_last=True, seed=SEED, transform=_lit_item)
+                                           shuffle=True, drop_last=self.drop_last, seed=SEED,
+                                           transform=_lit_item)
         self.loader = litdata.StreamingDataLoader(self.ds, batch_size=a["batch"], num_workers=0)
 
     def epoch(self):
@@ -136,6 +140,12 @@ class LitDataLoader:
 
     def close(self):
         self.ds = self.loader = None
+
+
+class LitDataKeepLast(LitDataLoader):
+    """LitData with ``drop_last=False``: not its recommendation, here to show what it changes."""
+
+    drop_last = False
 
 
 def _lit_item(item):
@@ -181,16 +191,18 @@ class MosaicLoader:
         self.ds = self.loader = None
 
 
-PEERS = {"webdataset": WebDatasetLoader, "litdata": LitDataLoader, "mosaic streaming": MosaicLoader}
+PEERS = {"webdataset": WebDatasetLoader, "litdata": LitDataLoader, "litdata drop_last=False": LitDataKeepLast,
+         "mosaic streaming": MosaicLoader}
 OURS = ("lmdb", "stage+lmdb")
 TECHNIQUES = OURS + tuple(PEERS)
 
 
 def make(label, ctx, a, tag):
-    return (Ours if label in OURS else PEERS[label])(label, ctx, a, tag)
+    return (Ours if label in OURS else PEERS[label])(label, ctx, a, tag.replace("=", "-"))
 
 
 def shared_dir(label, a) -> str:
     """The shared folder a technique reads (warmed before warm cells, counted in every cell)."""
-    sub = {"webdataset": "wds", "litdata": "litdata", "mosaic streaming": "mds"}.get(label, "imgs.lmdb")
+    sub = {"webdataset": "wds", "litdata": "litdata", "litdata drop_last=False": "litdata",
+           "mosaic streaming": "mds"}.get(label, "imgs.lmdb")
     return os.path.join(a["shared"], sub)

@@ -138,11 +138,11 @@ def pack_litdata(imgs: str, out: str) -> None:
 
 
 def pack_mds(imgs: str, out: str) -> None:
-    streaming = import_streaming()
     samples = _samples(imgs)
     key = {"files": len(samples)}
     if _fresh(out, key):
         return
+    streaming = import_streaming()
     with streaming.MDSWriter(out=out, columns={"png": "bytes", "label": "int"}) as sink:
         for path, label in samples:
             with open(path, "rb") as f:

@@ -72,16 +72,17 @@ def _cell(label, scenario, delay_s, ctx, a) -> dict:
 
 
 def _resume(label, ctx, a, k) -> dict:
-    """Stop after ``k`` batches, keep the loader's state, resume with a fresh loader."""
+    """Stop after ``k`` batches, keep the loader's state, resume with a fresh loader (node-local
+    caches emptied in between: the requeued job may land on other nodes)."""
     _prepare(label, "resume", ctx, a)
-    first = make(label, ctx, a, "resume-a")
+    first = make(label, ctx, a, "resume")  # the same paths for both halves, as a requeued job has
     it = first.epoch()
     head = [next(it) for _ in range(k)]
     state = first.state(k)
     del it
     first.close()
     _prepare(label, "resume", ctx, a)
-    second = make(label, ctx, a, "resume-b")
+    second = make(label, ctx, a, "resume")
     try:
         rest = list(second.resume(state)) if state is not None else list(second.epoch())
         error = None
@@ -133,13 +134,19 @@ def run_rank(rank, world_size, a):
     first_png = next(f for f in sorted(os.listdir(os.path.join(a["shared"], "imgs", "class_00"))))
     with open(os.path.join(a["shared"], "imgs", "class_00", first_png), "rb") as f:
         decode_image(f.read())
+    gc.freeze()  # the imports' objects leave the collector's scans: _prepare's gc.collect stays cheap
     out = {"rank": rank, "node": ctx.env.node_rank, "cells": [], "resume": {}}
+    t0 = time.perf_counter()
+    say = (lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)) if rank == 0 else (lambda m: 0)
+    say("rank 0 ready")
     scenarios = [("warm", 0.0)] + ([("cold", 0.0)] if a["cold"] else []) + [("simfs", a["delay_s"])]
     for scenario, delay_s in scenarios:
         for label in a["techniques"]:
             out["cells"].append(_cell(label, scenario, delay_s, ctx, a))
+            say(f"{scenario} {label}: {out['cells'][-1]['samples']} samples")
     k = max(1, -(-a["files"] // world_size) // a["batch"] // 2)
     for label in a["techniques"]:
         out["resume"][label] = _resume(label, ctx, a, k)
+        say(f"resume test {label}")
     cleanup_ddp()
     return out
