@@ -24,60 +24,16 @@ from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOG_RE, OUT_RE
 from ddp_hpc.runlogs.srun import (LOCAL_DRIVER_OUT, TaskReport, exception_of, local_reports,
                                   node_failures, srun_exit_codes, tail_file, tail_lines,
                                   task_reports, traceback_in, traceback_in_lines)
-from ddp_hpc.runlogs.tails import read_window
+from ddp_hpc.runlogs.tails import FULL_READ_BYTES, RankStream, file_size, over_budget, read_events
 from ddp_hpc.runlogs.timing import Progress, progress
 
 __all__ = ["RunLogs", "RankStream", "Failure", "Progress", "RunSummary", "read_events",
            "traceback_in", "exception_of", "tail_file", "tail_lines"]
 
-#: the read budget: a log directory's event files are read whole while together they hold at
-#: most FULL_READ_BYTES (about 100,000 events); beyond that, rank 0's file is read whole (up to
-#: that size: it gives progress, ETA, eval metrics) and of every other rank's file only the first
-#: HEAD_BYTES and the last TAIL_LINES lines (read back from TAIL_BYTES, at most TAIL_MAX_BYTES:
-#: a stack event can be long), so status of a job of thousands of ranks takes seconds, not minutes
-FULL_READ_BYTES = 32 << 20
-HEAD_BYTES = 4 << 10
-TAIL_LINES = 32
-TAIL_BYTES = 8 << 10
-TAIL_MAX_BYTES = 1 << 20
 #: how much of the end of a ``rank{R}.out`` is read for its last traceback, and how many of its
 #: last lines are searched for a peer's failure (NCCL's watchdog) and the rank's own error line
 OUT_TAIL_BYTES = 1 << 16
 OUT_TAIL_LINES = 200
-
-
-@dataclass
-class RankStream:
-    """One rank's events (in file order) and how many lines could not be parsed."""
-
-    rank: int
-    path: Path
-    events: list[dict] = field(default_factory=list)
-    bad_lines: int = 0
-    skipped: int = 0  # bytes in the middle of the file not read (see `RunLogs`: read budget)
-    #: the events grouped by restart number, and the (list, length) it was built from: status
-    #: asks for one run's events many times per rank, and a scan per question made it quadratic
-    _by_restart: tuple | None = field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def last(self) -> dict | None:
-        return self.events[-1] if self.events else None
-
-    def _runs(self) -> dict[int, list[dict]]:
-        """restart number -> its events in file order; rebuilt when `events` changed length."""
-        key = (id(self.events), len(self.events))
-        if self._by_restart is None or self._by_restart[0] != key:
-            runs: dict[int, list[dict]] = {}
-            for e in self.events:
-                runs.setdefault(_int(e.get("restart"), 0), []).append(e)
-            self._by_restart = (key, runs)
-        return self._by_restart[1]
-
-    def of_restart(self, restart: int) -> list[dict]:
-        return list(self._runs().get(restart, ()))
-
-    def restart_numbers(self) -> set[int]:
-        return set(self._runs())
 
 
 @dataclass
@@ -95,35 +51,6 @@ class RunSummary:
     errors: int
 
 
-def read_events(path: Path, window: bool = False) -> RankStream:
-    """Parse one ``rank{R}.events.jsonl``; malformed lines are skipped and counted. ``window``:
-    only its first `HEAD_BYTES` and its last `TAIL_LINES` lines (`skipped` says how many bytes
-    between them were not read)."""
-    m = EVENTS_RE.match(path.name)
-    stream = RankStream(rank=int(m.group(1)) if m else -1, path=path)
-    if window:
-        head, tail, stream.skipped = read_window(path, HEAD_BYTES, TAIL_LINES, TAIL_BYTES, TAIL_MAX_BYTES)
-        text = head + tail
-    else:
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return stream
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            stream.bad_lines += 1
-            continue
-        if isinstance(ev, dict) and "event" in ev:
-            stream.events.append(ev)
-        else:
-            stream.bad_lines += 1
-    return stream
-
-
 class RunLogs:
     """All the rank files of one log directory, read once; methods derive the facts. A missing
     directory (or None: a job whose log directory is not known) reads as one without files."""
@@ -139,9 +66,9 @@ class RunLogs:
             return
         paths = sorted(self.log_dir.iterdir())
         events = [(int(m.group(1)), p) for p in paths if (m := EVENTS_RE.match(p.name))]
-        window = _over_budget([p for _, p in events])
+        window = over_budget([p for _, p in events])
         for rank, p in events:
-            self.ranks[rank] = read_events(p, window and (rank != 0 or _size(p) > FULL_READ_BYTES))
+            self.ranks[rank] = read_events(p, window and (rank != 0 or file_size(p) > FULL_READ_BYTES))
         for p in paths:
             if m := OUT_RE.match(p.name):
                 self.outs[int(m.group(1))] = p
@@ -197,31 +124,8 @@ class RunLogs:
         return [dataclasses.replace(r) for r in self._memo["runs"][1]]
 
     def _runs(self) -> list[RunSummary]:
-        out = []
-        for restart in self.restarts():
-            evs = [e for s in self.ranks.values() for e in s.of_restart(restart)]
-            evs.sort(key=lambda e: _float(e.get("time"), 0.0))
-            ends = [e for e in evs if e.get("event") == "end"]
-            statuses = {str(e.get("status")) for e in ends}
-            end_status = None
-            if ends:
-                end_status = next((s for s in ("failed", "preempted", "completed") if s in statuses),
-                                  sorted(statuses)[0])
-            pre = [e for e in evs if e.get("event") == "preempt"]
-            steps = [_int(e.get("step"), None) for e in evs if e.get("step") is not None]
-            steps = [s for s in steps if s is not None]
-            out.append(RunSummary(
-                restart=restart,
-                started=_float(evs[0].get("time"), None) if evs else None,
-                last_time=_float(evs[-1].get("time"), None) if evs else None,
-                ranks=sorted({_int(e.get("rank"), -1) for e in evs}),
-                last_step=max(steps) if steps else None,
-                end_status=end_status,
-                preempt_reason=pre[0].get("reason") if pre else None,
-                requeued=any(e.get("event") == "requeue" for e in evs),
-                errors=sum(1 for e in evs if e.get("event") == "error"),
-            ))
-        return out
+        return [_summary(restart, (e for s in self.ranks.values() for e in s._runs().get(restart, ())))
+                for restart in self.restarts()]
 
     def outcome(self) -> str | None:
         """The current run's ending as the events tell it: completed/failed/preempted, else None.
@@ -318,21 +222,38 @@ class RunLogs:
         return srun_exit_codes(sorted(self.log_dir.glob(BATCH_OUT_GLOB)))
 
 
-def _size(p: Path) -> int:
-    try:
-        return p.stat().st_size
-    except OSError:
-        return 0
-
-
-def _over_budget(paths: list[Path]) -> bool:
-    """True when the event files together are larger than FULL_READ_BYTES."""
-    total = 0
-    for p in paths:
-        total += _size(p)
-        if total > FULL_READ_BYTES:
-            return True
-    return False
+def _summary(restart: int, events) -> RunSummary:
+    """One run's summary in one pass over its events (every rank's, in file order). The first
+    and last events are those a stable sort by time would put first and last."""
+    first = last = pre = None
+    first_t = last_t = pre_t = 0.0
+    statuses: set[str] = set()
+    ranks: set[int] = set()
+    last_step, requeued, errors, ended = None, False, 0, False
+    for e in events:
+        t = _float(e.get("time"), 0.0)
+        if first is None or t < first_t:
+            first, first_t = e, t
+        if last is None or t >= last_t:
+            last, last_t = e, t
+        name = e.get("event")
+        if name == "end":
+            ended = True
+            statuses.add(str(e.get("status")))
+        elif name == "preempt" and (pre is None or t < pre_t):
+            pre, pre_t = e, t
+        requeued = requeued or name == "requeue"
+        errors += name == "error"
+        if e.get("step") is not None and (step := _int(e.get("step"), None)) is not None:
+            last_step = step if last_step is None else max(last_step, step)
+        ranks.add(_int(e.get("rank"), -1))
+    end_status = None
+    if ended:
+        end_status = next((s for s in ("failed", "preempted", "completed") if s in statuses), sorted(statuses)[0])
+    return RunSummary(restart=restart, started=_float(first.get("time"), None) if first else None,
+                      last_time=_float(last.get("time"), None) if last else None, ranks=sorted(ranks),
+                      last_step=last_step, end_status=end_status,
+                      preempt_reason=pre.get("reason") if pre else None, requeued=requeued, errors=errors)
 
 
 def _int(v, default):

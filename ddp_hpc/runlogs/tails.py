@@ -1,5 +1,7 @@
-"""Rank-prefixed tails of a run's per-rank files (``rank{R}.log``, ``rank{R}.out``), once or as
-they grow: what ``ddp-hpc status JOBID --logs [--follow]`` prints.
+"""Reading a run's per-rank files, whole or only their ends: each rank's event stream
+(`read_events`, within the read budget of a big job: `over_budget`, `read_window`) and the
+rank-prefixed tails of ``rank{R}.log`` / ``rank{R}.out``, once or as they grow: what
+``ddp-hpc status JOBID --logs [--follow]`` prints.
 
 Pure functions return records ``{rank, file, line}``; only :func:`follow_logs` loops and writes.
 """
@@ -9,13 +11,114 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ddp_hpc.runlogs.schema import LOG_RE, OUT_RE
+from ddp_hpc.runlogs.schema import EVENTS_RE, LOG_RE, OUT_RE
 from ddp_hpc.runlogs.srun import tail_file
 
-__all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs", "read_window"]
+__all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs", "read_window", "RankStream",
+           "read_events", "over_budget", "file_size"]
+
+
+#: the read budget: a log directory's event files are read whole while together they hold at
+#: most FULL_READ_BYTES (about 100,000 events); beyond that, rank 0's file is read whole (up to
+#: that size: it gives progress, ETA, eval metrics) and of every other rank's file only the first
+#: HEAD_BYTES and the last TAIL_LINES lines (read back from TAIL_BYTES, at most TAIL_MAX_BYTES:
+#: a stack event can be long), so status of a job of thousands of ranks takes seconds, not minutes
+FULL_READ_BYTES = 32 << 20
+HEAD_BYTES = 1 << 10
+TAIL_LINES = 32
+TAIL_BYTES = 12 << 10
+TAIL_MAX_BYTES = 1 << 20
+
+
+@dataclass
+class RankStream:
+    """One rank's events (in file order) and how many lines could not be parsed."""
+
+    rank: int
+    path: Path
+    events: list[dict] = field(default_factory=list)
+    bad_lines: int = 0
+    skipped: int = 0  # bytes between the head and the tail not read (the read budget above)
+    #: the events grouped by restart number, and the (list, length) it was built from: status
+    #: asks for one run's events many times per rank, and a scan per question made it quadratic
+    _by_restart: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def last(self) -> dict | None:
+        return self.events[-1] if self.events else None
+
+    def _runs(self) -> dict[int, list[dict]]:
+        """restart number -> its events in file order; rebuilt when `events` changed length."""
+        key = (id(self.events), len(self.events))
+        if self._by_restart is None or self._by_restart[0] != key:
+            runs: dict[int, list[dict]] = {}
+            for e in self.events:
+                runs.setdefault(_restart_of(e), []).append(e)
+            self._by_restart = (key, runs)
+        return self._by_restart[1]
+
+    def of_restart(self, restart: int) -> list[dict]:
+        return list(self._runs().get(restart, ()))
+
+    def restart_numbers(self) -> set[int]:
+        return set(self._runs())
+
+
+def read_events(path: Path, window: bool = False) -> RankStream:
+    """Parse one ``rank{R}.events.jsonl``; malformed lines are skipped and counted. ``window``:
+    only its first `HEAD_BYTES` and its last `TAIL_LINES` lines (`skipped` says how many bytes
+    between them were not read)."""
+    m = EVENTS_RE.match(path.name)
+    stream = RankStream(rank=int(m.group(1)) if m else -1, path=path)
+    if window:
+        head, tail, stream.skipped = read_window(path, HEAD_BYTES, TAIL_LINES, TAIL_BYTES, TAIL_MAX_BYTES)
+        text = head + "\n".join(tail.splitlines()[-TAIL_LINES:])
+    else:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return stream
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            stream.bad_lines += 1
+            continue
+        if isinstance(ev, dict) and "event" in ev:
+            stream.events.append(ev)
+        else:
+            stream.bad_lines += 1
+    return stream
+
+
+def _restart_of(e: dict) -> int:
+    try:
+        return int(e.get("restart"))
+    except (TypeError, ValueError):
+        return 0
+
+
+def file_size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def over_budget(paths: list[Path]) -> bool:
+    """True when the event files together are larger than FULL_READ_BYTES."""
+    total = 0
+    for p in paths:
+        total += file_size(p)
+        if total > FULL_READ_BYTES:
+            return True
+    return False
 
 
 def read_window(path: Path, head_bytes: int, tail_lines: int, tail_bytes: int,

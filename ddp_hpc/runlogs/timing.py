@@ -138,9 +138,10 @@ def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) ->
     ``data_s`` (the training core's) are judged by it: their times are the same on every rank,
     and a rank with a slow data loader is the one that waits longest for its batches."""
     ranks: dict[int, dict] = {}
-    own = all(len(_own_times(evs)) >= STRAGGLER_MIN_INTERVALS for evs in per_rank.values()) and per_rank
+    own_times = {r: _own_times(evs) for r, evs in per_rank.items()}
+    own = all(len(t) >= STRAGGLER_MIN_INTERVALS for t in own_times.values()) and per_rank
     for r, evs in sorted(per_rank.items()):
-        times = _own_times(evs) if own else step_times(evs)
+        times = own_times[r] if own else step_times(evs)
         if len(times) >= STRAGGLER_MIN_INTERVALS:
             ranks[r] = {"host": hosts.get(r), "step_s": statistics.median(times),
                         "intervals": len(times)}

@@ -16,8 +16,9 @@ from ddp_hpc.cli import plural
 from ddp_hpc.runlogs import timing
 from ddp_hpc.runlogs.attribution import SchedulerFacts
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
-from ddp_hpc.runlogs.reader import HEAD_BYTES, TAIL_LINES, Failure, Progress, RunLogs
+from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
 from ddp_hpc.runlogs.srun import LOCAL_DRIVER_OUT
+from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import sources as src
