@@ -13,14 +13,17 @@ Per pair, per side:
 - steady state: seconds between the end of optimizer step ``--warmup`` and the end of the last
   step (the slowest rank's), i.e. the per-step cost including the log intervals, the preemption
   checks and the epoch boundary, but not the start or the final checkpoint;
-- end to end: the whole call, barrier to barrier (set-up, run-log files, final checkpoint).
+- end to end: the whole call, barrier to barrier (set-up, run-log files, final checkpoint);
+- CPU time: the CPU seconds all ranks' processes (every thread) spent in the steady-state window:
+  the work each loop does, much less disturbed by other load on the machine than the wall clock.
 Each pair gives a ratio toolkit/plain of samples/s (= plain seconds / toolkit seconds, the same
-samples); the machine is shared and noisy, so the figures are the MEDIAN of the per-pair ratios,
-their min-max, and a bootstrap 95% interval of the median (numpy, fixed seed).
+samples); the machine may be shared and noisy, so the figures are the MEDIAN of the per-pair
+ratios, their min-max, and a bootstrap 95% interval of the median (numpy, fixed seed).
 
-Verdict (steady state): target >= 0.98.  Met when the interval lies above 0.98, missed when it lies
-below; when it straddles 0.98 the median decides if the interval is narrower than ``--max-width``
-(default 0.04), else the spread is too wide to judge: rerun on an idle machine or longer.
+Verdict (steady state, wall clock; the same rule is applied to CPU time): target >= 0.98.  Met
+when the interval lies above 0.98, missed when it lies below; when it straddles 0.98 the median
+decides if the interval is narrower than ``--max-width`` (default 0.04), else the spread is too
+wide to judge: rerun on an idle machine or with a larger ``--seconds``.
 
     python bench/overhead.py                     # 2 processes, ~1-2 minutes
     python bench/overhead.py --seconds 60 --json runs/overhead.json
@@ -47,25 +50,27 @@ TARGET = 0.98
 
 
 class Marks:
-    """perf_counter at the end of optimizer step `first` and at the newest step (fit's on_step)."""
+    """Wall clock and this process's CPU time (all its threads) at the end of optimizer step
+    `first` and of the newest step (fit's on_step)."""
 
     def __init__(self, first: int) -> None:
-        self.first, self.t0, self.t1, self.steps = first, None, None, 0
+        self.first, self.t0, self.t1 = first, (0.0, 0.0), (0.0, 0.0)
 
     def __call__(self, step: int, epoch: int = 0) -> None:  # noqa: ARG002 - fit's on_step
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.process_time())
         if step == self.first:
             self.t0 = now
-        self.t1, self.steps = now, step
+        self.t1 = now
 
-    def seconds(self) -> float:
-        return self.t1 - self.t0
+    def seconds(self) -> tuple[float, float]:
+        """(wall seconds, CPU seconds) between the two marks."""
+        return self.t1[0] - self.t0[0], self.t1[1] - self.t0[1]
 
 
 def _plain(model, data, a, rank: int, world: int, marks: Marks, tmp: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
-    ddp = DDP(model)
+    ddp = DDP(model) if world > 1 else model      # the toolkit wraps only with several ranks
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=a.batch_size, sampler=sampler)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -84,7 +89,7 @@ def _plain(model, data, a, rank: int, world: int, marks: Marks, tmp: str) -> Non
             step += 1
             marks(step)
     if rank == 0:                        # the seed saves the trained weights from rank 0
-        torch.save(ddp.module.state_dict(), f"{tmp}/plain_model.pt")
+        torch.save(model.state_dict(), f"{tmp}/plain_model.pt")
 
 
 def _toolkit(model, data, a, marks: Marks, tmp: str) -> None:
@@ -101,8 +106,9 @@ def _toolkit(model, data, a, marks: Marks, tmp: str) -> None:
         raise
 
 
-def _timed(kind: str, a, data, rank: int, world: int, tmp: str) -> tuple[float, float]:
-    """One run of one side: (steady-state seconds, end-to-end seconds) of this rank."""
+def _timed(kind: str, a, data, rank: int, world: int, tmp: str) -> tuple[float, float, float]:
+    """One run of one side, this rank's (steady-state seconds, end-to-end seconds, steady-state
+    CPU seconds)."""
     import torch.distributed as dist
     from ddp_hpc.examples.models import MLP
     torch.manual_seed(0)
@@ -115,12 +121,14 @@ def _timed(kind: str, a, data, rank: int, world: int, tmp: str) -> tuple[float, 
     else:
         _toolkit(model, data, a, marks, tmp)
     dist.barrier()
-    return marks.seconds(), time.perf_counter() - t0
+    wall, cpu = marks.seconds()
+    return wall, time.perf_counter() - t0, cpu
 
 
 def _worker(rank: int, world: int, args_d: dict, tmp: str) -> list[dict]:
     """Pairs until both sides trained `seconds` (steady state) and `min_pairs` ran; every rank
-    takes the slowest rank's times (an all_reduce MAX), so all ranks stop after the same pair."""
+    takes the slowest rank's wall times (an all_reduce MAX) and the ranks' total CPU time (SUM),
+    so all ranks stop after the same pair."""
     import torch.distributed as dist
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
     from ddp_hpc.examples.synthetic import SyntheticClassification
@@ -137,11 +145,14 @@ def _worker(rank: int, world: int, args_d: dict, tmp: str) -> list[dict]:
             run_dir = Path(tmp) / f"pair{len(pairs)}"
             run_dir.mkdir(exist_ok=True)
             mine = {kind: _timed(kind, a, data, rank, world, str(run_dir)) for kind in order}
-            t = torch.tensor([*mine["plain"], *mine["toolkit"]], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            p_steady, p_e2e, k_steady, k_e2e = t.tolist()
+            wall = torch.tensor([*mine["plain"][:2], *mine["toolkit"][:2]], dtype=torch.float64)
+            cpu = torch.tensor([mine["plain"][2], mine["toolkit"][2]], dtype=torch.float64)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+            p_steady, p_e2e, k_steady, k_e2e = wall.tolist()
             pairs.append({"first": order[0], "plain_s": p_steady, "toolkit_s": k_steady,
-                          "plain_e2e_s": p_e2e, "toolkit_e2e_s": k_e2e})
+                          "plain_e2e_s": p_e2e, "toolkit_e2e_s": k_e2e,
+                          "plain_cpu_s": cpu[0].item(), "toolkit_cpu_s": cpu[1].item()})
             total["plain"] += p_steady
             total["toolkit"] += k_steady
             dist.barrier()
@@ -182,9 +193,10 @@ def verdict(med: float, lo: float, hi: float, target: float = TARGET, max_width:
 
 
 def summarize(a, pairs: list[dict]) -> dict:
-    """The per-pair ratios and their statistics, steady state and end to end."""
+    """The per-pair ratios and their statistics (steady state, end to end, CPU time), and the
+    toolkit's extra time per step."""
     out: dict = {"pairs": pairs}
-    for key, suffix in (("steady", "_s"), ("end_to_end", "_e2e_s")):
+    for key, suffix in (("steady", "_s"), ("end_to_end", "_e2e_s"), ("cpu", "_cpu_s")):
         ratios = [p["plain" + suffix] / p["toolkit" + suffix] for p in pairs]
         med, lo, hi = median_ci(ratios)
         out[key] = {"ratios": ratios, "median": med, "ci95": [lo, hi], "min": min(ratios),
@@ -193,9 +205,14 @@ def summarize(a, pairs: list[dict]) -> dict:
     timed = (steps - a.warmup) * a.batch_size * a.procs
     out["samples_per_s"] = {k: float(np.median([timed / p[k + "_s"] for p in pairs]))
                             for k in ("plain", "toolkit")}
+    out["ms_per_step"] = {k: float(np.median([1e3 * p[k + "_s"] for p in pairs])) / (steps - a.warmup)
+                          for k in ("plain", "toolkit")}
+    extra = [1e6 * (p["toolkit_s"] - p["plain_s"]) / (steps - a.warmup) for p in pairs]
+    out["extra_us_per_step"] = dict(zip(("median", "low", "high"), median_ci(extra)))
     out["fixed_cost_s"] = float(np.median([(p["toolkit_e2e_s"] - p["toolkit_s"])
                                            - (p["plain_e2e_s"] - p["plain_s"]) for p in pairs]))
     out["verdict"] = verdict(out["steady"]["median"], *out["steady"]["ci95"], max_width=a.max_width)
+    out["verdict_cpu"] = verdict(out["cpu"]["median"], *out["cpu"]["ci95"], max_width=a.max_width)
     out["steps_per_run"], out["timed_steps"] = steps, steps - a.warmup
     return out
 
@@ -206,15 +223,21 @@ def _print(a, s: dict) -> None:
     print(f"processes {a.procs}, model MLP({a.in_dim}->{a.hidden}x{a.depth}->10), batch "
           f"{a.batch_size}/rank, {a.size} samples x {a.epochs} epochs = {s['steps_per_run']} steps "
           f"per run, timed after step {a.warmup}; {n} pairs, {plain_s:.1f} s of timed plain training")
-    print(f"plain DDP loop : {s['samples_per_s']['plain']:10.1f} samples/s (median)")
-    print(f"ddp_hpc fit()  : {s['samples_per_s']['toolkit']:10.1f} samples/s (median)")
-    for key, label in (("steady", "steady state"), ("end_to_end", "end to end  ")):
+    for k, label in (("plain", "plain DDP loop"), ("toolkit", "ddp_hpc fit() ")):
+        print(f"{label} : {s['samples_per_s'][k]:10.1f} samples/s, {s['ms_per_step'][k]:.3f} ms/step "
+              f"(medians)")
+    x = s["extra_us_per_step"]
+    print(f"toolkit extra per step: {x['median']:.0f} us, 95% CI [{x['low']:.0f}, {x['high']:.0f}] "
+          f"(median of the per-pair differences)")
+    for key, label in (("steady", "steady state"), ("end_to_end", "end to end  "),
+                       ("cpu", "CPU time    ")):
         r = s[key]
         print(f"ratio toolkit/plain, {label}: median {r['median']:.3f}, 95% CI "
               f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}], min-max [{r['min']:.3f}, {r['max']:.3f}]")
     print(f"toolkit fixed cost per run (set-up, run logs, final checkpoint) over the plain loop's: "
           f"{s['fixed_cost_s']:.3f} s (median)")
     print(f"verdict (steady state): {s['verdict']}")
+    print(f"verdict (CPU time, steady state): {s['verdict_cpu']}")
 
 
 def _device(argv) -> str:
