@@ -235,3 +235,193 @@ def test_sbcast_refuses_outside_an_allocation_and_for_folders(tmp_path):
     for bad in ("-rf", "", "a\nb"):
         with pytest.raises(ValueError, match="not a usable path"):
             SlurmCLI().sbcast(bad, "/tmp/x")
+
+
+# ----------------------------------------------------------------------------- shared stage folders
+def _small_lmdb(tmp_path):
+    from ddp_hpc.data.pack import pack
+    from ddp_hpc.examples.images import make_images
+
+    imgs = make_images(tmp_path / "shared" / "imgs", count=24, classes=3, size=8, progress=False)
+    pack(imgs, tmp_path / "shared" / "imgs.lmdb", progress=False)
+    return str(tmp_path / "shared" / "imgs.lmdb")
+
+
+def _shared_tmp_rank(rank, world_size, shared, tmp, logs):
+    """One rank of a 2-pretend-node job whose nodes share one TMPDIR (one stage folder)."""
+    import logging
+
+    from ddp_hpc.config import DataConfig
+    from ddp_hpc.data.io import close_train_data, open_train_data, take_stage_log
+    from ddp_hpc.dist import cleanup_ddp, setup_ddp
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ddp_hpc").addHandler(handler)
+    ctx = setup_ddp()
+    os.environ["TMPDIR"] = tmp  # the same folder on both pretend nodes
+    if ctx.env.node_rank == 0:  # node 0 knows its log directory at staging time, node 1 does not
+        os.environ["DDP_HPC_LOG_DIR"] = logs
+    fsio.watch(shared)
+    cfg = DataConfig(io="stage", lmdb_path=os.path.join(shared, "imgs.lmdb"), stage_to="tmpdir", stage_cleanup=True)
+    ds = open_train_data(cfg, ctx, list)
+    opens = fsio.snapshot()["opens"]
+    sample = ds[len(ds) - 1][1]
+    pending = take_stage_log(ds)
+    close_train_data(ds, cfg, ctx, completed=True)
+    cleanup_ddp()
+    return {"rank": rank, "node": ctx.env.node_rank, "opens": opens, "n": len(ds), "label": int(sample),
+            "pending": pending, "warnings": warnings}
+
+
+def test_two_node_leaders_sharing_a_stage_folder_copy_once_and_clean_up_once(tmp_path):
+    """The user's report: 2 pretend nodes (one TMPDIR) ended with 'stage cleanup ... failed: [Errno
+    2] ... .lock'.  Now one leader copies, the other reuses, the last one out removes the copy and
+    its lock, nobody warns; each leader logs its staging (run log, or take_stage_log)."""
+    from ddp_hpc.launch import launch_distributed
+
+    src = _small_lmdb(tmp_path)
+    tmp, logs = tmp_path / "tmp", tmp_path / "logs"
+    tmp.mkdir()
+    out = launch_distributed(_shared_tmp_rank, 4, args=(os.path.dirname(src), str(tmp), str(logs)),
+                             nodes=2, timeout=240)
+    assert sum(r["opens"] for r in out) == 1  # one copier for both nodes
+    assert {r["n"] for r in out} == {24} and all(r["warnings"] == [] for r in out)
+    assert os.listdir(tmp) == []  # the copy, its users file and its lock are gone
+    events = [json.loads(x) for x in open(logs / "rank0.events.jsonl")]
+    (ev0,) = [e for e in events if e["event"] == "stage"]
+    [(line2, ev2)] = out[2]["pending"]  # node 1 had no log directory: handed to the training core
+    assert all(r["pending"] == [] for r in out if r["rank"] != 2)
+    assert sorted([ev0["method"], ev2["method"]]) == ["copy", "reused"]
+    assert ev0["path"] == ev2["path"] and ev0["bytes"] == ev2["bytes"] == os.path.getsize(os.path.join(src, "data.mdb"))
+    assert {ev0["node"], ev2["node"]} == {f"node0@{os.uname().nodename}", f"node1@{os.uname().nodename}"}
+    copy = ev0 if ev0["method"] == "copy" else ev2
+    assert copy["mb_per_s"] > 0 and copy["seconds"] >= copy["copy_seconds"] > 0
+    text = open(logs / "rank0.log").read()
+    assert f"stage: {'copied' if ev0 is copy else 'reused the copy of'} {src} -> {ev0['path']}" in text
+    assert "stage cleanup: " in text and "WARNING" not in text
+    assert line2.startswith("stage: ") and ev2["path"] in line2
+    assert not (logs / "rank1.events.jsonl").exists()  # only node leaders log the stage
+
+
+def _leader(src, dest, user, barrier, q):
+    from ddp_hpc.data.stage import stage_result
+
+    fsio.watch(os.path.dirname(src))
+    barrier.wait()
+    res = stage_result(src, dest, job_id="share", user=user)
+    barrier.wait()  # every leader staged (close_train_data's barrier)
+    q.put((user, res.method, fsio.snapshot()["opens"], cleanup_staged(res.path, user), res.path))
+
+
+def test_racing_node_leaders_on_one_folder_the_last_one_out_removes_it(tmp_path):
+    src = _big_file(tmp_path / "shared.bin", 8)
+    dest = tmp_path / "local"
+    dest.mkdir()
+    ctx = mp.get_context("fork")
+    barrier, q = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_leader, args=(src, str(dest), f"node{i}", barrier, q)) for i in range(3)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert sorted(m for _, m, _, _, _ in got) == ["copy", "reused", "reused"]
+    assert sum(opens for _, _, opens, _, _ in got) == 1
+    outcomes = sorted(o for _, _, _, (o, _), _ in got)
+    assert outcomes == ["kept", "kept", "removed"]
+    assert os.listdir(dest) == []
+    assert cleanup_staged(got[0][4], "node0") == ("gone", [])  # late and repeated calls are no error
+    assert os.listdir(dest) == []
+
+
+def test_a_lock_file_deleted_under_a_waiter_is_locked_afresh(tmp_path):
+    """The remover deletes the lock file while holding it; a process that waited on the deleted
+    file must not think it holds the lock: it locks the file now at the path."""
+    from ddp_hpc.data.stagefolder import folder_lock
+
+    folder = str(tmp_path / "ddp_hpc-stage-x")
+    ctx = mp.get_context("fork")
+    q, go = ctx.Queue(), ctx.Event()
+
+    def waiter():
+        go.wait()
+        with folder_lock(folder):  # held on a deleted file, the path would not exist now
+            q.put(os.path.getsize(folder + ".lock") if os.path.exists(folder + ".lock") else None)
+
+    child = ctx.Process(target=waiter)  # forked first: it must not inherit our locked file
+    child.start()
+    with folder_lock(folder):
+        with open(folder + ".lock", "w") as f:
+            f.write("old")  # tells the old file from the new one (inode numbers get reused)
+        go.set()
+        time.sleep(0.5)  # the child opened the old file and waits in flock
+        os.remove(folder + ".lock")
+    assert q.get(timeout=30) == 0  # it locked a new, empty file at the path
+    child.join(10)
+    assert child.exitcode == 0
+
+
+def test_a_cleanup_that_really_fails_says_what_is_left_and_what_to_do(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import ddp_hpc.data.stagefolder as F
+    from ddp_hpc.config import DataConfig
+    from ddp_hpc.data.io import close_train_data, open_train_data, take_stage_log
+
+    src = _small_lmdb(tmp_path)
+    size = os.path.getsize(os.path.join(src, "data.mdb"))
+    logs = tmp_path / "logs"
+    env = SimpleNamespace(rank=0, local_rank=0, node_rank=0, job_id="j9", restart_count=0)
+    cfg = DataConfig(io="stage", lmdb_path=src, stage_to=str(tmp_path), stage_cleanup=True)
+    monkeypatch.delenv("DDP_HPC_LOG_DIR", raising=False)
+    ds = open_train_data(cfg, SimpleNamespace(env=env), list)
+    [(line, fields)] = take_stage_log(ds)  # no log directory yet: the training core writes them
+    assert fields["method"] == "copy" and fields["bytes"] == size and line.startswith(f"stage: copied {src} -> ")
+    assert take_stage_log(ds) == []
+
+    def refuse(path, *a, **k):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(F.shutil, "rmtree", refuse)
+    with pytest.raises(StageError, match=r"could not remove .*ddp_hpc-stage-j9-\S+ \(2\d{4} bytes left\): .*"
+                                         r"Permission denied.*\nHINT: remove it by hand \(rm -rf "):
+        cleanup_staged(fields["path"])
+    monkeypatch.setenv("DDP_HPC_LOG_DIR", str(logs))
+    close_train_data(ds, cfg, SimpleNamespace(env=env), completed=True)
+    text = open(logs / "rank0.log").read()
+    assert "WARNING: stage cleanup of " in text and "could not remove" in text and "HINT: remove it by hand" in text
+    monkeypatch.undo()
+    assert cleanup_staged(fields["path"], "node0@x") == ("kept", [fields["node"]])  # not a user: nothing removed
+    assert cleanup_staged(fields["path"], fields["node"]) == ("removed", [])  # the failed leader, again
+    assert [n for n in os.listdir(tmp_path) if n.startswith("ddp_hpc-stage-")] == []
+
+
+def test_stage_result_names_copy_sbcast_and_reuse_and_waiters_wait_for_their_leader(tmp_path):
+    from ddp_hpc.data.hashing import file_hash
+    from ddp_hpc.data.stage import sbcast_paths, stage_key, stage_result
+
+    src = _big_file(tmp_path / "shared.bin", 2)
+    dest = tmp_path / "local"
+    dest.mkdir()
+    data, manifest = sbcast_paths(str(dest), stage_key(src, "77"))
+    with open(data, "wb") as f:
+        f.write(open(src, "rb").read())
+    nbytes, digest = file_hash(src)
+    with open(manifest, "w") as f:
+        json.dump({"src": src, "kind": "file", "bytes": nbytes, "xxh3_64": digest}, f)
+    first = stage_result(src, str(dest), job_id="77", user="n0")
+    assert (first.method, first.bytes, first.users) == ("sbcast", 2 << 20, ("n0",)) and first.mb_per_s > 0
+    # a requeue: the copy of attempt 0 is there, but n0's ranks wait until n0 re-verified it
+    with pytest.raises(StageError, match="waited"):
+        stage_result(src, str(dest), job_id="77", restart_count=1, copier=False, user="n0", wait_timeout=0.3,
+                     poll_s=0.05)
+    again = stage_result(src, str(dest), job_id="77", restart_count=1, user="n0")
+    assert (again.method, again.path, again.made_by, again.users, again.mb_per_s) == \
+        ("reused", first.path, "77:0", ("n0",), None)
+    waited = stage_result(src, str(dest), job_id="77", restart_count=1, copier=False, user="n0", wait_timeout=5)
+    assert (waited.method, waited.path) == ("waited", first.path)
+    plain = stage_result(src, str(dest), job_id="78")
+    assert plain.method == "copy" and plain.users == () and plain.copy_seconds > 0
