@@ -25,15 +25,15 @@ def _cover_one(lists: list[list[int]], expected: dict, world: int) -> dict:
 
 
 def coverage(per_rank: list[dict], label: str, expected: dict, world: int) -> dict:
-    """The check for every scenario's epoch of ``label``; yes only when all of them pass."""
+    """The check for every epoch of ``label`` (each scenario, each round); yes only when all pass."""
     scenarios = {}
     for cell in per_rank[0]["cells"]:
         if cell["technique"] != label:
             continue
-        scen = cell["scenario"]
-        lists = [next(c["hashes"] for c in r["cells"] if c["technique"] == label and c["scenario"] == scen)
-                 for r in per_rank]
-        scenarios[scen] = _cover_one(lists, expected, world)
+        key = (cell["scenario"], cell["round"])
+        lists = [next(c["hashes"] for c in r["cells"] if c["technique"] == label
+                      and (c["scenario"], c["round"]) == key) for r in per_rank]
+        scenarios[f"{key[0]} round {key[1]}"] = _cover_one(lists, expected, world)
     first = next(iter(scenarios.values()))
     return {"ok": all(s["ok"] for s in scenarios.values()), "by_scenario": scenarios,
             "detail": (f"missing {first['missing']}, repeats {first['repeats']} (padding allows "
@@ -43,9 +43,9 @@ def coverage(per_rank: list[dict], label: str, expected: dict, world: int) -> di
 def resume_check(per_rank: list[dict], label: str) -> dict:
     """Resumed after k batches, the rest must be exactly the samples the uninterrupted epoch
     (the warm cell's) still had to give: first part + resumed part == the whole epoch, all ranks
-    together (a multiset: padding repeats count)."""
+    together (a multiset: padding repeats count).  The reference is the first warm round's epoch."""
     full = Counter(h for r in per_rank for c in r["cells"] if c["technique"] == label and c["scenario"] == "warm"
-                   for h in c["hashes"])
+                   and c["round"] == 0 for h in c["hashes"])
     res = [r["resume"][label] for r in per_rank]
     first = Counter(h for x in res for h in x["first"])
     rest = Counter(h for x in res for h in x["rest"])

@@ -1,7 +1,8 @@
 """What every rank process of bench/peers.py does: time one epoch per (scenario, technique) cell,
 count its shared-directory IO, record which samples it got, then test mid-epoch resume.
 
-A cell is the first epoch of a fresh job: node-local caches emptied, then the loader is opened
+Each scenario runs ``a["rounds"]`` rounds of every technique in turn.  A cell is the first epoch
+of a fresh job: node-local caches emptied, then the loader is opened
 (ddp_hpc's staging happens here) and one epoch is read and decoded.  Its time is open + epoch,
 because the peers fill their node-local caches while the epoch runs.  Scenarios:
 
@@ -141,9 +142,11 @@ def run_rank(rank, world_size, a):
     say("rank 0 ready")
     scenarios = [("warm", 0.0)] + ([("cold", 0.0)] if a["cold"] else []) + [("simfs", a["delay_s"])]
     for scenario, delay_s in scenarios:
-        for label in a["techniques"]:
-            out["cells"].append(_cell(label, scenario, delay_s, ctx, a))
-            say(f"{scenario} {label}: {out['cells'][-1]['samples']} samples")
+        for rnd in range(a["rounds"]):  # techniques interleaved, so a busy spell hits them alike
+            for label in a["techniques"]:
+                out["cells"].append({**_cell(label, scenario, delay_s, ctx, a), "round": rnd})
+                cell = out["cells"][-1]
+                say(f"{scenario} round {rnd} {label}: {cell['samples']} samples, {cell['epoch_s']:.2f} s")
     k = max(1, -(-a["files"] // world_size) // a["batch"] // 2)
     for label in a["techniques"]:
         out["resume"][label] = _resume(label, ctx, a, k)
