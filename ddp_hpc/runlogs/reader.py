@@ -64,7 +64,7 @@ class RunLogs:
         self._memo: dict[str, tuple] = {}
         if self.log_dir is None or not self.log_dir.is_dir():
             return
-        paths = sorted(self.log_dir.iterdir())
+        paths = sorted(self.log_dir.iterdir(), key=lambda p: p.name)  # one directory: as Path order
         events = [(int(m.group(1)), p) for p in paths if (m := EVENTS_RE.match(p.name))]
         window = over_budget([p for _, p in events])
         for rank, p in events:

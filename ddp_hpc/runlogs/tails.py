@@ -29,8 +29,8 @@ __all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs", 
 #: a stack event can be long), so status of a job of thousands of ranks takes seconds, not minutes
 FULL_READ_BYTES = 32 << 20
 HEAD_BYTES = 1 << 10
-TAIL_LINES = 32
-TAIL_BYTES = 12 << 10
+TAIL_LINES = 24
+TAIL_BYTES = 8 << 10
 TAIL_MAX_BYTES = 1 << 20
 
 
