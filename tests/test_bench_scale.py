@@ -31,3 +31,35 @@ def test_quick_run_prints_every_section(tmp_path, capsys):
     assert {r["size"] for r in doc["rows"] if r["section"] == "status detail"} == set(scale.QUICK_SIZES)
     assert set(doc["summary"]["sections"]) == set(scale.SECTIONS)
     assert list(tmp_path.iterdir()) == [out_json]  # the synthetic logs and records are removed
+
+
+def test_big_event_files_are_read_in_windows_with_the_same_verdict(tmp_path, monkeypatch):
+    """Beyond the read budget status reads rank 0 whole and the others' first KiB and last lines:
+    the failing rank, every rank's last event and both runs stay what a full read gives."""
+    from ddp_hpc.runlogs import reader, tails
+    scale = _load_bench()
+    bad = scale.write_logs(tmp_path / "logs", 16, 300)
+    full = reader.RunLogs(tmp_path / "logs")
+    assert not full.partial
+    monkeypatch.setattr(tails, "FULL_READ_BYTES", 256 << 10)
+    monkeypatch.setattr(reader, "FULL_READ_BYTES", 256 << 10)
+    part = reader.RunLogs(tmp_path / "logs")
+    assert part.partial == list(range(1, 16))
+    assert len(part.ranks[0].events) == len(full.ranks[0].events)
+    assert all(len(s.events) <= tails.TAIL_LINES + 4 for r, s in part.ranks.items() if r)
+    assert part.last_events() == full.last_events()
+    assert part.first_failure().rank == full.first_failure().rank == bad
+    assert [r.restart for r in part.runs()] == [r.restart for r in full.runs()] == [0, 1]
+    assert part.outcome() == full.outcome() == "failed"
+    assert part.progress() == full.progress()
+
+
+def test_read_window_reads_a_small_file_whole_and_a_big_one_at_its_ends(tmp_path):
+    from ddp_hpc.runlogs.tails import read_window
+    p = tmp_path / "f.txt"
+    p.write_text("".join(f"line {i}\n" for i in range(1000)))
+    assert read_window(p, 1 << 20, 10, 64, 1 << 10) == (p.read_text(), "", 0)
+    head, tail, skipped = read_window(p, 20, 10, 64, 1 << 10)
+    assert head == "line 0\nline 1\n"   # complete lines only
+    assert tail.splitlines()[-10:] == [f"line {i}" for i in range(990, 1000)]
+    assert len(head) + skipped + len(tail) == len(p.read_text())
