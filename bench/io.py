@@ -125,6 +125,7 @@ def _delivery(ctx, imgs, max_steps, reps=11):
 
     _, samples = list_image_folder(imgs)
     blobs = [(open(os.path.join(imgs, rel), "rb").read(), label) for rel, label in samples]
+    values, labels = [v for v, _ in blobs], [label for _, label in blobs]
 
     class Mem(torch.utils.data.Dataset):
         def __len__(self):
@@ -132,6 +133,9 @@ def _delivery(ctx, imgs, max_steps, reps=11):
 
         def raw_item(self, i):
             return blobs[i]
+
+        def raw_batch(self, idx):  # the bulk read LMDBDataset has too
+            return [values[i] for i in idx], [labels[i] for i in idx]
 
         def decode_item(self, data, label):
             return data, label

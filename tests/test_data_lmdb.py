@@ -184,19 +184,19 @@ def test_packed_file_is_at_most_1_3x_its_payload_for_800_byte_records(tmp_path, 
     assert [len(ds.raw_item(i)[0]) for i in range(0, 3000, 7)] == sizes[::7]
 
 
-def test_raw_items_negative_and_missing_indices(packed, images):
+def test_raw_batch_negative_and_missing_indices(packed, images):
     from ddp_hpc.data.errors import RecordIndexError
 
     ds, direct = LMDBDataset(packed), ImageFolderDataset(images)
     want = [direct.raw_item(i) for i in range(len(direct))]
-    assert ds.raw_items([3, 0, 39, 3]) == [want[3], want[0], want[39], want[3]]
+    assert list(zip(*ds.raw_batch([3, 0, 39, 3]))) == [want[3], want[0], want[39], want[3]]
     assert ds.raw_item(-1) == want[-1] and ds.raw_item(-40) == want[0]  # as a list counts
     for bad in (40, -41, 10**12):
         with pytest.raises(RecordIndexError, match=rf"no record {bad} \(0\.\.39\)"):
             ds.raw_item(bad)
     with pytest.raises(RecordIndexError, match=r"no record 40 "):
-        ds.raw_items([1, 40, 2])
-    assert ds.raw_items([]) == []
+        ds.raw_batch([1, 40, 2])
+    assert ds.raw_batch([]) == ([], [])
 
 
 def test_big_datasets_format_keys_instead_of_caching_them(monkeypatch, packed, images):
@@ -207,7 +207,7 @@ def test_big_datasets_format_keys_instead_of_caching_them(monkeypatch, packed, i
     ds, direct = LMDBDataset(packed), ImageFolderDataset(images)
     assert not isinstance(ds._key, type([].__getitem__))
     assert ds.raw_item(25) == direct.raw_item(25) and ds.raw_item(-1) == direct.raw_item(39)
-    assert ds.raw_items([39, 5]) == [direct.raw_item(39), direct.raw_item(5)]
+    assert list(zip(*ds.raw_batch([39, 5]))) == [direct.raw_item(39), direct.raw_item(5)]
     with pytest.raises(RecordIndexError):
         ds.raw_item(40)
 

@@ -26,14 +26,13 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from ddp_hpc.data.errors import IOConfigError
 from ddp_hpc.data.samplers import batches_per_rank, epoch_permutation
-from ddp_hpc.data.wire import bundle, decode_samples, encode_samples, unbundle
+from ddp_hpc.data.wire import Channel, bundle_pieces, decode_samples, encode_samples, raw_bundle, unbundle
 from ddp_hpc.dist import gather_layout, new_groups, node_rank_lists, strided_rank_lists
 
 __all__ = ["BroadcastDataset", "GroupPlan", "build_plan", "encode_samples", "decode_samples", "MODES"]
@@ -88,97 +87,6 @@ def build_plan(env, mode: str, comm_device=None) -> GroupPlan:
                      serves, [leaders[0]], device, by_leader)
 
 
-class Channel:
-    """One collective per step from the reader ``ranks[0]`` to every member of ``ranks``.
-
-    ``collective="scatter"``: each member's slot is a 16-byte header (payload length, capacity)
-    and its payload; members receive only their own bytes (best across nodes).
-    ``collective="broadcast"``: one buffer (status, capacity, every member's length, then the
-    payloads back to back) goes to all members, each slices its own (gloo's broadcast is the
-    faster primitive for small groups inside a node, where the extra bytes cost no network).
-
-    Buffers have a capacity every member agrees on and are reused across steps.  When a step
-    outgrows it, the reader first sends a resize header (status -1, new capacity, at least 1.5x)
-    and then the step: steady state is ONE collective per step, no separate size exchange.
-    """
-
-    def __init__(self, group, ranks: list, rank: int, device, capacity: int = 64 << 10,
-                 collective: str = "scatter"):
-        if collective not in ("scatter", "broadcast"):
-            raise ValueError(f"Channel collective={collective!r}: use scatter or broadcast")
-        self.group, self.ranks, self.device = group, ranks, torch.device(device)
-        self.me, self.collective = ranks.index(rank), collective
-        self.head = 16 if collective == "scatter" else 8 * (2 + len(ranks))
-        self.cap = max(capacity, self.head + 1)
-        self._alloc()
-
-    def _alloc(self) -> None:
-        rows = len(self.ranks) if (self.collective == "scatter" and self.me == 0) else 0
-        self.out = torch.empty(self.cap, dtype=torch.uint8)  # broadcast: the shared buffer
-        self.flat = torch.empty((rows, self.cap), dtype=torch.uint8) if rows else None
-        self._np = self.flat.numpy() if rows else self.out.numpy()  # views kept: no per-step wrapping
-
-    def _run(self) -> np.ndarray:
-        """Run the collective; returns this rank's received buffer as a numpy view."""
-        dev = self.device.type != "cpu"
-        if self.collective == "broadcast":
-            t = self.out.to(self.device) if dev else self.out
-            dist.broadcast(t, group=self.group, group_src=0)
-            return (t.cpu() if dev else t).numpy()
-        out = torch.empty(self.cap, dtype=torch.uint8, device=self.device) if dev else self.out
-        chunks = None
-        if self.me == 0:
-            chunks = list((self.flat.to(self.device) if dev else self.flat).unbind(0))
-        dist.scatter(out, chunks, group=self.group, group_src=0)
-        return (out.cpu() if dev else out).numpy()
-
-    def _write_header(self, values) -> None:
-        if self.collective == "scatter":
-            for row in self._np:
-                row[:16].view(np.int64)[:] = values[:2]
-        else:
-            self._np[:self.head].view(np.int64)[:] = values
-
-    def send(self, messages: list[bytes] | None) -> bytes:
-        """Reader: pass one message per member (in ``ranks`` order); members pass None."""
-        if len(self.ranks) == 1:
-            return messages[0]
-        if self.me == 0:
-            lens = [len(m) for m in messages]
-            need = self.head + (max(lens) if self.collective == "scatter" else sum(lens))
-            if need > self.cap:
-                new_cap = max(need, self.cap * 3 // 2)
-                self._write_header([-1, new_cap] + [0] * (self.head // 8 - 2))
-                self._run()
-                self.cap = new_cap
-                self._alloc()
-            view = self._np
-            if self.collective == "scatter":
-                for i, m in enumerate(messages):
-                    view[i, :16].view(np.int64)[:] = (len(m), self.cap)
-                    view[i, 16:16 + len(m)] = np.frombuffer(m, dtype=np.uint8)
-            else:
-                self._write_header([0, self.cap] + lens)
-                off = self.head
-                for m in messages:  # one copy of each message into place
-                    view[off:off + len(m)] = np.frombuffer(m, dtype=np.uint8)
-                    off += len(m)
-        while True:
-            buf = self._run()
-            status, cap = buf[:16].view(np.int64).tolist()
-            if status < 0:  # the reader grew the buffers: receive this step again at the new size
-                self.cap = cap
-                self._alloc()
-                continue
-            if self.me == 0:
-                return messages[0]
-            if self.collective == "scatter":
-                return buf[16:16 + status].tobytes()
-            lens = buf[16:self.head].view(np.int64).tolist()
-            off = self.head + sum(lens[:self.me])
-            return buf[off:off + lens[self.me]].tobytes()
-
-
 class BroadcastDataset(torch.utils.data.Dataset):
     """Wraps a dataset so that :meth:`batches` reads it through group readers.
 
@@ -214,43 +122,76 @@ class BroadcastDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return self.inner[i]
 
-    def _read(self, idx: list[int], pool) -> list:
-        get = self.inner.raw_item if self.raw else self.inner.__getitem__
-        return list(pool.map(get, idx) if pool is not None else map(get, idx))
+    def _read_raw(self, idx: list[int], pool) -> tuple[list, list]:
+        """(encoded bytes, labels) of ``idx``: one bulk ``raw_batch`` where the dataset has it and
+        no reader threads are asked for, else ``raw_item`` per index (on the threads)."""
+        if pool is None and hasattr(self.inner, "raw_batch"):
+            return self.inner.raw_batch(idx)
+        items = list(pool.map(self.inner.raw_item, idx) if pool is not None else map(self.inner.raw_item, idx))
+        return [v for v, _ in items], [label for _, label in items]
+
+    def _prepare(self, perm: dict, b: int, steps: int, batch_size: int, pool) -> tuple[int, tuple]:
+        """Reader: steps b.. (one bucket) -> (first step after it, the bucket framed for sending).
+        Steps join the bucket until the group's bytes reach ``coalesce_bytes`` (or
+        ``max_coalesce`` steps); raw samples are read in bulk and laid out by :func:`raw_bundle`."""
+        p, b0, nbytes, counts = self.plan, b, 0, []
+        cols = {r: ([], []) for r in p.serves}
+        msgs = {r: [] for r in p.serves}
+        while b < steps and (b == b0 or (nbytes < self.coalesce_bytes and b - b0 < self.max_coalesce)):
+            lo, hi = b * batch_size, (b + 1) * batch_size
+            for r in p.serves:
+                if self.raw:
+                    values, labels = self._read_raw(perm[r][lo:hi], pool)
+                    cols[r][0].extend(values)
+                    cols[r][1].extend(labels)
+                    nbytes += sum(map(len, values))
+                else:
+                    idx = perm[r][lo:hi]
+                    msgs[r].append(encode_samples(list(pool.map(self.inner.__getitem__, idx) if pool is not None
+                                                       else map(self.inner.__getitem__, idx)), False))
+                    nbytes += len(msgs[r][-1])
+            counts.append(len(perm[p.serves[0]][lo:hi]))
+            b += 1
+        if self.raw:
+            pieces = {r: raw_bundle(*cols[r], counts) for r in p.serves}
+        else:
+            pieces = {r: bundle_pieces([[m] for m in msgs[r]]) for r in p.serves}
+        if p.mode != "two_level":
+            return b, self._ch1.frame([pieces[r] for r in self._ch1.ranks])
+        per_node = [bundle_pieces([pieces[r] for r in node_ranks]) for node_ranks in p.node_lists]
+        return b, self._ch1.frame(per_node)
 
     def messages(self, *, batch_size: int, seed: int, epoch: int, start_batch: int = 0, num_workers: int = 0):
         """Per step, this rank's encoded message (the part without decoding).
 
-        A reader prepares the next bucket of steps (reads and encodes, in a helper thread) while
-        the current bucket's collective runs and its steps are consumed, so shared-filesystem
-        latency overlaps the transfer and the training."""
+        A reader prepares the next bucket (reads, encodes and frames it) while the current one
+        travels.  Datasets with ``raw_batch`` (memory-mapped or in memory: the work is Python's)
+        do it in this thread while the collective runs asynchronously; a helper thread would only
+        take turns with this one for the GIL, and each turn can wait out the interpreter's switch
+        interval (5 ms).  Other datasets (file reads that wait on the filesystem) are read in a
+        helper thread, one bucket ahead, so shared-filesystem latency also overlaps the training."""
         p, n = self.plan, len(self.inner)
         steps = batches_per_rank(n, p.world_size, batch_size)
         full = epoch_permutation(n, p.world_size, seed, epoch) if p.serves else []
         perm = {r: full[r::p.world_size] for r in p.serves}  # DistributedSampler's slices
         pool = ThreadPoolExecutor(num_workers) if (num_workers and p.serves) else None
-        ahead = ThreadPoolExecutor(1) if p.serves else None
+        inline = self.raw and pool is None and hasattr(self.inner, "raw_batch")
+        ahead = ThreadPoolExecutor(1) if (p.serves and not inline) else None
 
-        def prepare(b: int) -> tuple[int, dict]:
-            """Steps b.. (one bucket) -> (first step after it, {member: bundle of its messages})."""
-            parts, nbytes, b0 = {r: [] for r in p.serves}, 0, b
-            while b < steps and (b == b0 or (nbytes < self.coalesce_bytes and b - b0 < self.max_coalesce)):
-                lo, hi = b * batch_size, (b + 1) * batch_size
-                for r in p.serves:
-                    parts[r].append(encode_samples(self._read(perm[r][lo:hi], pool), self.raw))
-                    nbytes += len(parts[r][-1])
-                b += 1
-            return b, {r: bundle(ms) for r, ms in parts.items()}
+        def prepare(b: int):  # inline: the result itself; else a future of it
+            args = (perm, b, steps, batch_size, pool)
+            return self._prepare(*args) if inline else ahead.submit(self._prepare, *args)
 
         try:
             b = start_batch
-            nxt = ahead.submit(prepare, b) if ahead and b < steps else None
+            nxt = prepare(b) if p.serves and b < steps else None
             while b < steps:  # members learn each bucket's size from the bundle they receive
-                msgs = {}
+                started = None
                 if nxt is not None:
-                    b_next, msgs = nxt.result()
-                    nxt = ahead.submit(prepare, b_next) if b_next < steps else None
-                for part in unbundle(self._deliver(msgs)):
+                    b_next, framed = nxt if inline else nxt.result()
+                    started = self._ch1.start(framed)  # the reader's collective is in flight...
+                    nxt = prepare(b_next) if b_next < steps else None  # ...while the next is framed
+                for part in unbundle(self._deliver(started)):
                     b += 1
                     yield part
         finally:
@@ -258,17 +199,17 @@ class BroadcastDataset(torch.utils.data.Dataset):
                 if ex is not None:
                     ex.shutdown(wait=True, cancel_futures=True)
 
-    def _deliver(self, msgs: dict) -> bytes:
-        p = self.plan
-        if p.mode != "two_level":
-            return self._ch1.send([msgs[r] for r in self._ch1.ranks] if msgs else None)
+    def _deliver(self, started):
+        """One bucket to this rank (the reader passes its started transfer, members None)."""
+        def first_level():
+            return self._ch1.finish(started) if started is not None else self._ch1.transfer(None)
+
+        if self.plan.mode != "two_level":
+            return first_level()
         node_msgs = None
         if self._ch1 is not None:  # node leaders: receive this node's bundle from the reader
-            per_node = None
-            if msgs:
-                per_node = [bundle([msgs[r] for r in node_ranks]) for node_ranks in p.node_lists]
-            node_msgs = unbundle(self._ch1.send(per_node))
-        return self._ch2.send(node_msgs)
+            node_msgs = unbundle(first_level())
+        return self._ch2.transfer(self._ch2.frame(node_msgs) if node_msgs is not None else None)
 
     def batches(self, *, batch_size: int, seed: int, epoch: int, start_batch: int = 0, num_workers: int = 0):
         """Collated (inputs, targets) batches: this rank's DistributedSampler samples, in order."""

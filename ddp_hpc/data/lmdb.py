@@ -307,8 +307,9 @@ class LMDBDataset(torch.utils.data.Dataset):
             raise self._missing(index)
         return value, self._labels[index]
 
-    def raw_items(self, indices) -> list[tuple[bytes, int]]:
-        """:meth:`raw_item` of each index, read in C-level loops (the broadcast reader's bulk read)."""
+    def raw_batch(self, indices) -> tuple[list[bytes], list[int]]:
+        """(stored bytes, labels) of ``indices``, read in C-level loops: the bulk :meth:`raw_item`
+        (DataLoader batches through ``__getitems__``, the broadcast reader per step)."""
         if isinstance(self._get, _FirstRead):
             self._open()
         try:
@@ -318,7 +319,7 @@ class LMDBDataset(torch.utils.data.Dataset):
         if None in values:
             for i in indices:  # raises, naming the first index that is not stored
                 self.raw_item(i)
-        return list(zip(values, map(self._labels.__getitem__, indices)))
+        return values, list(map(self._labels.__getitem__, indices))
 
     def decode_item(self, data: bytes, label: int):
         if self._decode is not None:
@@ -332,7 +333,7 @@ class LMDBDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices) -> list:
         """A DataLoader batch (torch calls this instead of ``__getitem__`` per index): one bulk read."""
-        return [self.decode_item(value, label) for value, label in self.raw_items(indices)]
+        return [self.decode_item(value, label) for value, label in zip(*self.raw_batch(indices))]
 
     def relocated(self, new_path: str) -> "LMDBDataset":
         return LMDBDataset(new_path, decode=self._decode)

@@ -1,4 +1,5 @@
-"""The broadcast loader's wire format: one member's samples as one byte string, and bundles of them.
+"""The broadcast loader's wire: one member's samples as bytes, bundles of them, and the
+:class:`Channel` that moves a bucket of bundles from a group's reader to its members.
 
 A message is a small header of int64s (sample count, a kind flag, then per sample either
 (encoded length, label) for raw items or, for tensors, rows of dtype code, ndim, shape and byte
@@ -6,16 +7,23 @@ count) followed by the bytes, back to back.  Raw items are a dataset's compact e
 (``raw_item``), decoded on the receiver (``decode_item``); anything else ships its tensors.
 A bundle joins several messages (one per step, or one per node) with their lengths in front, so
 one collective can carry a bucket of steps.
+
+The reader never builds a sample's message in Python: :func:`raw_bundle` lays out the headers of
+a whole bucket with numpy, and the result is a list of *pieces* (header views and the samples'
+own bytes objects) that :meth:`Channel.frame` joins straight into the send buffer: one copy of
+each sample, in C.
 """
 from __future__ import annotations
 
 import struct
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from ddp_hpc.data.errors import SampleError
 
-__all__ = ["encode_samples", "decode_samples", "bundle", "unbundle"]
+__all__ = ["encode_samples", "decode_samples", "bundle", "unbundle", "raw_bundle", "bundle_pieces", "Channel"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool]
@@ -57,21 +65,19 @@ def encode_samples(items: list, raw: bool) -> bytes:
     return _i64([len(items), 1] + rows) + b"".join(blobs)
 
 
-def decode_samples(buf: bytes, decode_item=None) -> list:
+def decode_samples(buf, decode_item=None) -> list:
     """Inverse of :func:`encode_samples`; raw items are passed through ``decode_item``."""
     n, kind = struct.unpack_from("<2q", buf, 0)
     off = 16
-    out = []
     if kind == 0:
-        head = struct.unpack_from(f"<{2 * n}q", buf, off)
-        off += 16 * n
-        for i in range(n):
-            size, label = head[2 * i], head[2 * i + 1]
-            out.append(decode_item(bytes(buf[off:off + size]), label))
-            off += size
-        return out
+        head = np.frombuffer(buf, np.int64, 2 * n, off).reshape(n, 2)
+        ends = (off + 16 * n + np.cumsum(head[:, 0])).tolist()
+        view = memoryview(buf)
+        return [decode_item(bytes(view[end - size:end]), label)
+                for end, size, label in zip(ends, head[:, 0].tolist(), head[:, 1].tolist())]
     rows = struct.unpack_from(f"<{2 * n * _ROW}q", buf, off)
     off += 8 * 2 * n * _ROW
+    out = []
     for i in range(n):
         pair = []
         for j in range(2):
@@ -84,16 +90,180 @@ def decode_samples(buf: bytes, decode_item=None) -> list:
     return out
 
 
+def raw_bundle(values: list, labels: list, counts: list[int]) -> list:
+    """The pieces of ``bundle([encode_samples(step, raw=True) for step in steps])`` (the same
+    bytes once joined), where step j is the next ``counts[j]`` of ``values``/``labels``: every
+    header of the bucket is laid out by numpy at once; the samples' bytes objects are pieces
+    themselves, copied only when the pieces are joined."""
+    k, n = len(counts), len(values)
+    cnt = np.array(counts, dtype=np.int64)
+    lens = np.array(list(map(len, values)), dtype=np.int64)
+    ends = np.cumsum(cnt)
+    starts = ends - cnt
+    csum = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=csum[1:])
+    sizes = 16 + 16 * cnt + csum[ends] - csum[starts]  # each step's message
+    heads = np.zeros(2 * k + 2 * n, dtype=np.int64)  # the steps' headers, back to back
+    at = 2 * np.arange(k) + 2 * starts  # where step j's header starts
+    heads[at] = cnt
+    pos = 2 * np.repeat(np.arange(k), cnt) + 2 + 2 * np.arange(n)  # sample i's (length, label)
+    heads[pos] = lens
+    heads[pos + 1] = np.array(labels, dtype=np.int64)
+    hv = memoryview(heads).cast("B")
+    pieces = [np.concatenate(([k], sizes)).astype(np.int64).tobytes()]
+    for a, b, h in zip(starts.tolist(), ends.tolist(), at.tolist()):
+        pieces.append(hv[8 * h:8 * (h + 2 + 2 * (b - a))])
+        pieces += values[a:b]
+    return pieces
+
+
+def bundle_pieces(messages: list[list]) -> list:
+    """The pieces of a bundle of ``messages``, each given as a list of pieces."""
+    out = [_i64([len(messages)] + [sum(map(len, m)) for m in messages])]
+    for m in messages:
+        out += m
+    return out
+
+
 def bundle(messages: list[bytes]) -> bytes:
-    return _i64([len(messages)] + [len(m) for m in messages]) + b"".join(messages)
+    return b"".join(bundle_pieces([[m] for m in messages]))
 
 
-def unbundle(buf: bytes) -> list[memoryview]:
+def unbundle(buf) -> list[memoryview]:
     """Split a bundle into zero-copy views (``buf`` must not be reused: pass immutable bytes)."""
     (k,) = struct.unpack_from("<q", buf, 0)
-    sizes = struct.unpack_from(f"<{k}q", buf, 8)
-    view, off, out = memoryview(buf), 8 * (k + 1), []
-    for s in sizes:
-        out.append(view[off:off + s])
-        off += s
-    return out
+    ends = (8 * (k + 1) + np.cumsum(np.frombuffer(buf, np.int64, k, 8))).tolist()
+    view = memoryview(buf)
+    return [view[end - size:end] for end, size in zip(ends, np.diff([8 * (k + 1)] + ends).tolist())]
+
+
+_ZEROS = bytes(1 << 20)
+
+
+def _zeros(n: int):
+    """``n`` zero bytes, as a view of a shared block where it is big enough (send-buffer padding)."""
+    return memoryview(_ZEROS)[:n] if n <= len(_ZEROS) else bytes(n)
+
+
+class Channel:
+    """One collective per bucket from the reader ``ranks[0]`` to every member of ``ranks``.
+
+    ``collective="scatter"``: each member's slot is a 16-byte header (payload length, capacity)
+    and its payload; members receive only their own bytes (best across nodes).
+    ``collective="broadcast"``: one buffer (status, capacity, every member's length, then the
+    payloads back to back) goes to all members, each slices its own (gloo's broadcast is the
+    faster primitive for small groups inside a node, where the extra bytes cost no network).
+
+    The reader lays a bucket out with :meth:`frame` (a helper thread can do it while the previous
+    bucket travels): one ``bytearray.join`` of the pieces into a fresh buffer, sent as it is.
+    Buffers have a capacity every member agrees on.  When a bucket outgrows it, :meth:`transfer`
+    first sends a resize header (status -1, new capacity, at least 1.5x) and then the bucket:
+    steady state is ONE collective per bucket, no separate size exchange.
+    """
+
+    def __init__(self, group, ranks: list, rank: int, device, capacity: int = 64 << 10,
+                 collective: str = "scatter"):
+        if collective not in ("scatter", "broadcast"):
+            raise ValueError(f"Channel collective={collective!r}: use scatter or broadcast")
+        self.group, self.ranks, self.device = group, ranks, torch.device(device)
+        self.me, self.collective = ranks.index(rank), collective
+        self.head = 16 if collective == "scatter" else 8 * (2 + len(ranks))
+        self.cap = self.planned = max(capacity, self.head + 1)  # planned: the reader's next frames'
+        self._alloc()
+
+    def _alloc(self) -> None:
+        """A fresh receive buffer: a member hands out views of it, so it is not reused (allocating
+        a same-sized block again is cheap: malloc recycles it; copying out the views was not)."""
+        self.out = torch.empty(self.cap, dtype=torch.uint8)
+
+    def frame(self, messages: list) -> tuple:
+        """Reader: one message per member (in ``ranks`` order), each bytes-like or a list of pieces
+        joined in order; returns the send buffer and the messages' lengths."""
+        parts = [m if isinstance(m, list) else [m] for m in messages]
+        lens = [sum(map(len, p)) for p in parts]
+        if len(self.ranks) == 1:
+            return b"".join(parts[0]), lens
+        need = self.head + (max(lens) if self.collective == "scatter" else sum(lens))
+        if need > self.planned:
+            self.planned = max(need, self.planned * 3 // 2)
+        cap, pieces = self.planned, []
+        if self.collective == "scatter":
+            for p, n in zip(parts, lens):
+                pieces += [_i64([n, cap]), *p, _zeros(cap - 16 - n)]
+        else:
+            pieces.append(_i64([0, cap] + lens))
+            for p in parts:
+                pieces += p
+            pieces.append(_zeros(cap - need))
+        return torch.frombuffer(bytearray().join(pieces), dtype=torch.uint8), lens
+
+    def _launch(self, send: torch.Tensor | None) -> tuple:
+        """Start the collective (the reader passes its send buffer): (work, what this rank holds)."""
+        dev = self.device.type != "cpu"
+        if self.collective == "broadcast":
+            t = send if self.me == 0 else self.out
+            t = t.to(self.device) if dev else t
+            return dist.broadcast(t, group=self.group, group_src=0, async_op=True), t
+        out = torch.empty(self.cap, dtype=torch.uint8, device=self.device) if dev else self.out
+        chunks = None
+        if self.me == 0:
+            rows = send.view(len(self.ranks), self.cap)
+            chunks = list((rows.to(self.device) if dev else rows).unbind(0))
+        return dist.scatter(out, chunks, group=self.group, group_src=0, async_op=True), out
+
+    def _run(self, send: torch.Tensor | None) -> np.ndarray:
+        work, held = self._launch(send)
+        work.wait()
+        return held.cpu().numpy()
+
+    def _resize(self, cap: int) -> None:
+        """Reader: tell the members the next buffer has ``cap`` bytes (sent at the old size)."""
+        header = _i64([-1, cap] + [0] * (self.head // 8 - 2))
+        rows = len(self.ranks) if self.collective == "scatter" else 1
+        msg = torch.zeros((rows, self.cap), dtype=torch.uint8)
+        msg[:, :len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        self._run(msg.view(-1))
+        self.cap = cap
+        self._alloc()
+
+    def start(self, framed: tuple) -> tuple:
+        """Reader: start delivering a framed bucket (the collective runs while the caller goes on,
+        e.g. framing the next one); :meth:`finish` waits for it."""
+        buf, lens = framed
+        if len(self.ranks) == 1:
+            return None, buf
+        size = buf.numel() // (len(self.ranks) if self.collective == "scatter" else 1)
+        if size != self.cap:
+            self._resize(size)
+        start = 16 if self.collective == "scatter" else self.head
+        return self._launch(buf)[0], memoryview(buf.numpy())[start:start + lens[0]]
+
+    def finish(self, started: tuple):
+        """Reader: wait for :meth:`start`'s collective; returns the reader's own message."""
+        work, own = started
+        if work is not None:
+            work.wait()
+        return own
+
+    def transfer(self, framed: tuple | None):
+        """Deliver a bucket: the reader passes :meth:`frame`'s result, members None; returns this
+        rank's message (a view of a buffer used for this bucket only)."""
+        if self.me == 0:
+            return self.finish(self.start(framed))
+        while True:
+            self._alloc()
+            buf = self._run(None)
+            status, cap = buf[:16].view(np.int64).tolist()
+            if status < 0:  # the reader grew the buffers: receive this bucket again at the new size
+                self.cap = cap
+                continue
+            view = memoryview(buf)
+            if self.collective == "scatter":
+                return view[16:16 + status]
+            lens = buf[16:self.head].view(np.int64).tolist()
+            off = self.head + sum(lens[:self.me])
+            return view[off:off + lens[self.me]]
+
+    def send(self, messages: list | None):
+        """:meth:`frame` and :meth:`transfer` in one call (reader: one message per member; members None)."""
+        return self.transfer(self.frame(messages) if messages is not None else None)
