@@ -297,7 +297,7 @@ def test_two_node_leaders_sharing_a_stage_folder_copy_once_and_clean_up_once(tmp
     assert ev0["path"] == ev2["path"] and ev0["bytes"] == ev2["bytes"] == os.path.getsize(os.path.join(src, "data.mdb"))
     assert {ev0["node"], ev2["node"]} == {f"node0@{os.uname().nodename}", f"node1@{os.uname().nodename}"}
     copy = ev0 if ev0["method"] == "copy" else ev2
-    assert copy["mb_per_s"] > 0 and copy["seconds"] >= copy["copy_seconds"] > 0
+    assert copy["mb_per_s"] > 0 and copy["seconds"] >= copy["copy_seconds"] > 0, (ev0, ev2)
     text = open(logs / "rank0.log").read()
     assert f"stage: {'copied' if ev0 is copy else 'reused the copy of'} {src} -> {ev0['path']}" in text
     assert "stage cleanup: " in text and "WARNING" not in text

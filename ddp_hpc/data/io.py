@@ -129,9 +129,8 @@ def stage_log_entry(res: StageResult, user: str) -> tuple[str, dict]:
     line = (f"stage: {how.get(res.method, res.method)} {res.src} -> {res.path} on {user}: "
             f"{res.bytes / 1e6:.1f} MB, {res.files} file(s) in {res.seconds:.2f} s ({detail})")
     fields = {"method": res.method, "path": res.path, "src": res.src, "bytes": res.bytes, "files": res.files,
-              "seconds": round(res.seconds, 4), "mb_per_s": None if res.mb_per_s is None else round(res.mb_per_s, 1),
-              "copy_seconds": round(res.copy_seconds, 4), "made_by": res.made_by, "node": user,
-              "users": list(res.users)}
+              "seconds": res.seconds, "mb_per_s": res.mb_per_s, "copy_seconds": res.copy_seconds,
+              "made_by": res.made_by, "node": user, "users": list(res.users)}
     return line, fields
 
 
