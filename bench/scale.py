@@ -24,8 +24,9 @@ shared) in CPU seconds of this process, which other work on a shared machine doe
 been written.
 
 Each line shows the cost per unit (per rank, per host, per record) at every size and the growth
-factor: the cost per unit at the largest size over that at the smallest. Linear or better means
-the cost per unit does not grow (factor <= GROWTH_OK, which allows for noise). Two sections have
+factor: the cost per unit at the largest size over the lowest cost per unit at any size (fixed
+costs make the smallest sizes dear per unit). Linear or better means the cost per unit does not
+grow (factor <= GROWTH_OK, which allows for noise). Two sections have
 an inherent factor: every rank's DistEnv holds all the job's host names (O(nodes) per rank, so the
 ``env`` line is judged per rank per node), and every rank builds every group's rank list (torch
 needs all ranks to create all groups, so ``groups`` is one rank's cost per rank of the world).
@@ -358,7 +359,9 @@ def summarize(rows: list[dict]) -> dict:
         mine = sorted((r for r in rows if r["section"] == section), key=lambda r: r["size"])
         if len(mine) < 2:
             continue
-        growth = mine[-1]["per_unit_us"] / mine[0]["per_unit_us"]
+        # against the cheapest size, not the smallest: fixed costs make the smallest sizes dear
+        # per unit and would hide a superlinear term that shows only between the larger ones
+        growth = mine[-1]["per_unit_us"] / min(r["per_unit_us"] for r in mine)
         out["sections"][section] = {"growth": round(growth, 3), "linear": growth <= GROWTH_OK,
                                     "from": mine[0]["size"], "to": mine[-1]["size"]}
     status = [r for r in rows if r["section"] == "status detail"]
