@@ -50,11 +50,11 @@ class SafeLog:
             self._log.close()
             self._log = None
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, _method: str, /, *args: Any, **kwargs: Any) -> Any:
         if self._log is None:
             return None
         try:
-            return getattr(self._log, method)(*args, **kwargs)
+            return getattr(self._log, _method)(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - logging must not cost the run
             self._failed(exc)
             return None

@@ -19,6 +19,8 @@ srun's "Node failure on n2"; ``sacct -D`` says which runs ended NODE_FAIL):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from pathlib import Path
 
@@ -26,6 +28,24 @@ __all__ = ["failed_nodes", "requeue_avoiding", "check_placement", "main"]
 
 #: exit status when the run requeued itself to leave a failed node
 REQUEUED = 75
+
+
+@contextlib.contextmanager
+def _term_held():
+    """SIGTERM and SIGINT held back (delivered afterwards): requeueing its own job gets this
+    process signalled at once, and the ``scontrol update`` that must follow the requeue would
+    never run (seen on Slurm 22.05: a batch script died between the two commands)."""
+    held = {signal.SIGTERM, signal.SIGINT}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _requeue(cli, job_id: str, nodes: list[str]) -> None:
+    with _term_held():
+        cli.requeue(job_id, exclude=nodes)
 
 
 def _history(job_id: str, cli) -> list[str]:
@@ -74,7 +94,7 @@ def requeue_avoiding(job_id: str, log_dir: str | Path | None, *, exclude: bool =
             nodes = failed_nodes(log_dir, job_id, restart, cli)
         except Exception as e:  # noqa: BLE001 - never let the check stop a requeue
             print(f"ddp_hpc: failed nodes unknown ({type(e).__name__}: {e})", file=sys.stderr)
-    cli.requeue(job_id, exclude=nodes)
+    _requeue(cli, job_id, nodes)
     return nodes
 
 
@@ -98,7 +118,7 @@ def check_placement(log_dir: str | Path, facts, cli=None, out=sys.stdout) -> int
     print(f"ddp_hpc: restart {facts.restart_count} landed on {', '.join(again)}, which failed an "
           f"earlier run: requeueing job {facts.key or facts.job_id} with ExcNodeList += "
           f"{', '.join(bad)}", file=out, flush=True)
-    cli.requeue(facts.key or facts.job_id, exclude=bad)
+    _requeue(cli, facts.key or facts.job_id, bad)
     return REQUEUED
 
 

@@ -67,4 +67,4 @@ def revive_node(state_dir: Path, node: str, timeout: float = 60) -> None:
         cluster._start_slurmd(spec, i, node)  # noqa: SLF001 - the same start as `up` uses
     daemons.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], spec, "scontrol",
                 check=False)
-    cluster._wait_idle(spec, timeout, ok=("idle", "mixed", "allocated"))  # noqa: SLF001
+    cluster._wait_idle(spec, timeout, ok=("idle", "mix", "mixed", "alloc", "allocated"))  # noqa: SLF001
