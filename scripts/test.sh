@@ -1,7 +1,31 @@
 #!/usr/bin/env bash
 # Set up .venv if needed and run the whole test suite (cluster tests need root + slurm-wlm;
 # without them they skip with a visible reason).
+#
+# With no arguments the cluster tests (tests/cluster: they mostly wait on Slurm and on ranks
+# starting up) run in a second pytest beside the unit tests; both reports are printed, and the
+# exit status is the first non-zero one. With arguments, one pytest gets them as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -ra "$@"
+PYTEST=(.venv/bin/python -m pytest -ra --durations=12)
+if [ "$#" -gt 0 ]; then
+  exec "${PYTEST[@]}" "$@"
+fi
+
+log=$(mktemp "${TMPDIR:-/tmp}/ddp_hpc_cluster_tests.XXXXXX")
+trap 'rm -f "$log"' EXIT
+start=$(date +%s)
+"${PYTEST[@]}" tests/cluster >"$log" 2>&1 &
+cluster_pid=$!
+unit_rc=0
+"${PYTEST[@]}" tests --ignore=tests/cluster || unit_rc=$?
+echo "unit tests: exit $unit_rc after $(( $(date +%s) - start )) s; waiting for the cluster tests"
+cluster_rc=0
+wait "$cluster_pid" || cluster_rc=$?
+echo "================================ cluster tests (tests/cluster) ================================"
+cat "$log"
+echo "cluster tests: exit $cluster_rc after $(( $(date +%s) - start )) s"
+# pytest's 5 means "collected nothing": never a pass here, both runs must have collected tests
+if [ "$unit_rc" -ne 0 ]; then exit "$unit_rc"; fi
+exit "$cluster_rc"
