@@ -88,9 +88,18 @@ class RunLogs:
         evs = [e for s in self.ranks.values() for e in s.events]
         return sorted(evs, key=lambda e: _float(e.get("time"), 0.0))
 
+    def _cached(self, name: str, compute):
+        """``compute()``, kept while no stream changed (status asks the same of thousands of
+        ranks' events several times)."""
+        key = tuple((id(s.events), len(s.events)) for s in self.ranks.values())
+        if self._memo.get(name, (None,))[0] != key:
+            self._memo[name] = (key, compute())
+        return self._memo[name][1]
+
     def restarts(self) -> list[int]:
         """Every restart number seen in any event, ascending."""
-        return sorted(set().union(*(s.restart_numbers() for s in self.ranks.values())))
+        return list(self._cached("restarts", lambda: sorted(
+            set().union(*(s.restart_numbers() for s in self.ranks.values())))))
 
     def current_restart(self) -> int:
         r = self.restarts()
@@ -118,10 +127,7 @@ class RunLogs:
     def runs(self) -> list[RunSummary]:
         """One summary per restart number: what each run of a requeued job did (computed once
         while the streams do not change; each call returns copies)."""
-        key = tuple((id(s.events), len(s.events)) for s in self.ranks.values())
-        if self._memo.get("runs", (None,))[0] != key:
-            self._memo["runs"] = (key, self._runs())
-        return [dataclasses.replace(r) for r in self._memo["runs"][1]]
+        return [dataclasses.replace(r) for r in self._cached("runs", self._runs)]
 
     def _runs(self) -> list[RunSummary]:
         return [_summary(restart, (e for s in self.ranks.values() for e in s._runs().get(restart, ())))

@@ -57,7 +57,10 @@ class RankStream:
         if self._by_restart is None or self._by_restart[0] != key:
             runs: dict[int, list[dict]] = {}
             for e in self.events:
-                runs.setdefault(_restart_of(e), []).append(e)
+                restart = e.get("restart")
+                if type(restart) is not int:  # the writer's ints skip the conversion
+                    restart = _restart_of(e)
+                runs.setdefault(restart, []).append(e)
             self._by_restart = (key, runs)
         return self._by_restart[1]
 
