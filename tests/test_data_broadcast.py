@@ -27,6 +27,42 @@ class IndexDataset(torch.utils.data.Dataset):
         return torch.full((2, 3), float(i)), i
 
 
+class RawIndexDataset(torch.utils.data.Dataset):
+    """Encoded sample i: (i % 7 + 1) bytes of value i % 251, label i; read in bulk like LMDBDataset."""
+
+    def __len__(self):
+        return N_SAMPLES
+
+    def raw_item(self, i):
+        return bytes([i % 251]) * (i % 7 + 1), i
+
+    def raw_batch(self, idx):
+        return [self.raw_item(i)[0] for i in idx], list(idx)
+
+    @staticmethod
+    def decode_item(data, label):
+        return torch.tensor([data[0], len(data)]), label
+
+
+def _held_messages(ctx, out):
+    """Every message of an epoch kept until the end (buckets of 1-2 steps): receive buffers are
+    reused only when nothing views them, so what is held must still read back right."""
+    from ddp_hpc.data.broadcast import BroadcastDataset, build_plan
+    from ddp_hpc.data.wire import decode_samples
+
+    for mode in ("node", "strided", "two_level"):
+        for coll in ("auto", "scatter"):
+            ds = BroadcastDataset(RawIndexDataset(), build_plan(ctx.env, mode), collective=coll,
+                                  coalesce_bytes=40, max_coalesce=2)
+            held = [list(ds.messages(batch_size=BATCH, seed=5, epoch=e)) for e in (0, 1)]
+            got = []
+            for msgs in held:
+                pairs = [xy for m in msgs for xy in decode_samples(m, RawIndexDataset.decode_item)]
+                assert all(x.tolist() == [y % 251, y % 7 + 1] for x, y in pairs), (mode, coll)
+                got.append([y for _, y in pairs])
+            out[f"held_{mode}_{coll}"] = got
+
+
 def _rank_main(rank, world_size, image_root):
     from ddp_hpc.config import DataConfig
     from ddp_hpc.data import fsio
@@ -70,6 +106,7 @@ def _rank_main(rank, world_size, image_root):
                 ids = [i for _, y in ds.batches(batch_size=BATCH, seed=5, epoch=0, start_batch=start)
                        for i in y.tolist()]
                 out[f"{mode}_coalesce_{cb}_{mc}_{start}"] = (ids, len(calls))
+        _held_messages(ctx, out)
         # encoded image bytes through the two-level path; count opens below the shared root
         fsio.watch(image_root)
         cfg = DataConfig(io="broadcast", broadcast_groups="two_level")
@@ -142,6 +179,13 @@ def test_small_steps_are_coalesced_into_fewer_collectives(results, mode):
             assert calls == collectives, (mode, cb, mc, start, rank)
 
 
+@pytest.mark.parametrize("coll", ["auto", "scatter"])
+@pytest.mark.parametrize("mode", ["node", "strided", "two_level"])
+def test_raw_samples_in_bulk_and_held_messages_stay_intact(results, mode, coll):
+    for rank, r in enumerate(results):
+        assert r[f"held_{mode}_{coll}"] == [_expected(rank, 0), _expected(rank, 1)], (mode, coll, rank)
+
+
 def test_readers_per_mode(results):
     assert results[0]["node_readers"] == [0, 3]
     assert results[0]["strided_readers"] == [0, 1, 2]
@@ -179,3 +223,42 @@ def test_wire_round_trip_and_unshippable_samples_named():
         encode_samples([3], raw=False)
     with pytest.raises(TypeError, match=r"complex64 tensor.*\nHINT: samples must be tensors"):
         encode_samples([(torch.zeros(2, dtype=torch.complex64), 0)], raw=False)
+
+
+def test_raw_bundle_is_the_bundle_of_the_steps_messages():
+    import random
+
+    from ddp_hpc.data.wire import Pieces, bundle, bundle_pieces, encode_samples, raw_bundle, unbundle
+
+    rng = random.Random(1)
+    for counts in ([1], [3, 3, 1], [64] * 5 + [17], [0, 2]):
+        values = [rng.randbytes(rng.choice([0, 1, 800, 3000])) for _ in range(sum(counts))]
+        labels = [rng.randrange(-1, 10) for _ in values]
+        pieces = raw_bundle(values, labels, counts)
+        steps, at = [], 0
+        for c in counts:
+            steps.append(encode_samples(list(zip(values[at:at + c], labels[at:at + c])), raw=True))
+            at += c
+        joined = b"".join(pieces)
+        assert joined == bundle(steps) and pieces.nbytes == len(joined)
+        assert [bytes(m) for m in unbundle(joined)] == steps
+        nested = bundle_pieces([pieces, b"xy"])  # a bundle of bundles (two_level's per-node message)
+        assert isinstance(nested, Pieces) and b"".join(nested) == bundle([joined, b"xy"])
+        assert nested.nbytes == len(b"".join(nested))
+
+
+def test_buffers_are_reused_only_when_nothing_views_them():
+    from ddp_hpc.data.wire import _Buffers
+
+    bufs = _Buffers(keep=2)
+    a = bufs.join([b"abc", b"def"], 8)
+    assert a.tolist()[:6] == list(b"abcdef") and a.numel() == 8
+    view = memoryview(a.numpy())[0:3]
+    del a
+    b = bufs.join([b"XYZ"], 3)  # the first buffer is still viewed: a second one
+    assert bytes(view) == b"abc" and bytes(b.numpy()) == b"XYZ"
+    del b
+    c = bufs.join([b"123"], 3)  # the second is free again and reused
+    assert bytes(c.numpy()) == b"123" and bytes(view) == b"abc" and len(bufs.pool) == 2
+    held = [bufs.empty(4) for _ in range(3)]  # all in use: a new one, not kept
+    assert len(bufs.pool) == 2 and all(t.numel() == 4 for t in held)

@@ -101,10 +101,10 @@ class BroadcastDataset(torch.utils.data.Dataset):
         scatter / broadcast everywhere.
 
         ``coalesce_bytes``/``max_coalesce``: when steps are small, the reader ships consecutive
-        steps in one collective until the group's bytes reach ``coalesce_bytes`` (at most
-        ``max_coalesce`` steps), as DDP buckets gradients: a collective's fixed latency then
-        counts once per bucket, not once per step.  Steps that are already large go one per
-        collective; ``coalesce_bytes=0`` turns it off."""
+        steps in one collective while another step fits in ``coalesce_bytes`` of the group's
+        bytes (at most ``max_coalesce`` steps), as DDP buckets gradients: a collective's fixed
+        latency then counts once per bucket, not once per step.  Steps that are already large go
+        one per collective; ``coalesce_bytes=0`` turns it off."""
         if coalesce_bytes < 0 or max_coalesce < 1:
             raise ValueError(f"BroadcastDataset: coalesce_bytes={coalesce_bytes} must be >= 0 and "
                              f"max_coalesce={max_coalesce} >= 1")
@@ -130,15 +130,21 @@ class BroadcastDataset(torch.utils.data.Dataset):
         items = list(pool.map(self.inner.raw_item, idx) if pool is not None else map(self.inner.raw_item, idx))
         return [v for v, _ in items], [label for _, label in items]
 
+    def takes_another(self, nbytes: int, last: int, count: int) -> bool:
+        """Does a bucket of ``count`` steps and ``nbytes`` (its last step ``last`` bytes) take the
+        next step?  While another step like the last still fits in ``coalesce_bytes`` (and below
+        ``max_coalesce`` steps): buckets then stay close to one size, and the buffer every
+        collective moves in full (sized to the largest bucket) carries little padding."""
+        return nbytes + last <= self.coalesce_bytes and count < self.max_coalesce
+
     def _prepare(self, perm: dict, b: int, steps: int, batch_size: int, pool) -> tuple[int, tuple]:
-        """Reader: steps b.. (one bucket) -> (first step after it, the bucket framed for sending).
-        Steps join the bucket until the group's bytes reach ``coalesce_bytes`` (or
-        ``max_coalesce`` steps); raw samples are read in bulk and laid out by :func:`raw_bundle`."""
-        p, b0, nbytes, counts = self.plan, b, 0, []
+        """Reader: steps b.. (one bucket, see :meth:`takes_another`) -> (first step after it, the
+        bucket framed for sending); raw samples are read in bulk and laid out by :func:`raw_bundle`."""
+        p, b0, nbytes, last, counts = self.plan, b, 0, 0, []
         cols = {r: ([], []) for r in p.serves}
         msgs = {r: [] for r in p.serves}
-        while b < steps and (b == b0 or (nbytes < self.coalesce_bytes and b - b0 < self.max_coalesce)):
-            lo, hi = b * batch_size, (b + 1) * batch_size
+        while b < steps and (b == b0 or self.takes_another(nbytes, last, b - b0)):
+            lo, hi, before = b * batch_size, (b + 1) * batch_size, nbytes
             for r in p.serves:
                 if self.raw:
                     values, labels = self._read_raw(perm[r][lo:hi], pool)
@@ -151,11 +157,12 @@ class BroadcastDataset(torch.utils.data.Dataset):
                                                        else map(self.inner.__getitem__, idx)), False))
                     nbytes += len(msgs[r][-1])
             counts.append(len(perm[p.serves[0]][lo:hi]))
+            last = nbytes - before
             b += 1
         if self.raw:
             pieces = {r: raw_bundle(*cols[r], counts) for r in p.serves}
         else:
-            pieces = {r: bundle_pieces([[m] for m in msgs[r]]) for r in p.serves}
+            pieces = {r: bundle_pieces(msgs[r]) for r in p.serves}
         if p.mode != "two_level":
             return b, self._ch1.frame([pieces[r] for r in self._ch1.ranks])
         per_node = [bundle_pieces([pieces[r] for r in node_ranks]) for node_ranks in p.node_lists]

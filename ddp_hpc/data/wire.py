@@ -15,6 +15,7 @@ each sample, in C.
 """
 from __future__ import annotations
 
+import io
 import struct
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from ddp_hpc.data.errors import SampleError
 
-__all__ = ["encode_samples", "decode_samples", "bundle", "unbundle", "raw_bundle", "bundle_pieces", "Channel"]
+__all__ = ["encode_samples", "decode_samples", "bundle", "unbundle", "raw_bundle", "bundle_pieces", "Pieces", "Channel"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool]
@@ -90,7 +91,17 @@ def decode_samples(buf, decode_item=None) -> list:
     return out
 
 
-def raw_bundle(values: list, labels: list, counts: list[int]) -> list:
+class Pieces(list):
+    """Bytes-like pieces that make one message when joined in order; ``nbytes`` is their total."""
+
+    nbytes = 0
+
+
+def _nbytes(message) -> int:
+    return message.nbytes if isinstance(message, Pieces) else len(message)
+
+
+def raw_bundle(values: list, labels: list, counts: list[int]) -> Pieces:
     """The pieces of ``bundle([encode_samples(step, raw=True) for step in steps])`` (the same
     bytes once joined), where step j is the next ``counts[j]`` of ``values``/``labels``: every
     header of the bucket is laid out by numpy at once; the samples' bytes objects are pieces
@@ -110,23 +121,29 @@ def raw_bundle(values: list, labels: list, counts: list[int]) -> list:
     heads[pos] = lens
     heads[pos + 1] = np.array(labels, dtype=np.int64)
     hv = memoryview(heads).cast("B")
-    pieces = [np.concatenate(([k], sizes)).astype(np.int64).tobytes()]
+    pieces = Pieces([np.concatenate(([k], sizes)).astype(np.int64).tobytes()])
     for a, b, h in zip(starts.tolist(), ends.tolist(), at.tolist()):
         pieces.append(hv[8 * h:8 * (h + 2 + 2 * (b - a))])
         pieces += values[a:b]
+    pieces.nbytes = 8 * (k + 1) + int(sizes.sum())
     return pieces
 
 
-def bundle_pieces(messages: list[list]) -> list:
-    """The pieces of a bundle of ``messages``, each given as a list of pieces."""
-    out = [_i64([len(messages)] + [sum(map(len, m)) for m in messages])]
+def bundle_pieces(messages: list) -> Pieces:
+    """The pieces of a bundle of ``messages`` (each bytes-like or :class:`Pieces`)."""
+    sizes = [_nbytes(m) for m in messages]
+    out = Pieces([_i64([len(messages)] + sizes)])
     for m in messages:
-        out += m
+        if isinstance(m, Pieces):
+            out += m
+        else:
+            out.append(m)
+    out.nbytes = 8 * (len(messages) + 1) + sum(sizes)
     return out
 
 
 def bundle(messages: list[bytes]) -> bytes:
-    return b"".join(bundle_pieces([[m] for m in messages]))
+    return b"".join(bundle_pieces(messages))
 
 
 def unbundle(buf) -> list[memoryview]:
@@ -137,11 +154,55 @@ def unbundle(buf) -> list[memoryview]:
     return [view[end - size:end] for end, size in zip(ends, np.diff([8 * (k + 1)] + ends).tolist())]
 
 
+class _Buffers:
+    """Byte buffers reused across buckets: a fresh 1 MiB buffer per bucket cost more in page
+    faults than its collective (mmap, zero-fill, munmap each time).  A buffer is reused only once
+    nothing views it: Python refuses (BufferError) to write to a BytesIO whose memory is still
+    exported, here through a tensor or a message view somebody still holds.  Up to ``keep`` are
+    kept; when all are in use, a new one is made and not kept."""
+
+    def __init__(self, keep: int = 4):
+        self.keep, self.pool = keep, []
+
+    def _free(self) -> io.BytesIO:
+        for bio in self.pool:
+            try:
+                bio.seek(0)
+                bio.write(b"")  # raises while exported
+                return bio
+            except BufferError:
+                continue
+        bio = io.BytesIO()
+        if len(self.pool) < self.keep:
+            self.pool.append(bio)
+        return bio
+
+    @staticmethod
+    def _tensor(bio: io.BytesIO, size: int) -> torch.Tensor:
+        """``bio`` as a uint8 tensor of ``size`` bytes (what lies past the written part is left
+        as it was: padding nobody reads)."""
+        end = bio.seek(0, io.SEEK_END)
+        if end < size:
+            bio.write(bytes(size - end))
+        elif end > size:
+            bio.truncate(size)
+        return torch.frombuffer(bio.getbuffer(), dtype=torch.uint8)
+
+    def join(self, pieces: list, size: int) -> torch.Tensor:
+        """The pieces written back to back (one C loop of copies) into a ``size``-byte tensor."""
+        bio = self._free()
+        bio.writelines(pieces)
+        return self._tensor(bio, size)
+
+    def empty(self, size: int) -> torch.Tensor:
+        return self._tensor(self._free(), size)
+
+
 _ZEROS = bytes(1 << 20)
 
 
 def _zeros(n: int):
-    """``n`` zero bytes, as a view of a shared block where it is big enough (send-buffer padding)."""
+    """``n`` zero bytes, as a view of a shared block where it is big enough (padding)."""
     return memoryview(_ZEROS)[:n] if n <= len(_ZEROS) else bytes(n)
 
 
@@ -154,10 +215,12 @@ class Channel:
     payloads back to back) goes to all members, each slices its own (gloo's broadcast is the
     faster primitive for small groups inside a node, where the extra bytes cost no network).
 
-    The reader lays a bucket out with :meth:`frame` (a helper thread can do it while the previous
-    bucket travels): one ``bytearray.join`` of the pieces into a fresh buffer, sent as it is.
-    Buffers have a capacity every member agrees on.  When a bucket outgrows it, :meth:`transfer`
-    first sends a resize header (status -1, new capacity, at least 1.5x) and then the bucket:
+    The reader lays a bucket out with :meth:`frame` (while the previous bucket travels): one C
+    loop of copies of the pieces into a reused buffer, sent as it is.
+    Buffers have a capacity every member agrees on, and every collective moves all of it, so it
+    grows only to the largest bucket seen plus 1/32 (growing by half, as before, made a third of
+    the bytes sent padding).  When a bucket outgrows
+    it, :meth:`start` first sends a resize header (status -1, new capacity) and then the bucket:
     steady state is ONE collective per bucket, no separate size exchange.
     """
 
@@ -169,33 +232,35 @@ class Channel:
         self.me, self.collective = ranks.index(rank), collective
         self.head = 16 if collective == "scatter" else 8 * (2 + len(ranks))
         self.cap = self.planned = max(capacity, self.head + 1)  # planned: the reader's next frames'
+        self._buffers = _Buffers()
         self._alloc()
 
     def _alloc(self) -> None:
-        """A fresh receive buffer: a member hands out views of it, so it is not reused (allocating
-        a same-sized block again is cheap: malloc recycles it; copying out the views was not)."""
-        self.out = torch.empty(self.cap, dtype=torch.uint8)
+        """The next receive buffer: a member hands out views of it, so one still viewed is not
+        reused (see :class:`_Buffers`)."""
+        self.out = self._buffers.empty(self.cap)
 
     def frame(self, messages: list) -> tuple:
-        """Reader: one message per member (in ``ranks`` order), each bytes-like or a list of pieces
-        joined in order; returns the send buffer and the messages' lengths."""
-        parts = [m if isinstance(m, list) else [m] for m in messages]
-        lens = [sum(map(len, p)) for p in parts]
+        """Reader: one message per member (in ``ranks`` order), each bytes-like or :class:`Pieces`;
+        returns the send buffer and the messages' lengths."""
+        parts = [m if isinstance(m, Pieces) else [m] for m in messages]
+        lens = [_nbytes(m) for m in messages]
         if len(self.ranks) == 1:
             return b"".join(parts[0]), lens
         need = self.head + (max(lens) if self.collective == "scatter" else sum(lens))
-        if need > self.planned:
-            self.planned = max(need, self.planned * 3 // 2)
+        if need > self.planned:  # grow with 1/32 to spare: every collective moves the whole capacity
+            self.planned = need + need // 32
         cap, pieces = self.planned, []
         if self.collective == "scatter":
-            for p, n in zip(parts, lens):
+            for p, n in zip(parts, lens):  # row i: header, message, padding to the next row
                 pieces += [_i64([n, cap]), *p, _zeros(cap - 16 - n)]
+            pieces.pop()  # the last row's padding: left as the buffer holds it
         else:
             pieces.append(_i64([0, cap] + lens))
             for p in parts:
                 pieces += p
-            pieces.append(_zeros(cap - need))
-        return torch.frombuffer(bytearray().join(pieces), dtype=torch.uint8), lens
+        size = cap * (len(parts) if self.collective == "scatter" else 1)
+        return self._buffers.join(pieces, size), lens
 
     def _launch(self, send: torch.Tensor | None) -> tuple:
         """Start the collective (the reader passes its send buffer): (work, what this rank holds)."""
