@@ -47,12 +47,13 @@ def _seen(out: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("backend", ["sbatch", "submitit"])   # local: tests/test_readme.py
-def test_unmodified_torchrun_script_runs_2x2(slurm_cluster, where, backend):
+def test_unmodified_torchrun_script_runs_2x2_with_its_arguments_verbatim(slurm_cluster, where, backend):
     c, (d, _) = slurm_cluster, where
-    out = d / "seen"
+    out, marker = d / "seen", d / "pwned"
+    hostile = ["a b", "it's", '"quoted"', f"$(touch {marker})", "`id`", "; rm -rf /", "*", "--"]
     started = time.monotonic()
     p = _submit(c, where, "--backend", backend, "-N", "2", "-G", "2", "-t", "10", "--wait",
-                "--wait-timeout", "240", PLAIN, str(out))
+                "--wait-timeout", "240", PLAIN, str(out), "--echo", *hostile)
     print(f"{backend}: {time.monotonic() - started:.1f} s", p.stderr[-600:])
     assert p.returncode == 0, p.stdout + p.stderr
     seen = _seen(out)
@@ -62,8 +63,12 @@ def test_unmodified_torchrun_script_runs_2x2(slurm_cluster, where, backend):
     assert [s["LOCAL_RANK"] for s in seen] == ["0", "1", "0", "1"]
     assert [s["GROUP_RANK"] for s in seen] == ["0", "0", "1", "1"]
     assert seen[0]["host"] == seen[1]["host"] != seen[2]["host"] == seen[3]["host"]
+    # every argument after the script reaches it unchanged, and nothing in them ran
+    assert all(s["argv"] == [str(out), "--echo", *hostile] for s in seen)
+    assert not marker.exists()
     (rec,) = records.list_records({"DDP_HPC_HOME": str(d / "home")})
-    assert rec.config is None and rec.command[-2:] == [PLAIN, str(out)] and rec.backend == backend
+    assert rec.config is None and rec.command[-len(hostile) - 3:] == [PLAIN, str(out), "--echo", *hostile]
+    assert rec.backend == backend
     for r in range(4):
         evs = read_events(Path(rec.log_dir) / f"rank{r}.events.jsonl").events
         assert evs[0]["event"] == "start" and evs[-1]["event"] == "end", evs
@@ -84,17 +89,6 @@ def test_script_rank3_raises_status_names_it(slurm_cluster, where, backend):
     assert p.returncode != 0
     assert "FAILED" in detail
     assert "First failure: rank 3" in detail and "RuntimeError: rank 3 was told to fail" in detail
-
-
-def test_script_arguments_arrive_verbatim(slurm_cluster, where):
-    c, (d, _) = slurm_cluster, where
-    marker = d / "pwned"
-    hostile = ["a b", "it's", '"quoted"', f"$(touch {marker})", "`id`", "; rm -rf /", "*", "--"]
-    p = _submit(c, where, "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10", "--wait",
-                "--wait-timeout", "240", PLAIN, str(d / "seen"), "--echo", *hostile)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert all(s["argv"] == [str(d / "seen"), "--echo", *hostile] for s in _seen(d / "seen"))
-    assert not marker.exists()
 
 
 def test_too_many_cpus_per_task_fails_before_submitting(slurm_cluster, where):
