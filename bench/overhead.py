@@ -4,8 +4,9 @@ What it measures: the same processes (one local launch), model, data, batch size
 a plain loop and the toolkit's ``fit()`` one after the other, as one *pair*; pairs repeat, the
 side that goes first alternating, until each side has trained at least ``--seconds`` (default
 20 s) and at least ``--min-pairs`` pairs ran, after one untimed run of each (imports, first
-allocations).  The plain loop is the seed exercise's: DistributedSampler + DataLoader, zero_grad /
-forward / backward / step, ``loss.item()`` every step, rank 0 saves the weights at the end.  The toolkit run is ``fit()`` with its defaults (run logs
+allocations).  The plain loop is the seed exercise's: DistributedSampler + DataLoader, DDP (with
+more than one rank, as the toolkit), zero_grad / forward / backward / step, ``loss.item()`` every
+step, rank 0 saves the weights at the end.  The toolkit run is ``fit()`` with its defaults (run logs
 with a step event every 10 steps, the preemption flag check, a final checkpoint), only the
 progress output off; its console lines are swallowed (``--verbose`` shows them).
 
@@ -25,7 +26,7 @@ when the interval lies above 0.98, missed when it lies below; when it straddles 
 decides if the interval is narrower than ``--max-width`` (default 0.04), else the spread is too
 wide to judge: rerun on an idle machine or with a larger ``--seconds``.
 
-    python bench/overhead.py                     # 2 processes, ~1-2 minutes
+    python bench/overhead.py                     # 2 processes, 1-3 minutes
     python bench/overhead.py --seconds 60 --json runs/overhead.json
     python bench/overhead.py --procs 4 --epochs 1
     python bench/overhead.py --device cuda       # GPUs: a ResNet-style CNN in bf16 (bench/overhead_cuda.py)
