@@ -77,6 +77,21 @@ def test_timer_dumps_once_per_silence_and_a_beat_rearms_it():
     assert log.lines[0].startswith("stacks of all threads (collective timeout")
 
 
+@pytest.mark.timeout(30)
+def test_stop_wakes_the_thread_instead_of_waiting_out_its_poll(monkeypatch):
+    """stop() ends every fit() call: it must not wait for the thread's select to time out (with a
+    60 s poll, a stop that only sets the flag blocks past this test's 30 s timeout)."""
+    import ddp_hpc.runlogs.watchdog as wd
+    monkeypatch.setattr(wd, "POLL_S", 60.0)
+    w = HangWatch(_Log(), dump_after_s=None).start()
+    thread = w._thread
+    time.sleep(0.2)                    # the thread is inside its select now
+    assert thread.is_alive() and w._pipe is not None
+    w.stop()
+    assert not thread.is_alive() and w._pipe is None
+    assert not [e for e in w.log.events if e["event"] == "stack"]   # the wake-up is not a request
+
+
 def test_sigurg_asks_for_stacks_while_the_main_thread_is_busy():
     log = _Log()
     w = HangWatch(log, dump_after_s=None).start()

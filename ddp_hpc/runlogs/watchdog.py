@@ -127,6 +127,11 @@ class HangWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._pipe is not None:   # wake the thread's select now (a zero byte: not a request)
+            try:
+                os.write(self._pipe[1], b"\0")
+            except OSError:
+                pass
         if self._thread is not None:
             self._thread.join(timeout=2 * POLL_S)
             self._thread = None
