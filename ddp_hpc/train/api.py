@@ -192,6 +192,7 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
         log.info(f"start: {plural(env.world_size, 'rank')} on {plural(env.num_nodes, 'node')}, launcher "
                  f"{env.launcher}, device {ctx.device}, {trainer.total_steps} steps, log dir "
                  f"{log_dir}, checkpoints {ckpt_dir}")
+        _stage_log(cfg, train_ds, log)
         result = trainer.run()
         step = result.step
         status = "interrupted" if result.reason == "interrupted" else result.status
@@ -209,6 +210,16 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
         raise
     finally:
         log.close()
+
+
+def _stage_log(cfg: JobConfig, train_ds, log) -> None:
+    """A node leader's staging line and event, held while its run log did not exist yet (a plain
+    launch: the log directory is known only here)."""
+    if train_ds is not None and cfg.data.io == "stage":
+        from ddp_hpc.data.io import take_stage_log
+        for line, fields in take_stage_log(train_ds):
+            log.info(line)
+            log.event("stage", **fields)
 
 
 def _how_to_resume(env, ckpt_dir: Path) -> str:
