@@ -121,7 +121,8 @@ def main(argv=None) -> int:
     io = io_bench()
     cold = io.can_drop_caches() and not args.no_drop_caches
     a = {"work": work, "shared": shared, "delay_s": args.delay_ms / 1e3, "cold": cold, "files": args.files,
-         "nodes": args.nodes, "ppn": args.procs_per_node, "batch": args.batch, "rounds": args.rounds, "techniques": list(TECHNIQUES)}
+         "nodes": args.nodes, "ppn": args.procs_per_node, "batch": args.batch, "rounds": args.rounds,
+         "techniques": list(TECHNIQUES)}
     t = time.perf_counter()
     shutil.rmtree(SHM_ROOT, ignore_errors=True)  # each pretend node's /dev/shm (peers_rank._node_shm)
     for node in range(args.nodes):

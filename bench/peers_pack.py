@@ -14,6 +14,7 @@ the hash of its decoded tensor and label).  Settings follow each peer's document
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -36,9 +37,9 @@ def import_streaming():
     if "streaming" in sys.modules:
         return sys.modules["streaming"]
     try:
-        import torchvision  # noqa: F401
+        importlib.import_module("torchvision")
     except ImportError:
-        import transformers  # noqa: F401
+        importlib.import_module("transformers")
 
         stub = types.ModuleType("torchvision")
         datasets = types.ModuleType("torchvision.datasets")
@@ -52,12 +53,11 @@ def import_streaming():
                  "torchvision.transforms.functional": functional}
         sys.modules.update(names)
         try:
-            import streaming
+            importlib.import_module("streaming")
         finally:
             for name in names:
                 sys.modules.pop(name, None)
-    import streaming
-    return streaming
+    return importlib.import_module("streaming")
 
 
 def sample_hash(x, label) -> int:

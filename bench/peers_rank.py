@@ -15,6 +15,7 @@ because the peers fill their node-local caches while the epoch runs.  Scenarios:
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import shutil
 import time
@@ -128,9 +129,8 @@ def run_rank(rank, world_size, a):
     os.environ["NNODES"] = str(a["nodes"])  # LitData's own variable for the node count (CPU)
     os.makedirs(os.environ["TMPDIR"], exist_ok=True)
     peers_fs.install()
-    import litdata  # noqa: F401  one-time imports stay out of the first cell
-    import webdataset  # noqa: F401
-
+    for name in ("litdata", "webdataset"):  # one-time imports stay out of the first cell
+        importlib.import_module(name)
     import_streaming()
     first_png = next(f for f in sorted(os.listdir(os.path.join(a["shared"], "imgs", "class_00"))))
     with open(os.path.join(a["shared"], "imgs", "class_00", first_png), "rb") as f:

@@ -14,7 +14,8 @@ def summarise(per_rank: list[dict], a: dict) -> list[dict]:
         scen_rows = []
         for label in TECHNIQUES:
             rounds = sorted({c["round"] for c in per_rank[0]["cells"]})
-            by_round = [[next(c for c in r["cells"] if (c["scenario"], c["technique"], c["round"]) == (scen, label, rnd))
+            by_round = [[next(c for c in r["cells"]
+                              if (c["scenario"], c["technique"], c["round"]) == (scen, label, rnd))
                          for r in per_rank] for rnd in rounds]
             sps = [sum(c["samples"] / (c["open_s"] + c["epoch_s"]) for c in cells) / ranks for cells in by_round]
             best_round = max(range(len(rounds)), key=lambda i: sps[i])
