@@ -19,6 +19,10 @@ One run, everything measured in it, ratios printed against baselines measured in
 "Nodes" are simulated with processes (``launch_distributed(nodes=N)``); each pretend node stages
 to its own folder (its ``TMPDIR``), as it would to its own local disk.  Writes ``bench/io.json``
 and a bar chart ``bench/io.png`` (pillow).
+
+``--peers`` then runs ``bench/peers.py`` on the same data: WebDataset, LitData and MosaicML
+Streaming with their own packers and loaders, against ddp_hpc's lmdb and stage measured again in
+that run (their pinned versions live in ``.venv-bench``: ``bash bench/setup.sh``).
 """
 from __future__ import annotations
 
@@ -414,6 +418,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-drop-caches", action="store_true", help="skip the cold-cache runs")
     p.add_argument("--workdir", default="/tmp/ddp_hpc_io_bench", help="where the shared and local folders go")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "io"), help="writes OUT.json and OUT.png")
+    p.add_argument("--peers", action="store_true",
+                   help="then WebDataset, LitData and MosaicML Streaming on the same data (bench/peers.py, "
+                        "in .venv-bench: `bash bench/setup.sh` first)")
     args = p.parse_args(argv)
     from ddp_hpc.data.pack import pack
     from ddp_hpc.examples.images import make_images
@@ -462,7 +469,20 @@ def main(argv=None) -> int:
                    "per_rank": per_rank, "sbcast": sbcast_note(), "table_markdown": table}, f, indent=1)
     os.replace(args.out + ".json.tmp", args.out + ".json")
     print(f"\nwrote {args.out}.json and {args.out}.png; total {time.perf_counter() - t_all:.0f} s")
-    return 0
+    return run_peers(args) if args.peers else 0
+
+
+def run_peers(args) -> int:
+    """The peers' half of the comparison: bench/peers.py under .venv-bench (the peers' pinned
+    versions stay out of the project's environment), same file count and node layout."""
+    py = os.path.join(ROOT, ".venv-bench", "bin", "python")
+    if not os.path.exists(py):
+        print(f"peers skipped: {py} does not exist; run `bash bench/setup.sh` (bench/requirements.txt)")
+        return 2
+    argv = [py, os.path.join(ROOT, "bench", "peers.py"), "--files", str(args.files), "--nodes",
+            str(args.nodes), "--procs-per-node", str(args.procs_per_node), "--delay-ms", str(args.delay_ms)]
+    print("\n" + " ".join(argv), flush=True)
+    return subprocess.run(argv, check=False).returncode
 
 
 if __name__ == "__main__":
