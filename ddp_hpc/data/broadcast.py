@@ -82,7 +82,8 @@ def build_plan(env, mode: str, comm_device=None) -> GroupPlan:
     gn = new_groups(nodes)
     node = mine(nodes)
     serves = list(range(world)) if rank == leaders[0] else []
-    by_leader = [next(x for x in nodes if x[0] == lead) for lead in leaders]
+    first = {x[0]: x for x in nodes}          # a leader -> its node's ranks (not a scan per leader)
+    by_leader = [first[lead] for lead in leaders]
     return GroupPlan(mode, rank, world, (gl, leaders) if rank in leaders else None, (gn, node),
                      serves, [leaders[0]], device, by_leader)
 
