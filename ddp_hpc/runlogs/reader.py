@@ -25,7 +25,7 @@ from ddp_hpc.runlogs.srun import (LOCAL_DRIVER_OUT, TaskReport, exception_of, lo
                                   node_failures, srun_exit_codes, tail_file, tail_lines,
                                   task_reports, traceback_in, traceback_in_lines)
 from ddp_hpc.runlogs.tails import FULL_READ_BYTES, RankStream, file_size, over_budget, read_events
-from ddp_hpc.runlogs.timing import Progress, progress
+from ddp_hpc.runlogs.timing import Progress, _float, _int, progress
 
 __all__ = ["RunLogs", "RankStream", "Failure", "Progress", "RunSummary", "read_events",
            "traceback_in", "exception_of", "tail_file", "tail_lines"]
@@ -260,17 +260,3 @@ def _summary(restart: int, events) -> RunSummary:
                       last_time=_float(last.get("time"), None) if last else None, ranks=sorted(ranks),
                       last_step=last_step, end_status=end_status,
                       preempt_reason=pre.get("reason") if pre else None, requeued=requeued, errors=errors)
-
-
-def _int(v, default):
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return default
-
-
-def _float(v, default):
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return default
