@@ -115,18 +115,9 @@ class WebDatasetLoader:
         self.loader = None
 
 
-class LitDataLoader:
-    drop_last = True  # what LitData's multi-GPU page asks for in training
-
-    def __init__(self, label, ctx, a, tag):
-        import litdata
-
-        self.cache = os.path.join(os.environ["TMPDIR"], CACHES, "litdata-" + tag)
-        os.makedirs(self.cache, exist_ok=True)
-        self.ds = litdata.StreamingDataset("local:" + os.path.join(a["shared"], "litdata"), cache_dir=self.cache,
-                                           shuffle=True, drop_last=self.drop_last, seed=SEED,
-                                           transform=_lit_item)
-        self.loader = litdata.StreamingDataLoader(self.ds, batch_size=a["batch"], num_workers=0)
+class _StatefulLoader:
+    """LitData's and Streaming's loaders keep their own state: an epoch is the loader, a resume
+    loads its ``state_dict``."""
 
     def epoch(self):
         return iter(self.loader)
@@ -140,6 +131,20 @@ class LitDataLoader:
 
     def close(self):
         self.ds = self.loader = None
+
+
+class LitDataLoader(_StatefulLoader):
+    drop_last = True  # what LitData's multi-GPU page asks for in training
+
+    def __init__(self, label, ctx, a, tag):
+        import litdata
+
+        self.cache = os.path.join(os.environ["TMPDIR"], CACHES, "litdata-" + tag)
+        os.makedirs(self.cache, exist_ok=True)
+        self.ds = litdata.StreamingDataset("local:" + os.path.join(a["shared"], "litdata"), cache_dir=self.cache,
+                                           shuffle=True, drop_last=self.drop_last, seed=SEED,
+                                           transform=_lit_item)
+        self.loader = litdata.StreamingDataLoader(self.ds, batch_size=a["batch"], num_workers=0)
 
 
 class LitDataKeepLast(LitDataLoader):
@@ -169,26 +174,13 @@ def _mds_class():
     return _MDS_CLASS[0]
 
 
-class MosaicLoader:
+class MosaicLoader(_StatefulLoader):
     def __init__(self, label, ctx, a, tag):
         streaming = import_streaming()
         self.local = os.path.join(os.environ["TMPDIR"], CACHES, "mds-" + tag)
         self.ds = _mds_class()(remote=os.path.join(a["shared"], "mds"), local=self.local, shuffle=True,
                                shuffle_seed=SEED, batch_size=a["batch"])
         self.loader = streaming.StreamingDataLoader(self.ds, batch_size=a["batch"], num_workers=0)
-
-    def epoch(self):
-        return iter(self.loader)
-
-    def state(self, k):
-        return self.loader.state_dict()
-
-    def resume(self, state):
-        self.loader.load_state_dict(state)
-        return iter(self.loader)
-
-    def close(self):
-        self.ds = self.loader = None
 
 
 PEERS = {"webdataset": WebDatasetLoader, "litdata": LitDataLoader, "litdata drop_last=False": LitDataKeepLast,
