@@ -161,6 +161,23 @@ def test_a_frozen_rank_is_the_one_that_wrote_no_stack(tmp_path):
     assert st.to_dict()["stall"]["no_stack"] == [3]
 
 
+def test_a_rank_just_past_the_threshold_is_not_yet_called_frozen(tmp_path):
+    """Seen on the cluster: at 61 s of a SIGSTOP on rank 3, rank 2's watchdog had dumped and
+    ranks 0-1's were a second behind; only the rank silent for STACK_GRACE_S past the stall
+    threshold without a stack is named frozen."""
+    stack = ('Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):\n'
+             '  File "/src/ddp_hpc/train/step.py", line 56 in micro_batch\n')
+    for r in range(4):
+        write(tmp_path, r, steps(r, 41) + ([{"time": T0 + 41 + 60, "event": "stack", "rank": r, "job_id": "88",
+                                              "restart": 0, "host": f"n{r // 2 + 1}", "step": 41,
+                                              "reason": "stalled: no step for 60 s", "stack": stack}]
+                                            if r == 2 else []))
+    st, _ = status(tmp_path, now=T0 + 41 + 61)
+    assert st.to_dict()["stall"]["no_stack"] == []     # nobody is late yet
+    st, lines = status(tmp_path, now=T0 + 41 + 60 + timing.STACK_GRACE_S + 1)
+    assert st.to_dict()["stall"]["no_stack"] == [0, 1, 3]
+
+
 def _data_events(rank, host, data_s, n=8, step_s=0.5):
     return [{"event": "step", "time": 1000.0 + i * step_s * 10, "step": i * 10, "rank": rank,
              "host": host, "data_s": data_s} for i in range(n)]

@@ -8,7 +8,9 @@ work for the training core and for scripts that call ``ddp_hpc.report`` alike (d
   older than ``max(STALL_FACTOR x the median interval between its step events, STALL_MIN_S)``.
   A rank with fewer than two step events is judged by the median of all ranks' intervals; before
   any rank has two step events nothing is judged (a first step may take long: compilation,
-  data staging).
+  data staging). A silent rank "wrote no stack while the others did" only once its silence is
+  ``STACK_GRACE_S`` past the threshold: its watchdog dumps at the threshold, so a rank just past
+  it may still be about to (its peers' thresholds can fall a second or two earlier).
 - **Straggler**: a rank's step time is the median of (seconds / steps) between its consecutive
   step events; with at least ``STRAGGLER_MIN_INTERVALS`` of them, a rank whose step time is
   ``>= STRAGGLER_RATIO`` x the median of the other ranks' is named; a node (its step time: the
@@ -33,6 +35,9 @@ OWN_MIN_SHARE = 0.1
 #: a rank is silent after max(STALL_FACTOR x its median step-event interval, STALL_MIN_S) seconds
 STALL_FACTOR = 10.0
 STALL_MIN_S = 60.0
+#: how long past its stall threshold a silent rank gets to write its stacks before it counts as
+#: frozen (the watchdog looks once a second; a loaded node answers later)
+STACK_GRACE_S = 8.0
 #: a rank or node is slow at >= STRAGGLER_RATIO x the median of the others, over at least
 #: STRAGGLER_MIN_INTERVALS step intervals
 STRAGGLER_RATIO = 1.25
@@ -112,18 +117,24 @@ def stall(per_rank: dict[int, list[dict]], now: float) -> dict | None:
             "last_steps": {str(r): steps[r] for r in silent}}
 
 
-def silent_stacks(per_rank: dict[int, list[dict]], ranks: list[int]) -> tuple[dict[str, str], list[int]]:
+def silent_stacks(per_rank: dict[int, list[dict]], ranks: list[int], now: float | None = None,
+                  threshold_s: float | None = None) -> tuple[dict[str, str], list[int]]:
     """(rank -> where its newest stack event, written during its silence, says it is; the silent
-    ranks that wrote none while others did). A rank's watchdog writes its stacks before the
-    collective timeout: a rank that does not is frozen (SIGSTOP, a kernel hang) or gone."""
+    ranks that wrote none while others did). A rank's watchdog writes its stacks at the stall
+    threshold and before the collective timeout: a rank that does not is frozen (SIGSTOP, a
+    kernel hang) or gone. With ``now`` and ``threshold_s``, a rank counts as one that wrote none
+    only when it has been silent for ``STACK_GRACE_S`` past the threshold."""
     where: dict[str, str] = {}
+    late: list[int] = []
     for r in ranks:
         evs = per_rank.get(r, [])
         since = _last_time(evs) or 0.0
         stacks = [e for e in evs if e.get("event") == "stack" and (_num(e.get("time")) or 0) >= since]
         if stacks and (s := stack_summary(str(stacks[-1].get("stack") or ""))):
             where[str(r)] = s
-    return where, ([r for r in ranks if str(r) not in where] if where else [])
+        elif now is None or threshold_s is None or now - since > threshold_s + STACK_GRACE_S:
+            late.append(r)
+    return where, (late if where else [])
 
 
 def _own_times(evs: list[dict]) -> list[float]:

@@ -283,7 +283,7 @@ def _timing(st: JobStatus, logs: RunLogs, now: float) -> None:
              for r, evs in per_rank.items()}
     st.timing = timing.stragglers(per_rank, hosts)
     if st.job_state is JobState.RUNNING and (stall := timing.stall(per_rank, now)) is not None:
-        stacks, none = timing.silent_stacks(per_rank, stall["ranks"])
+        stacks, none = timing.silent_stacks(per_rank, stall["ranks"], now, stall["threshold_s"])
         st.stall = {**stall, "stacks": stacks, "no_stack": none}
 
 

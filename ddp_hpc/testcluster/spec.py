@@ -213,7 +213,7 @@ _STATIC_CONF = [
     "ReturnToService=2",
     "InactiveLimit=0",
     "MessageTimeout=10",
-    "SlurmdTimeout=30",   # a dead node is DOWN (NODE_FAIL) about 40 s after it stops answering
+    "SlurmdTimeout=20",   # a dead node is DOWN (NODE_FAIL) about 30 s after it stops answering
     "SlurmdParameters=config_overrides",
     "GresTypes=gpu",
 ]
