@@ -1,38 +1,43 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/gpu.md in one command, for a machine with an NVIDIA GPU and a CUDA build of
+# The GPU checks of docs/gpu.md in one command, for a node with an NVIDIA GPU and a CUDA build of
 # PyTorch already installed: tests/gpu (pytest -m gpu), bench/overhead.py --device cuda and the IO
-# figure bench/io_cuda.py; writes ${OUT:-.}/gpu-report.md plus the raw logs beside it.
+# figure bench/io_cuda.py; writes gpu-report.md plus the raw logs into the results folder.
 #
-#   bash scripts/gpu-check.sh [--no-bench] [--no-io] [-- PYTEST_ARGS...]
+#   bash scripts/gpu-check.sh [--out DIR] [--no-bench] [--no-io] [-- PYTEST_ARGS...]
 #
-# Exit status: 0 every check passed (skips allowed), 1 a check failed, 3 no GPU here (found out
-# first, in about a second, before anything slow).
+# Results folder: --out DIR, else $GPU_CHECK_OUT, else gpu-results/ in the repository root.
+# Exit status: 0 every check passed (skips allowed), 1 a check failed, 2 a bad argument, 3 no GPU
+# here (found out first, in about a second, before anything slow; nothing is run or written).
 # Python: $PYTHON, else the first of python3, .venv/bin/python, python that imports torch.
-# Packages the machine lacks (submitit, lmdb, ...): wheels in .whl/ or wheels/ (made by
-# scripts/gpu-wheels.sh; carry that folder to the device machine) are installed with --no-deps into
-# a private folder on PYTHONPATH; without wheels, pip tries the index. ddp_hpc itself comes from this
-# checkout through PYTHONPATH (nothing is installed into the machine's environment).
+# Packages the node lacks (submitit, lmdb, ...): wheels in $GPU_WHEELS, .whl/ or wheels/ (e.g. made
+# by scripts/gpu-wheels.sh on a machine with internet access) are installed with --no-deps into a
+# private folder on PYTHONPATH; without wheels, pip tries the index. ddp_hpc itself comes from this
+# checkout through PYTHONPATH (nothing is installed into the node's environment).
 set -uo pipefail
+CALLER=$PWD
 cd "$(dirname "$0")/.."
 REPO=$PWD
-OUT_DIR=${OUT:-.}
+OUT_DIR=${GPU_CHECK_OUT:-$REPO/gpu-results}
 BENCH=1 IO=1
 PYTEST_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) BENCH=0 ;;
     --no-io) IO=0 ;;
+    --out) [ $# -gt 1 ] || { echo "gpu-check: --out needs a folder" >&2; exit 2; }; OUT_DIR=$2; shift ;;
+    --out=*) OUT_DIR=${1#--out=} ;;
     --) shift; PYTEST_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
+case "$OUT_DIR" in /*) ;; *) OUT_DIR=$CALLER/$OUT_DIR ;; esac   # relative: to where it was started
 
 no_gpu() {
   echo "gpu-check: no GPU here: $1." >&2
-  echo "gpu-check: these checks need a machine with an NVIDIA GPU and a CUDA build of PyTorch;" \
-       "nothing was run. On this machine the GPU run is still owed (docs/gpu.md)." >&2
+  echo "gpu-check: these checks need a node with an NVIDIA GPU and a CUDA build of PyTorch;" \
+       "nothing was run. Run it on a GPU node (docs/gpu.md)." >&2
   exit 3
 }
 
@@ -67,7 +72,9 @@ note() { echo "gpu-check: $*" >&2; }
 # --- 2. packages: wheels first, then the index; ddp_hpc from this checkout
 SITE=${TMPDIR:-/tmp}/ddp_hpc-gpu-site
 PKG_NOTE=
-for d in "${GPU_WHEELS:-}" .whl wheels; do
+WHEELS=${GPU_WHEELS:-}
+case "$WHEELS" in ""|/*) ;; *) WHEELS=$CALLER/$WHEELS ;; esac
+for d in "$WHEELS" .whl wheels; do
   if [ -n "$d" ] && compgen -G "$d/*.whl" >/dev/null; then
     cmd="$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $d/*.whl"
     COMMANDS+=("$cmd")
@@ -93,7 +100,7 @@ if [ -n "$MISSING" ]; then
   else PKG_NOTE="$PKG_NOTE; MISSING (no wheels, index unreachable): $MISSING"; note "missing: $MISSING"; fi
 fi
 
-# --- 3. what this machine is
+# --- 3. what this node is
 FACTS=$("$PY" - <<'EOF'
 import platform, subprocess, torch, torch.distributed
 q = "name,driver_version,memory.total,pci.bus_id"

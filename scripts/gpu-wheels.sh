@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Download the wheels scripts/gpu-check.sh needs on a machine that cannot reach a package index (the
-# device machine: Python 3.12, x86-64, PyTorch 2.11 with CUDA, psutil, pyyaml, xxhash, tqdm, pillow
-# and pytest already there; submitit and lmdb missing) into .whl/, and keep .whl/ out of git
-# (.git/info/exclude). Then carry it: the device tool's run with carry [".whl"] and the command
-# `bash scripts/gpu-check.sh` (docs/gpu.md).
+# On a machine with internet access (a login node), download the wheels scripts/gpu-check.sh needs
+# on a GPU node that cannot reach a package index into .whl/, and keep .whl/ out of git
+# (.git/info/exclude). .whl/ travels with the checkout (a shared filesystem, or copy it to the
+# node); scripts/gpu-check.sh installs it there into a private folder (docs/gpu.md).
 #
 #   bash scripts/gpu-wheels.sh [NAME==VERSION ...]    # default: submitit and lmdb, pinned as in CI
 #
-# Versions come from requirements-ci.txt; --no-deps: submitit's own needs (cloudpickle,
-# typing_extensions) are on the device machine already. PY_VERSION=3.11 etc. for another Python.
+# Versions come from requirements-ci.txt. --no-deps: name every package the node lacks (submitit
+# needs cloudpickle and typing_extensions). The wheels are for x86-64 Linux and CPython
+# $PY_VERSION (default 3.12): set it to the GPU node's Python, e.g. PY_VERSION=3.11.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=.whl

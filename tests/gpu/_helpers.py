@@ -4,7 +4,7 @@ and reading run logs.
 Without CUDA every test skips with the reason ``NO_CUDA`` (``pytest tests/gpu -rs`` shows it).
 ``DDP_HPC_GPU_TESTS_ON_CPU=1`` runs the tests that make sense on CPU anyway, expecting gloo and
 ``cpu`` instead of nccl and ``cuda:0`` (fp16 and the GPU-only checks still skip): a dry run of the
-suite's own plumbing, so that scarce GPU time is not spent finding a typo (docs/gpu.md).
+suite's own plumbing, so that GPU time is not spent finding a typo (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ _DROP_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RAN
 
 def child_env(**extra: str) -> dict[str, str]:
     """This environment for a child process: no launcher or Slurm variables of whoever started
-    pytest, no socket interface choices, this checkout first on PYTHONPATH (the device machine
-    has no installed ddp_hpc), unbuffered output."""
+    pytest, no socket interface choices, this checkout first on PYTHONPATH (scripts/gpu-check.sh
+    installs no ddp_hpc on the GPU node), unbuffered output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP) and k not in _DROP_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["PYTHONUNBUFFERED"] = "1"
@@ -69,11 +69,10 @@ def tail(log_dir: Path, rank: int = 0, chars: int = 3000) -> str:
 
 
 def report_dir(fallback: Path) -> Path:
-    """Where a test leaves files for scripts/gpu-check.sh's report: $GPU_REPORT_DIR, else the
-    device tool's $OUT, else ``fallback`` (a tmp dir)."""
-    for var in ("GPU_REPORT_DIR", "OUT"):
-        if os.environ.get(var) and Path(os.environ[var]).is_dir():
-            return Path(os.environ[var])
+    """Where a test leaves files for scripts/gpu-check.sh's report: $GPU_REPORT_DIR (the script's
+    results folder), else ``fallback`` (a tmp dir)."""
+    if os.environ.get("GPU_REPORT_DIR") and Path(os.environ["GPU_REPORT_DIR"]).is_dir():
+        return Path(os.environ["GPU_REPORT_DIR"])
     return fallback
 
 

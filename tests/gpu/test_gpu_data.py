@@ -20,7 +20,7 @@ IMAGES = str(REPO / "jobs" / "images.yaml")
 
 @pytest.fixture(scope="module")
 def image_set(tmp_path_factory):
-    pytest.importorskip("lmdb", reason="lmdb is not installed (scripts/gpu-wheels.sh carries it)")
+    pytest.importorskip("lmdb", reason="lmdb is not installed (offline node: scripts/gpu-wheels.sh, docs/gpu.md)")
     pytest.importorskip("PIL", reason="pillow is not installed")
     from ddp_hpc.data.pack import pack
     from ddp_hpc.examples.images import make_images

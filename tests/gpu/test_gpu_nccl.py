@@ -1,7 +1,7 @@
 """NCCL_DEBUG=INFO with and without ddp_hpc's NCCL_SOCKET_IFNAME: both runs must work, and what NCCL
 chose each time (bootstrap interface, network transport, RDMA devices) is recorded in
-``nccl-ifname.txt`` ($GPU_REPORT_DIR or $OUT when set, else a tmp dir) for the keep / narrow / drop
-decision of docs/gpu.md.
+``nccl-ifname.txt`` (scripts/gpu-check.sh's results folder, $GPU_REPORT_DIR; else a tmp dir) for
+the keep / narrow / drop decision of docs/gpu.md.
 
 ``toolkit``: ``setup_ddp()``, which sets NCCL_SOCKET_IFNAME to the interface that routes to
 MASTER_ADDR; ``plain``: torch's own ``init_process_group``, NCCL's default choice. MASTER_ADDR is
