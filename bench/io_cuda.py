@@ -1,4 +1,4 @@
-"""The images job's samples/s per ``data.io`` with the GPU as the consumer (issue 15's IO figure).
+"""The images job's samples/s per ``data.io`` with the GPU as the consumer (scripts/gpu-check.sh's IO figure).
 
     python bench/io_cuda.py                       # ~1 minute on one H100; one rank per GPU
     python bench/io_cuda.py --count 8192 --epochs 4 --out gpu-io.txt

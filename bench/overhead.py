@@ -4,7 +4,7 @@ What it measures: the same processes (one local launch), model, data, batch size
 a plain loop and the toolkit's ``fit()`` one after the other, as one *pair*; pairs repeat, the
 side that goes first alternating, until each side has trained at least ``--seconds`` (default
 20 s) and at least ``--min-pairs`` pairs ran, after one untimed run of each (imports, first
-allocations).  The plain loop is the seed exercise's: DistributedSampler + DataLoader, DDP (with
+allocations).  The plain loop is the textbook one: DistributedSampler + DataLoader, DDP (with
 more than one rank, as the toolkit), zero_grad / forward / backward / step, ``loss.item()`` every
 step, rank 0 saves the weights at the end.  The toolkit run is ``fit()`` with its defaults (run logs
 with a step event every 10 steps, the preemption flag check, a final checkpoint), only the
@@ -89,7 +89,7 @@ def _plain(model, data, a, rank: int, world: int, marks: Marks, tmp: str) -> Non
             epoch_loss += loss.item()
             step += 1
             marks(step)
-    if rank == 0:                        # the seed saves the trained weights from rank 0
+    if rank == 0:                        # as a plain script does: rank 0 saves the weights
         torch.save(model.state_dict(), f"{tmp}/plain_model.pt")
 
 

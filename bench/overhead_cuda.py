@@ -5,7 +5,7 @@ ResNet-18-style CNN (widths 64-512, no stem downsampling) on 3x64x64 images, bf1
 channels_last, SGD with momentum, batch 256 per rank. Images are uint8 in host memory (the model
 scales them on the GPU), fed by a DataLoader with ``--workers`` processes and pinned memory.
 
-The hand-written loop is a good one, not the seed's: non_blocking copies, bf16 autocast, the loss
+The hand-written loop is a good one, not the textbook one: non_blocking copies, bf16 autocast, the loss
 summed on the device (no ``.item()`` per step), DDP only with more than one rank (as the toolkit).
 The toolkit run is ``fit()`` with ``train.precision=bf16`` and its defaults otherwise (run logs,
 the preemption flag check, a final checkpoint), progress output off.

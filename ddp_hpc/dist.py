@@ -119,7 +119,7 @@ def _choose_ifname(backend: str, env: DistEnv, rdzv_host: str | None = None) -> 
 
 # --- setup / cleanup
 def _with_overrides(env: DistEnv, rank: int | None, world_size: int | None) -> DistEnv:
-    """Seed-style ``setup_ddp(rank, world_size)``: defines the ranks of a plain single process,
+    """Tutorial-style ``setup_ddp(rank, world_size)``: defines the ranks of a plain single process,
     must agree with any real launcher's (a disagreement would hang the rendezvous)."""
     if rank is None and world_size is None:
         return env

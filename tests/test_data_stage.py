@@ -276,8 +276,8 @@ def _shared_tmp_rank(rank, world_size, shared, tmp, logs):
 
 
 def test_two_node_leaders_sharing_a_stage_folder_copy_once_and_clean_up_once(tmp_path):
-    """The user's report: 2 pretend nodes (one TMPDIR) ended with 'stage cleanup ... failed: [Errno
-    2] ... .lock'.  Now one leader copies, the other reuses, the last one out removes the copy and
+    """2 pretend nodes (one TMPDIR) must not end with 'stage cleanup ... failed: [Errno 2] ...
+    .lock': one leader copies, the other reuses, the last one out removes the copy and
     its lock, nobody warns; each leader logs its staging (run log, or take_stage_log)."""
     from ddp_hpc.launch import launch_distributed
 

@@ -144,7 +144,7 @@ def test_file_init(tmp_path):
 
 
 def _seed_style(rank, world_size):
-    """The seed exercise's call, setup_ddp(rank, world_size), in processes that only share
+    """The tutorial-style call, setup_ddp(rank, world_size), in processes that only share
     MASTER_ADDR/MASTER_PORT (no launcher variables)."""
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
               "DDP_HPC_LAUNCHER", "DDP_HPC_NUM_NODES", "DDP_HPC_JOB_ID"):

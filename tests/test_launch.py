@@ -174,7 +174,7 @@ def _tensor(rank, world_size):
 
 @pytest.mark.timeout(60)
 def test_tensor_results_arrive_by_value():
-    # shared-memory tensors of an exiting process used to fail as "exited with code 0"
+    # shared-memory tensors of an exiting process arrive (not a failure "exited with code 0")
     out = launch_distributed(_tensor, 2, start_method=FAST)
     assert [o["rank"] for o in out] == [0, 1] and float(out[1]["weights"].sum()) == 1000.0
 

@@ -72,7 +72,7 @@ class TrainConfig:
     strategy: Literal["ddp", "dp", "single"] = "ddp"   # dp: DataParallel, one process (slower)
     find_unused_parameters: bool = False
     static_graph: bool = False
-    filter_zero_grads: bool = False      # drop all-zero grads before step (seed guide, NAS-style nets)
+    filter_zero_grads: bool = False      # drop all-zero grads before step (NAS-style nets)
     sync_buffers_at_end: bool = True     # broadcast rank 0's buffers after the last step
     device: Literal["auto", "cpu", "cuda"] = "auto"
     collective_timeout_s: float = 1800.0  # a rank stuck this long in a collective fails the job

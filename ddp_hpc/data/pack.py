@@ -70,8 +70,8 @@ def _read(path: str, check_image: bool) -> bytes:
 class _Writer:
     """Puts in ascending key order into a new environment, appended (``MDB_APPEND``): LMDB then
     fills each leaf page before starting the next instead of splitting full pages in half, which
-    left them about 70% full (a pack of 800-byte records was 1.5x its payload; appended it is
-    about 1.1x).  One write transaction per ``txn_bytes`` of values, so a pack that fits is one
+    leaves them about 70% full (a pack of 800-byte records is then 1.5x its payload; appended it
+    is about 1.2x).  One write transaction per ``txn_bytes`` of values, so a pack that fits is one
     transaction and leaves no freed pages behind; a full map doubles and the pending
     transaction is replayed."""
 

@@ -1,10 +1,10 @@
-"""Python entry points: `fit` (your model and dataset), `train_ddp` (the seed exercise's signature),
+"""Python entry points: `fit` (your model and dataset), `train_ddp` (the mp.spawn-style signature),
 and `run_job` (a JobConfig, used by ``python -m ddp_hpc.run``).
 
 Why three: `python -m ddp_hpc.run` covers jobs described in YAML; `fit` is for users who build
 their model and dataset in Python but want the same loop, checkpoints, preemption handling and
-run logs; `train_ddp(rank, world_size, model_class, data, epochs)` is what the DDP exercise asks
-for and plugs straight into ``launch_distributed``:
+run logs; `train_ddp(rank, world_size, model_class, data, epochs)` is the classic mp.spawn-style
+function and plugs straight into ``launch_distributed``:
 
     from ddp_hpc.launch import launch_distributed
     results = launch_distributed(train_ddp, 4, args=(MyNet, (X, y), 3))
@@ -257,7 +257,7 @@ def train_ddp(rank: int, world_size: int, model_class: Callable[..., nn.Module],
               epochs: int, *, model_kwargs: Mapping | None = None, eval_data: Any = None,
               config: JobConfig | Mapping | str | Path | None = None,
               overrides: Iterable[str] = (), **train_options: Any) -> TrainResult:
-    """The seed exercise's signature.  `data` is a Dataset or a tuple of tensors (X, y);
+    """The mp.spawn-style signature.  `data` is a Dataset or a tuple of tensors (X, y);
     `train_options` are train.* settings (batch_size=64, grad_accum=2, ...)."""
     opts = [f"train.epochs={epochs}"] + [f"train.{k}={v!r}" if isinstance(v, str) else
                                          f"train.{k}={v}" for k, v in train_options.items()]
