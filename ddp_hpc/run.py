@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddp_hpc.cli import HelpFormatter, prog
+from ddp_hpc.text import HelpFormatter, prog
 from ddp_hpc.config import ConfigError, load_config
 from ddp_hpc.errors import report
 

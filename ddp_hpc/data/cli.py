@@ -15,7 +15,7 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from ddp_hpc.cli import HelpFormatter, prog
+from ddp_hpc.text import HelpFormatter, prog
 from ddp_hpc.data.errors import PackError, StageError, VerifyError
 from ddp_hpc.data.sbcast import sbcast_stage
 from ddp_hpc.data.stage import resolve_stage_dir, stage

@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 
-from ddp_hpc.cli import HelpFormatter, prog
+from ddp_hpc.text import HelpFormatter, prog
 from ddp_hpc.env.checks import diagnose
 from ddp_hpc.env.model import DistEnv
 from ddp_hpc.env.sources import this_host

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ddp_hpc.cli import HelpFormatter, prog
+from ddp_hpc.text import HelpFormatter, prog
 from ddp_hpc.env import DistEnv, EnvError, gpu_index, job_facts, visible_gpus
 from ddp_hpc.env.checks import diagnose
 from ddp_hpc.errors import HintError, report

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ddp_hpc.cli import HelpFormatter, plural, prog
+from ddp_hpc.text import HelpFormatter, plural, prog
 from ddp_hpc.errors import report
 from ddp_hpc.launch.local import LocalResult, run_local
 from ddp_hpc.launch.spawn import RankFailedError, launch_distributed

@@ -22,7 +22,7 @@ import re
 import sys
 import time
 
-from ddp_hpc import cli as ddp_cli
+from ddp_hpc.text import HelpFormatter, prog
 from ddp_hpc import records
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.runlogs.schema import rank_out, text_log
@@ -39,7 +39,7 @@ _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=ddp_cli.prog("status"), formatter_class=ddp_cli.HelpFormatter,
+        prog=prog("status"), formatter_class=HelpFormatter,
         description="State, progress, logs and the failing rank of ddp_hpc jobs.")
     p.add_argument("job", nargs="?", help="job id (Slurm id, array task id 123_4, or local-...); "
                                           "without one: a table of the recent jobs")

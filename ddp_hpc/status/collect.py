@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
-from ddp_hpc.cli import plural
+from ddp_hpc.text import plural
 from ddp_hpc.runlogs import timing
 from ddp_hpc.runlogs.attribution import SchedulerFacts
 from ddp_hpc.runlogs.consequences import compress as compress_ranks

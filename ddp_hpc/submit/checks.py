@@ -16,7 +16,7 @@ import math
 import re
 from typing import Any, Mapping, Sequence
 
-from ddp_hpc.cli import plural
+from ddp_hpc.text import plural
 from ddp_hpc.submit.spec import JobSpec, SpecError
 
 __all__ = ["partition_named", "check_resources", "size_mb"]

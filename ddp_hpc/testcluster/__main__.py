@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddp_hpc.cli import HelpFormatter, prog
+from ddp_hpc.text import HelpFormatter, prog
 from ddp_hpc.errors import report
 
 from . import lock

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from ddp_hpc import dist as ddp_dist
 from ddp_hpc.config import (ConfigError, JobConfig, apply_overrides, config_from_dict,
                             config_to_dict, load_config, resolve_factory)
-from ddp_hpc.cli import plural
+from ddp_hpc.text import plural
 from ddp_hpc.env import DistEnv
 from ddp_hpc.errors import HintError
 from ddp_hpc.examples.models import BUILTIN_MODELS
