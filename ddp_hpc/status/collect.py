@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
-from ddp_hpc.text import plural
 from ddp_hpc.runlogs import timing
-from ddp_hpc.runlogs.attribution import SchedulerFacts
+from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
 from ddp_hpc.runlogs.srun import LOCAL_DRIVER_OUT
@@ -25,6 +24,7 @@ from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.targets import Target
+from ddp_hpc.text import plural
 
 
 #: terminal states in which the job itself broke (rather than being stopped from outside): here
@@ -250,10 +250,10 @@ def _diagnose(logs: RunLogs, sched: src.SourceState, notes: list[str]):
     facts = SchedulerFacts(name, [c for c in [sched.exit_code] + [s.get("exit_code") for s in sched.steps] if c])
     crashed = name is not None and JobState[name] in CRASHED
     if crashed or logs.outcome() == "failed":
-        failure, endings = logs.attribute(sched=facts, assume_failed=crashed)
+        failure, endings = attribute(logs, sched=facts, assume_failed=crashed)
     else:  # cancelled, timed out, preempted, unknown, still running: every rank may have been
         # stopped from outside, so only what a rank wrote itself (an error event, a traceback)
-        failure, endings = logs.attribute(sched=facts, evidence_only=True)
+        failure, endings = attribute(logs, sched=facts, evidence_only=True)
     if failure is not None and state.active and not over:
         notes.append(f"the scheduler says {sched.state.label} but rank {failure.rank} failed "
                      f"({failure.basis}); the job should end soon (kill-on-bad-exit)")
@@ -268,8 +268,8 @@ def _runs(logs: RunLogs, runs, sched: src.SourceState) -> list[dict]:
         d = dataclasses.asdict(r)
         if r.restart < logs.current_restart() and r.end_status not in ("completed", "preempted"):
             name = parse_state(hist[r.restart]).state.name if r.restart < len(hist) else None
-            f, _ = logs.attribute(restart=r.restart, sched=SchedulerFacts(name), files=False,
-                                  assume_failed=name is not None and JobState[name] in CRASHED)
+            f, _ = attribute(logs, restart=r.restart, sched=SchedulerFacts(name), files=False,
+                             assume_failed=name is not None and JobState[name] in CRASHED)
             d["cause"] = f.summary if f else None
         out.append(d)
     return out
