@@ -28,7 +28,7 @@ from ddp_hpc.errors import HintError, report
 from ddp_hpc.runlogs.schema import rank_out, text_log
 from ddp_hpc.status import view
 from ddp_hpc.status.collect import collect
-from ddp_hpc.status.sources import current_cluster, slurm_cli
+from ddp_hpc.slurm.query import current_cluster, slurm_cli
 from ddp_hpc.status.stacks import ask_stacks, render_stacks
 from ddp_hpc.status.targets import StatusError, is_slurm_id, job_targets, recent_targets
 
