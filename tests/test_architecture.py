@@ -285,6 +285,23 @@ def test_the_layer_rule_finds_an_upward_import_and_a_cycle(tmp_path):
     ], problems
 
 
+def test_the_documented_tree_lists_every_module():
+    """docs/architecture.md's tree names each module of ddp_hpc/ under its own package."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    block = doc.split("## The tree", 1)[1].split("```")[1]
+    entries: dict[str, str] = {}
+    name = ""
+    for line in block.splitlines():
+        if re.match(r"^  \S", line):
+            name = line.split()[0]
+        entries[name] = entries.get(name, "") + line + "\n"
+    missing = [str(path.relative_to(REPO)) for path in sorted(PKG.rglob("*.py"))
+               if (path.parent == PKG and path.name not in entries)
+               or (path.parent != PKG and path.name != "__init__.py"
+                   and not re.search(rf"\b{re.escape(path.name)}", entries.get(f"{path.parent.name}/", "")))]
+    assert not missing, "add these to the tree in docs/architecture.md:\n" + "\n".join(missing)
+
+
 COMMANDS = ["submit", "env", "launch", "run", "exec", "data", "status", "records", "testcluster"]
 
 
