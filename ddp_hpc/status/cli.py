@@ -22,15 +22,15 @@ import re
 import sys
 import time
 
-from ddp_hpc.text import HelpFormatter, prog
 from ddp_hpc import records
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.runlogs.schema import rank_out, text_log
+from ddp_hpc.slurm.query import current_cluster, slurm_cli
 from ddp_hpc.status import view
 from ddp_hpc.status.collect import collect
-from ddp_hpc.slurm.query import current_cluster, slurm_cli
 from ddp_hpc.status.stacks import ask_stacks, render_stacks
 from ddp_hpc.status.targets import StatusError, is_slurm_id, job_targets, recent_targets
+from ddp_hpc.text import HelpFormatter, prog
 
 FOLLOW_STATE_S = 5.0  # --follow: how often to ask whether the job still runs
 LOGS, OUTS = text_log("*"), rank_out("*")  # rank*.log, rank*.out

@@ -13,7 +13,6 @@ import sys
 import time
 from typing import Callable, Iterable
 
-from ddp_hpc.text import plural, prog
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
@@ -21,6 +20,7 @@ from ddp_hpc.runlogs.tails import follow_logs, log_line, logs_tail, rank_files, 
 from ddp_hpc.runlogs.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.status.collect import JobStatus
+from ddp_hpc.text import plural, prog
 
 __all__ = ["render_table", "render_detail", "to_json", "files_guide", "watch", "compress_ranks",
            "follow_logs", "log_line", "logs_tail", "rank_files", "render_logs"]

@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ddp_hpc.text import HelpFormatter, prog
 from ddp_hpc.config import ConfigError, JobConfig, load_config, slurm_options
 from ddp_hpc.config.validate import validate_job
 from ddp_hpc.errors import HintError, report
@@ -41,6 +40,7 @@ from ddp_hpc.submit.spec import (SpecError, build_command_spec, build_spec,
                                  check_overrides, is_override, parse_sweeps, script_sweeps,
                                  sweep_tasks)
 from ddp_hpc.submit.target import Target, module_command, script_command, split_argv
+from ddp_hpc.text import HelpFormatter, prog
 
 __all__ = ["main", "choose_backend", "parse_args", "parse"]
 

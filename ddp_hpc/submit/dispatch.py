@@ -18,7 +18,6 @@ from typing import Sequence
 
 import yaml
 
-from ddp_hpc.text import plural, prog
 from ddp_hpc import records
 from ddp_hpc.config import JobConfig, config_to_dict
 from ddp_hpc.fsutil import atomic_write_text
@@ -30,6 +29,7 @@ from ddp_hpc.submit import slurm as submit_slurm
 from ddp_hpc.submit.checks import check_resources, partition_named
 from ddp_hpc.submit.spec import JobSpec, SpecError
 from ddp_hpc.submit.wait import wait_and_judge
+from ddp_hpc.text import plural, prog
 
 __all__ = ["say", "dispatch", "preflight", "record", "make_run_dirs"]
 

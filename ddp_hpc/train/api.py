@@ -33,7 +33,6 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from ddp_hpc import dist as ddp_dist
 from ddp_hpc.config import (ConfigError, JobConfig, apply_overrides, config_from_dict,
                             config_to_dict, load_config, resolve_factory)
-from ddp_hpc.text import plural
 from ddp_hpc.env import detect
 from ddp_hpc.errors import HintError
 from ddp_hpc.examples.models import BUILTIN_MODELS
@@ -41,6 +40,7 @@ from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.runlogs.writer import RunLog, resolve_log_dir
+from ddp_hpc.text import plural
 from ddp_hpc.train.build import seed_everything
 from ddp_hpc.train.loop import Trainer
 from ddp_hpc.train.result import TrainResult
