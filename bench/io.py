@@ -71,7 +71,7 @@ def _rank(rank, world_size, a):
     from ddp_hpc.data import lmdb as L
     from ddp_hpc.data.io import close_train_data, make_train_batches, open_train_data
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
-    from ddp_hpc.examples.images import ImageFolderDataset
+    from ddp_hpc.data.images import ImageFolderDataset
 
     torch.set_num_threads(1)
     ctx = setup_ddp()
@@ -127,7 +127,7 @@ def _delivery(ctx, imgs, max_steps, reps=11):
 
     from ddp_hpc.data.broadcast import BroadcastDataset, build_plan, encode_samples
     from ddp_hpc.data.samplers import epoch_indices
-    from ddp_hpc.examples.images import list_image_folder
+    from ddp_hpc.data.images import list_image_folder
 
     _, samples = list_image_folder(imgs)
     blobs = [(open(os.path.join(imgs, rel), "rb").read(), label) for rel, label in samples]

@@ -40,7 +40,7 @@ CACHES = "peer-caches"  # below each pretend node's TMPDIR; emptied before every
 
 
 def _decode(data: bytes, label):
-    from ddp_hpc.examples.images import decode_image
+    from ddp_hpc.data.images import decode_image
 
     return decode_image(data), int(label)
 

@@ -1,7 +1,7 @@
 """Each peer's own packer, run once on the PNG folder that ``ddp-hpc data make-images`` wrote.
 
 Every format stores the PNG file's bytes unchanged plus its class index, so every loader hands
-``ddp_hpc.examples.images.decode_image`` the same bytes that ddp_hpc's readers decode, and every
+``ddp_hpc.data.images.decode_image`` the same bytes that ddp_hpc's readers decode, and every
 technique delivers bit-identical tensors (the coverage check relies on that: a sample is known by
 the hash of its decoded tensor and label).  Settings follow each peer's documentation:
 
@@ -67,7 +67,7 @@ def sample_hash(x, label) -> int:
 
 def expected_hashes(imgs: str) -> dict[int, int]:
     """hash -> sample index for every file of the folder, decoded the way every rank decodes."""
-    from ddp_hpc.examples.images import decode_image, list_image_folder
+    from ddp_hpc.data.images import decode_image, list_image_folder
 
     _, samples = list_image_folder(imgs)
     out = {}
@@ -78,7 +78,7 @@ def expected_hashes(imgs: str) -> dict[int, int]:
 
 
 def _samples(imgs: str):
-    from ddp_hpc.examples.images import list_image_folder
+    from ddp_hpc.data.images import list_image_folder
 
     _, samples = list_image_folder(imgs)
     return [(os.path.join(imgs, rel), label) for rel, label in samples]

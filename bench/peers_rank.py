@@ -120,7 +120,7 @@ def _node_shm(node: int) -> None:
 def run_rank(rank, world_size, a):
     import torch
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
-    from ddp_hpc.examples.images import decode_image
+    from ddp_hpc.data.images import decode_image
 
     _node_shm(int(os.environ["GROUP_RANK"]))
     torch.set_num_threads(1)

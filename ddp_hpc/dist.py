@@ -1,6 +1,6 @@
 """Process group set-up for DDP under any launcher: ``setup_ddp()`` / ``cleanup_ddp()`` and groups.
 
-``setup_ddp()`` takes the rank facts from ``ddp_hpc.env.DistEnv.detect()`` (srun, torchrun,
+``setup_ddp()`` takes the rank facts from ``ddp_hpc.env.detect()`` (srun, torchrun,
 submitit, ``ddp_hpc.launch`` or a single process) and adds what usually goes wrong by hand:
 
 - backend ``auto``: nccl when CUDA is usable and this rank has a GPU to bind, gloo otherwise;
@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from ddp_hpc.env import DistEnv, EnvError, gpu_index, interface_for, route_interface, user_port, visible_gpus
+from ddp_hpc.env import DistEnv, EnvError, detect, gpu_index, interface_for, route_interface, user_port, visible_gpus
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
     if dist.is_initialized():
         raise EnvError("setup_ddp: the default process group is already initialised.",
                        "Call cleanup_ddp() first, or use the process group that exists.")
-    env = _with_overrides(env or DistEnv.detect(), rank, world_size)
+    env = _with_overrides(env or detect(), rank, world_size)
     init_method = _check_init_method(init_method)
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))

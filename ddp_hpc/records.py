@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ddp_hpc.cli import HelpFormatter, prog
 from ddp_hpc.env import job_facts
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.fsutil import atomic_write_json
+from ddp_hpc.text import HelpFormatter, prog
 
 __all__ = [
     "JobRecord",

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddp_hpc.cli import HelpFormatter, prog
 from ddp_hpc.config import ConfigError, load_config
 from ddp_hpc.errors import report
+from ddp_hpc.text import HelpFormatter, prog
 
 EXIT_OK, EXIT_CONFIG = 0, 2  # any other failure is an uncaught exception: exit status 1
 

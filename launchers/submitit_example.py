@@ -2,7 +2,7 @@
 
     python launchers/submitit_example.py --nodes 2 --gpus 2 [--partition P] [--time 30]
 
-Each of the N x G tasks runs `task()`: `DistEnv.detect()` understands submitit's tasks (it reads
+Each of the N x G tasks runs `task()`: `ddp_hpc.env.detect()` understands submitit's tasks (it reads
 the SLURM_* variables srun sets), `setup_ddp()` exports MASTER_ADDR/PORT/RANK/... (refusing to
 silently replace different values) and builds the process group; then your own training code
 runs. Here it checks an all_reduce and then trains the demo job through ddp_hpc.run.
@@ -23,9 +23,9 @@ def task(config: str, overrides: list[str], log_dir: str) -> dict:
     import torch.distributed as dist
 
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
-    from ddp_hpc.env import DistEnv
+    from ddp_hpc.env import detect
 
-    env = DistEnv.detect()
+    env = detect()
     print(f"rank {env.rank}/{env.world_size} on node {env.node_rank} ({env.launcher}), "
           f"master {env.master_addr}:{env.master_port}", flush=True)
     ctx = setup_ddp(env=env)

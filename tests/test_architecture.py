@@ -137,6 +137,171 @@ def test_one_free_port_and_no_dunder_import():
     assert not dunder, dunder
 
 
+#: The import layers, lowest first: a module imports modules of its own layer and the layers below,
+#: never one above. A name is a top-level module of ddp_hpc/ or a package (every module in it);
+#: "__init__" is ddp_hpc/__init__.py. A name with no file yet is allowed; a file whose name is in
+#: no layer fails the rule (place it when you add it).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "fsutil", "text", "parsing", "exits"),                  # leaves: no ddp_hpc imports
+    ("slurm", "examples"),                                             # Slurm commands; the demo
+    ("env", "config"),                                                 # rank and job facts; job config
+    ("runlogs", "records", "data", "dist"),                            # run logs, records, data, groups
+    ("exec", "launch", "recover"),                                     # wrapper, local launch, recovery
+    ("train", "report", "checkpoint", "preemption", "run"),            # training and the script API
+    ("status", "submit", "testcluster"),                               # the commands' packages
+    ("cli", "__main__", "__init__"),                                   # ddp-hpc; the lazy public names
+)
+
+
+def _module_files(root: Path) -> dict[str, Path]:
+    """``ddp_hpc.x.y`` -> its file (a package: its ``__init__.py``), for the tree under ``root``."""
+    out = {}
+    for path in sorted((root / "ddp_hpc").rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _targets(node: ast.AST, module: str, files: dict[str, Path]) -> list[str]:
+    """The ddp_hpc modules an import statement (or ``import_module("...")``) loads."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            pkg = module if files[module].name == "__init__.py" else module.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                pkg = pkg.rpartition(".")[0]
+            base = f"{pkg}.{base}" if base else pkg
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+    elif (isinstance(node, ast.Call) and node.args and _const_str(node.args[0])
+          and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"):
+        names = [_const_str(node.args[0])]
+    else:
+        return []
+    out = []
+    for name in names:
+        while name not in files and "." in name:
+            name = name.rpartition(".")[0]
+        if name in files and name not in out:
+            out.append(name)
+    return out
+
+
+def _import_edges(root: Path) -> tuple[dict[str, Path], list[tuple[str, str, int]]]:
+    """Every import between ddp_hpc modules, at the top or inside a function: (importer, imported,
+    line)."""
+    files = _module_files(root)
+    edges = []
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            edges += [(module, target, node.lineno) for target in _targets(node, module, files)
+                      if target != module]
+    return files, edges
+
+
+def _layer(module: str) -> int | None:
+    name = module.split(".")[1] if "." in module else "__init__"
+    return next((i for i, names in enumerate(LAYERS) if name in names), None)
+
+
+def _cycles(edges: list[tuple[str, str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    graph: dict[str, set[str]] = {}
+    for a, b, _ in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layer_violations(root: Path) -> list[str]:
+    """What breaks the layer rule under ``root``: unplaced modules, upward imports, cycles;
+    each names file:line and the import."""
+    files, edges = _import_edges(root)
+    rel = {m: p.relative_to(root) for m, p in files.items()}
+    out = [f"{rel[m]}: {m} is in no layer of LAYERS" for m in files if _layer(m) is None]
+    for a, b, line in edges:
+        la, lb = _layer(a), _layer(b)
+        if la is not None and lb is not None and lb > la:
+            out.append(f"{rel[a]}:{line} imports {b} (layer {lb}) from layer {la}: move the code "
+                       f"that needs it up, or what it needs down")
+    for component in _cycles(edges):
+        inside = [f"{rel[a]}:{line} imports {b}" for a, b, line in edges
+                  if a in component and b in component]
+        out.append(f"import cycle {' <-> '.join(component)}: " + "; ".join(inside))
+    return out
+
+
+def test_imports_run_down_the_layers_without_cycles():
+    problems = layer_violations(REPO)
+    assert not problems, "the layer rule (LAYERS above) is broken:\n" + "\n".join(problems)
+
+
+def test_the_layer_rule_finds_an_upward_import_and_a_cycle(tmp_path):
+    """The rule must be able to fail: a planted tree with a low module importing a high one inside
+    a function, a two-module cycle (one side relative), and a module placed in no layer."""
+    tree = {"__init__.py": "", "errors.py": "", "slurm/__init__.py": "", "status/__init__.py": "",
+            "status/view.py": "from ddp_hpc.errors import HintError\n",
+            "slurm/cli.py": "import os\n\n\ndef run():\n    from ddp_hpc.status.view import render\n",
+            "env/__init__.py": "", "env/a.py": "from . import b\n", "env/b.py": "x = 1\n\n\n"
+            "def f():\n    import ddp_hpc.env.a\n", "nowhere.py": ""}
+    for name, text in tree.items():
+        (tmp_path / "ddp_hpc" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ddp_hpc" / name).write_text(text)
+    problems = layer_violations(tmp_path)
+    assert problems == [
+        "ddp_hpc/nowhere.py: ddp_hpc.nowhere is in no layer of LAYERS",
+        "ddp_hpc/slurm/cli.py:5 imports ddp_hpc.status.view (layer 6) from layer 1: move the code "
+        "that needs it up, or what it needs down",
+        "import cycle ddp_hpc.env.a <-> ddp_hpc.env.b: ddp_hpc/env/a.py:1 imports ddp_hpc.env.b; "
+        "ddp_hpc/env/b.py:5 imports ddp_hpc.env.a",
+    ], problems
+
+
+def test_the_documented_tree_lists_every_module():
+    """docs/architecture.md's tree names each module of ddp_hpc/ under its own package."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    block = doc.split("## The tree", 1)[1].split("```")[1]
+    entries: dict[str, str] = {}
+    name = ""
+    for line in block.splitlines():
+        if re.match(r"^  \S", line):
+            name = line.split()[0]
+        entries[name] = entries.get(name, "") + line + "\n"
+    missing = [str(path.relative_to(REPO)) for path in sorted(PKG.rglob("*.py"))
+               if (path.parent == PKG and path.name not in entries)
+               or (path.parent != PKG and path.name != "__init__.py"
+                   and not re.search(rf"\b{re.escape(path.name)}", entries.get(f"{path.parent.name}/", "")))]
+    assert not missing, "add these to the tree in docs/architecture.md:\n" + "\n".join(missing)
+
+
 COMMANDS = ["submit", "env", "launch", "run", "exec", "data", "status", "records", "testcluster"]
 
 

@@ -68,7 +68,7 @@ def _rank_main(rank, world_size, image_root):
     from ddp_hpc.data import fsio
     from ddp_hpc.data.io import make_train_batches, open_train_data
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
-    from ddp_hpc.examples.images import ImageFolderDataset
+    from ddp_hpc.data.images import ImageFolderDataset
 
     ctx = setup_ddp()
     out = {"node": ctx.env.node_rank}

@@ -12,7 +12,8 @@ from ddp_hpc.data import fsio
 from ddp_hpc.data.cli import main as cli
 from ddp_hpc.data.lmdb import LMDBDataset, VerifyError, verify
 from ddp_hpc.data.pack import PackError, pack
-from ddp_hpc.examples.images import ImageFolderDataset, make_images
+from ddp_hpc.data.images import ImageFolderDataset
+from ddp_hpc.examples.images import make_images
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def test_cli_pack_verify_and_refuse_overwrite(images, tmp_path, capsys):
 
 
 def test_missing_image_folder_names_the_config_keys(tmp_path):
-    from ddp_hpc.examples.images import ImageFolderError
+    from ddp_hpc.data.images import ImageFolderError
 
     with pytest.raises(FileNotFoundError, match=r"root '.*/eval' is not a directory\nHINT: point root at the image "
                                                 r"folder: data.kwargs.root for data.dataset, data.eval_kwargs.root "

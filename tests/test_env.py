@@ -266,7 +266,7 @@ def test_distenv_is_frozen():
     env = detect({})
     with pytest.raises(Exception):
         env.rank = 3  # type: ignore[misc]
-    assert isinstance(env, DistEnv) and DistEnv.detect({}).launcher == "single"
+    assert isinstance(env, DistEnv) and detect({}).launcher == "single"
 
 
 # --------------------------------------------------------------------------- CLI

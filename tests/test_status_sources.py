@@ -3,7 +3,7 @@
 The Slurm side here is ddp_hpc.slurm.cli.SlurmCLI with a recording process runner that answers
 the way Slurm 22.05 does (same separators, same error text); the real scheduler is exercised in
 tests/cluster/test_status_cluster.py. The subject, the precedence and parsing in
-ddp_hpc.status.sources, runs unmodified.
+ddp_hpc.slurm.query, runs unmodified.
 """
 import subprocess
 from pathlib import Path
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 slurmcli = pytest.importorskip("ddp_hpc.slurm.cli")
-from ddp_hpc.status import sources as src  # noqa: E402
+from ddp_hpc.slurm import query as src  # noqa: E402
 from ddp_hpc.slurm.states import JobState  # noqa: E402
 from ddp_hpc.slurm.times import timestamp  # noqa: E402
 

@@ -10,12 +10,13 @@ it came from and the fix, and nothing downstream has to re-check.
 
 Modules: ``sections`` (the dataclasses), ``slurm_options`` (``SlurmOptions``, the one home of the
 Slurm options: YAML keys, ``submit`` flags and what the renderer passes on), ``checks`` (single
-Slurm values), ``typed`` (plain data -> dataclasses), ``load`` (YAML files and overrides).
+Slurm values), ``typed`` (plain data -> dataclasses), ``load`` (YAML files and overrides), ``factory``
+(``pkg.module:factory`` strings -> callables), ``validate`` (a whole job, before it queues).
 """
 
 from ddp_hpc.config.checks import BACKENDS, parse_signal, time_to_seconds
-from ddp_hpc.config.load import (apply_overrides, config_from_dict, config_to_dict, load_config,
-                                 resolve_factory)
+from ddp_hpc.config.factory import resolve_factory
+from ddp_hpc.config.load import apply_overrides, config_from_dict, config_to_dict, load_config
 from ddp_hpc.config.sections import (CheckpointConfig, DataConfig, JobConfig, LogConfig,
                                      ModelConfig, OptimConfig, PreemptConfig, ScheduleConfig,
                                      TrainConfig)

@@ -1,10 +1,9 @@
 """Reading a job config: a YAML file plus dotted ``key=value`` overrides -> a validated
-``JobConfig``; and turning ``pkg.mod:factory`` strings into the callables they name."""
+``JobConfig``."""
 
 from __future__ import annotations
 
 import copy
-import importlib
 import typing
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,8 +13,7 @@ import yaml
 from ddp_hpc.config.sections import JobConfig
 from ddp_hpc.config.typed import ConfigError, build, to_dict
 
-__all__ = ["load_config", "config_from_dict", "config_to_dict", "apply_overrides",
-           "resolve_factory"]
+__all__ = ["load_config", "config_from_dict", "config_to_dict", "apply_overrides"]
 
 def config_from_dict(raw: Mapping, source: str = "a dict") -> JobConfig:
     """Build a JobConfig from plain data; `source` is named in error messages."""
@@ -84,27 +82,3 @@ def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -
         source = f"{source} + overrides {overrides}"
     return config_from_dict(raw, source)
 
-
-def resolve_factory(spec: str, builtins: Mapping[str, Any], key: str) -> Any:
-    """Turn a built-in name or ``pkg.mod:attr`` into the callable, with an error naming the fix."""
-    if spec in builtins:
-        return builtins[spec]
-    if ":" not in spec:
-        raise ConfigError(f"{key} = {spec!r} is neither a built-in nor an import path.",
-                          f"use one of {', '.join(sorted(builtins))} or 'pkg.module:factory'")
-    mod_name, _, attr = spec.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(f"{key} = {spec!r}: cannot import module {mod_name!r} ({e}).",
-                          "check the spelling and that the package is installed or on "
-                          "PYTHONPATH") from None
-    obj = mod
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{key} = {spec!r}: module {mod_name!r} has no attribute {attr!r}.",
-                              f"name a class or function defined in {mod_name}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{key} = {spec!r} is not callable", "name a class or function")
-    return obj

@@ -11,14 +11,11 @@ calls nothing in them, and creates ``log.dir`` (which submit needs anyway).
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
-import reprlib
-import sys
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
+from ddp_hpc.config.factory import resolve_factory
 from ddp_hpc.config.sections import DataConfig, JobConfig
 from ddp_hpc.config.typed import ConfigError
 
@@ -89,49 +86,9 @@ def _check_factories(cfg: JobConfig, workdir: str) -> None:
     specs = {"model.name": cfg.model.name, "data.dataset": cfg.data.dataset,
              "data.eval_dataset": cfg.data.eval_dataset, "train.loss": cfg.train.loss}
     builtins = _builtins()
-    with _importable_from(workdir):
-        for key, spec in specs.items():
-            if spec:
-                _check_factory(key, spec, builtins[key], workdir)
-
-
-@contextlib.contextmanager
-def _importable_from(workdir: str) -> Iterator[None]:
-    """Modules of the working directory importable, as for the job (``python -m ddp_hpc.run``
-    puts its working directory first on sys.path)."""
-    sys.path.insert(0, workdir)
-    importlib.invalidate_caches()
-    try:
-        yield
-    finally:
-        sys.path.remove(workdir)
-
-
-def _check_factory(key: str, spec: str, builtins: Mapping[str, Any] | None, workdir: str) -> None:
-    if ":" not in spec:
-        if builtins is not None and spec not in builtins:
-            raise ConfigError(f"{key}={spec} is neither a built-in nor an import path",
-                              f"use one of {', '.join(sorted(builtins))} or 'pkg.module:factory'")
-        return
-    mod_name, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(f"cannot import module {mod_name!r} ({key}={spec}): {e}",
-                          f"check the spelling, and that the module is installed or importable "
-                          f"from the job's working directory {workdir} (or PYTHONPATH)") from None
-    except Exception as e:     # the user's module failed while it ran: show what it raised
-        raise ConfigError(f"importing module {mod_name!r} ({key}={spec}) raised "
-                          f"{type(e).__name__}: {e}", f"fix the error in {mod_name}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"module {mod_name!r} has no attribute {attr!r} ({key}={spec})",
-                              f"name a class or function defined in {mod_name}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{key}={spec} is not callable: it is {reprlib.repr(obj)} "
-                          f"({type(obj).__name__})",
-                          "name a class or a function that returns the object")
+    for key, spec in specs.items():
+        if spec:
+            resolve_factory(spec, builtins[key], key, workdir=workdir)
 
 
 def _check_log_dir(log_dir: str, workdir: str, create: bool) -> None:

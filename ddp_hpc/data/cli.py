@@ -15,12 +15,12 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from ddp_hpc.cli import HelpFormatter, prog
 from ddp_hpc.data.errors import PackError, StageError, VerifyError
 from ddp_hpc.data.sbcast import sbcast_stage
 from ddp_hpc.data.stage import resolve_stage_dir, stage
 from ddp_hpc.env import job_facts
 from ddp_hpc.errors import report
+from ddp_hpc.text import HelpFormatter, prog
 
 _DESCRIPTION = """Prepare a dataset for a shared filesystem: pack many small files into one LMDB, check it,
 copy it once per node (stage), or let Slurm's sbcast fan it out.

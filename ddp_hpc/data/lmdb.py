@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from ddp_hpc.data import fsio
 from ddp_hpc.data.errors import RecordIndexError, VerifyError
-from ddp_hpc.examples.images import decode_image
+from ddp_hpc.data.images import decode_image
 
 __all__ = ["verify", "LMDBDataset", "VerifyError", "read_meta", "record_key", "close_all", "FORMAT_VERSION"]
 
@@ -232,7 +232,7 @@ class LMDBDataset(torch.utils.data.Dataset):
     """Samples from an LMDB written by :func:`pack`; safe with fork/spawn and persistent workers.
 
     ``decode`` maps the stored bytes to the input tensor; the default is the image decode shared
-    with :class:`ddp_hpc.examples.images.ImageFolderDataset` for image packs and a uint8 tensor of
+    with :class:`ddp_hpc.data.images.ImageFolderDataset` for image packs and a uint8 tensor of
     the raw bytes otherwise.
 
     A read is one ``txn.get`` of this process's long read transaction.  Until the process opens

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from ddp_hpc.data import fsio
 from ddp_hpc.data.errors import PackError
+from ddp_hpc.data.images import IMAGE_SUFFIXES, decode_image
 from ddp_hpc.data.lmdb import CRC_KEY, FORMAT_VERSION, LABELS_KEY, META_KEY, NAMES_KEY, record_key
-from ddp_hpc.examples.images import IMAGE_SUFFIXES, decode_image
 
 __all__ = ["pack", "PackError"]
 

@@ -1,7 +1,7 @@
 """Rank and job facts of this process, derived from the launcher's variables: the only package
 that reads them from the environment.
 
-    env = DistEnv.detect()     # rank, sizes, master address/port, launcher; EnvError with a HINT
+    env = detect()             # rank, sizes, master address/port, launcher; EnvError with a HINT
     facts = job_facts()        # job id and key, restarts, end time, node-local disk, log dir
 
 Modules, one idea each: ``model`` (DistEnv, EnvError), ``sources`` (one per launcher: slurm,

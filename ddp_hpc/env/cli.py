@@ -10,12 +10,12 @@ import argparse
 import json
 import os
 
-from ddp_hpc.cli import HelpFormatter, prog
 from ddp_hpc.env.checks import diagnose
 from ddp_hpc.env.model import DistEnv
 from ddp_hpc.env.sources import this_host
 from ddp_hpc.errors import report
 from ddp_hpc.slurm import hostlist
+from ddp_hpc.text import HelpFormatter, prog
 
 
 def _table(env: DistEnv) -> str:

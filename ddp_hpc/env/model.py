@@ -33,7 +33,7 @@ def int_var(environ: Mapping[str, str], name: str, default: int | None = None) -
 
 @dataclass(frozen=True, kw_only=True)
 class DistEnv:
-    """Where this process sits in the job. Build it with `DistEnv.detect()`."""
+    """Where this process sits in the job. Build it with `ddp_hpc.env.detect()`."""
 
     rank: int
     """Global rank, 0 .. world_size-1."""
@@ -81,14 +81,6 @@ class DistEnv:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-    @classmethod
-    def detect(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
-        """Derive this process's environment (`ddp_hpc.env.sources` lists what each launcher
-        sets); raises `EnvError`."""
-        from ddp_hpc.env.checks import detect  # the checks build on this model
-
-        return detect(environ)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

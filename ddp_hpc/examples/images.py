@@ -1,14 +1,9 @@
-"""The image-folder example: many small image files, the case that hurts shared filesystems.
+"""The image-folder demo: a dataset of many small image files and a model that learns it.
 
 * :func:`make_images` writes a class-per-folder dataset of small PNG files (pillow) whose classes
-  differ in colour and stripe orientation, so a tiny CNN learns them in a few epochs.
-* :class:`ImageFolderDataset` reads it file by file (one open per sample: the "direct" IO path).
-* :func:`decode_image` is the single decode shared with :class:`ddp_hpc.data.lmdb.LMDBDataset`,
-  so every IO technique yields bit-identical tensors and training reaches identical metrics.
+  differ in colour and stripe orientation, so a tiny CNN learns them in a few epochs;
+  ``ddp_hpc.data.images.ImageFolderDataset`` reads it.
 * :func:`small_cnn` is the model the ``jobs/images.yaml`` job trains.
-
-The raw/decode split (``raw_item`` returns encoded bytes, ``decode_item`` turns them into a
-sample) lets the group-broadcast loader ship compact encoded bytes and decode on the receiver.
 """
 from __future__ import annotations
 
@@ -19,23 +14,14 @@ import shutil
 import tempfile
 
 import numpy as np
-import torch
 from torch import nn
 from tqdm import tqdm
 
-from ddp_hpc.data import fsio
 from ddp_hpc.errors import HintError
 
-__all__ = ["make_images", "ImageFolderDataset", "decode_image", "small_cnn", "IMAGE_SUFFIXES",
-           "ImageFolderError", "ImagesExistError", "ImageParamsError"]
+__all__ = ["make_images", "small_cnn", "ImagesExistError", "ImageParamsError"]
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".gif")
 _MARKER = ".ddp_hpc_images.json"
-_MAKE = "python -m ddp_hpc.data make-images ROOT writes a demo one"
-
-
-class ImageFolderError(HintError, FileNotFoundError):
-    """An image folder that is missing or not laid out as ROOT/<class>/<file>."""
 
 
 class ImagesExistError(HintError, FileExistsError):
@@ -100,59 +86,6 @@ def make_images(root: str | os.PathLike, count: int = 2000, classes: int = 10, s
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return root
-
-
-def decode_image(data: bytes) -> torch.Tensor:
-    """Encoded image bytes -> float tensor [3, H, W] in [0, 1] (shared by every IO path)."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as im:
-        arr = np.asarray(im.convert("RGB"), dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(255.0)
-
-
-def list_image_folder(root: str) -> tuple[list[str], list[tuple[str, int]]]:
-    """Classes (sorted sub-folders) and (relative path, label) pairs in a stable order."""
-    classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
-    if not classes:
-        raise ImageFolderError(f"image folder {root} has no class sub-folders",
-                               f"lay it out as ROOT/<class>/<file>.png ({_MAKE})")
-    samples = []
-    for label, cls in enumerate(classes):
-        names = sorted(e.name for e in os.scandir(os.path.join(root, cls))
-                       if e.is_file() and e.name.lower().endswith(IMAGE_SUFFIXES))
-        samples.extend((f"{cls}/{n}", label) for n in names)
-    return classes, samples
-
-
-class ImageFolderDataset(torch.utils.data.Dataset):
-    """Class-per-folder images read file by file: one shared-filesystem open per sample."""
-
-    def __init__(self, root: str | os.PathLike, *, _listing=None):
-        self.root = os.path.abspath(os.fspath(root))
-        if not os.path.isdir(self.root):
-            raise ImageFolderError(f"ImageFolderDataset: root {self.root!r} is not a directory",
-                                   "point root at the image folder: data.kwargs.root for data.dataset, "
-                                   f"data.eval_kwargs.root for data.eval_dataset ({_MAKE})")
-        self.classes, self.samples = _listing or list_image_folder(self.root)
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def raw_item(self, index: int) -> tuple[bytes, int]:
-        rel, label = self.samples[index]
-        return fsio.read_bytes(os.path.join(self.root, rel)), label
-
-    @staticmethod
-    def decode_item(data: bytes, label: int):
-        return decode_image(data), label
-
-    def __getitem__(self, index: int):
-        return self.decode_item(*self.raw_item(index))
-
-    def relocated(self, new_root: str) -> "ImageFolderDataset":
-        """The same samples read from a copy of the folder (node-local staging)."""
-        return ImageFolderDataset(new_root, _listing=(self.classes, self.samples))
 
 
 def small_cnn(num_classes: int = 10, in_channels: int = 3, width: int = 16) -> nn.Module:

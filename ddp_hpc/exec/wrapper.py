@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ddp_hpc.cli import HelpFormatter, prog
 from ddp_hpc.env import DistEnv, EnvError, gpu_index, job_facts, visible_gpus
 from ddp_hpc.env.checks import diagnose
 from ddp_hpc.errors import HintError, report
@@ -30,6 +29,7 @@ from ddp_hpc.exec.events import SafeLog
 from ddp_hpc.exec.outcome import classify, error_fields, last_step
 from ddp_hpc.runlogs.schema import events_file, rank_out
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
+from ddp_hpc.text import HelpFormatter, prog
 
 EXIT_USAGE = 2
 EXIT_CANNOT_RUN = 126     # the shell's codes: found but not runnable / not found

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ddp_hpc.cli import HelpFormatter, plural, prog
 from ddp_hpc.errors import report
 from ddp_hpc.launch.local import LocalResult, run_local
 from ddp_hpc.launch.spawn import RankFailedError, launch_distributed
 from ddp_hpc.launch.tree import LaunchError, new_job_id
 from ddp_hpc.runlogs.schema import rank_out
+from ddp_hpc.text import HelpFormatter, plural, prog
 
 EXIT_USAGE = 2
 EXAMPLES = """examples:

@@ -22,15 +22,11 @@ first consequence. Everything else is shown as what followed from it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from ddp_hpc.runlogs import consequences as conseq
 from ddp_hpc.runlogs.evidence import TIMEOUT_RE, RankEnding, own_ending
 from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.runlogs.srun import signal_text, tail_lines
-
-if TYPE_CHECKING:
-    from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.runlogs.tails import RunFiles
 
 #: how much older than the others' collective timeouts a silent rank's last event must be to
 #: call it stuck (a collective timeout is at least tens of seconds)
@@ -70,7 +66,7 @@ class SchedulerFacts:
     exit_codes: list[str] = field(default_factory=list)
 
 
-def classify(logs: RunLogs, restart: int | None = None, sched: SchedulerFacts | None = None,
+def classify(logs: RunFiles, restart: int | None = None, sched: SchedulerFacts | None = None,
              ended: bool = True, files: bool = True) -> dict[int, RankEnding]:
     """rank -> its ending in run ``restart`` (default: the newest). ``ended``: the run is over,
     so silence means something; ``files``: read rank*.out and srun's reports (the current run)."""
@@ -106,7 +102,7 @@ def _silent(e: RankEnding) -> bool:
     return not e.spoke and e.kind in ("silent", "killed", "stopped", "exited")
 
 
-def _in_context(endings: dict[int, RankEnding], logs: RunLogs, sched: SchedulerFacts,
+def _in_context(endings: dict[int, RankEnding], logs: RunFiles, sched: SchedulerFacts,
                 files: bool) -> None:
     node_fail, named = (logs.node_failures() if files else (False, []))
     why = "NODE_FAIL" if sched.state == "NODE_FAIL" else (
@@ -139,7 +135,7 @@ def _in_context(endings: dict[int, RankEnding], logs: RunLogs, sched: SchedulerF
             e.kind, e.text, e.basis = "lost", "no end event", "events stopped first"
 
 
-def _frozen(endings: dict[int, RankEnding], logs: RunLogs, restart: int) -> None:
+def _frozen(endings: dict[int, RankEnding], logs: RunFiles, restart: int) -> None:
     """A rank that wrote no watchdog stack before the others' collective timeouts, while they
     did, was frozen (SIGSTOP, a hang outside Python): ``stuck``, even when it wrote events later
     (Slurm sends SIGCONT before it ends a step, so a stopped rank wakes and fails too)."""
@@ -211,7 +207,7 @@ def _when(e: RankEnding) -> float:
     return t if t is not None else float("inf")
 
 
-def attribute(logs: RunLogs, restart: int | None = None, sched: SchedulerFacts | None = None,
+def attribute(logs: RunFiles, restart: int | None = None, sched: SchedulerFacts | None = None,
               assume_failed: bool = False, evidence_only: bool = False,
               files: bool = True) -> tuple[Failure | None, dict[int, RankEnding]]:
     """(the primary cause, every rank's ending) of run ``restart`` (default: the newest).
@@ -246,7 +242,7 @@ def _some_ended(endings: dict[int, RankEnding]) -> bool:
     return any(ended) and not all(ended)
 
 
-def _failure(logs: RunLogs, endings: dict[int, RankEnding], blamed: list[RankEnding],
+def _failure(logs: RunFiles, endings: dict[int, RankEnding], blamed: list[RankEnding],
              restart: int, sched: SchedulerFacts) -> Failure:
     p = blamed[0]
     f = Failure(rank=p.rank, basis=p.basis, exc_type=p.exc_type, message=p.message,
@@ -279,9 +275,3 @@ def _sched_signal(sched: SchedulerFacts) -> int | None:
             return int(code) - 128
     return None
 
-
-def first_failure(logs: RunLogs, assume_failed: bool = False, evidence_only: bool = False,
-                  sched: SchedulerFacts | None = None) -> Failure | None:
-    """The primary cause of the current run's failure (see `attribute`)."""
-    return attribute(logs, sched=sched, assume_failed=assume_failed,
-                     evidence_only=evidence_only)[0]

@@ -7,14 +7,10 @@ the same sentences.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ddp_hpc.runlogs.evidence import TIMEOUT_RE, RankEnding
 from ddp_hpc.runlogs.srun import signal_name
 from ddp_hpc.runlogs.stacks import stack_excerpt, stack_summary
-
-if TYPE_CHECKING:
-    from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.runlogs.tails import RunFiles
 
 #: kinds that are shown neither as blamed nor as a consequence
 _QUIET = ("completed", "preempted", "running")
@@ -107,7 +103,7 @@ def _followed(e: RankEnding, p: RankEnding) -> tuple[str, str]:
     return (f"also {e.text}" if e.kind in ("killed",) else f"also failed: {e.text}",) * 2
 
 
-def stacks(logs: RunLogs, restart: int, p: RankEnding,
+def stacks(logs: RunFiles, restart: int, p: RankEnding,
            endings: dict[int, RankEnding]) -> tuple[dict | None, list[dict]]:
     """(the blamed rank's newest ``stack`` event in words, where the other ranks were by their
     newest stack events, grouped)."""

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute, first_failure
+from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOG_RE, OUT_RE
 from ddp_hpc.runlogs.srun import (LOCAL_DRIVER_OUT, TaskReport, exception_of, local_reports,
                                   node_failures, srun_exit_codes, tail_file, tail_lines,
@@ -182,13 +182,7 @@ class RunLogs:
         the scheduler says so) or some ranks ended while others did not, the rank whose events
         stopped first. ``evidence_only`` (the job still runs, or was stopped from outside) counts
         only what ranks wrote themselves: srun reports the ranks a cancel stopped as well."""
-        return first_failure(self, assume_failed=assume_failed, evidence_only=evidence_only,
-                             sched=sched)
-
-    def attribute(self, restart: int | None = None, sched: SchedulerFacts | None = None,
-                  assume_failed: bool = False, evidence_only: bool = False, files: bool = True):
-        """(primary cause, every rank's ending) of one run: see `attribution.attribute`."""
-        return attribute(self, restart, sched, assume_failed, evidence_only, files)
+        return attribute(self, sched=sched, assume_failed=assume_failed, evidence_only=evidence_only)[0]
 
     def out_traceback(self, rank: int) -> list[str] | None:
         """The last Python traceback in the end of ``rank{R}.out`` (read once), or None."""

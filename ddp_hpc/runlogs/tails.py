@@ -13,13 +13,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from ddp_hpc.runlogs.schema import EVENTS_RE, LOG_RE, OUT_RE
-from ddp_hpc.runlogs.srun import tail_file
+from ddp_hpc.runlogs.srun import TaskReport, tail_file
 
 __all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs", "read_window", "RankStream",
-           "read_events", "over_budget", "file_size"]
+           "read_events", "over_budget", "file_size", "RunFiles"]
 
 
 #: the read budget: a log directory's event files are read whole while together they hold at
@@ -69,6 +69,24 @@ class RankStream:
 
     def restart_numbers(self) -> set[int]:
         return set(self._runs())
+
+
+class RunFiles(Protocol):
+    """What attribution reads of a run's log directory (`ddp_hpc.runlogs.reader.RunLogs` is the
+    one implementation): the event streams, each rank's ``rank{R}.out``, srun's reports."""
+
+    ranks: dict[int, RankStream]
+    outs: dict[int, Path]
+
+    def current_restart(self) -> int: ...
+
+    def out_traceback(self, rank: int) -> list[str] | None: ...
+
+    def out_tail(self, rank: int) -> list[str]: ...
+
+    def task_reports(self) -> dict[int, TaskReport]: ...
+
+    def node_failures(self) -> tuple[bool, list[str]]: ...
 
 
 def read_events(path: Path, window: bool = False) -> RankStream:

@@ -1,1 +1,2 @@
-"""Slurm: the one command runner (cli), host lists, job states, time strings."""
+"""Slurm: the one command runner (cli), a job's state from squeue / sacct (query), host lists, job
+states, time strings."""

@@ -22,15 +22,15 @@ import re
 import sys
 import time
 
-from ddp_hpc import cli as ddp_cli
 from ddp_hpc import records
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.runlogs.schema import rank_out, text_log
+from ddp_hpc.slurm.query import current_cluster, slurm_cli
 from ddp_hpc.status import view
 from ddp_hpc.status.collect import collect
-from ddp_hpc.status.sources import current_cluster, slurm_cli
 from ddp_hpc.status.stacks import ask_stacks, render_stacks
 from ddp_hpc.status.targets import StatusError, is_slurm_id, job_targets, recent_targets
+from ddp_hpc.text import HelpFormatter, prog
 
 FOLLOW_STATE_S = 5.0  # --follow: how often to ask whether the job still runs
 LOGS, OUTS = text_log("*"), rank_out("*")  # rank*.log, rank*.out
@@ -39,7 +39,7 @@ _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=ddp_cli.prog("status"), formatter_class=ddp_cli.HelpFormatter,
+        prog=prog("status"), formatter_class=HelpFormatter,
         description="State, progress, logs and the failing rank of ddp_hpc jobs.")
     p.add_argument("job", nargs="?", help="job id (Slurm id, array task id 123_4, or local-...); "
                                           "without one: a table of the recent jobs")

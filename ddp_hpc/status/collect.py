@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
-from ddp_hpc.cli import plural
 from ddp_hpc.runlogs import timing
-from ddp_hpc.runlogs.attribution import SchedulerFacts
+from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
 from ddp_hpc.runlogs.srun import LOCAL_DRIVER_OUT
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
+from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.targets import Target
+from ddp_hpc.text import plural
 
 
 #: terminal states in which the job itself broke (rather than being stopped from outside): here
@@ -99,7 +100,7 @@ def collect(targets: list[Target], cli=None, cli_note: str | None = None, histor
     the one source to ask (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal
     state the scheduler reports is kept in the job's record (`records.store_final`)."""
     now = time.time() if now is None else now
-    cluster, down = (src.cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
+    cluster, down = (cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
                      else (None, None))
     foreign = {t.id for t in targets if not t.local and cluster and t.record is not None
                and getattr(t.record, "cluster", None) not in (None, "", cluster)}
@@ -107,12 +108,12 @@ def collect(targets: list[Target], cli=None, cli_note: str | None = None, histor
     expect = {t.id: {"name": getattr(t.record, "name", None),
                      "submitted_at": getattr(t.record, "submitted_at", None)}
               for t in targets if t.record is not None}
-    found: dict[str, src.SourceState] = {}
+    found: dict[str, SourceState] = {}
     tried: list[str] = [cli_note] if cli_note else []
     if only == src.LOGS:
         tried.append("logs: asked for with --source logs")
     elif slurm_ids and cli is not None:
-        found, more = src.query_slurm(slurm_ids, cli, expect, history=history,
+        found, more = query_slurm(slurm_ids, cli, expect, history=history,
                                       controller_down=down, only=only)
         tried += more
     out, finals = [], {}
@@ -152,8 +153,8 @@ def _task_id(t: Target) -> str | None:
     return t.id.rsplit("_", 1)[-1] if getattr(t.record, "array", None) and "_" in t.id else None
 
 
-def _state_of(t: Target, sched: src.SourceState | None, tried: list[str], logs: RunLogs,
-              notes: list[str], only: str | None) -> src.SourceState:
+def _state_of(t: Target, sched: SourceState | None, tried: list[str], logs: RunLogs,
+              notes: list[str], only: str | None) -> SourceState:
     """Where the state comes from: the scheduler, a local job's processes and logs, else the
     final state kept in the record, else the logs."""
     rec = t.record
@@ -171,18 +172,18 @@ def _state_of(t: Target, sched: src.SourceState | None, tried: list[str], logs: 
     return sched if sched is not None else src.from_logs(logs, tried)
 
 
-def _from_final(final: dict, tried: list[str]) -> src.SourceState:
+def _from_final(final: dict, tried: list[str]) -> SourceState:
     seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(final.get("seen_at") or 0)))
     note = f"record: the final state {final.get('source') or 'the scheduler'} reported at {seen}"
-    return src.SourceState(parse_state(final.get("state")), "record", list(tried) + [note],
+    return SourceState(parse_state(final.get("state")), "record", list(tried) + [note],
                            elapsed=final.get("elapsed"), time_limit=final.get("time_limit"),
                            node_list=final.get("node_list"), exit_code=final.get("exit_code"),
                            steps=list(final.get("steps") or []), restarts=final.get("restarts"))
 
 
-def _final(sched: src.SourceState, codes: dict[int, int], now: float) -> dict | None:
+def _final(sched: SourceState, codes: dict[int, int], now: float) -> dict | None:
     """What to keep of a terminal state a Slurm source reported (None: not one)."""
-    if sched.source not in (src.SQUEUE, src.SACCT, src.SACCT_C) or not sched.state.state.terminal:
+    if sched.source not in (SQUEUE, SACCT, SACCT_C) or not sched.state.state.terminal:
         return None
     return {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
             "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
@@ -190,7 +191,7 @@ def _final(sched: src.SourceState, codes: dict[int, int], now: float) -> dict | 
             "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in codes.items()}}
 
 
-def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float,
+def _one(t: Target, sched: SourceState | None, tried: list[str], now: float,
          only: str | None = None) -> tuple[JobStatus, dict | None]:
     rec = t.record
     logs = RunLogs(t.log_dir)
@@ -239,7 +240,7 @@ def _one(t: Target, sched: src.SourceState | None, tried: list[str], now: float,
     return st, _final(sched, logs.srun_exit_codes(), now)
 
 
-def _diagnose(logs: RunLogs, sched: src.SourceState, notes: list[str]):
+def _diagnose(logs: RunLogs, sched: SourceState, notes: list[str]):
     """(the primary failure, every rank's ending) as far as the job's state allows judging. A
     job the scheduler requeued before its new run wrote events is judged by its last run."""
     state = sched.state.state
@@ -250,17 +251,17 @@ def _diagnose(logs: RunLogs, sched: src.SourceState, notes: list[str]):
     facts = SchedulerFacts(name, [c for c in [sched.exit_code] + [s.get("exit_code") for s in sched.steps] if c])
     crashed = name is not None and JobState[name] in CRASHED
     if crashed or logs.outcome() == "failed":
-        failure, endings = logs.attribute(sched=facts, assume_failed=crashed)
+        failure, endings = attribute(logs, sched=facts, assume_failed=crashed)
     else:  # cancelled, timed out, preempted, unknown, still running: every rank may have been
         # stopped from outside, so only what a rank wrote itself (an error event, a traceback)
-        failure, endings = logs.attribute(sched=facts, evidence_only=True)
+        failure, endings = attribute(logs, sched=facts, evidence_only=True)
     if failure is not None and state.active and not over:
         notes.append(f"the scheduler says {sched.state.label} but rank {failure.rank} failed "
                      f"({failure.basis}); the job should end soon (kill-on-bad-exit)")
     return failure, endings
 
 
-def _runs(logs: RunLogs, runs, sched: src.SourceState) -> list[dict]:
+def _runs(logs: RunLogs, runs, sched: SourceState) -> list[dict]:
     """The runs of the event logs; an earlier run that failed says who broke it."""
     hist = [h.get("state") for h in sched.history]
     out = []
@@ -268,8 +269,8 @@ def _runs(logs: RunLogs, runs, sched: src.SourceState) -> list[dict]:
         d = dataclasses.asdict(r)
         if r.restart < logs.current_restart() and r.end_status not in ("completed", "preempted"):
             name = parse_state(hist[r.restart]).state.name if r.restart < len(hist) else None
-            f, _ = logs.attribute(restart=r.restart, sched=SchedulerFacts(name), files=False,
-                                  assume_failed=name is not None and JobState[name] in CRASHED)
+            f, _ = attribute(logs, restart=r.restart, sched=SchedulerFacts(name), files=False,
+                             assume_failed=name is not None and JobState[name] in CRASHED)
             d["cause"] = f.summary if f else None
         out.append(d)
     return out

@@ -13,7 +13,6 @@ import sys
 import time
 from typing import Callable, Iterable
 
-from ddp_hpc import cli as ddp_cli
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
@@ -21,6 +20,7 @@ from ddp_hpc.runlogs.tails import follow_logs, log_line, logs_tail, rank_files, 
 from ddp_hpc.runlogs.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.status.collect import JobStatus
+from ddp_hpc.text import plural, prog
 
 __all__ = ["render_table", "render_detail", "to_json", "files_guide", "watch", "compress_ranks",
            "follow_logs", "log_line", "logs_tail", "rank_files", "render_logs"]
@@ -40,8 +40,8 @@ def shape_text(st: JobStatus) -> str:
     """``2 nodes x 4 GPUs``, or ``1 node x 2 processes on CPU`` when the run says it used the CPU."""
     per = st.gpus_per_node
     if st.device == "cpu":
-        return f"{ddp_cli.plural(st.nodes, 'node')} x {ddp_cli.plural(per, 'process')} on CPU"
-    return f"{ddp_cli.plural(st.nodes, 'node')} x {ddp_cli.plural(per, 'GPU')}"
+        return f"{plural(st.nodes, 'node')} x {plural(per, 'process')} on CPU"
+    return f"{plural(st.nodes, 'node')} x {plural(per, 'GPU')}"
 
 
 def progress_text(st: JobStatus) -> str:
@@ -100,7 +100,7 @@ def render_table(statuses: Iterable[JobStatus]) -> str:
     columns = list(COLUMNS[:-1]) + list(optional) + [COLUMNS[-1]]
     rows = [columns] + [table_row(s, optional) for s in statuses]
     if len(rows) == 1:
-        return f"no ddp_hpc jobs recorded (submit one with {ddp_cli.prog('submit')})\n"
+        return f"no ddp_hpc jobs recorded (submit one with {prog('submit')})\n"
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines) + "\n"
@@ -276,7 +276,7 @@ def _history_lines(st: JobStatus) -> list[str]:
                 how += ", requeue requested"
             out.append(f"  restart {r['restart']}: ranks {len(r['ranks'])}, last step "
                        f"{r['last_step'] if r['last_step'] is not None else '-'}, {how}"
-                       + (f", {ddp_cli.plural(r['errors'], 'error event')}" if r["errors"] else "")
+                       + (f", {plural(r['errors'], 'error event')}" if r["errors"] else "")
                        + (f"; first failure: {r['cause']}" if r.get("cause") else ""))
     return out
 

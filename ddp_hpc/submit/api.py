@@ -83,8 +83,8 @@ class Job:
             if msg is None:
                 return JobState.RUNNING.value if self._driver.is_alive() else JobState.FAILED.value
             return JobState.COMPLETED.value if msg[0] == "ok" else JobState.FAILED.value
+        from ddp_hpc.slurm.query import slurm_cli
         from ddp_hpc.status.collect import collect
-        from ddp_hpc.status.sources import slurm_cli
         from ddp_hpc.status.targets import targets_from_records
 
         targets = targets_from_records([self.record])

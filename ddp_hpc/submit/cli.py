@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ddp_hpc import cli as ddp_cli
 from ddp_hpc.config import ConfigError, JobConfig, load_config, slurm_options
 from ddp_hpc.config.validate import validate_job
 from ddp_hpc.errors import HintError, report
@@ -41,6 +40,7 @@ from ddp_hpc.submit.spec import (SpecError, build_command_spec, build_spec,
                                  check_overrides, is_override, parse_sweeps, script_sweeps,
                                  sweep_tasks)
 from ddp_hpc.submit.target import Target, module_command, script_command, split_argv
+from ddp_hpc.text import HelpFormatter, prog
 
 __all__ = ["main", "choose_backend", "parse_args", "parse"]
 
@@ -49,7 +49,7 @@ DEFAULT_CONFIG = "jobs/demo.yaml"
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog=ddp_cli.prog("submit"), formatter_class=ddp_cli.HelpFormatter,
+        prog=prog("submit"), formatter_class=HelpFormatter,
         usage="%(prog)s [options] [CONFIG] [KEY=VALUE ...] [-- KEY=VALUE ...]\n"
               "       %(prog)s [options] SCRIPT.py [ARGS ...]\n"
               "       %(prog)s [options] -m MODULE [ARGS ...]",
@@ -182,10 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, target = parse(sys.argv[1:] if argv is None else argv)
         return _submit(args, target)
     except (SpecError, ConfigError, SlurmError) as exc:
-        report(ddp_cli.prog("submit"), exc)
+        report(prog("submit"), exc)
         return 2
     except (HintError, TimeoutError) as exc:
-        report(ddp_cli.prog("submit"), exc)
+        report(prog("submit"), exc)
         return 1
 
 

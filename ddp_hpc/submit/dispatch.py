@@ -18,7 +18,6 @@ from typing import Sequence
 
 import yaml
 
-from ddp_hpc import cli as ddp_cli
 from ddp_hpc import records
 from ddp_hpc.config import JobConfig, config_to_dict
 from ddp_hpc.fsutil import atomic_write_text
@@ -30,6 +29,7 @@ from ddp_hpc.submit import slurm as submit_slurm
 from ddp_hpc.submit.checks import check_resources, partition_named
 from ddp_hpc.submit.spec import JobSpec, SpecError
 from ddp_hpc.submit.wait import wait_and_judge
+from ddp_hpc.text import plural, prog
 
 __all__ = ["say", "dispatch", "preflight", "record", "make_run_dirs"]
 
@@ -117,8 +117,8 @@ def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfi
     plan = submit_local.write_plan(spec, job_id, record_id=job_id,
                                    ddp_hpc_home=os.environ.get("DDP_HPC_HOME"))
     n = spec.nodes
-    say(f"job {job_id}: {ddp_cli.plural(spec.world_size, 'process')} "
-        f"({ddp_cli.plural(n, 'pretend node')} x {spec.gpus_per_node}), "
+    say(f"job {job_id}: {plural(spec.world_size, 'process')} "
+        f"({plural(n, 'pretend node')} x {spec.gpus_per_node}), "
         f"logs in {spec.log_dir}")
     if args.wait:
         rc = submit_local.run_plan(plan, follow=True, env=env)
@@ -127,7 +127,7 @@ def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfi
     rec.pids = [submit_local.start_detached(plan, env, spec.python)]
     records.update_record(rec)
     say(f"started in the background (driver pid {rec.pids[0]}); follow it with "
-        f"`{ddp_cli.prog('status')} {job_id}`")
+        f"`{prog('status')} {job_id}`")
     if not getattr(args, "quiet", False):
         print(job_id)
     return 0
@@ -167,8 +167,8 @@ def _slurm(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI,
         script = submit_slurm.submitit_script(spec, job_id)
     args.record = record(spec, job_id, backend, cluster, script=script)
     array = f", array of {len(spec.tasks)}" if spec.is_array else ""
-    say(f"submitted job {job_id} ({backend}, {ddp_cli.plural(spec.nodes, 'node')} x "
-        f"{ddp_cli.plural(spec.tasks_per_node, 'task')}{array}), logs in {spec.log_dir}")
+    say(f"submitted job {job_id} ({backend}, {plural(spec.nodes, 'node')} x "
+        f"{plural(spec.tasks_per_node, 'task')}{array}), logs in {spec.log_dir}")
     if not getattr(args, "quiet", False):
         print(job_id)
     if not args.wait:

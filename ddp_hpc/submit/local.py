@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ddp_hpc import records
-from ddp_hpc.cli import plural
 from ddp_hpc.fsutil import atomic_write_json
 from ddp_hpc.launch import start_local
 from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.submit.spec import JobSpec
+from ddp_hpc.text import plural
 
 __all__ = ["write_plan", "run_plan", "start_detached", "main"]
 

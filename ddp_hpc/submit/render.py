@@ -13,7 +13,7 @@ why:
 - ``srun --kill-on-bad-exit=1``: one dead rank ends the step instead of leaving the others
   blocked in a collective until the NCCL/gloo timeout;
 - a node that failed: a restart placed again on a node that failed an earlier run requeues
-  itself with that node in ``ExcNodeList`` (``ddp_hpc.slurm.avoid``) before srun starts;
+  itself with that node in ``ExcNodeList`` (``ddp_hpc.recover.avoid``) before srun starts;
 - logs: the batch output and one ``rank%t.out`` per rank in the job's log directory, which is
   also ``DDP_HPC_LOG_DIR`` for the run logs; an array task gets its own directory;
 - safety: every value that reaches shell code goes through ``shlex.quote``; values in
@@ -100,7 +100,7 @@ def render(spec: JobSpec) -> str:
         '${SLURM_JOB_NODELIST:-?}, logs in $LOG_DIR"',
         "# a restart placed on a node that failed an earlier run requeues itself off it (exit 75)",
         'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
-        f'  rc=0; {shlex.quote(spec.python)} -m ddp_hpc.slurm.avoid "$LOG_DIR" || rc=$?',
+        f'  rc=0; {shlex.quote(spec.python)} -m ddp_hpc.recover.avoid "$LOG_DIR" || rc=$?',
         '  if [ "$rc" = 75 ]; then exit 0; fi',
         "fi",
         'exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/'

@@ -102,7 +102,7 @@ class JobSpec:
     workdir: str                    # absolute; the job runs from here
     python: str                     # the interpreter the tasks run
     command: tuple[str, ...] | None = None   # a script/module job: the argv every rank runs
-    exclude_failed_nodes: bool = True         # preempt.exclude_failed_nodes (ddp_hpc.slurm.avoid)
+    exclude_failed_nodes: bool = True         # preempt.exclude_failed_nodes (ddp_hpc.recover.avoid)
 
     name = property(lambda self: self.options.job_name)
     nodes = property(lambda self: self.options.nodes)

@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from ddp_hpc.cli import HelpFormatter, prog
 from ddp_hpc.errors import report
+from ddp_hpc.text import HelpFormatter, prog
 
 from . import lock
 from .cluster import down, set_accounting, status, up

@@ -33,14 +33,14 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from ddp_hpc import dist as ddp_dist
 from ddp_hpc.config import (ConfigError, JobConfig, apply_overrides, config_from_dict,
                             config_to_dict, load_config, resolve_factory)
-from ddp_hpc.cli import plural
-from ddp_hpc.env import DistEnv
+from ddp_hpc.env import detect
 from ddp_hpc.errors import HintError
 from ddp_hpc.examples.models import BUILTIN_MODELS
 from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.runlogs.writer import RunLog, resolve_log_dir
+from ddp_hpc.text import plural
 from ddp_hpc.train.build import seed_everything
 from ddp_hpc.train.loop import Trainer
 from ddp_hpc.train.result import TrainResult
@@ -140,7 +140,7 @@ class _Context:
 def _context(rank: int | None, world_size: int | None, timeout_s: float = 1800.0):
     """(context, whether we created the group)."""
     if dist.is_available() and dist.is_initialized():
-        env = DistEnv.detect()
+        env = detect()
         env = dataclasses.replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
         device = ddp_dist.select_device(env)
         if device.type == "cuda":   # nccl's object collectives and .cuda() use the current device

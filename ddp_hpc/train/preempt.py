@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_hpc.env import job_facts
+from ddp_hpc.recover.avoid import requeue_avoiding
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.times import timestamp
 
@@ -175,8 +176,7 @@ def classify(received_at: float | None, end_time: float | None, window_s: float,
 
 def requeue(job_id: str, log_dir=None, exclude: bool = True) -> list[str]:
     """Requeue this Slurm job (``JOBID_TASK`` for an array task) through ddp_hpc.slurm.cli; with
-    ``exclude``, off the nodes that failed its earlier runs (ddp_hpc.slurm.avoid; returned)."""
-    from ddp_hpc.slurm.avoid import requeue_avoiding
+    ``exclude``, off the nodes that failed its earlier runs (ddp_hpc.recover.avoid; returned)."""
     return requeue_avoiding(job_id, log_dir, exclude=exclude, restart=job_facts().restart_count)
 
 

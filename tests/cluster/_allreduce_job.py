@@ -1,6 +1,6 @@
 """One rank of a real multi-node gloo job (run by srun from tests/cluster/test_cluster_env.py).
 
-Every rank joins through ``setup_ddp()`` (DistEnv.detect from srun's variables), all-reduces
+Every rank joins through ``setup_ddp()`` (ddp_hpc.env.detect from srun's variables), all-reduces
 rank+1 over the world and over its node group, and prints one JSON line.
 """
 

@@ -12,7 +12,7 @@ srun's "Node failure on n2"; ``sacct -D`` says which runs ended NODE_FAIL):
 
 - every requeue ddp_hpc makes (preemption, and the check below) adds those nodes to the job's
   ``ExcNodeList`` (``scontrol update`` right after ``scontrol requeue``, while the job pends);
-- at the start of each restart, the batch script runs ``python -m ddp_hpc.slurm.avoid LOG_DIR``:
+- at the start of each restart, the batch script runs ``python -m ddp_hpc.recover.avoid LOG_DIR``:
   a run placed again on a node that failed an earlier run requeues itself at once, excluding it
   (exit 75; the batch script then ends quietly). Nothing else changes when no node failed.
 """
@@ -23,6 +23,14 @@ import contextlib
 import signal
 import sys
 from pathlib import Path
+
+from ddp_hpc.env import job_facts
+from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
+from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.slurm.cli import SlurmCLI
+from ddp_hpc.slurm.hostlist import expand
+from ddp_hpc.slurm.query import query_slurm
+from ddp_hpc.slurm.states import parse_state
 
 __all__ = ["failed_nodes", "requeue_avoiding", "check_placement", "main"]
 
@@ -50,8 +58,6 @@ def _requeue(cli, job_id: str, nodes: list[str]) -> None:
 
 def _history(job_id: str, cli) -> list[str]:
     """The state name of every run of the job (``sacct -D``), oldest first; [] when unknown."""
-    from ddp_hpc.slurm.states import parse_state
-    from ddp_hpc.status.sources import query_slurm
     try:
         found, _ = query_slurm([job_id], cli, history=True)
     except Exception:  # noqa: BLE001 - no accounting: the run logs alone decide
@@ -64,8 +70,6 @@ def failed_nodes(log_dir: str | Path | None, job_id: str | None = None, before: 
                  cli=None) -> list[str]:
     """Nodes whose failure ended an earlier run of this job (restarts < ``before``; default all):
     the node named by the runs' attribution (its ranks vanished) and srun's "Node failure on"."""
-    from ddp_hpc.runlogs.attribution import SchedulerFacts
-    from ddp_hpc.runlogs.reader import RunLogs
     logs = RunLogs(log_dir)
     if not logs.ranks:
         return []
@@ -75,8 +79,8 @@ def failed_nodes(log_dir: str | Path | None, job_id: str | None = None, before: 
     states = _history(job_id, cli) if runs and job_id and cli is not None else []
     for run in runs:
         state = states[run.restart] if run.restart < len(states) else None
-        failure, _ = logs.attribute(restart=run.restart, sched=SchedulerFacts(state), files=False,
-                                    assume_failed=state == "NODE_FAIL")
+        failure, _ = attribute(logs, restart=run.restart, sched=SchedulerFacts(state), files=False,
+                               assume_failed=state == "NODE_FAIL")
         if failure is not None and failure.kind == "vanished" and failure.node:
             nodes.add(failure.node)
     return sorted(nodes)
@@ -86,7 +90,6 @@ def requeue_avoiding(job_id: str, log_dir: str | Path | None, *, exclude: bool =
                      restart: int | None = None, cli=None) -> list[str]:
     """``scontrol requeue`` the job; with ``exclude``, also keep it off the nodes that failed its
     earlier runs (returned). Raises SlurmError when the requeue itself fails."""
-    from ddp_hpc.slurm.cli import SlurmCLI
     cli = cli or SlurmCLI()
     nodes = []
     if exclude:
@@ -101,8 +104,6 @@ def requeue_avoiding(job_id: str, log_dir: str | Path | None, *, exclude: bool =
 def check_placement(log_dir: str | Path, facts, cli=None, out=sys.stdout) -> int:
     """At a restart's start: 0 to go on, `REQUEUED` when this run landed on a node that failed an
     earlier one and was requeued to avoid it."""
-    from ddp_hpc.slurm.cli import SlurmCLI
-    from ddp_hpc.slurm.hostlist import expand
     if not facts.job_id or facts.restart_count < 1:
         return 0
     cli = cli or SlurmCLI()
@@ -123,8 +124,7 @@ def check_placement(log_dir: str | Path, facts, cli=None, out=sys.stdout) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ddp_hpc.env import job_facts
-    p = argparse.ArgumentParser(prog="python -m ddp_hpc.slurm.avoid", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ddp_hpc.recover.avoid", description=__doc__.split("\n")[0])
     p.add_argument("log_dir", help="the run's log directory (the batch script's $LOG_DIR)")
     a = p.parse_args(argv)
     facts = job_facts()
