@@ -170,3 +170,25 @@ def test_unknown_subcommand_is_refused_with_the_list():
     p = _ddp_hpc("sumbit")
     assert p.returncode == 2
     assert "invalid choice: 'sumbit'" in p.stderr and "submit" in p.stderr
+
+
+def _duplicate_class_names(modules) -> dict[str, list[str]]:
+    """Public class names defined in more than one place: ``name -> [file:line, ...]``."""
+    where: dict[str, list[str]] = {}
+    for rel, tree, _ in modules:
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef) and not n.name.startswith("_"):
+                where.setdefault(n.name, []).append(f"{rel}:{n.lineno}")
+    return {name: places for name, places in where.items() if len(places) > 1}
+
+
+def test_public_class_names_are_unique():
+    """One class name, one meaning: a reader (or an import) never has to ask which ``Progress``."""
+    dupes = _duplicate_class_names(MODULES)
+    assert not dupes, "give each class a name that says what it is:\n" + "\n".join(
+        f"{name}: {', '.join(places)}" for name, places in sorted(dupes.items()))
+    planted = [("a.py", ast.parse("class Progress:\n    pass\n"), ""),
+               ("b.py", ast.parse("def f():\n    class Progress:\n        pass\n"), ""),
+               ("c.py", ast.parse("class _Local:\n    pass\n"), ""),
+               ("d.py", ast.parse("class _Local:\n    pass\n"), "")]
+    assert _duplicate_class_names(planted) == {"Progress": ["a.py:1", "b.py:2"]}

@@ -64,11 +64,11 @@ KILLED_CHILD = r"""
 import sys, time
 from ddp_hpc.data import copy as C, stage as S
 C.CHUNK = C.KERNEL_CHUNK = 1 << 16
-orig = C.Progress.__call__
+orig = C.CopyProgress.__call__
 def slow(self, n):
     time.sleep(0.01)
     orig(self, n)
-C.Progress.__call__ = slow
+C.CopyProgress.__call__ = slow
 S.stage(sys.argv[1], sys.argv[2], job_id="killed")
 """
 

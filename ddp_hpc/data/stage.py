@@ -36,7 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ddp_hpc.data.copy import Progress, copy_dir_tar, copy_file, source_kind, source_size
+from ddp_hpc.data.copy import CopyProgress, copy_dir_tar, copy_file, source_kind, source_size
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.data.hashing import file_hash
 from ddp_hpc.data.stagefolder import MARKER, USERS, folder_lock, read_users, register_user, unregister_and_remove
@@ -169,7 +169,7 @@ def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> d
                          "set data.stage_to to a larger node-local filesystem (slurm_tmpdir, tmpdir, shm or "
                          "an absolute path) or use data.io=lmdb without staging")
     tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
-    bar = Progress(total, f"stage {name}", progress_show)
+    bar = CopyProgress(total, f"stage {name}", progress_show)
     t0 = time.monotonic()
     try:
         if kind == "file":

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ddp_hpc.config import JobConfig
-from ddp_hpc.runlogs.writer import Progress, RunLog
+from ddp_hpc.runlogs.writer import RunLog, StepBar
 from ddp_hpc.train.metrics import AsyncSum, ResourceSampler, all_reduce_sum
 from ddp_hpc.train.preempt import PreemptionFlag
 
@@ -80,7 +80,7 @@ class Cadence:
     """Logging, the preemption check interval and the checkpoint/eval rules of one rank's run."""
 
     def __init__(self, cfg: JobConfig, *, total_steps: int, world: int, device: torch.device,
-                 log: RunLog, progress: Progress, flag: PreemptionFlag, distributed: bool,
+                 log: RunLog, progress: StepBar, flag: PreemptionFlag, distributed: bool,
                  lr: Callable[[], float], on_step: Callable[[int, int], None] | None) -> None:
         self.cfg, self.total_steps, self.world = cfg, total_steps, world
         self.log, self.progress, self.flag, self.distributed = log, progress, flag, distributed

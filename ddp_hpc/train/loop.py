@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_hpc.config import ConfigError, JobConfig, config_to_dict
 from ddp_hpc.runlogs.watchdog import HangWatch, dump_after
-from ddp_hpc.runlogs.writer import Progress, RunLog
+from ddp_hpc.runlogs.writer import RunLog, StepBar
 from ddp_hpc.train import checkpoint as ckpt
 from ddp_hpc.train.build import make_optimizer, make_precision, make_scheduler, seed_everything
 from ddp_hpc.train.cadence import Cadence
@@ -204,7 +204,7 @@ class Trainer:
         self.result = TrainResult("completed", self.pos.step, self.pos.epoch, resumed_from=resumed_from)
         self.flag = PreemptionFlag(cfg.preempt.signal).install()
         self.end_time = job_end_time(self.ctx.env, self.rank, self.distributed)
-        progress = Progress(self.rank, self.total_steps, self.pos.step, cfg.log.progress)
+        progress = StepBar(self.rank, self.total_steps, self.pos.step, cfg.log.progress)
         cadence = Cadence(cfg, total_steps=self.total_steps, world=self.world, device=self.device,
                           log=self.log, progress=progress, flag=self.flag,
                           distributed=self.distributed, lr=lambda: self.scheduler.get_last_lr()[0],
