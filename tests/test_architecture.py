@@ -335,3 +335,65 @@ def test_unknown_subcommand_is_refused_with_the_list():
     p = _ddp_hpc("sumbit")
     assert p.returncode == 2
     assert "invalid choice: 'sumbit'" in p.stderr and "submit" in p.stderr
+
+
+def _duplicate_class_names(modules) -> dict[str, list[str]]:
+    """Public class names defined in more than one place: ``name -> [file:line, ...]``."""
+    where: dict[str, list[str]] = {}
+    for rel, tree, _ in modules:
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef) and not n.name.startswith("_"):
+                where.setdefault(n.name, []).append(f"{rel}:{n.lineno}")
+    return {name: places for name, places in where.items() if len(places) > 1}
+
+
+def test_public_class_names_are_unique():
+    """One class name, one meaning: a reader (or an import) never has to ask which ``Progress``."""
+    dupes = _duplicate_class_names(MODULES)
+    assert not dupes, "give each class a name that says what it is:\n" + "\n".join(
+        f"{name}: {', '.join(places)}" for name, places in sorted(dupes.items()))
+    planted = [("a.py", ast.parse("class Progress:\n    pass\n"), ""),
+               ("b.py", ast.parse("def f():\n    class Progress:\n        pass\n"), ""),
+               ("c.py", ast.parse("class _Local:\n    pass\n"), ""),
+               ("d.py", ast.parse("class _Local:\n    pass\n"), "")]
+    assert _duplicate_class_names(planted) == {"Progress": ["a.py:1", "b.py:2"]}
+
+
+MAX_PARAMETERS = 8
+#: public keyword APIs that keep their documented signatures; each builds the one value its
+#: internals pass along (TrainParts, StageRequest, LocalRun)
+PARAMETER_EXCEPTIONS = {
+    "ddp_hpc/train/api.py:fit": "ddp_hpc.fit(model, dataset, config=..., ...): README, docs/training.md",
+    "ddp_hpc/train/api.py:train_ddp": "train_ddp(rank, world_size, model_class, data, epochs, ...): docs/training.md",
+    "ddp_hpc/data/stage.py:stage": "stage(src, dest, job_id=..., ...): docs/architecture.md",
+    "ddp_hpc/launch/local.py:run_local": "run_local(argv, nodes=, procs_per_node=, ...): docs/architecture.md",
+}
+
+
+def _long_parameter_lists(modules, limit: int) -> dict[str, int]:
+    """``file:function -> parameters`` over ``limit`` (positional and keyword-only, not self or
+    cls; a ``*args`` or ``**kwargs`` catch-all is not counted)."""
+    out = {}
+    for rel, tree, _ in modules:
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = n.args
+                names = [x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
+                count = len(names) - (names[:1] in (["self"], ["cls"]))
+                if count > limit:
+                    out[f"{rel}:{n.name}"] = count
+    return out
+
+
+def test_no_long_parameter_lists():
+    """A function that needs more than MAX_PARAMETERS values takes the value they make together
+    (a frozen dataclass) instead; only the public keyword APIs above keep longer signatures."""
+    long = _long_parameter_lists(MODULES, MAX_PARAMETERS)
+    offenders = {k: v for k, v in long.items() if k not in PARAMETER_EXCEPTIONS}
+    assert not offenders, f"pass one value instead of more than {MAX_PARAMETERS} parameters: {offenders}"
+    stale = sorted(set(PARAMETER_EXCEPTIONS) - set(long))
+    assert not stale, f"no longer long, drop from PARAMETER_EXCEPTIONS: {stale}"
+    planted = ("class T:\n    def __init__(self, a, b, c, d, e, f, g, h):\n        pass\n"
+               "def nine(a, b, c, d, e, f, g, *, h=1, i=2):\n    pass\n"
+               "def seven(a, b, c, d, e, f, g, *h, **i):\n    pass\n")
+    assert _long_parameter_lists([("p.py", ast.parse(planted), planted)], MAX_PARAMETERS) == {"p.py:nine": 9}

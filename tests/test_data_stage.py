@@ -64,11 +64,11 @@ KILLED_CHILD = r"""
 import sys, time
 from ddp_hpc.data import copy as C, stage as S
 C.CHUNK = C.KERNEL_CHUNK = 1 << 16
-orig = C.Progress.__call__
+orig = C.CopyProgress.__call__
 def slow(self, n):
     time.sleep(0.01)
     orig(self, n)
-C.Progress.__call__ = slow
+C.CopyProgress.__call__ = slow
 S.stage(sys.argv[1], sys.argv[2], job_id="killed")
 """
 
@@ -306,11 +306,11 @@ def test_two_node_leaders_sharing_a_stage_folder_copy_once_and_clean_up_once(tmp
 
 
 def _leader(src, dest, user, barrier, q):
-    from ddp_hpc.data.stage import stage_result
+    from ddp_hpc.data.stage import StageRequest, stage_result
 
     fsio.watch(os.path.dirname(src))
     barrier.wait()
-    res = stage_result(src, dest, job_id="share", user=user)
+    res = stage_result(StageRequest(src, dest, job_id="share", user=user))
     barrier.wait()  # every leader staged (close_train_data's barrier)
     q.put((user, res.method, fsio.snapshot()["opens"], cleanup_staged(res.path, user), res.path))
 
@@ -401,7 +401,7 @@ def test_a_cleanup_that_really_fails_says_what_is_left_and_what_to_do(tmp_path, 
 
 def test_stage_result_names_copy_sbcast_and_reuse_and_waiters_wait_for_their_leader(tmp_path):
     from ddp_hpc.data.hashing import file_hash
-    from ddp_hpc.data.stage import sbcast_paths, stage_key, stage_result
+    from ddp_hpc.data.stage import StageRequest, sbcast_paths, stage_key, stage_result
 
     src = _big_file(tmp_path / "shared.bin", 2)
     dest = tmp_path / "local"
@@ -412,16 +412,17 @@ def test_stage_result_names_copy_sbcast_and_reuse_and_waiters_wait_for_their_lea
     nbytes, digest = file_hash(src)
     with open(manifest, "w") as f:
         json.dump({"src": src, "kind": "file", "bytes": nbytes, "xxh3_64": digest}, f)
-    first = stage_result(src, str(dest), job_id="77", user="n0")
+    first = stage_result(StageRequest(src, str(dest), job_id="77", user="n0"))
     assert (first.method, first.bytes, first.users) == ("sbcast", 2 << 20, ("n0",)) and first.mb_per_s > 0
     # a requeue: the copy of attempt 0 is there, but n0's ranks wait until n0 re-verified it
     with pytest.raises(StageError, match="waited"):
-        stage_result(src, str(dest), job_id="77", restart_count=1, copier=False, user="n0", wait_timeout=0.3,
-                     poll_s=0.05)
-    again = stage_result(src, str(dest), job_id="77", restart_count=1, user="n0")
+        stage_result(StageRequest(src, str(dest), job_id="77", restart_count=1, copier=False, user="n0",
+                                  wait_timeout=0.3, poll_s=0.05))
+    again = stage_result(StageRequest(src, str(dest), job_id="77", restart_count=1, user="n0"))
     assert (again.method, again.path, again.made_by, again.users, again.mb_per_s) == \
         ("reused", first.path, "77:0", ("n0",), None)
-    waited = stage_result(src, str(dest), job_id="77", restart_count=1, copier=False, user="n0", wait_timeout=5)
+    waited = stage_result(StageRequest(src, str(dest), job_id="77", restart_count=1, copier=False, user="n0",
+                                       wait_timeout=5))
     assert (waited.method, waited.path) == ("waited", first.path)
-    plain = stage_result(src, str(dest), job_id="78")
+    plain = stage_result(StageRequest(src, str(dest), job_id="78"))
     assert plain.method == "copy" and plain.users == () and plain.copy_seconds > 0

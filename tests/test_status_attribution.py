@@ -10,7 +10,7 @@ import json
 from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.runlogs.stacks import stack_excerpt, stack_summary
 from ddp_hpc.status.collect import collect
-from ddp_hpc.status.targets import Target
+from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.status.view import render_detail
 
 T0 = 1_800_000_000.0
@@ -95,7 +95,7 @@ def sacct_row(job="77", state="FAILED", exit_code="1:0", elapsed="00:01:23", **k
 
 
 def detail(d, sched=None, job="77", now=T0 + 300):
-    st = collect([Target(job, None, str(d))], sched, history=True, now=now)[0]
+    st = collect([StatusTarget(job, None, str(d))], sched, history=True, now=now)[0]
     return st, render_detail(st, now=now).splitlines()
 
 

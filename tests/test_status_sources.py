@@ -164,10 +164,10 @@ def test_unknown_state_from_the_scheduler_is_shown_raw():
 
 
 def test_controller_down_skips_squeue_and_asks_the_completion_log(tmp_path):
-    from ddp_hpc.status.collect import Target, collect
+    from ddp_hpc.status.collect import StatusTarget, collect
     sched = Scheduler(sacct=None, sacct_c=[sacct_row(State="TIMEOUT", ExitCode="0:15")],
                       controller_down=True)
-    (st,) = collect([Target("5", None, str(tmp_path))], slurmcli.SlurmCLI(runner=sched))
+    (st,) = collect([StatusTarget("5", None, str(tmp_path))], slurmcli.SlurmCLI(runner=sched))
     assert (st.state, st.source) == ("TIMEOUT", "sacct -c")
     assert "squeue" not in [c[0] for c in sched.calls]
     assert any("controller does not answer" in t for t in st.tried)
@@ -192,12 +192,12 @@ def _events(d, rank, *evs):
 def test_failing_rank_guess_only_for_jobs_that_broke(tmp_path):
     """A cancelled job's ranks all stop without `end`: no rank is blamed. A FAILED job with the
     same logs gets the rank whose events stopped first as the suspect."""
-    from ddp_hpc.status.collect import Target, collect
+    from ddp_hpc.status.collect import StatusTarget, collect
     for r in range(2):
         _events(tmp_path, r, ("start", {"world_size": 2}), ("step", {"step": 4 + r, "total_steps": 9}))
     for state, blamed in (("CANCELLED by 0", None), ("TIMEOUT", None), ("FAILED", 0), ("NODE_FAIL", 0)):
         sched = Scheduler(sacct=[sacct_row(State=state, ExitCode="0:15")])
-        (st,) = collect([Target("5", None, str(tmp_path))], slurmcli.SlurmCLI(runner=sched))
+        (st,) = collect([StatusTarget("5", None, str(tmp_path))], slurmcli.SlurmCLI(runner=sched))
         assert st.state.split()[0] == state.split()[0]
         assert (st.failure.rank if st.failure else None) == blamed, state
 

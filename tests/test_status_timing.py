@@ -10,7 +10,7 @@ import pytest
 
 from ddp_hpc.runlogs import timing
 from ddp_hpc.status.collect import collect
-from ddp_hpc.status.targets import Target
+from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.status.view import render_detail, render_table
 
 T0 = 1_800_000_000.0
@@ -49,7 +49,7 @@ class Squeue:
 
 
 def status(d, now, state="RUNNING"):
-    st = collect([Target("88", None, str(d))], Squeue(state), now=now)[0]
+    st = collect([StatusTarget("88", None, str(d))], Squeue(state), now=now)[0]
     return st, render_detail(st, now=now).splitlines()
 
 

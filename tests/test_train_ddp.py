@@ -83,13 +83,14 @@ def _eval_worker(rank: int, world: int, size: int):
     from ddp_hpc.examples.models import MLP
     from ddp_hpc.examples.synthetic import SyntheticClassification
     from ddp_hpc.train.metrics import evaluate
+    from ddp_hpc.train.parts import RankPlace
     ctx = setup_ddp()
     try:
         torch.manual_seed(3)
         model = MLP(in_dim=8, hidden=16, num_classes=3)
         data = SyntheticClassification(size=size, in_dim=8, num_classes=3, seed=2)
-        return evaluate(model, data, torch.nn.CrossEntropyLoss(), rank=rank, world_size=world,
-                        batch_size=5, device=ctx.device)
+        return evaluate(model, data, torch.nn.CrossEntropyLoss(), RankPlace(rank, world, ctx.device, world > 1),
+                        batch_size=5)
     finally:
         cleanup_ddp()
 

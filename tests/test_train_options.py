@@ -98,11 +98,11 @@ def _screen(raw: str) -> list[str]:
 def test_log_lines_never_land_on_the_progress_bar(tmp_path, monkeypatch):
     import io
     import sys
-    from ddp_hpc.runlogs.writer import Progress, RunLog
+    from ddp_hpc.runlogs.writer import RunLog, StepBar
     from ddp_hpc.runlogs.schema import text_log
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
-    progress = Progress(rank=0, total=4, initial=0, mode="bar")     # log.progress=bar
+    progress = StepBar(rank=0, total=4, initial=0, mode="bar")     # log.progress=bar
     log = RunLog(tmp_path, rank=0)
     assert not progress.bar.disable and not progress.lines
     for step in range(4):

@@ -26,7 +26,7 @@ from ddp_hpc.data import fsio
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.data.hashing import file_hash, manifest_hash, manifest_line
 
-__all__ = ["source_kind", "source_size", "copy_file", "copy_dir_tar", "Progress", "CHUNK", "KERNEL_CHUNK"]
+__all__ = ["source_kind", "source_size", "copy_file", "copy_dir_tar", "CopyProgress", "CHUNK", "KERNEL_CHUNK"]
 
 log = logging.getLogger("ddp_hpc.data.stage")
 CHUNK = 8 << 20
@@ -209,7 +209,7 @@ def copy_dir_tar(src: str, dst: str, total: int, files: int, progress) -> dict:
     return {"bytes": nbytes, "xxh3_64": manifest.intdigest(), "files": nfiles}
 
 
-class Progress:
+class CopyProgress:
     """tqdm on a tty, else a log line every 10 s."""
 
     def __init__(self, total: int, desc: str, show: bool | None):

@@ -37,7 +37,7 @@ from ddp_hpc.data.broadcast import BroadcastDataset, build_plan
 from ddp_hpc.data.errors import IOConfigError, StageError
 from ddp_hpc.data.lmdb import LMDBDataset
 from ddp_hpc.data.samplers import ResumableDistributedSampler
-from ddp_hpc.data.stage import StageResult, cleanup_staged, resolve_stage_dir, stage_result
+from ddp_hpc.data.stage import StageRequest, StageResult, cleanup_staged, resolve_stage_dir, stage_result
 from ddp_hpc.env import job_facts
 from ddp_hpc.runlogs.writer import RunLog
 
@@ -86,9 +86,9 @@ def _stage_dataset(data_cfg, ctx, dataset_factory):
                                 f"and .relocated(path); {type(base).__name__} has neither",
                                 "set data.lmdb_path to a packed LMDB (python -m ddp_hpc.data pack)")
     user = _node_user(env)
-    res = stage_result(src, resolve_stage_dir(data_cfg.stage_to), job_id=env.job_id,
-                       restart_count=env.restart_count, copier=env.local_rank == 0, user=user,
-                       wait_timeout=STAGE_WAIT.total_seconds())
+    res = stage_result(StageRequest(src, resolve_stage_dir(data_cfg.stage_to), job_id=env.job_id,
+                                    restart_count=env.restart_count, copier=env.local_rank == 0,
+                                    user=user, wait_timeout=STAGE_WAIT.total_seconds()))
     if group is not None:
         dist.barrier(group=group)  # every node staged before anyone enters a training collective
         dist.destroy_process_group(group)

@@ -34,16 +34,16 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ddp_hpc.data.copy import Progress, copy_dir_tar, copy_file, source_kind, source_size
+from ddp_hpc.data.copy import CopyProgress, copy_dir_tar, copy_file, source_kind, source_size
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.data.hashing import file_hash
 from ddp_hpc.data.stagefolder import MARKER, USERS, folder_lock, read_users, register_user, unregister_and_remove
 from ddp_hpc.env import job_facts
 from ddp_hpc.fsutil import atomic_write_json
 
-__all__ = ["stage", "stage_result", "StageResult", "resolve_stage_dir", "cleanup_staged", "StageError",
+__all__ = ["stage", "stage_result", "StageRequest", "StageResult", "resolve_stage_dir", "cleanup_staged", "StageError",
            "stage_key", "sbcast_paths"]
 
 log = logging.getLogger("ddp_hpc.data.stage")
@@ -112,9 +112,10 @@ def sbcast_paths(dest: str, key: str) -> tuple[str, str]:
     return data, data + ".json"
 
 
-def _adopt_sbcast(src: str, kind: str, dest: str, folder: str, attempt: str) -> dict | None:
+def _adopt_sbcast(req: StageRequest, kind: str, folder: str) -> dict | None:
     """Install a copy ``sbcast`` left on this node (verified against its manifest); None if none."""
-    data, manifest = sbcast_paths(dest, os.path.basename(folder))
+    src = req.src
+    data, manifest = sbcast_paths(req.dest, os.path.basename(folder))
     try:
         with open(manifest) as f:
             m = json.load(f)
@@ -143,7 +144,7 @@ def _adopt_sbcast(src: str, kind: str, dest: str, folder: str, attempt: str) -> 
         os.rename(data, os.path.join(folder, name))
     os.remove(manifest)
     marker = {"bytes": got[0], "xxh3_64": got[1], "files": 1, "name": name, "kind": kind, "src": src,
-              "attempt": attempt, "method": "sbcast", "seconds": time.monotonic() - t0,
+              "attempt": req.attempt, "method": "sbcast", "seconds": time.monotonic() - t0,
               "host": os.uname().nodename, "created": time.time()}
     atomic_write_json(os.path.join(folder, MARKER), marker, indent=None)
     log.info("stage: adopted the sbcast copy of %s in %s", src, folder)
@@ -158,7 +159,8 @@ def _clear_leftovers(folder: str) -> None:
             shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
 
 
-def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> dict:
+def _do_copy(req: StageRequest, kind: str, folder: str) -> dict:
+    src = req.src
     name = os.path.basename(src.rstrip("/"))
     _clear_leftovers(folder)
     total, files = source_size(src, kind)
@@ -169,7 +171,7 @@ def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> d
                          "set data.stage_to to a larger node-local filesystem (slurm_tmpdir, tmpdir, shm or "
                          "an absolute path) or use data.io=lmdb without staging")
     tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
-    bar = Progress(total, f"stage {name}", progress_show)
+    bar = CopyProgress(total, f"stage {name}", req.progress)
     t0 = time.monotonic()
     try:
         if kind == "file":
@@ -183,7 +185,7 @@ def _do_copy(src: str, kind: str, folder: str, attempt: str, progress_show) -> d
     finally:
         bar.close()
     os.rename(tmp, os.path.join(folder, name))
-    marker = dict(info, name=name, kind=kind, src=src, attempt=attempt, method="copy",
+    marker = dict(info, name=name, kind=kind, src=src, attempt=req.attempt, method="copy",
                   seconds=time.monotonic() - t0, host=os.uname().nodename, created=time.time())
     atomic_write_json(os.path.join(folder, MARKER), marker, indent=None)
     return marker
@@ -211,44 +213,62 @@ class StageResult:
         return self.bytes / 1e6 / max(self.copy_seconds, 1e-9)
 
 
+@dataclass(frozen=True)
+class StageRequest:
+    """One process's ask for a node-local copy of ``src`` below ``dest`` (default:
+    ``resolve_stage_dir('auto')``) in attempt ``job_id:restart_count``.
+
+    ``copier`` is True on local rank 0 of each node; the others wait for its marker (up to
+    ``wait_timeout`` s, polling every ``poll_s``).  ``user`` names this node's leader (the same
+    name on its waiting local ranks) when several node leaders may share ``dest``: the copier
+    registers it on the copy (cleanup removes the copy only when the last registered leader is
+    done, :func:`cleanup_staged`), and the waiters wait until their own leader has verified the
+    copy in this attempt.  ``recheck`` re-reads a staged file/LMDB's hash once per attempt,
+    locally; ``progress`` shows a bar (None: when stderr is a terminal)."""
+
+    src: str | os.PathLike
+    dest: str | None = None
+    job_id: str | None = None
+    restart_count: int = 0
+    copier: bool = True
+    user: str | None = None
+    wait_timeout: float = 6 * 3600
+    poll_s: float = 0.2
+    recheck: bool = True
+    progress: bool | None = None
+
+    @property
+    def attempt(self) -> str:
+        """``job:restart``: the markers' name for this attempt."""
+        return f"{self.job_id}:{self.restart_count}"
+
+
 def stage(src: str | os.PathLike, dest: str | None = None, *, job_id: str | None = None,
           restart_count: int = 0, copier: bool = True, wait_timeout: float = 6 * 3600,
           poll_s: float = 0.2, recheck: bool = True, progress: bool | None = None) -> str:
-    """Copy ``src`` below ``dest`` (default: ``resolve_stage_dir('auto')``) once; return the local path.
-
-    ``copier`` is True on local rank 0 of each node; others pass False and wait for the marker
-    (up to ``wait_timeout`` seconds).  Reuse of a verified copy is free (``recheck`` re-reads a
-    staged file/LMDB's hash once per attempt, locally).  :func:`stage_result` says more.
-    """
-    return stage_result(src, dest, job_id=job_id, restart_count=restart_count, copier=copier,
-                        wait_timeout=wait_timeout, poll_s=poll_s, recheck=recheck, progress=progress).path
+    """Copy ``src`` below ``dest`` once; return the local path.  The arguments are those of
+    :class:`StageRequest` (reuse of a verified copy is free); :func:`stage_result` says more."""
+    return stage_result(StageRequest(src, dest, job_id=job_id, restart_count=restart_count, copier=copier,
+                                     wait_timeout=wait_timeout, poll_s=poll_s, recheck=recheck,
+                                     progress=progress)).path
 
 
-def stage_result(src: str | os.PathLike, dest: str | None = None, *, job_id: str | None = None,
-                 restart_count: int = 0, copier: bool = True, user: str | None = None,
-                 wait_timeout: float = 6 * 3600, poll_s: float = 0.2, recheck: bool = True,
-                 progress: bool | None = None) -> StageResult:
-    """:func:`stage`, returning what was done (copy, sbcast, reused), bytes and seconds.
-
-    ``user`` names this node's leader (the same name on its waiting local ranks) when several
-    node leaders may share ``dest``: the copier registers it on the copy (cleanup then removes
-    the copy only when the last registered leader is done, :func:`cleanup_staged`), and the
-    waiters wait until their own leader has verified the copy for this attempt.
-    """
+def stage_result(request: StageRequest) -> StageResult:
+    """:func:`stage` for a :class:`StageRequest`, returning what was done (copy, sbcast, reused,
+    waited), bytes and seconds."""
     t0 = time.monotonic()
-    src = os.path.abspath(os.fspath(src))
-    dest = os.path.abspath(dest or resolve_stage_dir("auto"))
-    kind = source_kind(src)
-    if not os.path.isdir(dest):
-        raise StageError(f"stage: destination {dest!r} is not a directory",
+    req = replace(request, src=os.path.abspath(os.fspath(request.src)),
+                  dest=os.path.abspath(request.dest or resolve_stage_dir("auto")))
+    kind = source_kind(req.src)
+    if not os.path.isdir(req.dest):
+        raise StageError(f"stage: destination {req.dest!r} is not a directory",
                          "set data.stage_to to an existing node-local folder")
-    folder = os.path.join(dest, stage_key(src, job_id))
-    attempt = f"{job_id}:{restart_count}"
-    if copier:
-        marker, method, users = _copy_once(src, kind, dest, folder, attempt, recheck, progress, user)
+    folder = os.path.join(req.dest, stage_key(req.src, req.job_id))
+    if req.copier:
+        marker, method, users = _copy_once(req, kind, folder)
     else:
-        marker, method, users = _wait_for_copy(folder, attempt, wait_timeout, poll_s, user), "waited", {}
-    return StageResult(path=os.path.join(folder, marker["name"]), src=src, method=method,
+        marker, method, users = _wait_for_copy(req, folder), "waited", {}
+    return StageResult(path=os.path.join(folder, marker["name"]), src=req.src, method=method,
                        bytes=int(marker["bytes"]), files=int(marker.get("files", 1)),
                        seconds=time.monotonic() - t0, copy_seconds=float(marker.get("seconds", 0.0)),
                        made_by=str(marker.get("attempt")), users=tuple(sorted(users)))
@@ -271,34 +291,34 @@ def _reuse(folder: str, dest: str, attempt: str, recheck: bool) -> dict | None:
     return None
 
 
-def _copy_once(src: str, kind: str, dest: str, folder: str, attempt: str, recheck: bool, progress,
-               user: str | None) -> tuple[dict, str, dict]:
+def _copy_once(req: StageRequest, kind: str, folder: str) -> tuple[dict, str, dict]:
     """The copier: under the folder's lock, reuse a verified copy, else adopt sbcast's or copy;
     -> (marker, method, registered users)."""
+    attempt = req.attempt
     with folder_lock(folder):
         os.makedirs(folder, exist_ok=True)  # under the lock: a cleanup may just have removed it
-        marker = _reuse(folder, dest, attempt, recheck)
+        marker = _reuse(folder, req.dest, attempt, req.recheck)
         if marker is not None:
             method = "reused"
             log.info("stage: reusing %s (made by attempt %s)", folder, marker.get("attempt"))
         else:
             try:
-                marker = (_adopt_sbcast(src, kind, dest, folder, attempt)
-                          or _do_copy(src, kind, folder, attempt, progress))
+                marker = _adopt_sbcast(req, kind, folder) or _do_copy(req, kind, folder)
             except BaseException as e:
                 failed = {"attempt": attempt, "error": getattr(e, "problem", str(e)), "hint": getattr(e, "hint", "")}
                 atomic_write_json(os.path.join(folder, FAILED), failed, indent=None)
                 raise
             method = marker["method"]
-            log.info("stage: copied %s -> %s (%d bytes, %.1f s)", src, folder, marker["bytes"], marker["seconds"])
-        users = register_user(folder, user, attempt) if user else read_users(folder)
+            log.info("stage: copied %s -> %s (%d bytes, %.1f s)", req.src, folder, marker["bytes"], marker["seconds"])
+        users = register_user(folder, req.user, attempt) if req.user else read_users(folder)
         return marker, method, users
 
 
-def _wait_for_copy(folder: str, attempt: str, wait_timeout: float, poll_s: float, user: str | None) -> dict:
+def _wait_for_copy(req: StageRequest, folder: str) -> dict:
     """Another local rank: poll for the copier's marker (or its failure) of this attempt; with
-    ``user``, until that node leader has registered on the copy in this attempt."""
-    deadline = time.monotonic() + wait_timeout
+    ``req.user``, until that node leader has registered on the copy in this attempt."""
+    attempt, user = req.attempt, req.user
+    deadline = time.monotonic() + req.wait_timeout
     while True:
         marker = _read_marker(folder)
         if marker is not None and (user is None or read_users(folder).get(user) == attempt):
@@ -311,9 +331,9 @@ def _wait_for_copy(folder: str, attempt: str, wait_timeout: float, poll_s: float
         if failed.get("attempt") == attempt:
             raise StageError(f"stage: the copier on this node failed: {failed.get('error')}", failed.get("hint", ""))
         if time.monotonic() > deadline:
-            raise StageError(f"stage: waited {wait_timeout:.0f} s for {os.path.join(folder, MARKER)} "
+            raise StageError(f"stage: waited {req.wait_timeout:.0f} s for {os.path.join(folder, MARKER)} "
                              "(local rank 0 copies)", "check local rank 0's log, or raise the wait timeout")
-        time.sleep(poll_s)
+        time.sleep(req.poll_s)
 
 
 def cleanup_staged(path: str, user: str | None = None) -> tuple[str, list[str]]:

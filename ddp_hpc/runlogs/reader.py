@@ -25,9 +25,9 @@ from ddp_hpc.runlogs.srun import (LOCAL_DRIVER_OUT, TaskReport, exception_of, lo
                                   node_failures, srun_exit_codes, tail_file, tail_lines,
                                   task_reports, traceback_in, traceback_in_lines)
 from ddp_hpc.runlogs.tails import FULL_READ_BYTES, RankStream, file_size, over_budget, read_events
-from ddp_hpc.runlogs.timing import Progress, _float, _int, progress
+from ddp_hpc.runlogs.timing import RunProgress, _float, _int, progress
 
-__all__ = ["RunLogs", "RankStream", "Failure", "Progress", "RunSummary", "read_events",
+__all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "read_events",
            "traceback_in", "exception_of", "tail_file", "tail_lines"]
 
 #: how much of the end of a ``rank{R}.out`` is read for its last traceback, and how many of its
@@ -157,7 +157,7 @@ class RunLogs:
             return "completed" if expected <= ended else None
         return None
 
-    def progress(self, now: float | None = None) -> Progress | None:
+    def progress(self, now: float | None = None) -> RunProgress | None:
         """Epoch/step/percent, last loss, samples/s and an ETA from rank 0's (else the first
         rank's) metrics events of the current run (`timing.progress`)."""
         restart = self.current_restart()

@@ -233,7 +233,7 @@ def render_logs(records: list[dict]) -> str:
 
 
 def follow_logs(log_dir, rank: int | None, n: int, active: Callable[[], bool], as_json: bool,
-                write=None, interval: float = 0.5, sleep=time.sleep, kind: str = "log") -> None:
+                write=None, interval: float = 0.5, kind: str = "log") -> None:
     """Print the tails, then new lines as they arrive (files that appear later included), until
     the job is no longer active and everything written has been shown (or Ctrl-C)."""
     write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
@@ -259,7 +259,7 @@ def follow_logs(log_dir, rank: int | None, n: int, active: Callable[[], bool], a
                 for p, (r, rest) in partial.items():
                     emit({"rank": r, "file": p.name, "line": rest})
                 return
-            sleep(interval)
+            time.sleep(interval)
     except KeyboardInterrupt:
         return
 

@@ -45,7 +45,7 @@ STRAGGLER_MIN_INTERVALS = 5
 
 
 @dataclass
-class Progress:
+class RunProgress:
     """Where training stands, from the newest metrics events of the current run."""
 
     epoch: int | None = None
@@ -221,7 +221,7 @@ def _num(v) -> float | None:
         return None
 
 
-def progress(evs: list[dict], all_events: list[dict]) -> Progress | None:
+def progress(evs: list[dict], all_events: list[dict]) -> RunProgress | None:
     """Where training stands from one rank's events of the current run (``evs``; all its runs'
     in ``all_events``): epoch, the largest step, the newest loss and samples/s, and an ETA from
     the rate between the run's first and last step events."""
@@ -233,7 +233,7 @@ def progress(evs: list[dict], all_events: list[dict]) -> Progress | None:
         metrics = [e for e in evs if e.get("event") in kinds]
     if not metrics:
         return None
-    p = Progress(updated=_num(metrics[-1].get("time")))
+    p = RunProgress(updated=_num(metrics[-1].get("time")))
     for e in metrics:
         if e.get("epoch") is not None:
             p.epoch = _int(e.get("epoch"), p.epoch)

@@ -86,7 +86,7 @@ def _jsonable(obj: Any) -> Any:
         return str(obj)
 
 
-class Progress:
+class StepBar:
     """A tqdm bar on rank 0 when stderr is a terminal (a disabled one elsewhere: updates cost
     nothing); without a bar rank 0 logs one line per interval instead (`lines`).  `mode` is
     log.progress: auto | bar | lines | off."""

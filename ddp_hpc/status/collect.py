@@ -17,14 +17,14 @@ from ddp_hpc import records
 from ddp_hpc.runlogs import timing
 from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
-from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
+from ddp_hpc.runlogs.reader import Failure, RunProgress, RunLogs
 from ddp_hpc.runlogs.srun import LOCAL_DRIVER_OUT
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import sources as src
-from ddp_hpc.status.targets import Target
+from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
 
 
@@ -56,7 +56,7 @@ class JobStatus:
     submitted_at: float | None = None
     reason: str | None = None
     node_list: str | None = None
-    progress: Progress | None = None
+    progress: RunProgress | None = None
     last_events: dict[int, dict] = field(default_factory=dict)
     failure: Failure | None = None
     exit_code: str | None = None
@@ -94,7 +94,7 @@ class JobStatus:
         return d
 
 
-def collect(targets: list[Target], cli=None, cli_note: str | None = None, history: bool = False,
+def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, history: bool = False,
             now: float | None = None, only: str | None = None) -> list[JobStatus]:
     """Status of every target; Slurm ones are queried in one batch per source. ``only`` names
     the one source to ask (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal
@@ -148,12 +148,12 @@ def _no_cycle_collection():
             gc.enable()
 
 
-def _task_id(t: Target) -> str | None:
+def _task_id(t: StatusTarget) -> str | None:
     """The array task id of a target made from an array record (``123_4`` -> ``"4"``)."""
     return t.id.rsplit("_", 1)[-1] if getattr(t.record, "array", None) and "_" in t.id else None
 
 
-def _state_of(t: Target, sched: SourceState | None, tried: list[str], logs: RunLogs,
+def _state_of(t: StatusTarget, sched: SourceState | None, tried: list[str], logs: RunLogs,
               notes: list[str], only: str | None) -> SourceState:
     """Where the state comes from: the scheduler, a local job's processes and logs, else the
     final state kept in the record, else the logs."""
@@ -191,7 +191,7 @@ def _final(sched: SourceState, codes: dict[int, int], now: float) -> dict | None
             "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in codes.items()}}
 
 
-def _one(t: Target, sched: SourceState | None, tried: list[str], now: float,
+def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
          only: str | None = None) -> tuple[JobStatus, dict | None]:
     rec = t.record
     logs = RunLogs(t.log_dir)
@@ -288,7 +288,7 @@ def _timing(st: JobStatus, logs: RunLogs, now: float) -> None:
         st.stall = {**stall, "stacks": stacks, "no_stack": none}
 
 
-def _overrides(t: Target) -> list[str] | None:
+def _overrides(t: StatusTarget) -> list[str] | None:
     task = _task_id(t)
     for entry in getattr(t.record, "array", None) or []:
         if task is not None and str(entry.get("task_id")) == task:

@@ -19,7 +19,7 @@ class StatusError(HintError):
 
 
 @dataclass
-class Target:
+class StatusTarget:
     """A job to look at: its id, the record it came from (if any) and its log directory."""
 
     id: str
@@ -37,20 +37,20 @@ def is_slurm_id(job_id: str) -> bool:
     return bool(_SLURM_ID.match(job_id))
 
 
-def targets_from_records(recs) -> list[Target]:
+def targets_from_records(recs) -> list[StatusTarget]:
     """One target per record, or per array task for job arrays."""
     out = []
     for rec in recs:
         if rec.array:
             for task in rec.array:
                 tid = task.get("task_id")
-                out.append(Target(f"{rec.id}_{tid}", rec, task.get("log_dir") or rec.log_dir))
+                out.append(StatusTarget(f"{rec.id}_{tid}", rec, task.get("log_dir") or rec.log_dir))
         else:
-            out.append(Target(str(rec.id), rec, rec.log_dir))
+            out.append(StatusTarget(str(rec.id), rec, rec.log_dir))
     return out
 
 
-def job_targets(job_id: str, log_dir: str | None, cluster: str | None = None) -> list[Target]:
+def job_targets(job_id: str, log_dir: str | None, cluster: str | None = None) -> list[StatusTarget]:
     """The targets for ``status JOBID``: from the job record (this cluster's first: ids repeat
     across clusters), or a bare Slurm id (and ``log_dir``) when there is no record. A non-Slurm id
     without a record and without ``log_dir`` raises the record's JobRecordError."""
@@ -58,7 +58,7 @@ def job_targets(job_id: str, log_dir: str | None, cluster: str | None = None) ->
         rec = _load(job_id, cluster)
     except records.JobRecordError:
         if log_dir or is_slurm_id(job_id):
-            return [Target(job_id, None, log_dir)]
+            return [StatusTarget(job_id, None, log_dir)]
         raise
     tasks = targets_from_records([rec])
     if "_" in job_id and rec.array:
@@ -78,7 +78,7 @@ def _load(job_id: str, cluster: str | None):
     return records.load_record(job_id)
 
 
-def recent_targets(limit: int) -> list[Target]:
+def recent_targets(limit: int) -> list[StatusTarget]:
     """Targets of the ``limit`` newest records (all for 0), newest first."""
     recs = list(reversed(records.list_records()))
     return targets_from_records(recs[:limit] if limit else recs)

@@ -39,7 +39,7 @@ from ddp_hpc.submit.dispatch import dispatch, say
 from ddp_hpc.submit.spec import (SpecError, build_command_spec, build_spec,
                                  check_overrides, is_override, parse_sweeps, script_sweeps,
                                  sweep_tasks)
-from ddp_hpc.submit.target import Target, module_command, script_command, split_argv
+from ddp_hpc.submit.target import SubmitTarget, module_command, script_command, split_argv
 from ddp_hpc.text import HelpFormatter, prog
 
 __all__ = ["main", "choose_backend", "parse_args", "parse"]
@@ -99,7 +99,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, str, list[str]]
     return args, config, positionals + after
 
 
-def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Target]:
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, SubmitTarget]:
     """(options, target): a config target's ``what`` is the config path and ``rest`` its
     overrides; a script's or module's ``rest`` its arguments, verbatim."""
     target = split_argv(argv, _parser())
@@ -154,7 +154,7 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     return dispatch(spec, args, backend, cli, task_cfgs)
 
 
-def _submit_command(args: argparse.Namespace, target: Target) -> int:
+def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
     """A script or module: no config; the Slurm options come from the command line only."""
     if target.kind == "module":
         command = module_command(str(target.what), target.rest)
@@ -171,7 +171,7 @@ def _submit_command(args: argparse.Namespace, target: Target) -> int:
     return dispatch(spec, args, backend, cli, None)
 
 
-def _submit(args: argparse.Namespace, target: Target) -> int:
+def _submit(args: argparse.Namespace, target: SubmitTarget) -> int:
     if target.kind == "config":
         return _submit_config(args, str(target.what), list(target.rest))
     return _submit_command(args, target)

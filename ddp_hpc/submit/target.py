@@ -25,14 +25,14 @@ from typing import Sequence
 
 from ddp_hpc.submit.spec import SpecError
 
-__all__ = ["Target", "split_argv", "script_command", "module_command"]
+__all__ = ["SubmitTarget", "split_argv", "script_command", "module_command"]
 
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _CONFIG_SUFFIXES = (".yaml", ".yml")
 
 
 @dataclass(frozen=True)
-class Target:
+class SubmitTarget:
     """``kind`` is "config", "script" or "module"; ``ours`` the argv for argparse; ``rest`` what
     follows a script or module (its arguments, verbatim); ``what`` the script path or module."""
     kind: str
@@ -57,7 +57,7 @@ def _is_script(word: str) -> bool:
             and os.access(p, os.X_OK))
 
 
-def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> Target:
+def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> SubmitTarget:
     """Find the target in ``argv``; see the module docstring."""
     argv = list(argv)
     i = 0
@@ -67,22 +67,22 @@ def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> Target:
             if i + 1 >= len(argv):
                 raise SpecError(f"{word} needs a module name (as python -m MODULE)",
                                 "write e.g. ddp-hpc submit -N 2 -G 4 -m mypkg.train --lr 0.1")
-            return Target("module", argv[:i], argv[i + 1], tuple(argv[i + 2:]))
+            return SubmitTarget("module", argv[:i], argv[i + 1], tuple(argv[i + 2:]))
         if word.startswith("--module="):
-            return Target("module", argv[:i], word.split("=", 1)[1], tuple(argv[i + 1:]))
+            return SubmitTarget("module", argv[:i], word.split("=", 1)[1], tuple(argv[i + 1:]))
         if word == "--":
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             if nxt is not None and _is_script(nxt):
-                return Target("script", argv[:i], nxt, tuple(argv[i + 2:]))
-            return Target("config", argv)
+                return SubmitTarget("script", argv[:i], nxt, tuple(argv[i + 2:]))
+            return SubmitTarget("config", argv)
         if word.startswith("-") and word != "-":
             attached = "=" in word or (not word.startswith("--") and len(word) > 2)
             i += 1 if attached or not _takes_value(parser, word) else 2
             continue
         if _is_script(word):
-            return Target("script", argv[:i], word, tuple(argv[i + 1:]))
-        return Target("config", argv)
-    return Target("config", argv)
+            return SubmitTarget("script", argv[:i], word, tuple(argv[i + 1:]))
+        return SubmitTarget("config", argv)
+    return SubmitTarget("config", argv)
 
 
 def _check_arg(arg: str, where: str) -> str:

@@ -43,6 +43,7 @@ from ddp_hpc.runlogs.writer import RunLog, resolve_log_dir
 from ddp_hpc.text import plural
 from ddp_hpc.train.build import seed_everything
 from ddp_hpc.train.loop import Trainer
+from ddp_hpc.train.parts import TrainParts
 from ddp_hpc.train.result import TrainResult
 
 __all__ = ["fit", "train_ddp", "run_job", "make_config", "build_model", "build_datasets",
@@ -173,8 +174,7 @@ def _run_id(env, cfg: JobConfig) -> str:
     return f"{name[:64]}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
 
 
-def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classification,
-           batches=None, on_step=None) -> TrainResult:
+def _train(cfg: JobConfig, ctx, parts: TrainParts) -> TrainResult:
     env = ctx.env
     log_dir = resolve_log_dir(cfg.log.dir, _run_id(env, cfg))
     log = RunLog(log_dir, env.rank, env.job_id, env.restart_count)
@@ -184,15 +184,14 @@ def _train(cfg: JobConfig, ctx, model, train_ds, eval_ds, loss_fn, classificatio
     ckpt_dir = Path(cfg.checkpoint.dir).absolute() if cfg.checkpoint.dir else log_dir / "checkpoints"
     step, trainer = 0, None
     try:
-        trainer = Trainer(cfg, ctx, model, train_ds, eval_ds, loss_fn, log, checkpoint_dir=ckpt_dir,
-                          batches=batches, classification=classification, on_step=on_step)
+        trainer = Trainer(cfg, ctx, parts, log, checkpoint_dir=ckpt_dir)
         log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,
                   local_rank=env.local_rank, pid=os.getpid(), total_steps=trainer.total_steps,
                   epochs=cfg.train.epochs, launcher=env.launcher, device=str(ctx.device))
         log.info(f"start: {plural(env.world_size, 'rank')} on {plural(env.num_nodes, 'node')}, launcher "
                  f"{env.launcher}, device {ctx.device}, {trainer.total_steps} steps, log dir "
                  f"{log_dir}, checkpoints {ckpt_dir}")
-        _stage_log(cfg, train_ds, log)
+        _stage_log(cfg, parts.train_data, log)
         result = trainer.run()
         step = result.step
         status = "interrupted" if result.reason == "interrupted" else result.status
@@ -243,9 +242,10 @@ def fit(model: nn.Module, train_dataset: Dataset, *, eval_dataset: Dataset | Non
     ctx, own = _context(rank, world_size, cfg.train.collective_timeout_s)
     ok = False
     try:
-        result = _train(cfg, ctx, model, train_dataset, eval_dataset, loss_fn,
-                        bool(classification if classification is not None else True),
-                        on_step=on_step)
+        parts = TrainParts(model, train_dataset, loss_fn, eval_dataset,
+                           bool(classification if classification is not None else True),
+                           on_step=on_step)
+        result = _train(cfg, ctx, parts)
         ok = True
         return result
     finally:
@@ -280,8 +280,8 @@ def run_job(cfg: JobConfig, on_step: Callable[[int, int], None] | None = None) -
     ok = False
     try:
         train_ds, eval_ds, batches = build_datasets(cfg, ctx)
-        result = _train(cfg, ctx, model, train_ds, eval_ds, loss_fn, classification,
-                        batches=batches, on_step=on_step)
+        result = _train(cfg, ctx, TrainParts(model, train_ds, loss_fn, eval_ds, classification,
+                                             batches=batches, on_step=on_step))
         if cfg.data.io != "direct":         # e.g. remove a staged copy once the run completed
             from ddp_hpc.data.io import close_train_data
             close_train_data(train_ds, cfg.data, ctx, completed=result.status == "completed")

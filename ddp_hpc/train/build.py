@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+from dataclasses import dataclass
 from typing import Callable, ContextManager
 
 import numpy as np
@@ -51,9 +52,17 @@ def make_scheduler(cfg: JobConfig, optimizer, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def make_precision(precision: str, device: torch.device
-                   ) -> tuple[Callable[[], ContextManager], torch.amp.GradScaler]:
-    """(autocast context factory, gradient scaler) for train.precision on `device`."""
+@dataclass(frozen=True)
+class Precision:
+    """train.precision as the step uses it: the forward pass runs under ``autocast()``, the
+    backward pass through ``scaler`` (both pass-throughs in fp32)."""
+
+    autocast: Callable[[], ContextManager]
+    scaler: torch.amp.GradScaler
+
+
+def make_precision(precision: str, device: torch.device) -> Precision:
+    """The autocast context factory and gradient scaler for train.precision on `device`."""
     if precision == "fp16" and device.type != "cuda":
         raise ConfigError(
             f"train.precision=fp16 needs CUDA (GradScaler), but the device is {device}",
@@ -66,4 +75,4 @@ def make_precision(precision: str, device: torch.device
     autocast = contextlib.nullcontext
     if dtype is not None:
         autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
-    return autocast, torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+    return Precision(autocast, torch.amp.GradScaler("cuda", enabled=precision == "fp16"))

@@ -19,8 +19,9 @@ from typing import Callable
 import torch
 
 from ddp_hpc.config import JobConfig
-from ddp_hpc.runlogs.writer import Progress, RunLog
+from ddp_hpc.runlogs.writer import RunLog, StepBar
 from ddp_hpc.train.metrics import AsyncSum, ResourceSampler, all_reduce_sum
+from ddp_hpc.train.parts import RankPlace
 from ddp_hpc.train.preempt import PreemptionFlag
 
 #: with preempt.check_every_steps=0 the flag is all-reduced about this often (seconds of training):
@@ -79,16 +80,16 @@ class _Interval:
 class Cadence:
     """Logging, the preemption check interval and the checkpoint/eval rules of one rank's run."""
 
-    def __init__(self, cfg: JobConfig, *, total_steps: int, world: int, device: torch.device,
-                 log: RunLog, progress: Progress, flag: PreemptionFlag, distributed: bool,
-                 lr: Callable[[], float], on_step: Callable[[int, int], None] | None) -> None:
-        self.cfg, self.total_steps, self.world = cfg, total_steps, world
-        self.log, self.progress, self.flag, self.distributed = log, progress, flag, distributed
+    def __init__(self, cfg: JobConfig, place: RankPlace, *, total_steps: int, log: RunLog,
+                 progress: StepBar, flag: PreemptionFlag, lr: Callable[[], float],
+                 on_step: Callable[[int, int], None] | None) -> None:
+        self.cfg, self.total_steps, self.world = cfg, total_steps, place.world
+        self.log, self.progress, self.flag, self.distributed = log, progress, flag, place.distributed
         self.lr, self.on_step = lr, on_step or (lambda step, epoch: None)
         self.every = cfg.log.every_n_steps
         self.auto_check = cfg.preempt.check_every_steps == 0
         self.check_every = cfg.preempt.check_every_steps or 1    # auto: every step until measured
-        self.interval, self.this_epoch = Window(device), Window(device)
+        self.interval, self.this_epoch = Window(place.device), Window(place.device)
         self.resources = ResourceSampler()
         self.loss: float | None = None       # mean loss of the newest log interval, all ranks
         self.data_wait = 0.0                 # this rank's seconds waiting for batches, this interval

@@ -24,7 +24,6 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,11 +33,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_hpc.config import ConfigError, JobConfig, config_to_dict
 from ddp_hpc.runlogs.watchdog import HangWatch, dump_after
-from ddp_hpc.runlogs.writer import Progress, RunLog
+from ddp_hpc.runlogs.writer import RunLog, StepBar
 from ddp_hpc.train import checkpoint as ckpt
 from ddp_hpc.train.build import make_optimizer, make_precision, make_scheduler, seed_everything
 from ddp_hpc.train.cadence import Cadence
 from ddp_hpc.train.metrics import evaluate
+from ddp_hpc.train.parts import RankPlace, TrainParts
 from ddp_hpc.train.preempt import PreemptionFlag, classify, job_end_time, requeue_if_wanted
 from ddp_hpc.train.result import TrainResult
 from ddp_hpc.train.step import Stepper
@@ -61,18 +61,15 @@ def _distributed() -> bool:
 class Trainer:
     """Runs one rank's share of a job. Build it, call `run()`; collectives match across ranks."""
 
-    def __init__(self, cfg: JobConfig, ctx, model: nn.Module, train_data, eval_data, loss_fn,
-                 log: RunLog, *, checkpoint_dir: str | Path, batches: Callable | None = None,
-                 classification: bool = True, on_step: Callable[[int, int], None] | None = None):
-        self.cfg, self.ctx, self.log = cfg, ctx, log
+    def __init__(self, cfg: JobConfig, ctx, parts: TrainParts, log: RunLog, *,
+                 checkpoint_dir: str | Path):
+        self.cfg, self.ctx, self.log, self.parts = cfg, ctx, log, parts
         self.rank, self.world = ctx.env.rank, ctx.env.world_size
         self.device = torch.device(ctx.device)
-        self.module = model
-        self.train_data, self.eval_data, self.loss_fn = train_data, eval_data, loss_fn
+        self.module, self.eval_data = parts.model, parts.eval_data
         self.ckpt_dir = Path(checkpoint_dir)
-        self.classification, self.on_step = classification, on_step
-        self._batches_fn = batches          # io != direct: ddp_hpc.data.io.make_train_batches
         self.distributed = _distributed()
+        self.place = RankPlace(self.rank, self.world, self.device, self.distributed)
         t = cfg.train
         if t.strategy in ("dp", "single") and self.world > 1:
             raise ConfigError(
@@ -80,13 +77,13 @@ class Trainer:
                 f"world_size={self.world}",
                 f"use train.strategy=ddp with several processes, or launch one process for "
                 f"{t.strategy}")
-        self.autocast, self.scaler = make_precision(t.precision, self.device)
-        per_rank = math.ceil(len(train_data) / self.world)       # DistributedSampler, no drop_last
+        self.precision = make_precision(t.precision, self.device)
+        per_rank = math.ceil(len(parts.train_data) / self.world)       # DistributedSampler, no drop_last
         self.batches_per_epoch = math.ceil(per_rank / t.batch_size)
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / t.grad_accum)
         total = t.epochs * self.steps_per_epoch
         self.total_steps = min(total, t.max_steps) if t.max_steps else total
-        self.sampler = DistributedSampler(train_data, num_replicas=self.world, rank=self.rank,
+        self.sampler = DistributedSampler(parts.train_data, num_replicas=self.world, rank=self.rank,
                                           shuffle=True, seed=t.seed, drop_last=False)
         self.pos = Position()
 
@@ -134,7 +131,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):               # none in a checkpoint of an fp32/bf16 run
-            self.scaler.load_state_dict(state["scaler"])
+            self.precision.scaler.load_state_dict(state["scaler"])
         pos = self.pos
         pos.step, pos.epoch, pos.micro = state["step"], state["epoch"], state["batch_in_epoch"]
         if state.get("world_size") == self.world:
@@ -159,7 +156,7 @@ class Trainer:
         return {"epoch": self.pos.epoch, "batch_in_epoch": self.pos.micro,
                 "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() or None,     # {} from a disabled scaler
+                "scaler": self.precision.scaler.state_dict() or None,   # {} from a disabled scaler
                 "rng": rngs, "world_size": self.world, "config": config_to_dict(self.cfg),
                 "time": time.time()}
 
@@ -177,12 +174,12 @@ class Trainer:
     # ------------------------------------------------------------------ data
     def _epoch_batches(self, epoch: int, start_batch: int):
         t, nw = self.cfg.train, self.cfg.data.num_workers
-        if self._batches_fn is not None:
-            return self._batches_fn(epoch, start_batch)
+        if self.parts.batches is not None:      # io != direct: data.io.make_train_batches
+            return self.parts.batches(epoch, start_batch)
         self.sampler.set_epoch(epoch)
         indices = list(self.sampler)[start_batch * t.batch_size:]
         gen = torch.Generator().manual_seed(t.seed * 100003 + epoch)
-        return DataLoader(self.train_data, batch_size=t.batch_size, sampler=indices,
+        return DataLoader(self.parts.train_data, batch_size=t.batch_size, sampler=indices,
                           num_workers=nw, pin_memory=self.device.type == "cuda",
                           drop_last=False, generator=gen, persistent_workers=False)
 
@@ -204,13 +201,12 @@ class Trainer:
         self.result = TrainResult("completed", self.pos.step, self.pos.epoch, resumed_from=resumed_from)
         self.flag = PreemptionFlag(cfg.preempt.signal).install()
         self.end_time = job_end_time(self.ctx.env, self.rank, self.distributed)
-        progress = Progress(self.rank, self.total_steps, self.pos.step, cfg.log.progress)
-        cadence = Cadence(cfg, total_steps=self.total_steps, world=self.world, device=self.device,
-                          log=self.log, progress=progress, flag=self.flag,
-                          distributed=self.distributed, lr=lambda: self.scheduler.get_last_lr()[0],
-                          on_step=self.on_step)
-        stepper = Stepper(self.model, self.module, self.loss_fn, self.optimizer, self.scheduler,
-                          autocast=self.autocast, scaler=self.scaler, train=cfg.train,
+        progress = StepBar(self.rank, self.total_steps, self.pos.step, cfg.log.progress)
+        cadence = Cadence(cfg, self.place, total_steps=self.total_steps, log=self.log,
+                          progress=progress, flag=self.flag,
+                          lr=lambda: self.scheduler.get_last_lr()[0], on_step=self.parts.on_step)
+        stepper = Stepper(self.model, self.parts, self.optimizer, self.scheduler,
+                          precision=self.precision, train=cfg.train,
                           batches_per_epoch=self.batches_per_epoch, device=self.device)
         self.watch = HangWatch(self.log, dump_after(cfg.train.collective_timeout_s)).start()
         try:
@@ -306,10 +302,11 @@ class Trainer:
         """Exact evaluation after (0-based) `epoch`; a collective, identical on every rank."""
         t = self.cfg.train
         self._sync_buffers()
-        metrics = evaluate(self.module, self.eval_data, self.loss_fn, rank=self.rank,
-                           world_size=self.world, batch_size=t.eval_batch_size or t.batch_size,
-                           device=self.device, autocast=self.autocast,
-                           classification=self.classification, num_workers=self.cfg.data.num_workers)
+        metrics = evaluate(self.module, self.eval_data, self.parts.loss_fn, self.place,
+                           batch_size=t.eval_batch_size or t.batch_size,
+                           autocast=self.precision.autocast,
+                           classification=self.parts.classification,
+                           num_workers=self.cfg.data.num_workers)
         self.log.event("eval", epoch=epoch, step=step, metrics=metrics)
         self.log.info("eval after epoch {}: {}".format(
             epoch, ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
+from ddp_hpc.train.parts import RankPlace
+
 
 class UnpaddedDistributedSampler(Sampler[int]):
     """Indices rank, rank+W, rank+2W, ... of range(len(dataset)): each sample exactly once overall."""
@@ -85,18 +87,18 @@ class AsyncSum:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset, loss_fn: Callable, *, rank: int, world_size: int,
-             batch_size: int, device: torch.device,
+def evaluate(model: torch.nn.Module, dataset, loss_fn: Callable, place: RankPlace, *, batch_size: int,
              autocast: Callable[[], ContextManager] = contextlib.nullcontext, classification: bool = True,
              num_workers: int = 0) -> dict:
-    """Exact loss/accuracy over `dataset` split across ranks; identical on every rank.
+    """Exact loss/accuracy over `dataset` split across `place`'s ranks; identical on every rank.
 
     `model` must be the plain module (not the DDP wrapper): ranks see different batch counts and
     DDP's per-forward buffer broadcast would then wait forever."""
     was_training = model.training
     model.eval()
+    device = place.device
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                        sampler=UnpaddedDistributedSampler(dataset, world_size, rank),
+                        sampler=UnpaddedDistributedSampler(dataset, place.world, place.rank),
                         pin_memory=device.type == "cuda")
     loss_sum = correct = count = 0.0
     for inputs, targets in loader:

@@ -10,7 +10,6 @@ accum a give the same update as one process with batch 4ab; the epoch's last ste
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -18,21 +17,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hpc.config import TrainConfig
 from ddp_hpc.train import checkpoint as ckpt
+from ddp_hpc.train.build import Precision
+from ddp_hpc.train.parts import TrainParts
 
 
 class Stepper:
     """Runs micro-batches and optimizer steps for one rank; `model` may be the DDP wrapper of
-    `module` (the plain module, whose parameters and buffers are the real ones)."""
+    `parts.model` (the plain module, whose parameters and buffers are the real ones)."""
 
-    def __init__(self, model: nn.Module, module: nn.Module, loss_fn: Callable, optimizer, scheduler,
-                 *, autocast: Callable[[], ContextManager], scaler: torch.amp.GradScaler,
-                 train: TrainConfig, batches_per_epoch: int, device: torch.device) -> None:
-        self.model, self.module, self.loss_fn = model, module, loss_fn
+    def __init__(self, model: nn.Module, parts: TrainParts, optimizer, scheduler, *,
+                 precision: Precision, train: TrainConfig, batches_per_epoch: int,
+                 device: torch.device) -> None:
+        self.model, self.module, self.loss_fn = model, parts.model, parts.loss_fn
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.autocast, self.scaler, self.device = autocast, scaler, device
+        self.autocast, self.scaler, self.device = precision.autocast, precision.scaler, device
         self.accum, self.batches_per_epoch = train.grad_accum, batches_per_epoch
         self.filter_zero_grads, self.clip_grad_norm = train.filter_zero_grads, train.clip_grad_norm
-        self.params = list(module.parameters())
+        self.params = list(self.module.parameters())
         self.can_skip_sync = isinstance(model, DDP)
         self.warm_up = self.can_skip_sync      # once per (re)start, identically on every rank
 
