@@ -32,8 +32,6 @@ NODE_FAILURE_RE = re.compile(r"Node failure on (?P<nodes>\S+)|(?P<stepd>DUE TO N
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
 #: torch.distributed prefixes every line of an uncaught exception with the rank: "[rank3]: "
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
-#: the local backend's driver output, in the job's log directory (ddp_hpc.submit.local)
-LOCAL_DRIVER_OUT = "local-driver.out"
 #: the local backend's driver (local-driver.out): "FAILED: rank 3 exited with -9; see ..."
 LOCAL_EXIT_RE = re.compile(r"(?:task (?P<task>\d+) \S+ )?FAILED: rank (?P<rank>\d+) exited with (?P<rc>-?\d+)")
 

@@ -19,7 +19,7 @@ from ddp_hpc.runlogs import timing
 from ddp_hpc.runlogs.attribution import SchedulerFacts
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.reader import Failure, Progress, RunLogs
-from ddp_hpc.runlogs.srun import LOCAL_DRIVER_OUT
+from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
