@@ -28,17 +28,17 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal as _signal
 import sys
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from ddp_hpc import exits
 from ddp_hpc.checkpoint import last_saved_step
 from ddp_hpc.env import detect, job_facts
 from ddp_hpc.exec.events import SafeLog
-from ddp_hpc.exec.outcome import EX_TEMPFAIL
+from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.report import last_step, rank_log
 from ddp_hpc.train.preempt import PreemptionFlag, classify, requeue_if_wanted, signal_number
 
@@ -55,7 +55,7 @@ def signal_name(spec: str | None = None) -> str:
     ``$DDP_HPC_PREEMPT_SIGNAL`` when ``spec`` is None, else USR2."""
     raw = spec or job_facts().preempt_signal or DEFAULT_SIGNAL
     name = raw.upper().removeprefix("B:").partition("@")[0].removeprefix("SIG")
-    signal_number(name)  # raises AttributeError for a name that is no signal
+    signal_number(name)  # a SignalNameError (an AttributeError) for a name that is no signal
     return name
 
 
@@ -99,7 +99,7 @@ def requeue() -> NoReturn:
     flag = install()
     env = detect()
     log = rank_log() or SafeLog(None, env.rank, env.job_id, env.restart_count)
-    sig = _signal.Signals(flag.received).name if flag.received else None
+    sig = exits.signal_name(flag.received) if flag.received else None
     reason = classify(flag.received_at, job_facts().end_time, TIMELIMIT_WINDOW_S, flag.received)
     step = last_saved_step() if last_saved_step() is not None else last_step()
     log.event("preempt", signal=sig, reason=reason, step=step)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ddp_hpc.exits import signal_name
 from ddp_hpc.runlogs.evidence import TIMEOUT_RE, RankEnding
-from ddp_hpc.runlogs.srun import signal_name
 from ddp_hpc.runlogs.stacks import stack_excerpt, stack_summary
 
 if TYPE_CHECKING:

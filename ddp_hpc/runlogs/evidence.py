@@ -22,7 +22,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-from ddp_hpc.runlogs.srun import TaskReport, exception_of, signal_name, signal_number, signal_text
+from ddp_hpc.exits import signal_name, signal_number, signal_text
+from ddp_hpc.runlogs.srun import TaskReport, exception_of
 
 #: failures caused by a peer that died, hung or vanished, most telling first; the match is what
 #: status shows

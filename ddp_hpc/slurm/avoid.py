@@ -24,10 +24,12 @@ import signal
 import sys
 from pathlib import Path
 
+from ddp_hpc.exits import EX_TEMPFAIL
+
 __all__ = ["failed_nodes", "requeue_avoiding", "check_placement", "main"]
 
 #: exit status when the run requeued itself to leave a failed node
-REQUEUED = 75
+REQUEUED = EX_TEMPFAIL
 
 
 @contextlib.contextmanager

@@ -20,7 +20,6 @@ Exactness rules kept here:
 from __future__ import annotations
 
 import math
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_hpc.config import ConfigError, JobConfig, config_to_dict
+from ddp_hpc.exits import signal_name
 from ddp_hpc.runlogs.watchdog import HangWatch, dump_after
 from ddp_hpc.runlogs.writer import Progress, RunLog
 from ddp_hpc.train import checkpoint as ckpt
@@ -289,7 +289,7 @@ class Trainer:
         if pos.micro >= self.batches_per_epoch:   # the signal landed on an epoch's last step
             pos.epoch, pos.micro = pos.epoch + 1, 0
         self._save()
-        sig = signal.Signals(flag.received).name if flag.received else None
+        sig = signal_name(flag.received) if flag.received else None
         reason = classify(flag.received_at, self.end_time, self.cfg.preempt.timelimit_window_s,
                           flag.received)
         log.event("preempt", signal=sig, reason=reason, step=pos.step)

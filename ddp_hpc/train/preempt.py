@@ -34,14 +34,24 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from ddp_hpc import exits
 from ddp_hpc.env import job_facts
+from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.times import timestamp
 
 
+class SignalNameError(HintError, AttributeError):
+    """A preemption signal name that names no signal (an AttributeError, as ``signal.SIGNOPE`` is)."""
+
+
 def signal_number(name: str) -> int:
-    name = name.upper()
-    return int(getattr(signal, name if name.startswith("SIG") else "SIG" + name))
+    """``USR2`` / ``SIGUSR2`` / ``usr2`` -> its number; a `SignalNameError` for anything else."""
+    num = exits.signal_number(name, numbers=False)
+    if num is None:
+        raise SignalNameError(f"signal {name!r} is not a signal name",
+                              "use a name such as USR2, USR1 or TERM")
+    return num
 
 
 class PreemptionFlag:
