@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.slurm.cli import CONTROLLER_DOWN, SlurmCLI, SlurmError
 from ddp_hpc.slurm.states import JobState, StateInfo, parse_state
@@ -170,11 +171,11 @@ def _view_from_rows(rows: list[dict], source: str, tried: list[str]) -> SourceSt
         source=source, tried=list(tried),
         elapsed=normalize_duration(norm_get(cur, "Elapsed", "TimeUsed", "Time")),
         time_limit=normalize_duration(norm_get(cur, "Timelimit", "TimeLimit")),
-        nodes=_int(norm_get(cur, "NNodes", "NumNodes", "Nodes")),
+        nodes=to_int(norm_get(cur, "NNodes", "NumNodes", "Nodes")),
         node_list=norm_get(cur, "NodeList", "Nodelist"),
         reason=norm_get(cur, "Reason", "ReasonList"),
         exit_code=norm_get(cur, "ExitCode", "DerivedExitCode"),
-        restarts=_int(restarts),
+        restarts=to_int(restarts),
         steps=[{"id": row_job_id(r), "state": parse_state(norm_get(r, "State", default="")).label,
                 "exit_code": norm_get(r, "ExitCode")} for r in steps],
     )
@@ -336,10 +337,3 @@ def pids_alive(pids, submitted_at: float | None, cluster: str | None) -> bool | 
         except (psutil.Error, ValueError, TypeError):
             continue
     return False
-
-
-def _int(v) -> int | None:
-    try:
-        return int(str(v).strip())
-    except (TypeError, ValueError):
-        return None
