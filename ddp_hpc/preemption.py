@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ddp_hpc import exits
 from ddp_hpc.checkpoint import last_saved_step
+from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect, job_facts
 from ddp_hpc.exec.events import SafeLog
 from ddp_hpc.exits import EX_TEMPFAIL
@@ -73,15 +74,11 @@ def install(signal: str | None = None) -> PreemptionFlag:
     return _flag
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def requested() -> bool:
     """True on every rank once any rank received the preemption signal, SIGTERM or SIGINT.  A collective
     when torch.distributed is initialised: call it on every rank at the same step."""
     flag = install()
-    if not _distributed():
+    if not group_initialized():
         flag.agreed = flag.local_code
         return flag.local
     t = torch.tensor([flag.local_code], dtype=torch.int32)
@@ -104,7 +101,7 @@ def requeue() -> NoReturn:
     step = last_saved_step() if last_saved_step() is not None else last_step()
     log.event("preempt", signal=sig, reason=reason, step=step)
     log.info(f"stopping at step {step}: {reason} (signal {sig or 'on another rank'})")
-    distributed = _distributed()
+    distributed = group_initialized()
     requeue_if_wanted(flag, env, rank=env.rank, enabled=True, distributed=distributed, log=log)
     if distributed:
         dist.destroy_process_group()

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_hpc.config import ConfigError, JobConfig, config_to_dict
+from ddp_hpc.dist import group_has_peers
 from ddp_hpc.exits import signal_name
 from ddp_hpc.runlogs.watchdog import HangWatch, dump_after
 from ddp_hpc.runlogs.writer import Progress, RunLog
@@ -54,10 +55,6 @@ class Position:
     micro: int = 0
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 class Trainer:
     """Runs one rank's share of a job. Build it, call `run()`; collectives match across ranks."""
 
@@ -72,7 +69,7 @@ class Trainer:
         self.ckpt_dir = Path(checkpoint_dir)
         self.classification, self.on_step = classification, on_step
         self._batches_fn = batches          # io != direct: ddp_hpc.data.io.make_train_batches
-        self.distributed = _distributed()
+        self.distributed = group_has_peers()
         t = cfg.train
         if t.strategy in ("dp", "single") and self.world > 1:
             raise ConfigError(

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_hpc import exits
+from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import job_facts
 from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.cli import SlurmCLI
@@ -141,7 +142,7 @@ class PreemptionFlag:
 
 
 def _backend_needs_cuda() -> bool:
-    return dist.is_initialized() and dist.get_backend() == "nccl"
+    return group_initialized() and dist.get_backend() == "nccl"
 
 
 def in_slurm(env) -> bool:
