@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect
 from ddp_hpc.report import rank_log
 from ddp_hpc.train.checkpoint import (CheckpointError, find_latest_valid, load_checkpoint,
@@ -46,12 +47,8 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _rank() -> int:
-    return dist.get_rank() if _distributed() else detect().rank
+    return dist.get_rank() if group_initialized() else detect().rank
 
 
 def _check_plain(value: Any, where: str) -> None:
@@ -86,7 +83,7 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
         if log is not None:
             log.event("checkpoint", step=int(step), path=str(path))
     _last_saved[:] = [int(step)]
-    if _distributed():
+    if group_initialized():
         dist.barrier()
     return path
 
@@ -107,7 +104,7 @@ def _choose(directory_or_file: str | Path, map_location: Any) -> tuple[str | Non
             log = rank_log()
             found = find_latest_valid(src, warn=log.warning if log else None, map_location=map_location)
     box = [str(found[0]) if found else None]
-    if _distributed():
+    if group_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0], (found[1] if found else None)
 

@@ -43,7 +43,8 @@ from ddp_hpc.env import DistEnv, EnvError, detect, gpu_index, interface_for, rou
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DistContext", "setup_ddp", "cleanup_ddp", "is_main", "barrier", "device_index", "select_device",
+__all__ = ["DistContext", "setup_ddp", "cleanup_ddp", "group_initialized", "group_has_peers", "is_main",
+           "barrier", "device_index", "select_device",
            "interface_for", "route_interface", "new_groups", "node_group", "leaders_group", "strided_groups",
            "gather_layout", "block_layout", "node_rank_lists", "leader_ranks", "strided_rank_lists",
            "NCCL_DEFAULTS"]
@@ -194,7 +195,7 @@ def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
     async error handling, every collective. A world of one still gets a (trivial) process
     group, so the same code runs everywhere.
     """
-    if dist.is_initialized():
+    if group_initialized():
         raise EnvError("setup_ddp: the default process group is already initialised.",
                        "Call cleanup_ddp() first, or use the process group that exists.")
     env = _with_overrides(env or detect(), rank, world_size)
@@ -230,19 +231,29 @@ def cleanup_ddp() -> None:
     after this can reach a peer's old store before that peer has torn it down (no barrier here,
     so that a failing rank can always leave) and fail with "Connection closed by peer".
     """
-    if dist.is_available() and dist.is_initialized():
+    if group_initialized():
         gc.collect()
         dist.destroy_process_group()
 
 
+def group_initialized() -> bool:
+    """torch.distributed is available and the default process group exists (a world of one too)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_has_peers() -> bool:
+    """The default process group exists and holds more than this rank: collectives reach peers."""
+    return group_initialized() and dist.get_world_size() > 1
+
+
 def is_main() -> bool:
     """Rank 0 of the initialised world (True in a plain single process)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return not group_initialized() or dist.get_rank() == 0
 
 
 def barrier(group=None) -> None:
     """``dist.barrier`` that is a no-op without a process group."""
-    if dist.is_initialized():
+    if group_initialized():
         dist.barrier(group=group)
 
 

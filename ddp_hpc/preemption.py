@@ -28,21 +28,22 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal as _signal
 import sys
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from ddp_hpc import exits
 from ddp_hpc.checkpoint import last_saved_step
+from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect, job_facts
 from ddp_hpc.exec.events import SafeLog
-from ddp_hpc.exec.outcome import EX_TEMPFAIL
+from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.report import last_step, rank_log
-from ddp_hpc.train.preempt import PreemptionFlag, classify, requeue_if_wanted, signal_number
+from ddp_hpc.train.preempt import PreemptionFlag, classify, requeue_if_wanted, preempt_signum
 
-__all__ = ["install", "requested", "requeue", "signal_name", "EX_TEMPFAIL"]
+__all__ = ["install", "requested", "requeue", "preempt_signal", "EX_TEMPFAIL"]
 
 DEFAULT_SIGNAL = "USR2"
 TIMELIMIT_WINDOW_S = 180.0   # a signal this close to the job's end time is its time limit
@@ -50,22 +51,22 @@ TIMELIMIT_WINDOW_S = 180.0   # a signal this close to the job's end time is its 
 _flag: PreemptionFlag | None = None
 
 
-def signal_name(spec: str | None = None) -> str:
+def preempt_signal(spec: str | None = None) -> str:
     """``USR2`` from ``USR2``, ``SIGUSR2``, ``B:USR2@90`` (sbatch's --signal); the job's
     ``$DDP_HPC_PREEMPT_SIGNAL`` when ``spec`` is None, else USR2."""
     raw = spec or job_facts().preempt_signal or DEFAULT_SIGNAL
     name = raw.upper().removeprefix("B:").partition("@")[0].removeprefix("SIG")
-    signal_number(name)  # raises AttributeError for a name that is no signal
+    preempt_signum(name)  # a SignalNameError (an AttributeError) for a name that is no signal
     return name
 
 
 def install(signal: str | None = None) -> PreemptionFlag:
-    """Catch the preemption signal (`signal_name`), SIGTERM and SIGINT from now on; idempotent (a
+    """Catch the preemption signal (`preempt_signal`), SIGTERM and SIGINT from now on; idempotent (a
     different ``signal`` replaces the handlers).  `requested` calls it too, but a signal that
     arrives before the first call ends the process, so call it at start-up."""
     global _flag
-    name = signal_name(signal)
-    if _flag is not None and (signal is None or _flag.preempt_signum == signal_number(name)):
+    name = preempt_signal(signal)
+    if _flag is not None and (signal is None or _flag.preempt_signum == preempt_signum(name)):
         return _flag
     if _flag is not None:
         _flag.restore()
@@ -73,15 +74,11 @@ def install(signal: str | None = None) -> PreemptionFlag:
     return _flag
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def requested() -> bool:
     """True on every rank once any rank received the preemption signal, SIGTERM or SIGINT.  A collective
     when torch.distributed is initialised: call it on every rank at the same step."""
     flag = install()
-    if not _distributed():
+    if not group_initialized():
         flag.agreed = flag.local_code
         return flag.local
     t = torch.tensor([flag.local_code], dtype=torch.int32)
@@ -99,12 +96,12 @@ def requeue() -> NoReturn:
     flag = install()
     env = detect()
     log = rank_log() or SafeLog(None, env.rank, env.job_id, env.restart_count)
-    sig = _signal.Signals(flag.received).name if flag.received else None
+    sig = exits.signal_name(flag.received) if flag.received else None
     reason = classify(flag.received_at, job_facts().end_time, TIMELIMIT_WINDOW_S, flag.received)
     step = last_saved_step() if last_saved_step() is not None else last_step()
     log.event("preempt", signal=sig, reason=reason, step=step)
     log.info(f"stopping at step {step}: {reason} (signal {sig or 'on another rank'})")
-    distributed = _distributed()
+    distributed = group_initialized()
     requeue_if_wanted(flag, env, rank=env.rank, enabled=True, distributed=distributed, log=log)
     if distributed:
         dist.destroy_process_group()

@@ -397,3 +397,82 @@ def test_no_long_parameter_lists():
                "def nine(a, b, c, d, e, f, g, *, h=1, i=2):\n    pass\n"
                "def seven(a, b, c, d, e, f, g, *h, **i):\n    pass\n")
     assert _long_parameter_lists([("p.py", ast.parse(planted), planted)], MAX_PARAMETERS) == {"p.py:nine": 9}
+#: one idea, one home: the functions that spell it and the module that holds them
+ONE_HOME = {"ddp_hpc/exits.py": {"signal_name", "signal_number", "signal_text", "exit_status_of_signal",
+                                 "signal_of_exit_status"},
+            "ddp_hpc/parsing.py": {"to_int", "to_float"},
+            "ddp_hpc/dist.py": {"group_initialized", "group_has_peers"}}
+#: written-down exceptions: the same name with another meaning, built on the home's function
+ONE_HOME_EXCEPTIONS: set[tuple[str, str]] = set()
+
+
+def _is_number_parser(node: ast.AST) -> bool:
+    """``def f(v): try: return int(v) except ...: return <a default>`` (or ``float``, of ``v`` or
+    ``str(v).strip()``): a copy of parsing's."""
+    if not (isinstance(node, ast.FunctionDef) and len(node.body) == 1 and isinstance(node.body[0], ast.Try)):
+        return False
+    body, handlers = node.body[0].body, node.body[0].handlers
+    call = body[0].value if len(body) == 1 and isinstance(body[0], ast.Return) else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in ("int", "float")
+            and len(call.args) == 1):
+        return False
+    params = {a.arg for a in node.args.args} | {"str"}
+    of_a_param = all((not isinstance(n, (ast.Name, ast.Attribute, ast.Subscript)))
+                     or (isinstance(n, ast.Name) and n.id in params)
+                     or (isinstance(n, ast.Attribute) and n.attr == "strip") for n in ast.walk(call.args[0]))
+    return of_a_param and all(len(h.body) == 1 and isinstance(h.body[0], ast.Return)
+                              and isinstance(h.body[0].value, (ast.Constant, ast.Name)) for h in handlers)
+
+
+def _one_home_offenders(modules) -> list[str]:
+    """Each idea spelled outside its home: a home's function defined again, a number parser copied,
+    ``signal.Signals``, the exit code 75, ``dist.is_initialized()``, the name ``local-driver.out``."""
+    homes = {name: home for home, names in ONE_HOME.items() for name in names}
+    out = []
+    for rel, tree, _ in modules:
+        docs = _docstring_nodes(tree)
+        out += [f"{rel}:{n.lineno} defines {n.name}(): use {homes[n.name]}'s" for n in tree.body
+                if isinstance(n, ast.FunctionDef) and homes.get(n.name, rel) != rel
+                and (rel, n.name) not in ONE_HOME_EXCEPTIONS]
+        for n in ast.walk(tree):
+            line = getattr(n, "lineno", 0)
+            if _is_number_parser(n) and rel != "ddp_hpc/parsing.py":
+                out.append(f"{rel}:{line} {n.name}() parses a number: use ddp_hpc.parsing")
+            elif isinstance(n, ast.Attribute) and n.attr == "Signals" and rel != "ddp_hpc/exits.py":
+                out.append(f"{rel}:{line} signal.Signals: use ddp_hpc.exits")
+            elif (isinstance(n, ast.Constant) and type(n.value) is int and n.value == 75
+                  and rel != "ddp_hpc/exits.py"):
+                out.append(f"{rel}:{line} 75: use ddp_hpc.exits.EX_TEMPFAIL")
+            elif (isinstance(n, ast.Attribute) and n.attr == "is_initialized" and isinstance(n.value, ast.Name)
+                  and n.value.id == "dist" and rel != "ddp_hpc/dist.py"):
+                out.append(f"{rel}:{line} dist.is_initialized(): use ddp_hpc.dist.group_initialized()")
+            elif (id(n) not in docs and "local-driver.out" == _const_str(n)
+                  and rel != "ddp_hpc/runlogs/schema.py"):
+                out.append(f"{rel}:{line} 'local-driver.out': use ddp_hpc.runlogs.schema.LOCAL_DRIVER_OUT")
+    return out
+
+
+def test_each_idea_has_one_home():
+    offenders = _one_home_offenders(MODULES)
+    assert not offenders, "spell these through their one home:\n" + "\n".join(offenders)
+
+
+def test_the_one_home_scan_finds_each_copy():
+    """The rule above must be able to fail: each kind of copy, planted in a module, is found."""
+    planted = ast.parse(
+        "def signal_name(n):\n    return signal.Signals(n).name\n"
+        "def _int(v):\n    try:\n        return int(str(v).strip())\n    except (TypeError, ValueError):\n"
+        "        return None\n"
+        "def _jsonable(v):\n    try:\n        return float(v)\n    except ValueError:\n        return str(v)\n"
+        "def read_pid(p):\n    try:\n        return int(p.read_text())\n    except ValueError:\n        return None\n"
+        "class R:\n    def signal_text(self):\n        return signal_text(self.signal)\n"
+        "REQUEUED = 75\nok = dist.is_initialized() and torch.cuda.is_initialized()\n"
+        "out = 'local-driver.out'\n")
+    found = sorted(_one_home_offenders([("ddp_hpc/x.py", planted, "")]), key=lambda o: int(o.split(":")[1].split()[0]))
+    assert [o.split(" ", 1)[1] for o in found] == [
+        "defines signal_name(): use ddp_hpc/exits.py's", "signal.Signals: use ddp_hpc.exits",
+        "_int() parses a number: use ddp_hpc.parsing", "75: use ddp_hpc.exits.EX_TEMPFAIL",
+        "dist.is_initialized(): use ddp_hpc.dist.group_initialized()",
+        "'local-driver.out': use ddp_hpc.runlogs.schema.LOCAL_DRIVER_OUT"], found
+    at_home = ast.parse("def signal_name(n):\n    return signal.Signals(n).name\nEX_TEMPFAIL = 75\n")
+    assert not _one_home_offenders([("ddp_hpc/exits.py", at_home, "")])

@@ -145,14 +145,14 @@ def test_sigterm_is_requested_but_no_requeue(fresh_flag):
     assert preemption.requested() and not preemption._flag.requeue_wanted
 
 
-def test_signal_name(fresh_flag, monkeypatch):
-    assert preemption.signal_name() == "USR2"
-    assert [preemption.signal_name(s) for s in ("usr1", "SIGUSR1", "B:USR1@90")] == ["USR1"] * 3
+def test_preempt_signal(fresh_flag, monkeypatch):
+    assert preemption.preempt_signal() == "USR2"
+    assert [preemption.preempt_signal(s) for s in ("usr1", "SIGUSR1", "B:USR1@90")] == ["USR1"] * 3
     monkeypatch.setenv("DDP_HPC_PREEMPT_SIGNAL", "USR1")
-    assert preemption.signal_name() == "USR1"
+    assert preemption.preempt_signal() == "USR1"
     assert preemption.install().preempt_signum == signal.SIGUSR1
     with pytest.raises(AttributeError):
-        preemption.signal_name("NOPE")
+        preemption.preempt_signal("NOPE")
 
 
 # ----------------------------------------------------------------------------- checkpoint

@@ -11,7 +11,7 @@ import pytest
 
 from ddp_hpc.train import preempt
 from ddp_hpc.train.preempt import (PreemptionFlag, classify, job_end_time, requeue_if_wanted,
-                                   signal_number)
+                                   preempt_signum)
 
 
 def test_signal_only_sets_a_flag_and_handlers_are_restored():
@@ -44,9 +44,9 @@ def test_sigterm_alone_sets_the_flag_and_a_configured_signal_is_used():
         assert flag.poll(distributed=False) and not flag.requeue_wanted
     finally:
         flag.restore()
-    assert signal_number("usr2") == signal.SIGUSR2
+    assert preempt_signum("usr2") == signal.SIGUSR2
     with pytest.raises(AttributeError):
-        signal_number("USR9")
+        preempt_signum("USR9")
 
 
 def test_time_limit_is_told_from_preemption_by_the_distance_to_the_end_time():
@@ -118,7 +118,7 @@ def _agree(rank, world_size, signals):
     flag = PreemptionFlag("USR2").install()
     try:
         if signals[rank]:
-            os.kill(os.getpid(), signal_number(signals[rank]))
+            os.kill(os.getpid(), preempt_signum(signals[rank]))
             time.sleep(0.01)
         assert not flag.poll(distributed=True)     # the decision lands one check later
         assert flag.poll(distributed=True)

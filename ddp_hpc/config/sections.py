@@ -3,12 +3,12 @@ and the checks across fields that a type alone cannot say (``_validate``)."""
 
 from __future__ import annotations
 
-import signal as _signal
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ddp_hpc.config.slurm_options import SlurmOptions
 from ddp_hpc.config.typed import ConfigError
+from ddp_hpc.exits import EX_TEMPFAIL, signal_number
 
 __all__ = ["ModelConfig", "DataConfig", "OptimConfig", "ScheduleConfig", "TrainConfig",
            "CheckpointConfig", "PreemptConfig", "LogConfig", "JobConfig"]
@@ -92,7 +92,7 @@ class PreemptConfig:
     signal: str = "USR2"                 # plus SIGTERM, always
     requeue: bool = True                 # under Slurm rank 0 requeues its own job
     exclude_failed_nodes: bool = True    # requeues keep the job off nodes that failed earlier runs
-    exit_code: int = 75                  # outside Slurm (EX_TEMPFAIL: "try again")
+    exit_code: int = EX_TEMPFAIL         # outside Slurm (75, EX_TEMPFAIL: "try again")
     timelimit_window_s: float = 180.0    # a signal this close to the job's end time = time limit
     check_every_steps: int = 0           # all-reduce the flag every N steps; 0: auto (~every 0.2 s)
 
@@ -159,8 +159,7 @@ def _validate(cfg: JobConfig) -> None:
     _check(cfg.preempt.check_every_steps >= 0, "preempt.check_every_steps",
            cfg.preempt.check_every_steps, ">= 0 (0: automatic)")
     _check(0 <= cfg.preempt.exit_code <= 255, "preempt.exit_code", cfg.preempt.exit_code, "0..255")
-    sig = cfg.preempt.signal.upper().removeprefix("SIG")
-    _check(hasattr(_signal, "SIG" + sig), "preempt.signal", cfg.preempt.signal,
+    _check(signal_number(cfg.preempt.signal, numbers=False) is not None, "preempt.signal", cfg.preempt.signal,
            "a signal name such as USR2, USR1 or TERM")
     for key, spec in (("model.name", cfg.model.name), ("data.dataset", d.dataset),
                       ("train.loss", t.loss)):

@@ -38,6 +38,7 @@ from ddp_hpc.data.errors import IOConfigError, StageError
 from ddp_hpc.data.lmdb import LMDBDataset
 from ddp_hpc.data.samplers import ResumableDistributedSampler
 from ddp_hpc.data.stage import StageRequest, StageResult, cleanup_staged, resolve_stage_dir, stage_result
+from ddp_hpc.dist import group_has_peers, group_initialized
 from ddp_hpc.env import job_facts
 from ddp_hpc.runlogs.writer import RunLog
 
@@ -63,7 +64,7 @@ def _need_lmdb(data_cfg) -> str:
 
 def _long_barrier_group():
     """A gloo group with a long timeout, created before staging (a collective)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not group_has_peers():
         return None
     return dist.new_group(backend="gloo", timeout=STAGE_WAIT)
 
@@ -159,7 +160,7 @@ def open_train_data(data_cfg, ctx, dataset_factory):
         return _stage_dataset(data_cfg, ctx, dataset_factory)
     if io == "broadcast":
         inner = LMDBDataset(data_cfg.lmdb_path) if data_cfg.lmdb_path else dataset_factory()
-        if not (dist.is_available() and dist.is_initialized()):
+        if not group_initialized():
             raise IOConfigError("data.io=broadcast needs torch.distributed initialised (setup_ddp) first",
                                 "call ddp_hpc.dist.setup_ddp() first, or train through fit / run_job, which do")
         device = ctx.device if getattr(ctx, "backend", "gloo") == "nccl" else None
@@ -211,7 +212,7 @@ def close_train_data(dataset, data_cfg, ctx, *, completed: bool) -> None:
     _stage_logs.pop(id(dataset), None)
     if not (path and completed and data_cfg.stage_cleanup):
         return
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if group_has_peers():
         dist.barrier()
     if ctx.env.local_rank != 0:
         return

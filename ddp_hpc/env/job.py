@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ddp_hpc.parsing import to_float
+
 
 @dataclass(frozen=True)
 class JobFacts:
@@ -39,13 +41,6 @@ def _digits(value: str | None, default: int) -> int:
     return int(m.group(1)) if m else default
 
 
-def _float(value: str | None) -> float | None:
-    try:
-        return float(value) if value else None
-    except ValueError:
-        return None
-
-
 def job_key(environ: Mapping[str, str]) -> str | None:
     """``ARRAYJOB_TASK`` inside a job array, the plain job id otherwise, None outside Slurm: the key
     of a job's port, staging markers and record (array tasks share SLURM_JOB_ID's neighbours)."""
@@ -61,7 +56,7 @@ def job_facts(environ: Mapping[str, str] | None = None) -> JobFacts:
     return JobFacts(
         job_id=env.get("SLURM_JOB_ID") or None, key=job_key(env),
         restart_count=int(restart) if restart.isdigit() else 0,
-        end_time=_float(env.get("SLURM_JOB_END_TIME")) or _float(env.get("DDP_HPC_JOB_END_TIME")),
+        end_time=to_float(env.get("SLURM_JOB_END_TIME")) or to_float(env.get("DDP_HPC_JOB_END_TIME")),
         node_tmpdir=env.get("SLURM_TMPDIR") or None, tmpdir=env.get("TMPDIR") or None,
         log_dir=env.get("DDP_HPC_LOG_DIR") or None, cluster=env.get("SLURM_CLUSTER_NAME", ""),
         name=env.get("SLURM_JOB_NAME") or None,

@@ -9,7 +9,7 @@ The script-side helpers are ``ddp_hpc.preemption``, ``ddp_hpc.checkpoint`` and `
 docs/scripts.md describes the whole contract.
 """
 
-from ddp_hpc.exec.outcome import EX_TEMPFAIL
 from ddp_hpc.exec.wrapper import FORWARDED, main, run
+from ddp_hpc.exits import EX_TEMPFAIL
 
 __all__ = ["EX_TEMPFAIL", "FORWARDED", "main", "run"]

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ddp_hpc.exits import EX_TEMPFAIL, exit_status_of_signal, signal_name, signal_of_exit_status
 from ddp_hpc.runlogs.srun import exception_of, traceback_in
 
-EX_TEMPFAIL = 75
 TRACEBACK_MARK = b"Traceback (most recent call last):"
 TAIL_BYTES = 1 << 20     # how much of the end of a file is read for a traceback or the last step
 
@@ -37,20 +37,13 @@ class Outcome:
     is_cause: bool            #: the child failed on its own: write an error event
 
 
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 def classify(returncode: int, forwarded: Sequence[int]) -> Outcome:
     """`Popen.returncode` (negative: killed by that signal) and the signals the wrapper passed on,
     in order, to the ``end`` status and the wrapper's exit status."""
     signum = -returncode if returncode < 0 else None
     code = None if signum else returncode
     name = signal_name(signum) if signum else None
-    status_code = 128 + signum if signum else returncode
+    status_code = exit_status_of_signal(signum) if signum else returncode
     stops = [s for s in forwarded if s in (signal.SIGINT, signal.SIGTERM)]
     if returncode == 0:
         status = "completed"
@@ -97,7 +90,7 @@ def error_fields(outcome: Outcome, out_path: Path | None, out_start: int) -> dic
         fields = {"exc_type": exc_type or "Exited", "message": message or "",
                   "traceback": "\n".join(block) + "\n"}
     elif outcome.signal:
-        signum = outcome.exit_status - 128
+        signum = signal_of_exit_status(outcome.exit_status)
         fields = {"exc_type": "Signal", "message": f"killed by signal {signum} ({outcome.signal})",
                   "traceback": None}
     else:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence, TextIO
 
 from ddp_hpc.env import free_port
+from ddp_hpc.exits import exit_status_of_signal, signal_name, signal_number
 from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.launch.tree import KILL_GRACE_S, LaunchError, local_rank_env, new_job_id, thread_env
 
@@ -41,8 +42,8 @@ class LocalResult:
         """One process exit status for the whole run (the first failing rank's)."""
         if self.first_failed_rank is not None:
             rc = self.returncodes[self.first_failed_rank]
-            return rc if rc > 0 else 128 + (-rc if rc < 0 else 1)
-        return 128 + int(signal.Signals[self.interrupted]) if self.interrupted else 0
+            return rc if rc > 0 else exit_status_of_signal(-rc if rc < 0 else 1)
+        return exit_status_of_signal(signal_number(self.interrupted)) if self.interrupted else 0
 
 
 class LocalRun:
@@ -135,7 +136,7 @@ class LocalRun:
                 if all(rc is not None for rc in codes):
                     break
                 time.sleep(poll)
-        interrupted = signal.Signals(received[0]).name if received else None
+        interrupted = signal_name(received[0]) if received else None
         return LocalResult([p.wait() for p in self.procs], first_failed, self.log_dir,
                            self.job_id, self.pids, interrupted)
 

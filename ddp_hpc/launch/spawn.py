@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from ddp_hpc.env import free_port
 from ddp_hpc.errors import HintError
+from ddp_hpc.exits import signal_name
 from ddp_hpc.launch.tree import (KILL_GRACE_S, kill_tree, limit_threads, local_rank_env, new_job_id,
                                  node_layout, thread_env)
 
@@ -140,11 +140,7 @@ def _exit_with_launcher() -> None:
 # ----------------------------------------------------------------------------- in the caller
 def _death_error(rank: int, exitcode: int | None) -> RankFailedError:
     if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return RankFailedError(rank, "ProcessKilled", f"killed by {name} without a Python "
+        return RankFailedError(rank, "ProcessKilled", f"killed by {signal_name(-exitcode)} without a Python "
                                "exception", exitcode=exitcode)
     return RankFailedError(rank, "ProcessExited", f"exited with code {exitcode} without a Python "
                            "exception (os._exit, a crash in native code, or the OOM killer?)",

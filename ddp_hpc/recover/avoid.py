@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from ddp_hpc.env import job_facts
+from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
 from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.slurm.cli import SlurmCLI
@@ -35,7 +36,7 @@ from ddp_hpc.slurm.states import parse_state
 __all__ = ["failed_nodes", "requeue_avoiding", "check_placement", "main"]
 
 #: exit status when the run requeued itself to leave a failed node
-REQUEUED = 75
+REQUEUED = EX_TEMPFAIL
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ the same sentences.
 """
 from __future__ import annotations
 
+from ddp_hpc.exits import signal_name
 from ddp_hpc.runlogs.evidence import TIMEOUT_RE, RankEnding
-from ddp_hpc.runlogs.srun import signal_name
 from ddp_hpc.runlogs.stacks import stack_excerpt, stack_summary
 from ddp_hpc.runlogs.tails import RunFiles
 

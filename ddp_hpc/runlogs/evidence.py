@@ -22,7 +22,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-from ddp_hpc.runlogs.srun import TaskReport, exception_of, signal_name, signal_number, signal_text
+from ddp_hpc.exits import signal_name, signal_number, signal_text
+from ddp_hpc.parsing import to_float
+from ddp_hpc.runlogs.srun import TaskReport, exception_of
 
 #: failures caused by a peer that died, hung or vanished, most telling first; the match is what
 #: status shows
@@ -107,7 +109,7 @@ def own_ending(rank: int, events: list[dict], out_tb: list[str] | None, out_tail
     steps = [e.get("step") for e in progress if isinstance(e.get("step"), int)]
     host = next((e.get("host") for e in reversed(events) if e.get("host")), None) or (
         report.host if report is not None else None)
-    base = RankEnding(rank, host, "silent", last_time=_float(last.get("time")) if last else None,
+    base = RankEnding(rank, host, "silent", last_time=to_float(last.get("time")) if last else None,
                       last_step=steps[-1] if steps else None,
                       last_event=last.get("event") if last else None)
     if report is not None:
@@ -138,7 +140,7 @@ def _pick(errors: list[dict]) -> dict:
 
 def _from_error(base: RankEnding, e: dict, end: dict | None, out_tb, out_tail,
                 out_name: str) -> RankEnding:
-    base.time, base.from_event = _float(e.get("time")), True
+    base.time, base.from_event = to_float(e.get("time")), True
     base.exit_code = e.get("exit_code") if isinstance(e.get("exit_code"), int) else None
     sig = signal_number(e.get("signal")) or (signal_number(end.get("signal")) if end else None)
     if sig and (e.get("exc_type") == "Signal" or base.exit_code is None):
@@ -164,7 +166,7 @@ def _from_error(base: RankEnding, e: dict, end: dict | None, out_tb, out_tail,
 
 
 def _from_end(base: RankEnding, end: dict, out_tb, out_tail, out_name: str) -> RankEnding:
-    base.time, base.from_event = _float(end.get("time")), True
+    base.time, base.from_event = to_float(end.get("time")), True
     status = str(end.get("status"))
     sig = signal_number(end.get("signal"))
     code = end.get("exit_code") if isinstance(end.get("exit_code"), int) else None
@@ -211,10 +213,3 @@ def _set(base: RankEnding, kind: str, text: str, basis: str, **kw) -> RankEnding
     for k, v in kw.items():
         setattr(base, k, v)
     return base
-
-
-def _float(v) -> float | None:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None

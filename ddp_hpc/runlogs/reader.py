@@ -14,18 +14,18 @@ decided by evidence in ``ddp_hpc.runlogs.attribution``; this module reads the fi
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute
-from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOG_RE, OUT_RE
-from ddp_hpc.runlogs.srun import (LOCAL_DRIVER_OUT, TaskReport, exception_of, local_reports,
+from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE
+from ddp_hpc.runlogs.srun import (TaskReport, exception_of, local_reports,
                                   node_failures, srun_exit_codes, tail_file, tail_lines,
                                   task_reports, traceback_in, traceback_in_lines)
 from ddp_hpc.runlogs.tails import FULL_READ_BYTES, RankStream, file_size, over_budget, read_events
-from ddp_hpc.runlogs.timing import RunProgress, _float, _int, progress
+from ddp_hpc.runlogs.timing import RunProgress, progress
 
 __all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "read_events",
            "traceback_in", "exception_of", "tail_file", "tail_lines"]
@@ -86,7 +86,7 @@ class RunLogs:
 
     def all_events(self) -> list[dict]:
         evs = [e for s in self.ranks.values() for e in s.events]
-        return sorted(evs, key=lambda e: _float(e.get("time"), 0.0))
+        return sorted(evs, key=lambda e: to_float(e.get("time"), 0.0))
 
     def _cached(self, name: str, compute):
         """``compute()``, kept while no stream changed (status asks the same of thousands of
@@ -112,7 +112,7 @@ class RunLogs:
         for s in self.ranks.values():
             for e in s.events:
                 if e.get("event") == "start" and e.get("world_size") is not None:
-                    return _int(e.get("world_size"), None)
+                    return to_int(e.get("world_size"), None)
         return None
 
     def device(self) -> str | None:
@@ -231,7 +231,7 @@ def _summary(restart: int, events) -> RunSummary:
     ranks: set[int] = set()
     last_step, requeued, errors, ended = None, False, 0, False
     for e in events:
-        t = _float(e.get("time"), 0.0)
+        t = to_float(e.get("time"), 0.0)
         if first is None or t < first_t:
             first, first_t = e, t
         if last is None or t >= last_t:
@@ -244,13 +244,13 @@ def _summary(restart: int, events) -> RunSummary:
             pre, pre_t = e, t
         requeued = requeued or name == "requeue"
         errors += name == "error"
-        if e.get("step") is not None and (step := _int(e.get("step"), None)) is not None:
+        if e.get("step") is not None and (step := to_int(e.get("step"), None)) is not None:
             last_step = step if last_step is None else max(last_step, step)
-        ranks.add(_int(e.get("rank"), -1))
+        ranks.add(to_int(e.get("rank"), -1))
     end_status = None
     if ended:
         end_status = next((s for s in ("failed", "preempted", "completed") if s in statuses), sorted(statuses)[0])
-    return RunSummary(restart=restart, started=_float(first.get("time"), None) if first else None,
-                      last_time=_float(last.get("time"), None) if last else None, ranks=sorted(ranks),
+    return RunSummary(restart=restart, started=to_float(first.get("time"), None) if first else None,
+                      last_time=to_float(last.get("time"), None) if last else None, ranks=sorted(ranks),
                       last_step=last_step, end_status=end_status,
                       preempt_reason=pre.get("reason") if pre else None, requeued=requeued, errors=errors)

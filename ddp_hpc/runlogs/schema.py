@@ -9,6 +9,8 @@ Files in a run's log directory, per rank R:
                             Python tracebacks, library warnings, anything printed outside the logger.
 - ``slurm-<id>.out``:       the batch script's own output (srun's exit reports), Slurm jobs only.
 - ``config.yaml``:          the resolved job config the run trained with.
+- ``local-driver.out``:     the local backend's driver output (its "FAILED: rank R exited with RC"
+                            lines), local jobs only.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
 
 CONFIG_FILE = "config.yaml"
 BATCH_OUT_GLOB = "slurm-*.out"
+LOCAL_DRIVER_OUT = "local-driver.out"
 
 EVENTS_RE = re.compile(r"^rank(\d+)\.events\.jsonl$")
 OUT_RE = re.compile(r"^rank(\d+)\.out$")

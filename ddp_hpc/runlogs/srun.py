@@ -9,10 +9,10 @@ error: n2: task 3: Killed", "srun: error: Node failure on n2") and the local dri
 from __future__ import annotations
 
 import re
-import signal as _signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddp_hpc.exits import signal_of_exit_status, signal_text
 from ddp_hpc.slurm.hostlist import HostlistError, expand
 
 #: srun prints a signalled task with strsignal(3)'s words: the word -> the signal number
@@ -32,8 +32,6 @@ NODE_FAILURE_RE = re.compile(r"Node failure on (?P<nodes>\S+)|(?P<stepd>DUE TO N
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
 #: torch.distributed prefixes every line of an uncaught exception with the rank: "[rank3]: "
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
-#: the local backend's driver output, in the job's log directory (ddp_hpc.submit.local)
-LOCAL_DRIVER_OUT = "local-driver.out"
 #: the local backend's driver (local-driver.out): "FAILED: rank 3 exited with -9; see ..."
 LOCAL_EXIT_RE = re.compile(r"(?:task (?P<task>\d+) \S+ )?FAILED: rank (?P<rank>\d+) exited with (?P<rc>-?\d+)")
 
@@ -58,31 +56,6 @@ class TaskReport:
         return signal_text(self.signal) if self.signal else None
 
 
-def signal_name(signum: int) -> str:
-    """``9`` -> ``SIGKILL`` (``signal 99`` when there is no such signal)."""
-    try:
-        return _signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def signal_text(signum: int) -> str:
-    """``9`` -> ``signal 9 (SIGKILL)``."""
-    name = signal_name(signum)
-    return f"signal {signum} ({name})" if name.startswith("SIG") else name
-
-
-def signal_number(name: object) -> int | None:
-    """``"SIGKILL"`` / ``"KILL"`` / ``9`` -> 9; None when not a signal."""
-    text = str(name or "").strip().upper()
-    if text.isdigit():
-        return int(text)
-    try:
-        return int(_signal.Signals[text if text.startswith("SIG") else "SIG" + text])
-    except KeyError:
-        return None
-
-
 def task_reports(paths) -> dict[int, TaskReport]:
     """Each task's newest report in the batch output files (``slurm-*.out``), in file order."""
     lines = [ln for p in paths for ln in _read_text(Path(p)).splitlines()]
@@ -92,8 +65,8 @@ def task_reports(paths) -> dict[int, TaskReport]:
     for i, m in found:
         code = int(m.group("code")) if m.group("code") else None
         sig = SIGNAL_WORDS.get(m.group("word") or "")
-        if code is not None and code > 128:  # a shell or the exec wrapper: 128 + the signal
-            sig = code - 128
+        if code is not None:  # above 128 from a shell or the exec wrapper: 128 + the signal
+            sig = signal_of_exit_status(code) or sig
         for task in _expand_ids(m.group("tasks")):
             out[task] = TaskReport(task, code, sig, i, m.group("host"),
                                    oom=m.group("word") == "Out Of Memory")
@@ -124,7 +97,7 @@ def local_reports(path: Path, task: int | None = None) -> dict[int, TaskReport]:
             continue
         rc = int(m.group("rc"))
         out[int(m.group("rank"))] = TaskReport(int(m.group("rank")), rc if rc >= 0 else None,
-                                               -rc if rc < 0 else (rc - 128 if rc > 128 else None),
+                                               -rc if rc < 0 else signal_of_exit_status(rc),
                                                i, source="local driver")
     return out
 

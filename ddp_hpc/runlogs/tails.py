@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.schema import EVENTS_RE, LOG_RE, OUT_RE
 from ddp_hpc.runlogs.srun import TaskReport, tail_file
 
@@ -119,10 +120,7 @@ def read_events(path: Path, window: bool = False) -> RankStream:
 
 
 def _restart_of(e: dict) -> int:
-    try:
-        return int(e.get("restart"))
-    except (TypeError, ValueError):
-        return 0
+    return to_int(e.get("restart"), 0)
 
 
 def file_size(p: Path) -> int:

@@ -28,6 +28,7 @@ import bisect
 import statistics
 from dataclasses import dataclass
 
+from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.stacks import stack_summary
 
 #: with data_s, a rank's extra wait must also be at least this share of the median step time
@@ -59,18 +60,18 @@ class RunProgress:
 
 
 def _steps(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("event") == "step" and _num(e.get("time")) is not None]
+    return [e for e in events if e.get("event") == "step" and to_float(e.get("time")) is not None]
 
 
 def _last_time(events: list[dict]) -> float | None:
-    times = [_num(e.get("time")) for e in events if e.get("event") != "stack"]
+    times = [to_float(e.get("time")) for e in events if e.get("event") != "stack"]
     times = [t for t in times if t is not None]
     return max(times) if times else None
 
 
 def event_intervals(events: list[dict]) -> list[float]:
     """Seconds between consecutive step events."""
-    ts = [_num(e.get("time")) for e in _steps(events)]
+    ts = [to_float(e.get("time")) for e in _steps(events)]
     return [b - a for a, b in zip(ts, ts[1:]) if b > a]
 
 
@@ -79,7 +80,7 @@ def step_times(events: list[dict]) -> list[float]:
     st = [e for e in _steps(events) if isinstance(e.get("step"), (int, float))]
     out = []
     for a, b in zip(st, st[1:]):
-        dt, ds = _num(b.get("time")) - _num(a.get("time")), b["step"] - a["step"]
+        dt, ds = to_float(b.get("time")) - to_float(a.get("time")), b["step"] - a["step"]
         if dt > 0 and ds > 0:
             out.append(dt / ds)
     return out
@@ -129,7 +130,7 @@ def silent_stacks(per_rank: dict[int, list[dict]], ranks: list[int], now: float 
     for r in ranks:
         evs = per_rank.get(r, [])
         since = _last_time(evs) or 0.0
-        stacks = [e for e in evs if e.get("event") == "stack" and (_num(e.get("time")) or 0) >= since]
+        stacks = [e for e in evs if e.get("event") == "stack" and (to_float(e.get("time")) or 0) >= since]
         if stacks and (s := stack_summary(str(stacks[-1].get("stack") or ""))):
             where[str(r)] = s
         elif now is None or threshold_s is None or now - since > threshold_s + STACK_GRACE_S:
@@ -214,13 +215,6 @@ def _median_without(ordered: list[float], value: float) -> float | None:
     return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2
 
 
-def _num(v) -> float | None:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None
-
-
 def progress(evs: list[dict], all_events: list[dict]) -> RunProgress | None:
     """Where training stands from one rank's events of the current run (``evs``; all its runs'
     in ``all_events``): epoch, the largest step, the newest loss and samples/s, and an ETA from
@@ -233,46 +227,32 @@ def progress(evs: list[dict], all_events: list[dict]) -> RunProgress | None:
         metrics = [e for e in evs if e.get("event") in kinds]
     if not metrics:
         return None
-    p = RunProgress(updated=_num(metrics[-1].get("time")))
+    p = RunProgress(updated=to_float(metrics[-1].get("time")))
     for e in metrics:
         if e.get("epoch") is not None:
-            p.epoch = _int(e.get("epoch"), p.epoch)
+            p.epoch = to_int(e.get("epoch"), p.epoch)
         if e.get("step") is not None:  # steps only grow within a run: keep the largest
-            p.step = max(_int(e.get("step"), 0), p.step or 0)
+            p.step = max(to_int(e.get("step"), 0), p.step or 0)
     # the newest step's loss and throughput (epoch events carry epoch means: a fallback)
     for kind in ("epoch", "step"):
         for e in (x for x in metrics if x.get("event") == kind):
             if e.get("loss") is not None:
-                p.loss = _float(e.get("loss"), p.loss)
+                p.loss = to_float(e.get("loss"), p.loss)
             if e.get("samples_per_s") is not None:
-                p.samples_per_s = _float(e.get("samples_per_s"), p.samples_per_s)
+                p.samples_per_s = to_float(e.get("samples_per_s"), p.samples_per_s)
     totals = [e.get("total_steps") for e in all_events if e.get("total_steps") is not None]
-    p.total_steps = _int(totals[-1], None) if totals else None
+    p.total_steps = to_int(totals[-1], None) if totals else None
     if p.total_steps and p.step is not None:
         p.percent = min(100.0, 100.0 * p.step / p.total_steps)
     steps = [e for e in evs if e.get("event") == "step" and e.get("step") is not None]
     ended = any(e.get("event") == "end" for e in evs)
     if not ended and len(steps) >= 2 and p.total_steps and p.step is not None:
         s0, s1 = steps[0], steps[-1]
-        dt = _float(s1.get("time"), 0.0) - _float(s0.get("time"), 0.0)
-        ds = _int(s1.get("step"), 0) - _int(s0.get("step"), 0)
+        dt = to_float(s1.get("time"), 0.0) - to_float(s0.get("time"), 0.0)
+        ds = to_int(s1.get("step"), 0) - to_int(s0.get("step"), 0)
         if dt > 0 and ds > 0:
             p.eta_s = max(0.0, (p.total_steps - p.step) * dt / ds)
     elif ended and p.total_steps:
         p.eta_s = 0.0 if any(e.get("event") == "end" and e.get("status") == "completed"
                              for e in evs) else None
     return p
-
-
-def _int(v, default):
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return default
-
-
-def _float(v, default):
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return default

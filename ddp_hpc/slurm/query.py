@@ -16,6 +16,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+from ddp_hpc.parsing import to_int
 from ddp_hpc.slurm.cli import CONTROLLER_DOWN, SlurmCLI, SlurmError
 from ddp_hpc.slurm.states import StateInfo, parse_state
 from ddp_hpc.slurm.times import normalize_duration, timestamp
@@ -165,11 +166,11 @@ def _view_from_rows(rows: list[dict], source: str, tried: list[str]) -> SourceSt
         source=source, tried=list(tried),
         elapsed=normalize_duration(norm_get(cur, "Elapsed", "TimeUsed", "Time")),
         time_limit=normalize_duration(norm_get(cur, "Timelimit", "TimeLimit")),
-        nodes=_int(norm_get(cur, "NNodes", "NumNodes", "Nodes")),
+        nodes=to_int(norm_get(cur, "NNodes", "NumNodes", "Nodes")),
         node_list=norm_get(cur, "NodeList", "Nodelist"),
         reason=norm_get(cur, "Reason", "ReasonList"),
         exit_code=norm_get(cur, "ExitCode", "DerivedExitCode"),
-        restarts=_int(restarts),
+        restarts=to_int(restarts),
         steps=[{"id": row_job_id(r), "state": parse_state(norm_get(r, "State", default="")).label,
                 "exit_code": norm_get(r, "ExitCode")} for r in steps],
     )
@@ -278,10 +279,3 @@ class _Query:
                 st.exit_code = st.exit_code or hist.exit_code
         if rows is not None and self.missing():
             self.tried.append(f"{SACCT_C}: job not found")
-
-
-def _int(v) -> int | None:
-    try:
-        return int(str(v).strip())
-    except (TypeError, ValueError):
-        return None

@@ -18,7 +18,7 @@ from ddp_hpc.runlogs import timing
 from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.reader import Failure, RunProgress, RunLogs
-from ddp_hpc.runlogs.srun import LOCAL_DRIVER_OUT
+from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
 from ddp_hpc.slurm.states import JobState, parse_state

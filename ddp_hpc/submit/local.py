@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 from ddp_hpc import records
 from ddp_hpc.fsutil import atomic_write_json
 from ddp_hpc.launch import start_local
-from ddp_hpc.runlogs.schema import rank_out
+from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT, rank_out
 from ddp_hpc.submit.spec import JobSpec
 from ddp_hpc.text import plural
 
@@ -107,7 +107,7 @@ def run_plan(plan_path: str | os.PathLike, follow: bool = False,
 
 def start_detached(plan_path: Path, env: Mapping[str, str], python: str = sys.executable) -> int:
     """Start the driver in its own session (it outlives this command); returns its pid."""
-    out = Path(plan_path).parent / "local-driver.out"
+    out = Path(plan_path).parent / LOCAL_DRIVER_OUT
     with open(out, "ab") as f:
         proc = subprocess.Popen([python, "-m", "ddp_hpc.submit.local", str(plan_path)],
                                 env=dict(env), stdin=subprocess.DEVNULL, stdout=f,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import shlex
 
 from ddp_hpc.config.slurm_options import sbatch_items
+from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.runlogs.schema import batch_out, rank_out
 from ddp_hpc.submit.spec import JobSpec
 
@@ -98,10 +99,10 @@ def render(spec: JobSpec) -> str:
         'mkdir -p "$LOG_DIR"',
         'echo "ddp_hpc: job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0} on '
         '${SLURM_JOB_NODELIST:-?}, logs in $LOG_DIR"',
-        "# a restart placed on a node that failed an earlier run requeues itself off it (exit 75)",
+        f"# a restart placed on a node that failed an earlier run requeues itself off it (exit {EX_TEMPFAIL})",
         'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
         f'  rc=0; {shlex.quote(spec.python)} -m ddp_hpc.recover.avoid "$LOG_DIR" || rc=$?',
-        '  if [ "$rc" = 75 ]; then exit 0; fi',
+        f'  if [ "$rc" = {EX_TEMPFAIL} ]; then exit 0; fi',
         "fi",
         'exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/'
         + rank_out("%t") + '" "${ARGS[@]}"',

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ddp_hpc.config.slurm_options import sbatch_items
+from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.submit.spec import JobSpec, SpecError
@@ -30,8 +31,7 @@ __all__ = ["clean_slurm_env", "cleaned_environ", "check_against_cluster", "submi
 
 KEEP_SLURM = frozenset({"SLURM_CONF"})
 SCRIPT_NAME = "job.sbatch"        # the rendered script, kept in the log directory
-SUBMITIT_DIR = "submitit"
-PREEMPTED = 75                    # EX_TEMPFAIL: stopped for preemption, checkpointed         # submitit's own files (*.pkl, its logs), under the log directory
+SUBMITIT_DIR = "submitit"         # submitit's own files (*.pkl, its logs), under the log directory
 
 
 def clean_slurm_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
@@ -116,7 +116,7 @@ def run_command_task(command: list[str], log_dir: str, preempt_signal: str = "US
     os.environ["DDP_HPC_PREEMPT_SIGNAL"] = preempt_signal
     from ddp_hpc import exec as ddp_exec
     rc = ddp_exec.run(list(command), log_dir)
-    if rc == PREEMPTED:
+    if rc == EX_TEMPFAIL:         # stopped for preemption, checkpointed
         return rc
     if rc:
         raise RuntimeError(f"{shlex.join(command[:3])}... exited with status {rc}; see {log_dir}")

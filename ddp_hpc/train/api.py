@@ -135,12 +135,12 @@ class _Context:
     """Stand-in for ddp_hpc.dist.DistContext when the caller already set up a process group."""
 
     def __init__(self, env, device):
-        self.env, self.device, self.backend = env, device, dist.get_backend() if dist.is_initialized() else None
+        self.env, self.device, self.backend = env, device, dist.get_backend() if ddp_dist.group_initialized() else None
 
 
 def _context(rank: int | None, world_size: int | None, timeout_s: float = 1800.0):
     """(context, whether we created the group)."""
-    if dist.is_available() and dist.is_initialized():
+    if ddp_dist.group_initialized():
         env = detect()
         env = dataclasses.replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
         device = ddp_dist.select_device(env)
@@ -158,7 +158,7 @@ def _teardown(ok: bool) -> None:
     active exception") in about one run of ten with 2 gloo ranks.  gc.collect() here frees it
     while everything is alive.  After an error there is no barrier: a peer may be dead."""
     gc.collect()
-    if ok and dist.is_initialized() and dist.get_world_size() > 1:
+    if ok and ddp_dist.group_has_peers():
         dist.barrier()
     ddp_dist.cleanup_ddp()
 

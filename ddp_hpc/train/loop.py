@@ -20,7 +20,6 @@ Exactness rules kept here:
 from __future__ import annotations
 
 import math
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_hpc.config import ConfigError, JobConfig, config_to_dict
+from ddp_hpc.dist import group_has_peers
+from ddp_hpc.exits import signal_name
 from ddp_hpc.runlogs.watchdog import HangWatch, dump_after
 from ddp_hpc.runlogs.writer import RunLog, StepBar
 from ddp_hpc.train import checkpoint as ckpt
@@ -54,10 +55,6 @@ class Position:
     micro: int = 0
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 class Trainer:
     """Runs one rank's share of a job. Build it, call `run()`; collectives match across ranks."""
 
@@ -68,7 +65,7 @@ class Trainer:
         self.device = torch.device(ctx.device)
         self.module, self.eval_data = parts.model, parts.eval_data
         self.ckpt_dir = Path(checkpoint_dir)
-        self.distributed = _distributed()
+        self.distributed = group_has_peers()
         self.place = RankPlace(self.rank, self.world, self.device, self.distributed)
         t = cfg.train
         if t.strategy in ("dp", "single") and self.world > 1:
@@ -285,7 +282,7 @@ class Trainer:
         if pos.micro >= self.batches_per_epoch:   # the signal landed on an epoch's last step
             pos.epoch, pos.micro = pos.epoch + 1, 0
         self._save()
-        sig = signal.Signals(flag.received).name if flag.received else None
+        sig = signal_name(flag.received) if flag.received else None
         reason = classify(flag.received_at, self.end_time, self.cfg.preempt.timelimit_window_s,
                           flag.received)
         log.event("preempt", signal=sig, reason=reason, step=pos.step)

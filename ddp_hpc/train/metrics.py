@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
 from ddp_hpc.train.parts import RankPlace
+from ddp_hpc.dist import group_has_peers
 
 
 class UnpaddedDistributedSampler(Sampler[int]):
@@ -35,14 +36,10 @@ class UnpaddedDistributedSampler(Sampler[int]):
         return len(range(self.rank, self.n, self.num_replicas))
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def all_reduce_sum(values: list[float], device: torch.device | str = "cpu") -> list[float]:
     """Sum a few numbers over all ranks in one collective (float64: exact for counts < 2**53)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    if _distributed():
+    if group_has_peers():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
 
@@ -64,7 +61,7 @@ class AsyncSum:
         vec[0] = device_value
         for i, v in enumerate(host_values, 1):
             vec[i] = v
-        self.work = dist.all_reduce(vec, op=dist.ReduceOp.SUM, async_op=True) if _distributed() else None
+        self.work = dist.all_reduce(vec, op=dist.ReduceOp.SUM, async_op=True) if group_has_peers() else None
         self.event = None
         self.host = vec
         if vec.is_cuda:

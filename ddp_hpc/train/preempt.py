@@ -34,15 +34,26 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from ddp_hpc import exits
+from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import job_facts
 from ddp_hpc.recover.avoid import requeue_avoiding
+from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.times import timestamp
 
 
-def signal_number(name: str) -> int:
-    name = name.upper()
-    return int(getattr(signal, name if name.startswith("SIG") else "SIG" + name))
+class SignalNameError(HintError, AttributeError):
+    """A preemption signal name that names no signal (an AttributeError, as ``signal.SIGNOPE`` is)."""
+
+
+def preempt_signum(name: str) -> int:
+    """``USR2`` / ``SIGUSR2`` / ``usr2`` -> its number; a `SignalNameError` for anything else."""
+    num = exits.signal_number(name, numbers=False)
+    if num is None:
+        raise SignalNameError(f"signal {name!r} is not a signal name",
+                              "use a name such as USR2, USR1 or TERM")
+    return num
 
 
 class PreemptionFlag:
@@ -53,7 +64,7 @@ class PreemptionFlag:
     NONE, TERMINATE, PREEMPT = 0, 1, 2
 
     def __init__(self, signal_name: str = "USR2") -> None:
-        self.preempt_signum = signal_number(signal_name)
+        self.preempt_signum = preempt_signum(signal_name)
         self.signums = sorted({self.preempt_signum, int(signal.SIGTERM), int(signal.SIGINT)})
         self.agreed = self.NONE
         """What all ranks agreed on at the deciding step: NONE, TERMINATE or PREEMPT (requeue)."""
@@ -132,7 +143,7 @@ class PreemptionFlag:
 
 
 def _backend_needs_cuda() -> bool:
-    return dist.is_initialized() and dist.get_backend() == "nccl"
+    return group_initialized() and dist.get_backend() == "nccl"
 
 
 def in_slurm(env) -> bool:
