@@ -69,9 +69,9 @@ def _rank(rank, world_size, a):
     from ddp_hpc.config import DataConfig
     from ddp_hpc.data import fsio
     from ddp_hpc.data import lmdb as L
+    from ddp_hpc.data.images import ImageFolderDataset
     from ddp_hpc.data.io import close_train_data, make_train_batches, open_train_data
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
-    from ddp_hpc.data.images import ImageFolderDataset
 
     torch.set_num_threads(1)
     ctx = setup_ddp()
@@ -126,8 +126,8 @@ def _delivery(ctx, imgs, max_steps, reps=11):
     import torch.distributed as dist
 
     from ddp_hpc.data.broadcast import BroadcastDataset, build_plan, encode_samples
-    from ddp_hpc.data.samplers import epoch_indices
     from ddp_hpc.data.images import list_image_folder
+    from ddp_hpc.data.samplers import epoch_indices
 
     _, samples = list_image_folder(imgs)
     blobs = [(open(os.path.join(imgs, rel), "rb").read(), label) for rel, label in samples]
@@ -197,7 +197,7 @@ def _delivery(ctx, imgs, max_steps, reps=11):
              "bare_broadcast_s": lambda: bcast(step_bufs), "bare_bucketed_s": lambda: bcast(bucket_bufs),
              "bare_scatter_s": scatter}
     times = {k: [] for k in cases}
-    for rep in range(reps):
+    for _rep in range(reps):
         for k, fn in cases.items():
             dist.barrier()
             t = time.perf_counter()
@@ -351,7 +351,8 @@ def markdown(rows, stage_res, deliv, lmdb_res, a, cold_note) -> str:
     out.append(f"| broadcast delivery / bare gloo scatter of the same padded buffers per step (what strided "
                f"groups use) | {d['bare_scatter_s'] / d['ours_s']:.2f} | (info) |")
     out.append(f"| LMDBDataset.raw_item / bare py-lmdb txn.get, {lmdb_res['reads']} random reads | "
-               f"{lmdb_res['ratio']:.2f} ({lmdb_res['ours_per_s'] / 1e6:.2f} vs {lmdb_res['bare_per_s'] / 1e6:.2f} M/s; "
+               f"{lmdb_res['ratio']:.2f} ({lmdb_res['ours_per_s'] / 1e6:.2f} vs "
+               f"{lmdb_res['bare_per_s'] / 1e6:.2f} M/s; "
                f"medians {lmdb_res['median_ratio']:.2f}) | >= 0.9 |")
     out.append(f"| LMDBDataset.raw_batch (64 indices a call, as DataLoader batches read) / bare py-lmdb txn.get | "
                f"{lmdb_res['batch_ratio']:.2f} | (info) |")

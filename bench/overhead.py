@@ -111,6 +111,7 @@ def _timed(kind: str, a, data, rank: int, world: int, tmp: str) -> tuple[float, 
     """One run of one side, this rank's (steady-state seconds, end-to-end seconds, steady-state
     CPU seconds)."""
     import torch.distributed as dist
+
     from ddp_hpc.examples.models import MLP
     torch.manual_seed(0)
     model = MLP(in_dim=a.in_dim, hidden=a.hidden, num_classes=10, depth=a.depth)
@@ -131,6 +132,7 @@ def _worker(rank: int, world: int, args_d: dict, tmp: str) -> list[dict]:
     takes the slowest rank's wall times (an all_reduce MAX) and the ranks' total CPU time (SUM),
     so all ranks stop after the same pair."""
     import torch.distributed as dist
+
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
     from ddp_hpc.examples.synthetic import SyntheticClassification
     a = argparse.Namespace(**args_d)

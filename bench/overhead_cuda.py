@@ -148,6 +148,7 @@ def _floor_ms(a, device, iters: int = 20) -> float:
 
 def _worker(rank: int, world: int, args_d: dict, tmp: str) -> dict:
     import torch.distributed as dist
+
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
     a = argparse.Namespace(**args_d)
     ctx = setup_ddp()

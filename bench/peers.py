@@ -48,10 +48,10 @@ PACKAGES = ("torch", "lmdb", "webdataset", "litdata", "mosaicml-streaming", "pil
 
 def prepare(work: str, files: int, world: int) -> tuple[str, str]:
     """The PNG folder and every technique's packed copy of it (each made once, then reused)."""
+    import peers_pack
+
     from ddp_hpc.data.pack import pack
     from ddp_hpc.examples.images import make_images
-
-    import peers_pack
 
     shared = os.path.join(work, f"shared-{files}")
     os.makedirs(shared, exist_ok=True)
@@ -106,10 +106,10 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from ddp_hpc.launch import launch_distributed
-
     import peers_pack
     from peers_rank import SHM_ROOT, run_rank
+
+    from ddp_hpc.launch import launch_distributed
 
     t_all = time.perf_counter()
     world = args.nodes * args.procs_per_node

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import glob
 import os
-import torch
 
+import torch
 from peers_pack import import_streaming
 
 SEED = 0

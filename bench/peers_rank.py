@@ -32,6 +32,7 @@ def _hashes(batches) -> list[int]:
 def _prepare(label, scenario, ctx, a) -> None:
     """Between cells: empty this node's peer caches, then fill or drop the page cache."""
     import torch.distributed as dist
+
     from ddp_hpc.data import lmdb as ddp_lmdb
 
     ddp_lmdb.close_all()
@@ -119,8 +120,9 @@ def _node_shm(node: int) -> None:
 
 def run_rank(rank, world_size, a):
     import torch
-    from ddp_hpc.dist import cleanup_ddp, setup_ddp
+
     from ddp_hpc.data.images import decode_image
+    from ddp_hpc.dist import cleanup_ddp, setup_ddp
 
     _node_shm(int(os.environ["GROUP_RANK"]))
     torch.set_num_threads(1)

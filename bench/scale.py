@@ -182,7 +182,8 @@ def _line(t: float, name: str, restart: int, **fields) -> str:
     return json.dumps({**rec, **fields}) + "\n"
 
 
-def _run_lines(restart: int, t0: float, n_events: int, total: int, first_step: int, slow: bool) -> tuple[list[str], float, int]:
+def _run_lines(restart: int, t0: float, n_events: int, total: int, first_step: int,
+               slow: bool) -> tuple[list[str], float, int]:
     """One run's events of one rank: start, steps (an epoch event every 50), eval and checkpoint
     lines are rank 0's in real runs but cost the same here. Returns (lines, last time, last step)."""
     out = [_line(t0, "start", restart, world_size=0, num_nodes=0, local_rank=LOCAL, pid=4242,
@@ -211,7 +212,7 @@ def _bodies(ranks: int, n_events: int, t0: float) -> dict[bool, str]:
         run0 += [_line(t + 1, "preempt", 0, signal="USR2", reason="time limit", step=step),
                  _line(t + 2, "end", 0, status="preempted", step=step, exit_code=0, signal=None, duration_s=t - t0)]
         run1, _, _ = _run_lines(1, t + 600, n_events - half - 2, total, step, slow)
-        out[slow] = "".join(run0 + run1).replace(f'"world_size": 0, "num_nodes": 0',
+        out[slow] = "".join(run0 + run1).replace('"world_size": 0, "num_nodes": 0',
                                                  f'"world_size": {ranks}, "num_nodes": {ranks // PER_NODE}')
     return out
 
@@ -235,7 +236,8 @@ def write_logs(log_dir: Path, ranks: int, n_events: int) -> int:
         else:
             tail = [_line(t_fail + 30, "error", 1, exc_type="RuntimeError", message=PEER_LOST, traceback=None,
                           exit_code=1, signal=None),
-                    _line(t_fail + 30.1, "end", 1, status="failed", step=None, exit_code=1, signal=None, duration_s=1.0)]
+                    _line(t_fail + 30.1, "end", 1, status="failed", step=None, exit_code=1, signal=None,
+                          duration_s=1.0)]
             out = f"[rank{r}]: RuntimeError: {PEER_LOST}\n"
         text = (bodies[node == slow_node] + "".join(tail)).replace(str(LOCAL), str(r % PER_NODE))
         (log_dir / f"rank{r}.events.jsonl").write_text(text.replace(str(RANK), str(r)).replace(HOST, host(node)))
@@ -254,9 +256,10 @@ def write_logs(log_dir: Path, ranks: int, n_events: int) -> int:
 
 def write_record(home: Path, rec_id: str, log_dir: Path, nodes: int, submitted_at: float) -> None:
     """A job record as ddp_hpc.submit writes it (written directly: no fsync per record)."""
-    rec = records.JobRecord(id=rec_id, cluster="big", name="train", backend="sbatch", nodes=nodes, gpus_per_node=PER_NODE,
-                            time_limit="2-00:00:00", log_dir=str(log_dir), config=None, overrides=[],
-                            submitted_at=submitted_at, cwd="/home/user/project", command=["python", "train.py"])
+    rec = records.JobRecord(id=rec_id, cluster="big", name="train", backend="sbatch", nodes=nodes,
+                            gpus_per_node=PER_NODE, time_limit="2-00:00:00", log_dir=str(log_dir), config=None,
+                            overrides=[], submitted_at=submitted_at, cwd="/home/user/project",
+                            command=["python", "train.py"])
     (home / "jobs").mkdir(parents=True, exist_ok=True)
     (home / "jobs" / f"{rec_id}.json").write_text(json.dumps(rec.to_dict()))
 

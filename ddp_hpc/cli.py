@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 #: subcommand -> (module with ``main(argv) -> int``, one line of help), in the order of the data flow
 COMMANDS: dict[str, tuple[str, str]] = {
-    "submit": ("ddp_hpc.submit.cli", "submit a job config to Slurm (submitit or a rendered sbatch script) or local processes"),
+    "submit": ("ddp_hpc.submit.cli",
+               "submit a job config to Slurm (submitit or a rendered sbatch script) or local processes"),
     "env": ("ddp_hpc.env.cli", "show or check the rank, sizes and master address this task derives"),
     "launch": ("ddp_hpc.launch.cli", "run a command as N pretend nodes x G processes on this machine"),
     "run": ("ddp_hpc.run", "train a job config on this node (the on-node entry under every launcher)"),

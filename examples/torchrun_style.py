@@ -33,7 +33,7 @@ model = DDP(torch.nn.Linear(8, 1).to(device), device_ids=[device.index] if devic
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 gen = torch.Generator().manual_seed(rank)          # each rank its own data
 w_true = torch.arange(8.0) / 8
-for step in range(20):
+for _step in range(20):
     x = torch.randn(64, 8, generator=gen).to(device)
     loss = torch.nn.functional.mse_loss(model(x).squeeze(1), x @ w_true.to(device))
     opt.zero_grad()

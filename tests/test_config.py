@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddp_hpc.config import (ConfigError, SlurmOptions, config_from_dict, config_to_dict,
-                            load_config, resolve_factory)
+from ddp_hpc.config import ConfigError, SlurmOptions, config_from_dict, config_to_dict, load_config, resolve_factory
 from ddp_hpc.errors import HintError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +94,8 @@ def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
 
 
 def test_missing_model_import_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"cannot import module 'no_such_pkg.models' \(No module named 'no_such_pkg'\)\.\nHINT"):
+    with pytest.raises(ConfigError,
+                       match=r"cannot import module 'no_such_pkg.models' \(No module named 'no_such_pkg'\)\.\nHINT"):
         resolve_factory("no_such_pkg.models:Net", {}, "model.name")
     with pytest.raises(ConfigError, match=r"has no attribute 'Nett'"):
         resolve_factory("ddp_hpc.examples.models:Nett", {}, "model.name")

@@ -66,9 +66,9 @@ def _held_messages(ctx, out):
 def _rank_main(rank, world_size, image_root):
     from ddp_hpc.config import DataConfig
     from ddp_hpc.data import fsio
+    from ddp_hpc.data.images import ImageFolderDataset
     from ddp_hpc.data.io import make_train_batches, open_train_data
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
-    from ddp_hpc.data.images import ImageFolderDataset
 
     ctx = setup_ddp()
     out = {"node": ctx.env.node_rank}
@@ -102,7 +102,7 @@ def _rank_main(rank, world_size, image_root):
             for cb, mc, start in ((0, 32, 0), (1 << 20, 2, 0), (4 << 20, 32, 0), (1 << 20, 2, 1)):
                 ds = BroadcastDataset(IndexDataset(), plan, coalesce_bytes=cb, max_coalesce=mc)
                 calls, deliver = [], ds._deliver
-                ds._deliver = lambda msgs: calls.append(1) or deliver(msgs)
+                ds._deliver = lambda msgs, calls=calls, deliver=deliver: calls.append(1) or deliver(msgs)
                 ids = [i for _, y in ds.batches(batch_size=BATCH, seed=5, epoch=0, start_batch=start)
                        for i in y.tolist()]
                 out[f"{mode}_coalesce_{cb}_{mc}_{start}"] = (ids, len(calls))

@@ -21,9 +21,9 @@ def _digest(x: torch.Tensor) -> tuple:
 
 def _rank_main(rank, world_size, shared, local_base):
     from ddp_hpc.data import fsio
+    from ddp_hpc.data.images import ImageFolderDataset
     from ddp_hpc.data.io import close_train_data, make_train_batches, open_train_data
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
-    from ddp_hpc.data.images import ImageFolderDataset
 
     ctx = setup_ddp()
     os.environ["TMPDIR"] = os.path.join(local_base, f"node{ctx.env.node_rank}")  # a node-local disk

@@ -10,9 +10,9 @@ from torch.utils.data import DataLoader
 
 from ddp_hpc.data import fsio
 from ddp_hpc.data.cli import main as cli
+from ddp_hpc.data.images import ImageFolderDataset
 from ddp_hpc.data.lmdb import LMDBDataset, VerifyError, verify
 from ddp_hpc.data.pack import PackError, pack
-from ddp_hpc.data.images import ImageFolderDataset
 from ddp_hpc.examples.images import make_images
 
 

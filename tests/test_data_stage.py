@@ -17,7 +17,7 @@ from ddp_hpc.data.stage import StageError, cleanup_staged, resolve_stage_dir, st
 
 def _big_file(path, mib):
     with open(path, "wb") as f:
-        for i in range(mib):
+        for _i in range(mib):
             f.write(os.urandom(1 << 16) * 16)
     return str(path)
 

@@ -12,10 +12,22 @@ import torch
 import torch.distributed as dist
 
 from ddp_hpc.dist import (
-    _choose_ifname, block_layout, cleanup_ddp, device_index, gather_layout, interface_for,
+    _choose_ifname,
+    block_layout,
+    cleanup_ddp,
+    device_index,
+    gather_layout,
+    interface_for,
+    leader_ranks,
+    leaders_group,
+    new_groups,
+    node_group,
+    node_rank_lists,
     route_interface,
-    leader_ranks, leaders_group, new_groups, node_group, node_rank_lists, select_device,
-    setup_ddp, strided_groups, strided_rank_lists,
+    select_device,
+    setup_ddp,
+    strided_groups,
+    strided_rank_lists,
 )
 from ddp_hpc.env import DistEnv, EnvError, free_port
 from ddp_hpc.launch import launch_distributed

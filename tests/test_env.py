@@ -6,6 +6,7 @@ torchrun 2.x, submitit 1.5 (Slurm and local executors) and ddp_hpc's own local l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -37,7 +38,8 @@ def srun_task(procid, localid, nodeid, *, nodes="n[1-2]", tpn="2(x2)", ntasks=4,
 def torchrun_task(rank, local_rank, *, world=4, local_world=2, group_rank=None, port="29500"):
     return {
         "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(rank // local_world if group_rank is None else group_rank),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "GROUP_RANK": str(rank // local_world if group_rank is None else group_rank),
         "GROUP_WORLD_SIZE": str(world // local_world), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "none",
         "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
@@ -65,7 +67,8 @@ CASES = {
         (2, 0, 4, 2, 1, 2, "n1", PORT_4242, ("n1", "n2"), "4242", 0, "slurm")),
     # --gpus-per-node=2 with 2 tasks per node: both GPUs visible to each task.
     "srun gpus-per-node rank1": (
-        srun_task(1, 1, 0, extra={"SLURM_GPUS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1"}),
+        srun_task(1, 1, 0, extra={"SLURM_GPUS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "2",
+                                  "CUDA_VISIBLE_DEVICES": "0,1"}),
         (1, 1, 4, 2, 0, 2, "n1", PORT_4242, ("n1", "n2"), "4242", 0, "slurm")),
     # uneven 3,1 (allowed explicitly): local world size differs per node.
     "srun uneven 3,1 rank3": (
@@ -177,8 +180,8 @@ def only_error(environ, ancestors=ancestors_ok):
 
 def test_batch_script_without_srun():
     e = srun_task(0, 0, 0)
-    for k in ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE",
-              "SLURM_STEP_NUM_NODES"):
+    for k in ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_TASKS",
+              "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_NODES"):
         del e[k]
     msg = only_error(e)
     assert "batch script" in msg and "SLURM_NTASKS=4" in msg
@@ -264,7 +267,7 @@ def test_detect_after_export_keeps_the_launcher():
 
 def test_distenv_is_frozen():
     env = detect({})
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         env.rank = 3  # type: ignore[misc]
     assert isinstance(env, DistEnv) and detect({}).launcher == "single"
 

@@ -79,8 +79,10 @@ def test_unmodified_torchrun_script_2x2(tmp_path):
         line = next(ln for ln in (log_dir / f"rank{r}.out").read_text().splitlines() if ln.startswith("SEEN "))
         seen.append(json.loads(line[5:]))
     for r, s in enumerate(seen):
-        assert (s["RANK"], s["LOCAL_RANK"], s["GROUP_RANK"], s["ROLE_RANK"]) == (str(r), str(r % 2), str(r // 2), str(r))
-        assert (s["WORLD_SIZE"], s["LOCAL_WORLD_SIZE"], s["GROUP_WORLD_SIZE"], s["ROLE_WORLD_SIZE"]) == ("4", "2", "2", "4")
+        assert (s["RANK"], s["LOCAL_RANK"], s["GROUP_RANK"], s["ROLE_RANK"]) == (
+            str(r), str(r % 2), str(r // 2), str(r))
+        assert (s["WORLD_SIZE"], s["LOCAL_WORLD_SIZE"], s["GROUP_WORLD_SIZE"], s["ROLE_WORLD_SIZE"]) == (
+            "4", "2", "2", "4")
         assert s["TORCHELASTIC_RUN_ID"] == "t-2x2" and s["DDP_HPC_LOG_DIR"] == str(log_dir.resolve())
         assert s["sum"] == 10.0 and s["ddp_hpc"] == []
         assert s["argv"] == TRICKY_ARGS          # verbatim: no shell in between

@@ -15,7 +15,11 @@ import psutil
 import pytest
 
 from ddp_hpc.launch import (
-    RankFailedError, launch_distributed, local_rank_env, node_layout, run_local,
+    RankFailedError,
+    launch_distributed,
+    local_rank_env,
+    node_layout,
+    run_local,
 )
 
 FAST = "forkserver"  # torch preloaded once: see tests/test_dist.py

@@ -6,7 +6,6 @@ import os
 import time
 
 import pytest
-
 from readme_blocks import REPO, blocks, fresh_copy, newest_job_id, path_without_slurm, run_block, venv_points_at_repo
 
 
@@ -37,7 +36,8 @@ def test_readme_run_blocks_work_in_a_fresh_copy(tmp_path):
         t0 = time.monotonic()
         p = run_block(body, work, env, timeout=600)
         print(f"README.md:{b.line}: exit {p.returncode} in {time.monotonic() - t0:.1f} s")
-        assert p.returncode == 0, f"README.md block at line {b.line} failed:\n{body}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        assert p.returncode == 0, (f"README.md block at line {b.line} failed:\n{body}\n"
+                                   f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
         assert venv_points_at_repo().startswith(str(REPO)), "the block re-installed ddp_hpc from the copy"
     record = home / "jobs"
     assert any(record.iterdir()), "the README's submit left no job record"

@@ -2,14 +2,13 @@
 rendered script with bash (a stand-in `srun` that records its argv) proves that user strings
 reach the program as literal arguments and never as shell code."""
 
+import dataclasses
 import os
 import stat
 import subprocess
 from pathlib import Path
 
 import pytest
-
-import dataclasses
 
 from ddp_hpc.config import SlurmOptions
 from ddp_hpc.submit.render import render, sbatch_options

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_exec import DROP, EXEC, clean_env, events, kinds, wait_for
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hpc import checkpoint, preemption
@@ -21,7 +22,6 @@ from ddp_hpc import report as report_mod
 from ddp_hpc.env import free_port
 from ddp_hpc.launch import run_local, start_local
 from ddp_hpc.train.checkpoint import list_checkpoints
-from test_exec import DROP, EXEC, clean_env, events, kinds, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PREEMPTIBLE = str(ROOT / "examples" / "preemptible.py")

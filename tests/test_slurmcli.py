@@ -382,6 +382,7 @@ def test_a_controller_that_does_not_answer_is_asked_once(monkeypatch):
 def test_a_slow_command_is_named_while_it_runs(monkeypatch):
     import subprocess as sp
     import time as _time
+
     import ddp_hpc.slurm.cli as slurm_cli
     monkeypatch.setattr(slurm_cli, "SLOW_S", 0.05)
     notes = []

@@ -151,7 +151,8 @@ def test_failed_job_names_first_rank_exception_and_traceback(home):
     record(home, "202", d)
     text = status(home, "202").stdout
     assert "State:      FAILED" in text and "[source: logs]" in text
-    assert "First failure: rank 3 on h (restart 0, from error event): InjectedFailure: injected failure on rank 3" in text
+    assert ("First failure: rank 3 on h (restart 0, from error event): "
+            "InjectedFailure: injected failure on rank 3") in text
     assert "    InjectedFailure: injected failure on rank 3" in text
     assert "srun: rank 0: killed, rank 1: killed, rank 2: killed, rank 3: 1" in text
     js = json.loads(status(home, "202", "--json").stdout)
@@ -367,7 +368,8 @@ def test_local_job_that_ended_before_its_first_event_is_failed(home, files):
     assert (js["state_name"], js["source"]) == ("FAILED", "processes")
     assert js["reason"] == f"ended before its first event; see {d}/local-driver.out"
     text = status(home, "local-early").stdout
-    assert f"State:      FAILED   [source: processes]   reason: ended before its first event; see {d}/local-driver.out" in text
+    assert (f"State:      FAILED   [source: processes]   reason: ended before its first event; "
+            f"see {d}/local-driver.out") in text
     if files == "traceback":
         assert js["failure"]["rank"] == 0 and js["failure"]["exc_type"] == "ModuleNotFoundError"
 

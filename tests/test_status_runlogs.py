@@ -52,7 +52,8 @@ def test_progress_and_eta_from_rank0_steps(tmp_path):
 
 
 def test_first_failure_is_earliest_error_not_the_echoes(tmp_path):
-    tb = 'Traceback (most recent call last):\n  File "m.py", line 3, in f\n    raise ValueError("bad")\nValueError: bad batch on rank 3'
+    tb = ('Traceback (most recent call last):\n  File "m.py", line 3, in f\n    raise ValueError("bad")\n'
+          'ValueError: bad batch on rank 3')
     for r in range(4):
         evs = [start(r), step(r, 5, 10)]
         if r == 3:

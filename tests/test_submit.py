@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.submit import cli as submit
 from ddp_hpc.config import ConfigError, load_config, parse_signal, time_to_seconds
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.cli import SlurmCLI
+from ddp_hpc.submit import cli as submit
 from ddp_hpc.submit.slurm import check_against_cluster, clean_slurm_env, submitit_parameters
 from ddp_hpc.submit.spec import SpecError, build_spec, parse_sweeps, sweep_tasks
 

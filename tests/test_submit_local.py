@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-
 import yaml
 
 from ddp_hpc import records
@@ -36,7 +35,7 @@ def _submit(tmp_path, *args, timeout=240):
 
 
 def _events(log_dir: Path, rank: int) -> list[dict]:
-    return [json.loads(l) for l in (log_dir / f"rank{rank}.events.jsonl").read_text().splitlines() if l.strip()]
+    return [json.loads(ln) for ln in (log_dir / f"rank{rank}.events.jsonl").read_text().splitlines() if ln.strip()]
 
 
 def test_main_command_runs_four_local_processes(tmp_path):

@@ -88,10 +88,14 @@ def test_keep_last_and_empty_dir(tmp_path):
 
 
 def test_rng_state_round_trip_through_weights_only_load(tmp_path):
-    random.seed(5); np.random.seed(5); torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
     ckpt.save_checkpoint(tmp_path, 1, _state(1))
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
-    random.seed(9); np.random.seed(9); torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
     _, state = ckpt.find_latest_valid(tmp_path)
     ckpt.set_rng_state(state["rng"][0])
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected

@@ -79,7 +79,7 @@ def test_four_ranks_equal_one_process_with_four_times_the_batch(tmp_path, accum)
 
 
 def _eval_worker(rank: int, world: int, size: int):
-    from ddp_hpc.dist import setup_ddp, cleanup_ddp
+    from ddp_hpc.dist import cleanup_ddp, setup_ddp
     from ddp_hpc.examples.models import MLP
     from ddp_hpc.examples.synthetic import SyntheticClassification
     from ddp_hpc.train.metrics import evaluate

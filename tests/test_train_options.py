@@ -98,8 +98,9 @@ def _screen(raw: str) -> list[str]:
 def test_log_lines_never_land_on_the_progress_bar(tmp_path, monkeypatch):
     import io
     import sys
-    from ddp_hpc.runlogs.writer import RunLog, StepBar
+
     from ddp_hpc.runlogs.schema import text_log
+    from ddp_hpc.runlogs.writer import RunLog, StepBar
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
     progress = StepBar(rank=0, total=4, initial=0, mode="bar")     # log.progress=bar

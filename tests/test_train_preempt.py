@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from ddp_hpc.train import preempt
-from ddp_hpc.train.preempt import (PreemptionFlag, classify, job_end_time, requeue_if_wanted,
-                                   preempt_signum)
+from ddp_hpc.train.preempt import PreemptionFlag, classify, job_end_time, preempt_signum, requeue_if_wanted
 
 
 def test_signal_only_sets_a_flag_and_handlers_are_restored():

@@ -17,9 +17,17 @@ Slurm values), ``typed`` (plain data -> dataclasses), ``load`` (YAML files and o
 from ddp_hpc.config.checks import BACKENDS, parse_signal, time_to_seconds
 from ddp_hpc.config.factory import resolve_factory
 from ddp_hpc.config.load import apply_overrides, config_from_dict, config_to_dict, load_config
-from ddp_hpc.config.sections import (CheckpointConfig, DataConfig, JobConfig, LogConfig,
-                                     ModelConfig, OptimConfig, PreemptConfig, ScheduleConfig,
-                                     TrainConfig)
+from ddp_hpc.config.sections import (
+                                     CheckpointConfig,
+                                     DataConfig,
+                                     JobConfig,
+                                     LogConfig,
+                                     ModelConfig,
+                                     OptimConfig,
+                                     PreemptConfig,
+                                     ScheduleConfig,
+                                     TrainConfig,
+)
 from ddp_hpc.config.slurm_options import MANAGED_SBATCH_KEYS, PASSTHROUGH, SlurmOptions
 from ddp_hpc.config.typed import ConfigError
 

@@ -17,8 +17,16 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from ddp_hpc.config.checks import (BACKENDS, check_backend, check_count, check_flag,
-                                   check_plain, check_signal, check_text, check_time)
+from ddp_hpc.config.checks import (
+    BACKENDS,
+    check_backend,
+    check_count,
+    check_flag,
+    check_plain,
+    check_signal,
+    check_text,
+    check_time,
+)
 from ddp_hpc.config.typed import ConfigError
 
 __all__ = ["SlurmOptions", "PASSTHROUGH", "MANAGED_SBATCH_KEYS", "BACKENDS", "add_arguments",

@@ -65,7 +65,7 @@ def _check_data_io(d: DataConfig, workdir: str) -> None:
 def _check_precision(cfg: JobConfig, backend: str) -> None:
     if cfg.train.precision != "fp16" or backend != "local":
         return
-    import torch   # only here: the submit command starts without it
+    import torch  # only here: the submit command starts without it
 
     if not torch.cuda.is_available():
         raise ConfigError("train.precision=fp16 needs CUDA (GradScaler), but the local backend "
@@ -75,7 +75,7 @@ def _check_precision(cfg: JobConfig, backend: str) -> None:
 
 def _builtins() -> dict[str, Mapping[str, Any] | None]:
     """The built-in names of each factory key; None: names without ':' are not checked here."""
-    from ddp_hpc.examples.models import BUILTIN_MODELS      # torch: imported only when checking
+    from ddp_hpc.examples.models import BUILTIN_MODELS  # torch: imported only when checking
     from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
 
     return {"model.name": BUILTIN_MODELS, "data.dataset": BUILTIN_DATASETS,

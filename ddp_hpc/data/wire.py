@@ -84,7 +84,8 @@ def decode_samples(buf, decode_item=None) -> list:
         for j in range(2):
             r = rows[(2 * i + j) * _ROW:(2 * i + j + 1) * _ROW]
             dtype, shape, nbytes = _DTYPES[r[0]], r[2:2 + r[1]], r[-1]
-            t = torch.frombuffer(bytearray(buf[off:off + nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            t = (torch.frombuffer(bytearray(buf[off:off + nbytes]), dtype=torch.uint8) if nbytes
+                 else torch.empty(0, dtype=torch.uint8))
             pair.append(t.view(dtype).reshape(shape))
             off += nbytes
         out.append(tuple(pair))

@@ -70,7 +70,8 @@ def check_inherited(environ: Mapping[str, str], ancestors: Callable[[], list[int
     if task_pid and task_pid.isdigit() and not in_batch_step(environ):
         if int(task_pid) not in ancestors():
             return EnvError(
-                f"SLURM_TASK_PID={task_pid} (job {environ.get('SLURM_JOB_ID')}, step {environ.get('SLURM_STEP_ID')}) is "
+                f"SLURM_TASK_PID={task_pid} (job {environ.get('SLURM_JOB_ID')}, "
+                f"step {environ.get('SLURM_STEP_ID')}) is "
                 "neither this process nor one of its parents: these SLURM_* variables were inherited from an "
                 "enclosing job or step, so the ranks they describe are not this process's.",
                 "Launch with srun from inside the allocation (srun sets fresh variables), or unset SLURM_* "

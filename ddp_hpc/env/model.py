@@ -66,7 +66,8 @@ class DistEnv:
             (self.local_world_size >= 1, f"local_world_size={self.local_world_size} must be >= 1"),
             (0 <= self.local_rank < self.local_world_size,
              f"local_rank={self.local_rank} is outside 0..local_world_size-1 ({self.local_world_size - 1})"),
-            (0 <= self.node_rank < self.num_nodes, f"node_rank={self.node_rank} is outside 0..num_nodes-1 ({self.num_nodes - 1})"),
+            (0 <= self.node_rank < self.num_nodes,
+             f"node_rank={self.node_rank} is outside 0..num_nodes-1 ({self.num_nodes - 1})"),
             (0 < self.master_port < 65536, f"master_port={self.master_port} is not a TCP port"),
         ]
         for ok, msg in checks:

@@ -46,8 +46,8 @@ EXAMPLES = """examples:
 
 The command gets the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID) and
-DDP_HPC_LOG_DIR; SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGCONT, SIGHUP and SIGURG (status --stacks) are passed on to it, and
-its exit status is this command's. See docs/scripts.md."""
+DDP_HPC_LOG_DIR; SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGCONT, SIGHUP and SIGURG (status --stacks)
+are passed on to it, and its exit status is this command's. See docs/scripts.md."""
 
 
 def _parser() -> argparse.ArgumentParser:

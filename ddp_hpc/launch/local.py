@@ -18,8 +18,8 @@ from typing import Callable, Iterator, Mapping, Sequence, TextIO
 
 from ddp_hpc.env import free_port
 from ddp_hpc.exits import exit_status_of_signal, signal_name, signal_number
-from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.launch.tree import KILL_GRACE_S, LaunchError, local_rank_env, new_job_id, thread_env
+from ddp_hpc.runlogs.schema import rank_out
 
 
 @dataclass

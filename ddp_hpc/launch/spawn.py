@@ -19,8 +19,15 @@ from typing import Any, Callable, Sequence
 from ddp_hpc.env import free_port
 from ddp_hpc.errors import HintError
 from ddp_hpc.exits import signal_name
-from ddp_hpc.launch.tree import (KILL_GRACE_S, kill_tree, limit_threads, local_rank_env, new_job_id,
-                                 node_layout, thread_env)
+from ddp_hpc.launch.tree import (
+    KILL_GRACE_S,
+    kill_tree,
+    limit_threads,
+    local_rank_env,
+    new_job_id,
+    node_layout,
+    thread_env,
+)
 
 EXIT_GRACE_S = 30.0  # a rank that sent its result gets this long to exit before it is killed
 

@@ -3,8 +3,18 @@
 ``schema`` spells the file names, event names and keys; ``writer`` writes them during training;
 ``reader`` (re-exported here) turns a log directory into facts; ``srun`` reads plain-text output.
 """
-from ddp_hpc.runlogs.reader import (Failure, RunProgress, RankStream, RunLogs, RunSummary,
-                                    exception_of, read_events, tail_file, tail_lines, traceback_in)
+from ddp_hpc.runlogs.reader import (
+                                    Failure,
+                                    RankStream,
+                                    RunLogs,
+                                    RunProgress,
+                                    RunSummary,
+                                    exception_of,
+                                    read_events,
+                                    tail_file,
+                                    tail_lines,
+                                    traceback_in,
+)
 
 __all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "read_events",
            "traceback_in", "exception_of", "tail_file", "tail_lines"]

@@ -22,6 +22,7 @@ first consequence. Everything else is shown as what followed from it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from ddp_hpc.runlogs import consequences as conseq
 from ddp_hpc.runlogs.evidence import TIMEOUT_RE, RankEnding, own_ending
 from ddp_hpc.runlogs.schema import rank_out

@@ -21,9 +21,18 @@ from pathlib import Path
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE
-from ddp_hpc.runlogs.srun import (TaskReport, exception_of, local_reports,
-                                  node_failures, srun_exit_codes, tail_file, tail_lines,
-                                  task_reports, traceback_in, traceback_in_lines)
+from ddp_hpc.runlogs.srun import (
+    TaskReport,
+    exception_of,
+    local_reports,
+    node_failures,
+    srun_exit_codes,
+    tail_file,
+    tail_lines,
+    task_reports,
+    traceback_in,
+    traceback_in_lines,
+)
 from ddp_hpc.runlogs.tails import FULL_READ_BYTES, RankStream, file_size, over_budget, read_events
 from ddp_hpc.runlogs.timing import RunProgress, progress
 

@@ -263,8 +263,8 @@ class SlurmCLI:
         slurmdbd; ``duplicates=True`` (``-D``) keeps every run of a requeued job.
 
         Caveats seen with Slurm 22.05.8: ``sacct -c`` rows have no steps, give Timelimit in
-        minutes (``2``, plain sacct ``00:02:00``) and the start time as Submit; and for a job whose name contains a space,
-        jobcomp/filetxt writes ``Name=a b JobState=...`` which ``sacct -c`` splits at the space
+        minutes (``2``, plain sacct ``00:02:00``) and the start time as Submit; and for a job whose
+        name contains a space, jobcomp/filetxt writes ``Name=a b JobState=...`` which ``sacct -c`` splits at the space
         ("sacct: error: Unknown type b"), so that row's JobName is cut and its State is empty.
         """
         argv = ["sacct", "--parsable2", "--noheader", f"--delimiter={SEP}",

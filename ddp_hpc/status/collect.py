@@ -17,7 +17,7 @@ from ddp_hpc import records
 from ddp_hpc.runlogs import timing
 from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
-from ddp_hpc.runlogs.reader import Failure, RunProgress, RunLogs
+from ddp_hpc.runlogs.reader import Failure, RunLogs, RunProgress
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
@@ -26,7 +26,6 @@ from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
-
 
 #: terminal states in which the job itself broke (rather than being stopped from outside): here
 #: the rank whose events stopped first is a suspect even without an error event

@@ -36,9 +36,16 @@ from ddp_hpc.errors import HintError, report
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.submit import slurm as submit_slurm
 from ddp_hpc.submit.dispatch import dispatch, say
-from ddp_hpc.submit.spec import (SpecError, build_command_spec, build_spec,
-                                 check_overrides, is_override, parse_sweeps, script_sweeps,
-                                 sweep_tasks)
+from ddp_hpc.submit.spec import (
+    SpecError,
+    build_command_spec,
+    build_spec,
+    check_overrides,
+    is_override,
+    parse_sweeps,
+    script_sweeps,
+    sweep_tasks,
+)
 from ddp_hpc.submit.target import SubmitTarget, module_command, script_command, split_argv
 from ddp_hpc.text import HelpFormatter, prog
 

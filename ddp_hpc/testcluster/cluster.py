@@ -17,9 +17,16 @@ from pathlib import Path
 
 from . import daemons, network
 from .health import daemon_table, node_states, status
+from .spec import (
+    CONTROLLER_NAME,
+    ClusterError,
+    ClusterSpec,
+    render_gres_conf,
+    render_mysql_init,
+    render_slurm_conf,
+    render_slurmdbd_conf,
+)
 from .state import STAMP, load_state, save_state, state_path
-from .spec import (CONTROLLER_NAME, ClusterError, ClusterSpec, render_gres_conf, render_mysql_init,
-                   render_slurm_conf, render_slurmdbd_conf)
 
 _FRESH_DIRS = ("etc", "munge", "run", "log", "ctld", "spool", "dev", "shared", "db", "local", "nodelocal")
 

@@ -25,7 +25,7 @@ def load_state(state_dir: Path) -> dict | None:
         return None
     except (OSError, ValueError) as exc:
         raise ClusterError(f"cannot read {state_path(state_dir)}: {exc}",
-                           "remove the cluster by hand (see the file) or delete the state dir.")
+                           "remove the cluster by hand (see the file) or delete the state dir.") from exc
 
 
 def save_state(spec: ClusterSpec, state: dict) -> None:

@@ -25,14 +25,21 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-import yaml
 import torch.distributed as dist
+import yaml
 from torch import nn
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from ddp_hpc import dist as ddp_dist
-from ddp_hpc.config import (ConfigError, JobConfig, apply_overrides, config_from_dict,
-                            config_to_dict, load_config, resolve_factory)
+from ddp_hpc.config import (
+    ConfigError,
+    JobConfig,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    resolve_factory,
+)
 from ddp_hpc.env import detect
 from ddp_hpc.errors import HintError
 from ddp_hpc.examples.models import BUILTIN_MODELS
@@ -113,7 +120,7 @@ def build_datasets(cfg: JobConfig, ctx) -> tuple[Dataset, Dataset | None, Callab
         raise ConfigError(
             f"data.eval_split={d.eval_split} works with data.io=direct only, not {d.io!r}",
             "name a separate data.eval_dataset")
-    from ddp_hpc.data.io import make_train_batches, open_train_data   # lmdb: only for these modes
+    from ddp_hpc.data.io import make_train_batches, open_train_data  # lmdb: only for these modes
     train = open_train_data(d, ctx, make_train)
     t = cfg.train
 

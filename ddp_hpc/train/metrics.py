@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
-from ddp_hpc.train.parts import RankPlace
 from ddp_hpc.dist import group_has_peers
+from ddp_hpc.train.parts import RankPlace
 
 
 class UnpaddedDistributedSampler(Sampler[int]):

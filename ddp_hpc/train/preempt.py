@@ -37,8 +37,8 @@ import torch.distributed as dist
 from ddp_hpc import exits
 from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import job_facts
-from ddp_hpc.recover.avoid import requeue_avoiding
 from ddp_hpc.errors import HintError
+from ddp_hpc.recover.avoid import requeue_avoiding
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.times import timestamp
 

@@ -96,6 +96,7 @@ def test_resume_from_a_cuda_checkpoint_is_bitwise_equal_and_it_loads_on_cpu(tmp_
 def _public_api(rank: int, world: int, tmp: str) -> dict:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     from ddp_hpc import checkpoint
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
     ctx = setup_ddp(timeout=120)

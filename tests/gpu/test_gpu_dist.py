@@ -14,8 +14,7 @@ from ddp_hpc.dist import device_index, select_device
 from ddp_hpc.env import DistEnv
 from ddp_hpc.launch import RankFailedError, launch_distributed
 
-from ._helpers import (BACKEND, DEVICE, GPU_COUNT, HAVE_CUDA, MARKS, child_env, python, real_gpu,
-                       REPO)
+from ._helpers import BACKEND, DEVICE, GPU_COUNT, HAVE_CUDA, MARKS, REPO, child_env, python, real_gpu
 from .probe import parse
 
 pytestmark = MARKS + [pytest.mark.timeout(180)]
@@ -34,7 +33,9 @@ def _ddp_step(ctx) -> float:
 
 def _setup_reduce(rank: int, world: int, backend: str = "auto") -> dict:
     import os
+
     import torch.distributed as dist
+
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
     ctx = setup_ddp(backend=backend, timeout=120)
     try:
@@ -79,6 +80,7 @@ def test_two_ranks_nccl_one_gpu_each_or_sharing_one_where_nccl_allows():
 def _gloo_fit(rank: int, world: int, tmp: str) -> dict:
     """backend='gloo' with CUDA tensors, then fit() in that group: DDP(device_ids) over gloo."""
     import torch.distributed as dist
+
     from ddp_hpc.dist import cleanup_ddp, setup_ddp
     from ddp_hpc.examples.models import MLP
     from ddp_hpc.examples.synthetic import SyntheticClassification
