@@ -4,7 +4,10 @@
     torchrun --nproc-per-node 4 -m ddp_hpc.run jobs/demo.yaml
     python -m ddp_hpc.launch --nodes 1 --procs-per-node 2 -- python -m ddp_hpc.run jobs/demo.yaml
 
-Exit codes: 0 completed (or preempted and requeued: the job will continue), 75 (preempt.exit_code,
+A run whose log directory says it already completed is not trained again: the command says so
+(the step, where its logs and checkpoints are, how to start over) and exits 0.
+
+Exit codes: 0 completed (or already complete, or preempted and requeued: the job will continue), 75 (preempt.exit_code,
 EX_TEMPFAIL) preempted and checkpointed but not requeued (outside Slurm: run the same command
 again to resume), 2 bad configuration, 1 any other failure (the traceback is in the rank's log
 and error event).
@@ -14,8 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddp_hpc.config import ConfigError, load_config
+from ddp_hpc.config import ConfigError, JobConfig, load_config, run_key
+from ddp_hpc.env import detect, job_facts
 from ddp_hpc.errors import report
+from ddp_hpc.runlogs.reader import run_ending
+from ddp_hpc.runlogs.writer import resolve_log_dir
 from ddp_hpc.text import HelpFormatter, prog
 
 EXIT_OK, EXIT_CONFIG = 0, 2  # any other failure is an uncaught exception: exit status 1
@@ -31,10 +37,34 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def already_complete(cfg: JobConfig) -> str | None:
+    """What to tell the user when this run's log directory holds a completed run (its rank 0
+    ended "completed" after its last start), else None. A run that does not resume from its
+    checkpoints (checkpoint.resume=false) always trains."""
+    if not cfg.checkpoint.resume:
+        return None
+    env = detect()
+    log_dir = resolve_log_dir(cfg.log.dir, str(env.job_id) if env.job_id else run_key(cfg)).absolute()
+    end = run_ending(log_dir)
+    if end.status != "completed":
+        return None
+    again = ("submit the same command again for a new run (a completed run is never resumed)"
+             if job_facts().log_dir else
+             f"give another log.dir (e.g. log.dir={cfg.log.dir.rstrip('/')}-2); this run stays as it is")
+    where = f"logs in {log_dir}" + (f", last checkpoint {end.checkpoint}" if end.checkpoint else "")
+    return (f"this run is already complete (step {end.step}; {where}): nothing to train. "
+            f"To train it again from the start, {again}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        done = already_complete(cfg)
+        if done is not None:
+            if detect().rank == 0:
+                print(f"{prog('run')}: {done}", file=sys.stderr, flush=True)
+            return EXIT_OK
         from ddp_hpc.train.api import run_job  # torch: imported once the configuration is good
         result = run_job(cfg)
     except ConfigError as e:

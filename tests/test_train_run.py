@@ -132,3 +132,17 @@ def test_a_missing_eval_folder_names_the_key_that_pointed_at_it(tmp_path):
     assert "data.eval_kwargs={'root': 'data/images/eval'} for data.eval_dataset=" in first, p.stderr
     assert f"{tmp_path}/data/images/eval" in first and p.stderr.strip().splitlines()[-1].startswith("HINT: ")
     assert "Traceback" not in p.stderr
+
+
+def test_rerunning_a_completed_run_says_it_is_complete_and_trains_nothing(tmp_path):
+    argv = [sys.executable, "-m", "ddp_hpc.run", DEMO, f"log.dir={tmp_path}/logs",
+            "data.kwargs.size=512", "train.epochs=1", "train.max_steps=3"]
+    first = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    [events] = list((tmp_path / "logs").rglob("rank0.events.jsonl"))
+    before = events.read_text()
+    again = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "already complete (step 3; logs in " in again.stderr, again.stderr
+    assert str(events.parent) in again.stderr and "log.dir=" in again.stderr
+    assert "resumed from" not in again.stderr and events.read_text() == before   # nothing trained

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import re
 import typing
 from pathlib import Path
 from typing import Any, Mapping
@@ -82,3 +85,11 @@ def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -
         source = f"{source} + overrides {overrides}"
     return config_from_dict(raw, source)
 
+
+
+def run_key(cfg: JobConfig) -> str:
+    """``<name>-<hash of the resolved config>``: the run directory of a launch without a job id
+    (``<log.dir>/<run key>``), so the same config and overrides find the same run again."""
+    text = json.dumps(config_to_dict(cfg), sort_keys=True, default=str)
+    name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", str(cfg.name)).strip("_.") or "run"
+    return f"{name[:64]}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute
-from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE
+from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE, events_file
 from ddp_hpc.runlogs.srun import (
     TaskReport,
     exception_of,
@@ -36,8 +36,8 @@ from ddp_hpc.runlogs.srun import (
 from ddp_hpc.runlogs.tails import FULL_READ_BYTES, RankStream, file_size, over_budget, read_events
 from ddp_hpc.runlogs.timing import RunProgress, progress
 
-__all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "read_events",
-           "traceback_in", "exception_of", "tail_file", "tail_lines"]
+__all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "RunEnding", "read_events",
+           "run_ending", "traceback_in", "exception_of", "tail_file", "tail_lines"]
 
 #: how much of the end of a ``rank{R}.out`` is read for its last traceback, and how many of its
 #: last lines are searched for a peer's failure (NCCL's watchdog) and the rank's own error line
@@ -58,6 +58,36 @@ class RunSummary:
     preempt_reason: str | None
     requeued: bool
     errors: int
+
+
+@dataclass(frozen=True)
+class RunEnding:
+    """How the newest run in a log directory ended, as rank 0's events tell it: ``status`` of
+    its last ``end`` event (None when no end follows its last ``start``: still running, or
+    killed), the last step it reported, and the newest checkpoint it wrote that still exists."""
+
+    status: str | None
+    step: int | None
+    checkpoint: str | None
+    checkpoint_step: int | None
+
+
+def run_ending(log_dir: str | Path) -> RunEnding:
+    """Rank 0's account of the newest run in ``log_dir`` (every field None without events)."""
+    status = step = None
+    saved: list[tuple[int | None, str]] = []
+    for e in read_events(Path(log_dir) / events_file(0)).events:
+        kind = e.get("event")
+        if kind == "start":
+            status = None
+        elif kind == "end":
+            status = str(e.get("status"))
+        elif kind == "checkpoint" and e.get("path"):
+            saved.append((to_int(e.get("step"), None), str(e["path"])))
+        if kind in ("step", "end", "checkpoint", "preempt"):
+            step = to_int(e.get("step"), step)
+    found = next(((s, p) for s, p in reversed(saved) if Path(p).is_file()), (None, None))
+    return RunEnding(status, step, found[1], found[0])
 
 
 class RunLogs:

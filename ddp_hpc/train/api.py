@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
-import json
 import os
-import re
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -39,6 +36,7 @@ from ddp_hpc.config import (
     config_to_dict,
     load_config,
     resolve_factory,
+    run_key,
 )
 from ddp_hpc.env import detect
 from ddp_hpc.errors import HintError
@@ -171,14 +169,11 @@ def _teardown(ok: bool) -> None:
 
 
 def _run_id(env, cfg: JobConfig) -> str:
-    """The job id; without one (a plain ``python -m ddp_hpc.run``, torchrun) ``<name>-<hash of
-    the resolved config>``: the same command again finds the same run directory and resumes from
-    its checkpoints, as a requeued Slurm job does. Every rank derives the same id."""
-    if env.job_id:
-        return str(env.job_id)
-    text = json.dumps(config_to_dict(cfg), sort_keys=True, default=str)
-    name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", str(cfg.name)).strip("_.") or "run"
-    return f"{name[:64]}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+    """The job id; without one (a plain ``python -m ddp_hpc.run``, torchrun) the config's run key
+    (``<name>-<hash of the resolved config>``): the same command again finds the same run
+    directory and resumes from its checkpoints, as a requeued Slurm job does. Every rank derives
+    the same id."""
+    return str(env.job_id) if env.job_id else run_key(cfg)
 
 
 def _train(cfg: JobConfig, ctx, parts: TrainParts) -> TrainResult:
