@@ -19,6 +19,9 @@ says which and why). The Slurm options and their flags are the fields of
 command line wins). Every submission leaves a job record (``ddp_hpc.records``) so
 ``ddp-hpc status`` finds it from any directory, and a copy of the resolved config
 (``config.yaml``) in each run's log directory.
+
+The same command again resumes a config job's interrupted, preempted or failed run from its
+checkpoint, in the same run directory (``ddp_hpc.submit.resume``); ``--fresh`` starts a new run.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ddp_hpc.errors import HintError, report
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.submit import slurm as submit_slurm
 from ddp_hpc.submit.dispatch import dispatch, say
+from ddp_hpc.submit.resume import resume_or_new
 from ddp_hpc.submit.spec import (
     SpecError,
     build_command_spec,
@@ -84,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--wait", action="store_true",
                     help="wait for the end (showing rank 0's progress); exit non-zero unless "
                          "every rank completed")
+    ap.add_argument("--fresh", action="store_true",
+                    help="a config job: start a new run directory even when an earlier run of "
+                         "the same command stopped with a checkpoint (by default it resumes); "
+                         "the earlier run is kept")
     ap.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
                     help="give up waiting after this many seconds")
     return ap
@@ -156,6 +164,7 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     backend = _backend(opts, cli)
     spec = build_spec(dataclasses.replace(opts, backend=backend), config_path=config, cfg=cfg,
                       overrides=overrides, sweeps=sweeps)
+    spec = resume_or_new(spec, backend, task_cfgs, fresh=args.fresh, cli=cli, say=say)
     for task_cfg in task_cfgs:   # factories, data paths, precision, log.dir: before it queues
         validate_job(task_cfg, backend=backend, workdir=spec.workdir, create_log_dir=False)
     return dispatch(spec, args, backend, cli, task_cfgs)

@@ -1,0 +1,159 @@
+"""Submitting the same config job again resumes its stopped run: the same run directory and its
+checkpoints, one line that says so; a completed run is not resumed (a new run), `--fresh` starts
+over, a run still in the queue is not submitted twice."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc import records
+from ddp_hpc.config import config_to_dict, load_config
+from ddp_hpc.config.slurm_options import merged
+from ddp_hpc.runlogs.schema import CONFIG_FILE
+from ddp_hpc.submit import render
+from ddp_hpc.submit.resume import resume_or_new
+from ddp_hpc.submit.spec import SpecError, build_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "jobs" / "demo.yaml")
+
+
+def _env(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDP_HPC_"))}
+    return {**env, "PYTHONPATH": str(ROOT), "DDP_HPC_HOME": str(tmp_path / "home")}
+
+
+def _steps(run_dir: Path) -> int:
+    return sum('"step"' in ln for ln in (run_dir / "rank0.events.jsonl").read_text().splitlines())
+
+
+def test_the_same_local_submit_resumes_its_interrupted_run(tmp_path):
+    argv = [sys.executable, "-m", "ddp_hpc.submit", "-N", "1", "-G", "2", "--backend", "local",
+            DEMO, "--wait", "--", f"log.dir={tmp_path / 'runs'}", "train.epochs=1",
+            "data.kwargs.size=1024", "data.eval_split=0.0", "log.progress=lines", "log.every_n_steps=1",
+            "checkpoint.every_steps=0", "data.dataset=tests.cluster.status_helpers:slow_synthetic",
+            "data.kwargs.delay=0.01"]
+    env = _env(tmp_path)
+    first = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:          # a few steps, then Ctrl-C (the whole group)
+        found = list((tmp_path / "runs").glob("*/rank0.events.jsonl"))
+        if found and _steps(found[0].parent) >= 3:
+            break
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGINT)
+    out, _ = first.communicate(timeout=60)
+    assert first.returncode != 0 and "end: interrupted at step" in out, out[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    stopped = int(re.search(r"end: interrupted at step (\d+)", out).group(1))
+
+    fresh = subprocess.run([*argv[:-12], "--fresh", "--dry-run", *argv[-12:]], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    assert f"starting a new run (--fresh); the earlier run {run_dir.name} stays in {run_dir}" in fresh.stderr
+    assert str(run_dir) not in fresh.stdout and "DDP_HPC_LOG_DIR=" in fresh.stdout
+
+    again = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert (f"resuming run {run_dir.name} from its checkpoint at step {stopped}; --fresh starts over"
+            in again.stderr), again.stderr
+    assert f"resumed from {run_dir}/checkpoints/ckpt-{stopped:09d}.pt" in again.stdout
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
+
+    done = subprocess.run([*argv[:-12], "--dry-run", *argv[-12:]], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert re.search(rf"the earlier run {run_dir.name} of this config completed \(step \d+, "
+                     rf"{re.escape(str(run_dir))}\); starting a new run", done.stderr), done.stderr
+    assert str(run_dir) not in done.stdout
+
+
+class _Queue:
+    """squeue's answer for the earlier job."""
+
+    def __init__(self, state: str | None):
+        self.state = state
+
+    def squeue(self, job_ids):
+        return [{"JobID": str(job_ids[0]), "State": self.state}] if self.state else []
+
+
+def _earlier(tmp_path, backend: str, *, status: str | None, ckpt: bool, final: bool = True):
+    """A Slurm submission of the demo that stopped: its record, config copy and rank 0's events."""
+    cfg = load_config(DEMO, [f"log.dir={tmp_path / 'runs'}"])
+    spec = build_spec(merged(cfg.slurm, {"backend": backend}), config_path=DEMO, cfg=cfg,
+                      overrides=[f"log.dir={tmp_path / 'runs'}"], workdir=str(tmp_path))
+    run_dir = Path(spec.log_dir)
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / CONFIG_FILE).write_text(json.dumps(config_to_dict(cfg)))   # JSON is YAML
+    path = run_dir / "checkpoints" / "ckpt-000000040.pt"
+    if ckpt:
+        path.write_bytes(b"x")
+    events = [{"event": "start"}, {"event": "step", "step": 40},
+              {"event": "checkpoint", "step": 40, "path": str(path)}]
+    events += [{"event": "end", "status": status, "step": 40}] if status else []
+    (run_dir / "rank0.events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    rec = records.JobRecord(id="4242", cluster="c", name=spec.name, backend=backend, nodes=1,
+                            gpus_per_node=1, time_limit="01:00:00", log_dir=spec.log_dir,
+                            config=spec.config, overrides=list(spec.overrides), submitted_at=time.time(),
+                            cwd=str(tmp_path), final={"state": "CANCELLED"} if final else None)
+    records.write_record(rec)
+    new = build_spec(merged(cfg.slurm, {"backend": backend}), config_path=DEMO, cfg=cfg,
+                     overrides=[f"log.dir={tmp_path / 'runs'}"], workdir=str(tmp_path))
+    return new, cfg, run_dir
+
+
+@pytest.mark.parametrize("backend", ["sbatch", "submitit"])
+def test_a_slurm_submission_resumes_into_the_run_dir_its_record_names(tmp_path, monkeypatch, backend):
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    new, cfg, run_dir = _earlier(tmp_path, backend, status=None, ckpt=True)   # killed: no end event
+    said: list[str] = []
+    spec = resume_or_new(new, backend, [cfg], fresh=False, cli=_Queue(None), say=said.append)
+    assert spec.log_dir == str(run_dir) and spec.tasks[0].log_dir == str(run_dir)
+    assert said == [f"resuming run {run_dir.name} from its checkpoint at step 40; --fresh starts over"]
+    if backend == "sbatch":
+        assert f"LOG_DIR={run_dir}\n" in render.render(spec)
+    other = resume_or_new(new, "sbatch" if backend == "submitit" else "submitit", [cfg], fresh=False,
+                          cli=_Queue(None), say=said.append)
+    assert other.log_dir == new.log_dir != str(run_dir)          # another backend: another run
+    changed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=9))
+    assert resume_or_new(new, backend, [changed], fresh=False, cli=_Queue(None),
+                         say=said.append).log_dir == new.log_dir
+    assert said[-1] == f"the config file changed since the earlier run {run_dir.name}; starting a new run"
+
+
+def test_a_completed_or_checkpointless_or_queued_earlier_run_is_not_resumed(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    new, cfg, run_dir = _earlier(tmp_path, "sbatch", status="completed", ckpt=True)
+    said: list[str] = []
+    assert resume_or_new(new, "sbatch", [cfg], fresh=False, cli=_Queue(None),
+                         say=said.append).log_dir == new.log_dir
+    assert said == [f"the earlier run {run_dir.name} of this config completed (step 40, {run_dir}); "
+                    f"starting a new run"]
+    (run_dir / "checkpoints" / "ckpt-000000040.pt").unlink()
+    (run_dir / "rank0.events.jsonl").write_text('{"event": "start"}\n{"event": "end", "status": "failed"}\n')
+    assert resume_or_new(new, "sbatch", [cfg], fresh=False, cli=_Queue(None),
+                         say=said.append).log_dir == new.log_dir
+    assert said[-1] == f"the earlier run {run_dir.name} stopped before its first checkpoint; starting a new run"
+
+
+def test_an_earlier_run_still_in_the_queue_is_not_submitted_twice(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    new, cfg, _ = _earlier(tmp_path, "sbatch", status="preempted", ckpt=True, final=False)
+    with pytest.raises(SpecError) as exc:
+        resume_or_new(new, "sbatch", [cfg], fresh=False, cli=_Queue("PENDING"), say=print)
+    assert "job 4242" in exc.value.problem and "still queued or running" in exc.value.problem
+    assert "--fresh" in exc.value.hint
+    spec = resume_or_new(new, "sbatch", [cfg], fresh=True, cli=_Queue("PENDING"), say=print)
+    assert spec.log_dir == new.log_dir
