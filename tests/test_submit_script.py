@@ -114,6 +114,7 @@ def test_python_api_runs_a_function_locally_and_names_a_failing_rank(tmp_path):
             "from ddp_hpc.launch import RankFailedError\n"
             "if __name__ == '__main__':\n"
             "    job = ddp_hpc.submit(allsum, args=(0.5,), nodes=2, gpus=2)\n"
+            "    print('CHOSE', job.backend, job.backend_reason)\n"
             "    print(job.backend, json.dumps(job.result(timeout=120)), job.state())\n"
             "    bad = ddp_hpc.submit(fail_on, args=(1,), nodes=1, gpus=2)\n"
             "    try:\n"
@@ -127,6 +128,9 @@ def test_python_api_runs_a_function_locally_and_names_a_failing_rank(tmp_path):
     backend, rest = first.split(" ", 1)
     value, state = rest.rsplit(" ", 1)
     assert backend == "local" and state == "COMPLETED"
+    said = "ddp_hpc submit: backend local: no `sbatch` on PATH"   # once per submission
+    assert p.stderr.count(said) == 2, p.stderr[-3000:]
+    assert "CHOSE local no `sbatch` on PATH, so this machine is not a Slurm login node" in p.stdout
     assert json.loads(value)["sum"] == 0 + 1 + 2 + 3 + 4 * 0.5 and json.loads(value)["world"] == 4
     assert second == "ERROR 1 ValueError rank 1 refuses"
     # the jobs have records and events, so status lists them

@@ -4,10 +4,9 @@
 the ``ddp-hpc submit`` command (cli); the Python API (api).
 
 This package is also callable: ``ddp_hpc.submit(fn_or_command, nodes=2, gpus=4, ...)`` is
-``ddp_hpc.submit.api.submit``. Why a callable package rather than a function beside it: the name
-``ddp_hpc.submit`` must stay this package (``python -m ddp_hpc.submit``, ``ddp_hpc.submit.cli``),
-and a function bound to the same attribute of ``ddp_hpc`` would be replaced by the package the
-first time any of its modules is imported.
+``ddp_hpc.submit.api.submit``. The name must stay this package (``python -m ddp_hpc.submit``,
+``ddp_hpc.submit.cli``); ``ddp_hpc`` itself keeps its attribute ``submit`` the function for
+``help()`` and ``inspect.signature``, with this package's modules as its other attributes.
 """
 
 import sys

@@ -44,14 +44,16 @@ __all__ = ["submit", "Job"]
 
 
 class Job:
-    """A submitted job: ``job_id``, ``log_dir``, ``backend``, ``record``; ``state()``, ``done()``,
-    ``wait()``, ``result()``, ``cancel()``."""
+    """A submitted job: ``job_id``, ``log_dir``, ``backend`` (local, submitit or sbatch) and
+    ``backend_reason`` (why: asked for, or what ``auto`` found), ``record``; ``state()``,
+    ``done()``, ``wait()``, ``result()``, ``cancel()``."""
 
     def __init__(self, record, *, submitit_job=None, driver=None, conn=None) -> None:
         self.record = record
         self.job_id: str = str(record.id)
         self.log_dir: str = record.log_dir
         self.backend: str = record.backend
+        self.backend_reason: str = ""
         self._submitit, self._driver, self._conn = submitit_job, driver, conn
         self._message: tuple | None = None
         self._cancelled = False
@@ -167,27 +169,44 @@ def submit(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
            backend: str = "auto", name: str | None = None, log_dir: str = "runs",
            **slurm: Any) -> Job:
     """Submit ``target`` (a function, or a command as a string or a list of words) as a DDP job of
-    ``nodes`` x ``gpus`` ranks; returns a :class:`Job`. ``args``/``kwargs`` go to the function."""
+    ``nodes`` x ``gpus`` ranks; returns a :class:`Job`. ``args``/``kwargs`` go to the function.
+
+    ``backend``: ``"auto"`` (submitit when ``sbatch`` is on PATH and the controller answers, else
+    ``"local"``: N x G processes on this machine), ``"submitit"``, ``"sbatch"`` (commands only) or
+    ``"local"``; the choice and why are said in one line on stderr and kept as ``job.backend`` and
+    ``job.backend_reason``. ``log_dir``: where the run directory goes. The other keywords are
+    Slurm options, the fields of ``ddp_hpc.config.SlurmOptions`` (``time``, ``partition``,
+    ``account``, ``qos``, ``mem``, ``cpus_per_task``, ``signal``, ``sbatch_args``, ...).
+
+        job = ddp_hpc.submit(train, args=(cfg,), nodes=2, gpus=4, time="02:00:00")
+        job.backend, job.job_id, job.state(), job.result()
+    """
     from ddp_hpc.submit.cli import choose_backend
 
     opts = _options(nodes, gpus, backend, slurm)
     cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0])
-    chosen, _why = choose_backend(opts.backend, cli)
+    chosen, why = choose_backend(opts.backend, cli)
+    submit_dispatch.say(f"backend {chosen}: {why}")
     opts = merged(opts, {"backend": chosen})
     ns = argparse.Namespace(dry_run=False, wait=False, wait_timeout=None, quiet=True)
     if not callable(target):
         command, default_name = _command(target)
         spec = build_command_spec(opts, command=command, name=name or default_name, log_root=log_dir)
         submit_dispatch.dispatch(spec, ns, chosen, cli, None)
-        return Job(ns.record)
+        return _chosen(Job(ns.record), why)
     if chosen == "sbatch":
         raise SpecError("a Python function cannot go through backend='sbatch' (a batch script "
                         "cannot carry it)", "use backend='submitit' or 'auto' (or submit a script)")
     spec = build_command_spec(opts, command=[f"<function {describe(target)}>"],
                               name=name or getattr(target, "__name__", "function"), log_root=log_dir)
     if chosen == "local":
-        return _local_function(spec, target, tuple(args), dict(kwargs or {}))
-    return _submitit_function(spec, target, tuple(args), dict(kwargs or {}), cli)
+        return _chosen(_local_function(spec, target, tuple(args), dict(kwargs or {})), why)
+    return _chosen(_submitit_function(spec, target, tuple(args), dict(kwargs or {}), cli), why)
+
+
+def _chosen(job: Job, why: str) -> Job:
+    job.backend_reason = why
+    return job
 
 
 def _local_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> Job:
