@@ -99,6 +99,7 @@ def _removed_note(removed: list[str]) -> str:
 def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfig] | None) -> int:
     job_id = f"local-{Path(spec.log_dir).name}"
     env, removed = submit_slurm.clean_slurm_env(os.environ)
+    submit_local.check_gpus(spec, env)
     if spec.is_command:
         env["DDP_HPC_PREEMPT_SIGNAL"] = spec.signal
     if args.dry_run:
