@@ -186,6 +186,7 @@ def submit(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
                         "cannot carry it)", "use backend='submitit' or 'auto' (or submit a script)")
     spec = build_command_spec(opts, command=[f"<function {describe(target)}>"],
                               name=name or getattr(target, "__name__", "function"), log_root=log_dir)
+    submit_slurm.check_container(spec, chosen)
     if chosen == "local":
         return _local_function(spec, target, tuple(args), dict(kwargs or {}))
     return _submitit_function(spec, target, tuple(args), dict(kwargs or {}), cli)

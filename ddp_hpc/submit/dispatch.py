@@ -181,6 +181,12 @@ def dispatch(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCL
              task_cfgs: Sequence[JobConfig] | None) -> int:
     """Run or submit ``spec`` on ``backend`` (``args``: dry_run, wait, wait_timeout, and quiet:
     no job id on stdout); the exit status of submit. The job record lands in ``args.record``."""
+    try:
+        submit_slurm.check_container(spec, backend)
+    except SpecError as exc:
+        if not (args.dry_run and backend == "sbatch"):
+            raise
+        say(f"dry run: {str(exc).splitlines()[0]}; the script checks the node's PATH as well")
     if backend == "local":
         return _local(spec, args, task_cfgs)
     preflight(spec, backend, cli, args.dry_run)
