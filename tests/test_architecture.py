@@ -18,8 +18,9 @@ PKG = REPO / "ddp_hpc"
 MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 60
 
-#: variables that carry rank or job facts; only ddp_hpc/env/ may read them
-FACT_VAR = re.compile(r"^(SLURM_\w+|SUBMITIT_\w+|TORCHELASTIC_\w+|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE"
+#: variables that carry rank or job facts; only ddp_hpc/env/ may read them. SLURM_CONF is no job
+#: fact: it says which cluster Slurm's commands talk to, and ddp_hpc/slurm/conf.py checks it
+FACT_VAR = re.compile(r"^(SLURM_(?!CONF$)\w+|SUBMITIT_\w+|TORCHELASTIC_\w+|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE"
                       r"|GROUP_RANK|GROUP_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|DDP_HPC_(LOG_DIR|JOB_ID|LAUNCHER"
                       r"|NUM_NODES|MASTER_PORT|JOB_END_TIME))$")
 SLURM_COMMANDS = {"sbatch", "srun", "squeue", "sacct", "scontrol", "sinfo", "scancel", "sbcast", "salloc",

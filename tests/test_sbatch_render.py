@@ -43,6 +43,10 @@ CASES = {
         tasks=tuple(TaskSpec(i, ov, f"/work/runs/demo-1/task{i}") for i, ov in enumerate(
             [("optim.lr=1e-3", "train.seed=0"), ("optim.lr=1e-3", "train.seed=1"),
              ("optim.lr=3e-4", "train.seed=0"), ("optim.lr=3e-4", "train.seed=1")]))),
+    "sbatch_srun_args.sh": _spec(
+        srun_args={"cpu-bind": "none", "container-image": "nvcr.io#nvidia/pytorch:24.01-py3",
+                   "label": True, "export": "ALL,FOO=a&b"},
+        container="docker://pytorch/pytorch:2.3.0-cuda12.1"),
     "sbatch_quoting.sh": _spec(
         workdir="/work/my dir", config="/work/my dir/it's.yaml",
         overrides=("name=$(touch /tmp/pwned)", "log.dir=`id`; rm -rf x", 'model.name="a b"')),
@@ -123,3 +127,56 @@ def test_rendered_array_picks_each_task(tmp_path):
         assert argv[-1].startswith(f"LOG={task.log_dir} ")
     done, _ = _run_script(tmp_path, spec, {"SLURM_ARRAY_TASK_ID": "9"})
     assert done.returncode == 2 and "no task 9" in done.stderr
+
+
+def _stand_in_runtime(bindir: Path, name: str = "apptainer") -> Path:
+    """A container runtime that logs its argv, then runs what follows ``exec --nv IMAGE``."""
+    rt = bindir / name
+    rt.write_text('#!/bin/bash\nprintf "%s\\n" "$0" "$@" > "$FAKE_RUNTIME_OUT"\nshift 3\nexec "$@"\n')
+    rt.chmod(0o755)
+    return rt
+
+
+def test_srun_args_and_the_container_reach_srun_as_single_words(tmp_path):
+    spec = _spec(srun_args={"cpu-bind": "none", "container-image": "nvcr.io#nv/pt:24.01",
+                            "label": True, "export": "ALL,FOO=a&b|c"},
+                 container="/images/torch.sif", log_dir=str(tmp_path), workdir=str(tmp_path),
+                 tasks=(TaskSpec(None, (), str(tmp_path / "logs")),))
+    bindir = _fake_srun(tmp_path)
+    _stand_in_runtime(bindir, "singularity")          # the second choice, when apptainer is absent
+    done, argv = _run_script(tmp_path, spec)
+    assert done.returncode == 0, done.stderr
+    i = argv.index("/venv/bin/python")
+    assert argv[3:i] == ["--container-image=nvcr.io#nv/pt:24.01", "--cpu-bind=none",
+                         "--export=ALL,FOO=a&b|c", "--label",
+                         str(bindir / "singularity"), "exec", "--nv", "/images/torch.sif"]
+
+
+def test_container_runs_each_rank_through_the_runtime(tmp_path):
+    """srun stand-in that runs its command: the runtime logs its argv and runs the rank's command."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    srun = bindir / "srun"
+    srun.write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    srun.chmod(0o755)
+    _stand_in_runtime(bindir)
+    spec = _spec(container="/images/torch.sif", workdir=str(tmp_path), log_dir=str(tmp_path),
+                 tasks=(TaskSpec(None, (), str(tmp_path / "logs")),), python="/bin/echo")
+    script = tmp_path / "job.sh"
+    script.write_text(render(spec))
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_RUNTIME_OUT": str(tmp_path / "rt.argv"),
+           "SLURM_JOB_ID": "7"}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "rt.argv").read_text().splitlines()[:5] == [
+        str(bindir / "apptainer"), "exec", "--nv", "/images/torch.sif", "/bin/echo"]
+    assert done.stdout.splitlines()[-1] == "-m ddp_hpc.run /work/jobs/demo.yaml train.epochs=2"
+
+
+def test_container_without_a_runtime_on_the_node_stops_the_script(tmp_path):
+    spec = _spec(container="/images/torch.sif", workdir=str(tmp_path), log_dir=str(tmp_path),
+                 tasks=(TaskSpec(None, (), str(tmp_path / "logs")),))
+    done, argv = _run_script(tmp_path, spec)
+    assert done.returncode == 2 and argv == []
+    assert ("ddp_hpc: --container /images/torch.sif: neither apptainer nor singularity is on PATH on "
+            in done.stderr)

@@ -68,9 +68,11 @@ def test_every_job_id_method_validates_before_running_anything():
 # -- argv building --------------------------------------------------------------------------------
 
 
-def test_sbatch_passes_script_on_stdin_and_parses_parsable_output():
+def test_sbatch_passes_script_on_stdin_and_parses_parsable_output(tmp_path):
+    conf = tmp_path / "slurm.conf"   # SLURM_CONF must name a file, or no command starts
+    conf.write_text("ClusterName=x\n")
     rec = Recorder(stdout="4242\n")
-    cli = SlurmCLI(runner=rec, env={"PATH": "/usr/bin", "SLURM_CONF": "/x/slurm.conf"})
+    cli = SlurmCLI(runner=rec, env={"PATH": "/usr/bin", "SLURM_CONF": str(conf)})
     job = cli.sbatch(SCRIPT, args=["--nodes=2", "--job-name=a b;c"], cwd="/tmp",
                      env={"DDP_HPC_LOG_DIR": "/logs"})
     assert job == "4242"
@@ -78,9 +80,9 @@ def test_sbatch_passes_script_on_stdin_and_parses_parsable_output():
     assert call["argv"] == ["sbatch", "--parsable", "--nodes=2", "--job-name=a b;c"]
     assert call["input"] == SCRIPT and call["cwd"] == "/tmp"
     # per-call variables are added to the CLI's environment, which is not changed
-    assert call["env"] == {"PATH": "/usr/bin", "SLURM_CONF": "/x/slurm.conf",
+    assert call["env"] == {"PATH": "/usr/bin", "SLURM_CONF": str(conf),
                            "DDP_HPC_LOG_DIR": "/logs"}
-    assert cli.env == {"PATH": "/usr/bin", "SLURM_CONF": "/x/slurm.conf"}
+    assert cli.env == {"PATH": "/usr/bin", "SLURM_CONF": str(conf)}
 
 
 def test_sbatch_federated_output_and_warnings():

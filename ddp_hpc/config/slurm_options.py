@@ -29,7 +29,7 @@ from ddp_hpc.config.checks import (
 )
 from ddp_hpc.config.typed import ConfigError
 
-__all__ = ["SlurmOptions", "PASSTHROUGH", "MANAGED_SBATCH_KEYS", "BACKENDS", "add_arguments",
+__all__ = ["SlurmOptions", "PASSTHROUGH", "MANAGED_SBATCH_KEYS", "MANAGED_SRUN_KEYS", "BACKENDS", "add_arguments",
            "given", "merged", "sbatch_items"]
 
 LAYOUT = "layout (one task per GPU)"
@@ -75,6 +75,45 @@ def check_sbatch_args(value: Any, label: str) -> dict:
         if not (v is True or v is None or v == ""):
             check_plain(f"value of sbatch option {key} ({src})", v)
     return out
+
+
+_SRUN_VALUE = re.compile(r"^[A-Za-z0-9_.:@%+=,/&|*!()\[\]#~-]+$")
+#: srun options the batch step sets itself -> what to use instead
+MANAGED_SRUN_KEYS = {
+    "kill-on-bad-exit": "nothing (always 1: one dead rank ends the step)", "K": "nothing",
+    "open-mode": "nothing (always append)", "output": "the log directory (log.dir)", "o": "log.dir",
+    "error": "log.dir", "e": "log.dir", "ntasks": "--nodes and --gpus", "n": "--nodes and --gpus",
+    "ntasks-per-node": "--gpus (one task per GPU)", "nodes": "--nodes", "N": "--nodes",
+    "cpus-per-task": "--cpus-per-task", "c": "--cpus-per-task", "gpus": "--gpus (per node)",
+    "gpus-per-node": "--gpus", "G": "--gpus", "gres": "--gpus", "job-name": "--job-name",
+    "J": "--job-name", "time": "--time", "t": "--time", "signal": "--signal",
+}
+
+
+def check_srun_args(value: Any, label: str) -> dict:
+    """A mapping of srun options for the job step (``--container-image``, ``--cpu-bind``, ``--mpi``
+    ...): long names that the batch step does not set itself, values without blanks, quotes, $, ;
+    or backslashes (True or empty: a flag). They reach srun as single, quoted words."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{label} must be a mapping, got {value!r}",
+                          "write srun_args: {cpu-bind: none}")
+    out = {str(k): v for k, v in value.items()}
+    for key, v in out.items():
+        src = f"{label} {key}={v}"
+        if not _SBATCH_KEY.match(key):
+            raise ConfigError(f"srun option name {key!r} is not valid ({src})",
+                              "write the long option name without dashes, e.g. --srun-arg cpu-bind=none")
+        if key in MANAGED_SRUN_KEYS:
+            raise ConfigError(f"srun option {key!r} is set by ddp_hpc itself ({src})",
+                              f"use {MANAGED_SRUN_KEYS[key]} instead")
+        if not (v is True or v is None or v == ""):
+            check_plain(f"value of srun option {key} ({src})", v, _SRUN_VALUE,
+                        "use letters, digits and _ . : @ % + = , / & | * ! ( ) [ ] # ~ - only "
+                        "(no blanks, quotes, $, ; or backslashes)")
+    return out
+
+
+_IMAGE = re.compile(r"^[A-Za-z0-9_./:@+#~=-]+$")
 
 
 def _name_of(what: str) -> Callable[[Any, str], Any]:
@@ -134,6 +173,15 @@ class SlurmOptions:
     sbatch_args: dict = _opt({}, check_sbatch_args, "any other sbatch option, e.g. mail-type=END "
                              "(repeatable; a flag without a value: hold=)",
                              flags=("--sbatch-arg",), action="append", metavar="KEY=VALUE")
+    srun_args: dict = _opt({}, check_srun_args, "an srun option for every rank's step, e.g. "
+                           "cpu-bind=none or container-image=IMAGE (pyxis) (repeatable; a flag "
+                           "without a value: label=)", flags=("--srun-arg",), action="append",
+                           metavar="KEY=VALUE")
+    container: str | None = _opt(
+        None, check_text(_IMAGE, "give an image path or URI without blanks or shell characters, "
+                                 "e.g. /images/torch.sif or docker://pytorch/pytorch:latest"),
+        "run each rank as `apptainer exec --nv IMAGE ...` (or singularity), sbatch backend",
+        flags=("--container",), metavar="IMAGE")
     backend: str = _opt("auto", check_backend, "auto: submitit when Slurm answers, else local",
                         flags=("--backend",), group=TOP, choices=BACKENDS)
 
@@ -185,15 +233,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
-    """The options typed on the command line (``sbatch_args`` as a KEY -> VALUE mapping)."""
+    """The options typed on the command line (``sbatch_args``, ``srun_args`` as KEY -> VALUE
+    mappings)."""
     out = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
-    if "sbatch_args" in out:
-        out["sbatch_args"] = split_sbatch_args(out["sbatch_args"])
+    for name in ("sbatch_args", "srun_args"):
+        if name in out:
+            out[name] = split_sbatch_args(out[name])
     return out
 
 
 def split_sbatch_args(items: Sequence[str]) -> dict[str, str | bool]:
-    """``["mail-type=END", "hold="]`` -> ``{"mail-type": "END", "hold": True}``."""
+    """``["mail-type=END", "hold="]`` -> ``{"mail-type": "END", "hold": True}`` (--sbatch-arg and
+    --srun-arg alike)."""
     out: dict[str, str | bool] = {}
     for item in items:
         key, eq, value = item.partition("=")
@@ -203,11 +254,12 @@ def split_sbatch_args(items: Sequence[str]) -> dict[str, str | bool]:
 
 def merged(base: SlurmOptions, cli: Mapping[str, Any]) -> SlurmOptions:
     """``base`` (the YAML section) with the command-line values on top, each checked under the
-    name of its flag; sbatch_args are merged key by key."""
+    name of its flag; sbatch_args and srun_args are merged key by key."""
     checked = {name: FIELDS[name].metadata["parse"](value, FIELDS[name].metadata["flags"][0])
                for name, value in cli.items()}
-    if "sbatch_args" in checked:
-        checked["sbatch_args"] = {**base.sbatch_args, **checked["sbatch_args"]}
+    for name in ("sbatch_args", "srun_args"):
+        if name in checked:
+            checked[name] = {**getattr(base, name), **checked[name]}
     return dataclasses.replace(base, **checked)
 
 

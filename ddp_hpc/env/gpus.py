@@ -1,12 +1,16 @@
-"""GPU binding: how many GPUs CUDA exposes to this task, and which one each rank takes.
+"""GPU binding: how many GPUs CUDA exposes to this task, and which one each rank takes; and
+which GPUs this machine has for a local launch (``host_gpus``).
 
-Pure functions of a `DistEnv` and the GPU variables; `ddp_hpc.dist` binds the device with them and
-the preflight checks refuse the layouts they reject, so both always agree.
+The binding rules are pure functions of a `DistEnv` and the GPU variables; `ddp_hpc.dist` binds
+the device with them and the preflight checks refuse the layouts they reject, so both always agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from ddp_hpc.env.model import DistEnv, EnvError
 
@@ -66,3 +70,33 @@ def gpu_index(env: DistEnv, environ: Mapping[str, str], visible: int) -> int | N
             f"{visible - env.local_world_size} GPUs would stay idle.",
             f"Use one task per GPU: --ntasks-per-node={visible} with --gpus-per-node={visible}, or --gpus-per-task=1.")
     return env.local_rank
+
+
+@dataclass(frozen=True)
+class HostGpus:
+    """The GPUs this machine gives a local launch: their CUDA_VISIBLE_DEVICES ids (empty: run on
+    the CPU) and where that count came from, in words for messages."""
+    ids: tuple[str, ...]
+    source: str
+
+
+def host_gpus(environ: Mapping[str, str], *, which: Callable[..., str | None] = shutil.which,
+              run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> HostGpus:
+    """CUDA_VISIBLE_DEVICES when set (the ids up to the first invalid one, as CUDA reads it),
+    else one id per line of ``nvidia-smi -L`` when nvidia-smi is on PATH, else none. Never
+    imports torch: the submitting process stays light and CUDA-free."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        raw = environ["CUDA_VISIBLE_DEVICES"]
+        ids = tuple(d.strip() for d in raw.split(",") if d.strip())[:visible_gpus(environ) or 0]
+        return HostGpus(ids, f"CUDA_VISIBLE_DEVICES={raw!r}")
+    smi = which("nvidia-smi", path=environ.get("PATH"))
+    if smi is None:
+        return HostGpus((), "no nvidia-smi on PATH and CUDA_VISIBLE_DEVICES unset")
+    try:
+        done = run([smi, "-L"], capture_output=True, text=True, timeout=20, env=dict(environ))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return HostGpus((), f"`nvidia-smi -L` failed ({exc})")
+    if done.returncode != 0:
+        return HostGpus((), f"`nvidia-smi -L` exited with status {done.returncode}")
+    count = sum(1 for line in done.stdout.splitlines() if line.startswith("GPU "))
+    return HostGpus(tuple(str(i) for i in range(count)), f"`nvidia-smi -L` lists {count}")

@@ -91,6 +91,9 @@ def _run_command(args: argparse.Namespace, cmd: list[str]) -> int:
         report(prog("launch"), LaunchError(f"cannot start {cmd[0]!r}: {exc.strerror or exc}",
                                            "check the program's name or path"))
         return EXIT_USAGE
+    except LaunchError as exc:     # a layout this machine's GPUs cannot hold
+        report(prog("launch"), exc)
+        return EXIT_USAGE
     _summarize(res, world, log_dir)
     return res.exitcode
 

@@ -16,9 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence, TextIO
 
-from ddp_hpc.env import free_port
+from ddp_hpc.env import free_port, host_gpus
 from ddp_hpc.exits import exit_status_of_signal, signal_name, signal_number
-from ddp_hpc.launch.tree import KILL_GRACE_S, LaunchError, local_rank_env, new_job_id, thread_env
+from ddp_hpc.launch.tree import (
+    KILL_GRACE_S,
+    LaunchError,
+    local_rank_env,
+    new_job_id,
+    pretend_node_gpus,
+    thread_env,
+)
 from ddp_hpc.runlogs.schema import rank_out
 
 
@@ -68,8 +75,9 @@ class LocalRun:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         base = dict(os.environ if env is None else env)
         base.update(thread_env(nodes * procs_per_node, base))
-        rank_envs = local_rank_env([procs_per_node] * nodes, master_port or free_port(),
-                                   self.job_id)
+        counts = [procs_per_node] * nodes
+        rank_envs = local_rank_env(counts, master_port or free_port(), self.job_id,
+                                   gpus=pretend_node_gpus(counts, host_gpus(base)))
         self.procs: list[subprocess.Popen] = []
         self.log_paths: list[Path] = []
         self.log_starts: list[int] = []  # where this run's output begins in each (appended) log

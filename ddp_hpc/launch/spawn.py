@@ -55,18 +55,19 @@ class NotPicklableError(HintError, TypeError):
 
 def launch_distributed(fn: Callable, world_size: int, args: tuple = (), *,
                        nodes: int | Sequence[int] = 1, timeout: float | None = None,
-                       start_method: str = "spawn") -> list:
+                       start_method: str = "spawn", gpus: Sequence[str] | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes; return the results.
 
     ``fn`` and ``args`` must be picklable (a module-level function). ``nodes`` pretends the ranks
     are spread over nodes, contiguously (a count, or per-node counts such as ``(3, 1)``).
     Raises ``RankFailedError`` for the first rank that fails (a Python exception, or dying
     without one) after killing every other rank; ``TimeoutError`` naming the unfinished ranks
-    when ``timeout`` seconds pass.
+    when ``timeout`` seconds pass. ``gpus``: each pretend node's CUDA_VISIBLE_DEVICES
+    (``pretend_node_gpus``); without it every rank sees this process's GPUs.
     """
     counts = node_layout(world_size, nodes)
     threads = thread_env(sum(counts))  # all pretend nodes share this machine
-    envs = [{**e, **threads} for e in local_rank_env(counts, free_port(), new_job_id())]
+    envs = [{**e, **threads} for e in local_rank_env(counts, free_port(), new_job_id(), gpus=gpus)]
     ctx = mp.get_context(start_method)
     procs, conns = [], []
     try:

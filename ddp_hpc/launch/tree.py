@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 import psutil
 
+from ddp_hpc.env import HostGpus
 from ddp_hpc.errors import HintError
 
 KILL_GRACE_S = 3.0  # SIGTERM first, SIGKILL after this many seconds
@@ -37,13 +38,34 @@ def node_layout(world_size: int, nodes: int | Sequence[int]) -> list[int]:
     return counts
 
 
+def pretend_node_gpus(counts: Sequence[int], host: HostGpus) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES of each pretend node: node k gets the next ``counts[k]`` of the
+    machine's GPUs, as a real node of ``--gpus-per-node=G`` would see its own G, so no two ranks
+    share a GPU. None when the machine has no GPU (gloo on the CPU, any layout);
+    ``LaunchError`` when the layout needs more GPUs than there are."""
+    if not host.ids:
+        return None
+    need = sum(counts)
+    if need > len(host.ids):
+        raise LaunchError(
+            f"{need} ranks ({len(counts)} pretend node(s) x {'/'.join(map(str, sorted(set(counts))))}) "
+            f"need one GPU each, but this machine has {len(host.ids)} ({host.source})",
+            f"ask for at most {len(host.ids)} ranks in all (pretend nodes take GPUs of their own), "
+            "or run every rank on the CPU with CUDA_VISIBLE_DEVICES= (empty) in front of the command")
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    return [",".join(host.ids[s:s + n]) for s, n in zip(starts, counts)]
+
+
 def local_rank_env(counts: Sequence[int], master_port: int, job_id: str,
-                   master_addr: str = "127.0.0.1") -> list[dict[str, str]]:
-    """The local-launcher variables of every rank, ranks laid out node by node."""
+                   master_addr: str = "127.0.0.1",
+                   gpus: Sequence[str] | None = None) -> list[dict[str, str]]:
+    """The local-launcher variables of every rank, ranks laid out node by node; with ``gpus``
+    (``pretend_node_gpus``), each rank's CUDA_VISIBLE_DEVICES is its node's."""
     world, out = sum(counts), []
     for node, n in enumerate(counts):
         for local in range(n):
             out.append({
+                **({"CUDA_VISIBLE_DEVICES": gpus[node]} if gpus is not None else {}),
                 "RANK": str(len(out)), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": str(node),
                 "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ddp_hpc.errors import HintError
+from ddp_hpc.slurm.conf import CONF_HINT, NO_CONFIG, NO_CONFIG_HINT, config_problem
 from ddp_hpc.slurm.hostlist import HostlistError, compress, expand
 from ddp_hpc.slurm.values import JOB_ID, NODE_NAME, SlurmArgumentError, gpus_in_gres, validate_job_id
 
@@ -108,6 +109,9 @@ class SlurmCLI:
         full_env = self.env
         if env:
             full_env = {**(self.env if self.env is not None else os.environ), **env}
+        problem = config_problem(full_env if full_env is not None else os.environ)
+        if problem:
+            raise SlurmError(argv, None, problem, CONF_HINT, status="not run")
         if self.controller_down and argv[0] in NEEDS_CONTROLLER:
             raise SlurmError(argv, None, self.controller_down, "is slurmctld reachable (scontrol ping)?",
                              status="not run: the controller did not answer an earlier command")
@@ -130,6 +134,8 @@ class SlurmCLI:
             stderr = done.stderr or ""
             down = [ln for ln in stderr.splitlines() if any(t in ln for t in CONTROLLER_DOWN)]
             self.controller_down = self.controller_down or (down[0] if down and argv[0] in NEEDS_CONTROLLER else None)
+            if not hint and NO_CONFIG in stderr:
+                hint = NO_CONFIG_HINT
             if not hint and "accounting storage is disabled" in stderr + (done.stdout or ""):
                 hint = ("sacct needs slurmdbd (AccountingStorageType=accounting_storage/slurmdbd); "
                         "sacct -c (completion=True) needs JobCompType in slurm.conf")

@@ -35,6 +35,7 @@ from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.submit import dispatch as submit_dispatch
+from ddp_hpc.submit import local as submit_local
 from ddp_hpc.submit import slurm as submit_slurm
 from ddp_hpc.submit.functions import describe, local_driver, rank_entry
 from ddp_hpc.submit.spec import JobSpec, SpecError, build_command_spec
@@ -199,6 +200,7 @@ def submit(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
                         "cannot carry it)", "use backend='submitit' or 'auto' (or submit a script)")
     spec = build_command_spec(opts, command=[f"<function {describe(target)}>"],
                               name=name or getattr(target, "__name__", "function"), log_root=log_dir)
+    submit_slurm.check_container(spec, chosen)
     if chosen == "local":
         return _chosen(_local_function(spec, target, tuple(args), dict(kwargs or {})), why)
     return _chosen(_submitit_function(spec, target, tuple(args), dict(kwargs or {}), cli), why)
@@ -210,6 +212,7 @@ def _chosen(job: Job, why: str) -> Job:
 
 
 def _local_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> Job:
+    submit_local.check_gpus(spec, os.environ)
     submit_dispatch.make_run_dirs(spec, None)
     job_id = f"local-{Path(spec.log_dir).name}"
     rec = submit_dispatch.record(spec, job_id, "local", socket.gethostname())

@@ -99,6 +99,7 @@ def _removed_note(removed: list[str]) -> str:
 def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfig] | None) -> int:
     job_id = f"local-{Path(spec.log_dir).name}"
     env, removed = submit_slurm.clean_slurm_env(os.environ)
+    submit_local.check_gpus(spec, env)
     if spec.is_command:
         env["DDP_HPC_PREEMPT_SIGNAL"] = spec.signal
     if args.dry_run:
@@ -180,6 +181,12 @@ def dispatch(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCL
              task_cfgs: Sequence[JobConfig] | None) -> int:
     """Run or submit ``spec`` on ``backend`` (``args``: dry_run, wait, wait_timeout, and quiet:
     no job id on stdout); the exit status of submit. The job record lands in ``args.record``."""
+    try:
+        submit_slurm.check_container(spec, backend)
+    except SpecError as exc:
+        if not (args.dry_run and backend == "sbatch"):
+            raise
+        say(f"dry run: {str(exc).splitlines()[0]}; the script checks the node's PATH as well")
     if backend == "local":
         return _local(spec, args, task_cfgs)
     preflight(spec, backend, cli, args.dry_run)

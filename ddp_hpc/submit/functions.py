@@ -20,7 +20,8 @@ import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
 
-from ddp_hpc.env import detect
+from ddp_hpc.env import detect, host_gpus
+from ddp_hpc.launch.tree import pretend_node_gpus
 from ddp_hpc.runlogs.writer import RunLog
 
 __all__ = ["rank_entry", "local_rank_entry", "local_driver", "describe"]
@@ -72,8 +73,10 @@ def local_driver(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any], l
     from ddp_hpc.launch import RankFailedError, launch_distributed
 
     try:
+        gpus = pretend_node_gpus([gpus_per_node] * nodes, host_gpus(os.environ))
         results = launch_distributed(local_rank_entry, nodes * gpus_per_node,
-                                     (fn, tuple(args), dict(kwargs), log_dir), nodes=nodes)
+                                     (fn, tuple(args), dict(kwargs), log_dir), nodes=nodes,
+                                     gpus=gpus)
         msg: tuple = ("ok", pickle.dumps(results[0]))
     except RankFailedError as exc:
         msg = ("err", exc)

@@ -21,15 +21,36 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ddp_hpc import records
+from ddp_hpc.env import host_gpus
 from ddp_hpc.fsutil import atomic_write_json
 from ddp_hpc.launch import start_local
+from ddp_hpc.launch.tree import LaunchError, pretend_node_gpus
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT, rank_out
-from ddp_hpc.submit.spec import JobSpec
-from ddp_hpc.text import plural
+from ddp_hpc.submit.spec import JobSpec, SpecError
+from ddp_hpc.text import plural, prog
 
-__all__ = ["write_plan", "run_plan", "start_detached", "main"]
+__all__ = ["check_gpus", "write_plan", "run_plan", "start_detached", "main"]
 
 PLAN_NAME = "local-plan.json"
+
+
+def check_gpus(spec: JobSpec, environ: Mapping[str, str]) -> None:
+    """Refuse a layout this machine's GPUs cannot hold, before anything starts: each pretend node
+    takes ``--gpus`` GPUs of its own (``ddp_hpc.launch.tree.pretend_node_gpus``), so N x G must
+    fit. A machine without a GPU runs any layout on the CPU (gloo)."""
+    host = host_gpus(environ)
+    try:
+        pretend_node_gpus([spec.gpus_per_node] * spec.nodes, host)
+    except LaunchError:
+        n = len(host.ids)
+        layout = f"--nodes {spec.nodes} --gpus {spec.gpus_per_node}"
+        raise SpecError(
+            f"{layout} asks the local backend for {spec.world_size} GPUs (one per rank), but this "
+            f"machine has {plural(n, 'GPU')} ({host.source})",
+            f"use --nodes 1 --gpus {n}" + (f" (or --nodes {n} --gpus 1: each pretend node takes "
+                                           "GPUs of its own)" if n > 1 else "")
+            + "; or run every rank on the CPU (gloo), any layout: CUDA_VISIBLE_DEVICES= "
+              f"{prog('submit')} {layout} ...") from None
 
 
 def write_plan(spec: JobSpec, job_id: str, record_id: str | None = None,

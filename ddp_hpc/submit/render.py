@@ -14,6 +14,9 @@ why:
   blocked in a collective until the NCCL/gloo timeout;
 - a node that failed: a restart placed again on a node that failed an earlier run requeues
   itself with that node in ``ExcNodeList`` (``ddp_hpc.recover.avoid``) before srun starts;
+- the user's srun options (``--srun-arg``) go on the srun line, each one quoted word; with
+  ``--container IMAGE`` every rank runs as ``apptainer exec --nv IMAGE ...`` (or singularity),
+  and the script stops with a clear message on a node that has neither;
 - logs: the batch output and one ``rank%t.out`` per rank in the job's log directory, which is
   also ``DDP_HPC_LOG_DIR`` for the run logs; an array task gets its own directory;
 - safety: every value that reaches shell code goes through ``shlex.quote``; values in
@@ -30,7 +33,7 @@ from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.runlogs.schema import batch_out, rank_out
 from ddp_hpc.submit.spec import JobSpec
 
-__all__ = ["render", "sbatch_options"]
+__all__ = ["render", "sbatch_options", "srun_args"]
 
 
 def sbatch_options(spec: JobSpec) -> list[tuple[str, str | None]]:
@@ -104,8 +107,33 @@ def render(spec: JobSpec) -> str:
         f'  rc=0; {shlex.quote(spec.python)} -m ddp_hpc.recover.avoid "$LOG_DIR" || rc=$?',
         f'  if [ "$rc" = {EX_TEMPFAIL} ]; then exit 0; fi',
         "fi",
+        *_container_lines(spec),
         'exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/'
-        + rank_out("%t") + '" "${ARGS[@]}"',
+        + rank_out("%t") + '"' + "".join(f" {shlex.quote(a)}" for a in srun_args(spec))
+        + ' "${ARGS[@]}"',
         "",
     ]
     return "\n".join(lines)
+
+
+def srun_args(spec: JobSpec) -> list[str]:
+    """The user's srun options (``--srun-arg`` / ``slurm.srun_args``), one word each, by name."""
+    return [f"--{key}" if value is True or value is None or value == "" else f"--{key}={value}"
+            for key, value in sorted(spec.options.srun_args.items())]
+
+
+def _container_lines(spec: JobSpec) -> list[str]:
+    """With ``--container IMAGE``: each rank runs as ``apptainer exec --nv IMAGE ARGS...`` (or
+    singularity), checked on the node, since the submitting machine's PATH proves nothing there."""
+    if not spec.options.container:
+        return []
+    image = shlex.quote(spec.options.container)
+    return [
+        "# each rank runs in the container; the runtime must be on the node",
+        "RUNTIME=$(command -v apptainer || command -v singularity || true)",
+        'if [ -z "$RUNTIME" ]; then',
+        f'  echo "ddp_hpc: --container {image}: neither apptainer nor singularity is on PATH on '
+        '$(hostname)" >&2; exit 2',
+        "fi",
+        f'ARGS=("$RUNTIME" exec --nv {image} "${{ARGS[@]}}")',
+    ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -23,9 +24,10 @@ from ddp_hpc.config.slurm_options import sbatch_items
 from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import rank_out
+from ddp_hpc.submit import render
 from ddp_hpc.submit.spec import JobSpec, SpecError
 
-__all__ = ["clean_slurm_env", "cleaned_environ", "check_against_cluster", "submitit_parameters",
+__all__ = ["clean_slurm_env", "cleaned_environ", "check_against_cluster", "check_container", "submitit_parameters",
            "submitit_folder", "submit_submitit", "submit_sbatch", "run_task", "run_command_task",
            "submitit_calls", "SCRIPT_NAME"]
 
@@ -94,6 +96,25 @@ def check_against_cluster(spec: JobSpec, partitions: Sequence[Mapping[str, Any]]
     return part["name"]
 
 
+CONTAINER_RUNTIMES = ("apptainer", "singularity")
+
+
+def check_container(spec: JobSpec, backend: str, path: str | None = None) -> None:
+    """``--container IMAGE`` goes through the sbatch backend and needs apptainer or singularity;
+    this machine's PATH is checked here (the batch script checks the node's again)."""
+    image = spec.options.container
+    if not image:
+        return
+    pyxis = f"with the pyxis plugin, --srun-arg container-image={image} works on every Slurm backend"
+    if backend != "sbatch":
+        raise SpecError(f"--container {image} runs through the sbatch backend, not {backend}",
+                        f"add --backend sbatch; {pyxis}")
+    if not any(shutil.which(rt, path=path) for rt in CONTAINER_RUNTIMES):
+        raise SpecError(f"--container {image} needs apptainer or singularity, and neither is on "
+                        "PATH here", "load or install one (e.g. `module load apptainer`) where "
+                        f"you submit and on the nodes; {pyxis}")
+
+
 # ----------------------------------------------------------------------------- submitit
 def run_task(config: str, overrides: list[str], log_dir: str) -> int:
     """What every submitit task runs: ``ddp_hpc.run`` in-process with the job's log directory.
@@ -155,7 +176,7 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
         "setup": [f"export SRUN_CPUS_PER_TASK={spec.cpus_per_task}",
                   f"cd {shlex.quote(spec.workdir)}"],
         "srun_args": ["--kill-on-bad-exit=1", "--open-mode=append", f"--output={out}",
-                      f"--error={out}"],
+                      f"--error={out}", *render.srun_args(spec)],
         "additional_parameters": extra,
     }
     # submitit names these parameters as sbatch does, with _ for -, and takes True for a flag
