@@ -22,7 +22,8 @@ from ddp_hpc.errors import HintError, report
 from ddp_hpc.launch.tree import recorded_processes, stop_processes
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.states import JobState, parse_state
-from ddp_hpc.status.targets import is_slurm_id
+from ddp_hpc.status.collect import collect
+from ddp_hpc.status.targets import StatusTarget, is_slurm_id, job_targets
 from ddp_hpc.submit.slurm import clean_slurm_env
 from ddp_hpc.text import HelpFormatter, plural, prog
 
@@ -112,28 +113,28 @@ def _cancel_slurm(job_id: str, rec, cli: SlurmCLI | None) -> str:
     if not cli.available():
         raise CancelError(f"job {job_id} is a Slurm job, but `scancel` is not on PATH here.",
                           "run `ddp-hpc cancel` on a login node of the cluster that runs the job.")
-    try:
-        cli.cancel(job_id)
-    except SlurmError as exc:
-        if rec is not None:
-            raise
-        raise CancelError(f"no job record with id {job_id!r} and scancel refused it: "
-                          f"{str(exc).splitlines()[0]}",
-                          f"check the id with `{prog('status')}` (ddp_hpc's jobs) or squeue.") from exc
+    if rec is None:  # scancel takes an id it does not know without a word: ask first
+        known = _states(job_id, rec, cli)
+        if all(st.job_state is JobState.UNKNOWN for st in known):
+            raise CancelError(f"no job record with id {job_id!r}, and Slurm does not know job {job_id} "
+                              "(squeue, sacct).",
+                              f"check the id with `{prog('status')}` (ddp_hpc's jobs) or squeue.")
+    cli.cancel(job_id)
     state = _settled_state(job_id, rec, cli)
     return f"job {job_id}: scancel sent" + (f"; Slurm says {state}" if state else "")
+
+
+def _states(job_id: str, rec, cli: SlurmCLI) -> list:
+    """What status says of the job now (one status per array task of a record)."""
+    return collect(job_targets(job_id, None) if rec is not None else [StatusTarget(job_id)], cli)
 
 
 def _settled_state(job_id: str, rec, cli: SlurmCLI) -> str | None:
     """The job's state once Slurm reports it ended (status keeps it in the record), waiting up to
     `SLURM_SETTLE_S`; None when it did not end in that time."""
-    from ddp_hpc.status.collect import collect
-    from ddp_hpc.status.targets import StatusTarget, job_targets
-
-    targets = job_targets(job_id, None) if rec is not None else [StatusTarget(job_id)]
     end = time.monotonic() + SLURM_SETTLE_S
     while True:
-        st = collect(targets, cli)
+        st = _states(job_id, rec, cli)
         if all(s.job_state.terminal for s in st) or time.monotonic() > end:
             return ", ".join(sorted({s.state for s in st})) if all(s.job_state.terminal for s in st) else None
         time.sleep(0.5)

@@ -87,4 +87,4 @@ def test_cancel_a_running_job_and_one_array_task(slurm_cluster, env, work):
 def test_cancel_of_an_id_slurm_does_not_know(slurm_cluster, env, work):
     p = ddp_hpc(slurm_cluster, env, work, "cancel", "999999", ok=False)
     assert p.returncode == 2, p.stdout + p.stderr
-    assert "no job record with id '999999' and scancel refused it" in p.stderr and "HINT:" in p.stderr
+    assert "Slurm does not know job 999999" in p.stderr and "HINT:" in p.stderr
