@@ -2,6 +2,7 @@
 
     ddp-hpc submit --nodes 2 --gpus 2 jobs/demo.yaml --wait
     ddp-hpc status [JOBID]
+    ddp-hpc cancel JOBID...
     ddp-hpc --help
 
 Each subcommand is also ``python -m ddp_hpc.<name>``; both spellings run the same ``main``.
@@ -24,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "exec": ("ddp_hpc.exec", "run your own training script as one rank (torchrun variables, signals, run log)"),
     "data": ("ddp_hpc.data.cli", "pack images into LMDB, verify it, stage it to node-local disk"),
     "status": ("ddp_hpc.status.cli", "list jobs, or show one job's state, progress, logs and failing rank"),
+    "cancel": ("ddp_hpc.submit.cancel", "stop jobs: a local job's every process, or scancel a Slurm job or task"),
     "records": ("ddp_hpc.records", "register a plain sbatch job so status lists it"),
     "testcluster": ("ddp_hpc.testcluster.__main__", "start or stop a real multi-node Slurm on this machine"),
 }

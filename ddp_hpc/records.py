@@ -11,9 +11,10 @@ that id (optionally only on one cluster). Writes are atomic (temp file in the sa
 fsync, rename), so a reader never sees half a record.
 
 Fields (docs/architecture.md, "Job records"): id, cluster, name, backend, nodes, gpus_per_node,
-time_limit, log_dir, config, overrides, submitted_at, cwd, array, pids, script, command, final.
-``final`` is written by ``ddp_hpc.status`` once the scheduler reports the job ended (Slurm forgets
-it later; a cluster can go down): see :func:`store_final`.
+time_limit, log_dir, config, overrides, submitted_at, cwd, array, pids, pid_times, script, command,
+final. ``final`` is written by ``ddp_hpc.status`` once the scheduler reports the job ended (Slurm
+forgets it later; a cluster can go down), by the local driver when a local run ends, and by
+``ddp-hpc cancel``: see :func:`store_final`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any, Iterable, Mapping
 from ddp_hpc.env import job_facts
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.fsutil import atomic_write_json
+from ddp_hpc.slurm.states import parse_state
+from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.text import HelpFormatter, prog
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "list_records",
     "final_of",
     "store_final",
+    "local_final",
 ]
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -74,11 +78,14 @@ class JobRecord:
     cwd: str
     array: list[dict] | None = None
     pids: list[int] | None = None
+    #: when each of ``pids`` started (unix seconds, same order), so a pid reused later is not the job's
+    pid_times: list[float | None] | None = None
     script: str | None = None
     command: list[str] | None = None
     #: the job's terminal state as the scheduler last reported it (see `store_final`): state,
     #: state_name, source, seen_at, elapsed, time_limit, exit_code, steps, rank_exit_codes,
-    #: node_list; for a job array a dict of those per task id (``{"3": {...}}``)
+    #: node_list (a local job's also started_at, ended_at); for a job array a dict of those per
+    #: task id (``{"3": {...}}``)
     final: dict | None = None
     #: keys a newer writer added that this version does not know; kept so a rewrite loses nothing
     extra: dict = dataclasses.field(default_factory=dict)
@@ -187,6 +194,17 @@ def store_final(rec: JobRecord, finals: Mapping[str | None, dict],
     base.final = rec.final = final
     update_record(base, environ)
     return True
+
+
+def local_final(state: str, started_at: float | None, ended_at: float, source: str,
+                reason: str | None = None, exit_code: str | None = None) -> dict:
+    """The terminal state of a local run as `store_final` keeps it (``state``: a label such as
+    ``"CANCELLED by SIGTERM"``; ``source``: who saw it end)."""
+    info = parse_state(state)
+    elapsed = format_duration(ended_at - started_at) if started_at else None
+    return {"state": info.label, "state_name": info.state.name, "source": source,
+            "seen_at": round(ended_at, 3), "started_at": started_at, "ended_at": round(ended_at, 3),
+            "elapsed": elapsed, "time_limit": None, "exit_code": exit_code, "reason": reason}
 
 
 def _same(a: object, b: Mapping) -> bool:

@@ -303,7 +303,7 @@ def test_the_documented_tree_lists_every_module():
     assert not missing, "add these to the tree in docs/architecture.md:\n" + "\n".join(missing)
 
 
-COMMANDS = ["submit", "env", "launch", "run", "exec", "data", "status", "records", "testcluster"]
+COMMANDS = ["submit", "env", "launch", "run", "exec", "data", "status", "cancel", "records", "testcluster"]
 
 
 def _ddp_hpc(*args: str) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ DDP_HPC_JOB_ID, so `ddp_hpc.env.detect()` derives the same DistEnv it would on a
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import uuid
@@ -120,3 +121,81 @@ def kill_tree(pids: Sequence[int], grace: float = KILL_GRACE_S) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=grace)
+
+
+#: how far a process's start time may lie from the one recorded for its pid (clock rounding)
+PID_TIME_SLACK_S = 1.0
+
+
+def start_time(pid: int) -> float | None:
+    """When process ``pid`` started (unix seconds), or None when there is no such process: what
+    a job record keeps beside each pid, so a pid reused later is not taken for the job's."""
+    try:
+        return psutil.Process(int(pid)).create_time()
+    except (psutil.Error, ValueError):
+        return None
+
+
+def recorded_processes(pids: Sequence[int], times: Sequence[float | None] | None = None,
+                       not_before: float | None = None, not_after: float | None = None) -> list[psutil.Process]:
+    """The live processes among ``pids`` that are still the ones recorded: started at the time
+    recorded for them (``times``, same order), else (no time kept) within ``not_before`` ..
+    ``not_after``. Zombies and pids another process took since are left out."""
+    out = []
+    times = list(times or [])
+    for i, pid in enumerate(pids):
+        try:
+            p = psutil.Process(int(pid))
+            started = p.create_time()
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (psutil.Error, ValueError, TypeError):
+            continue
+        known = times[i] if i < len(times) else None
+        if known is not None:
+            if abs(started - float(known)) > PID_TIME_SLACK_S:
+                continue
+        elif (not_before is not None and started < not_before - PID_TIME_SLACK_S) or (
+                not_after is not None and started > not_after):
+            continue
+        out.append(p)
+    return out
+
+
+def stop_processes(procs: Sequence[psutil.Process], grace: float = KILL_GRACE_S,
+                   groups: Sequence[int] = ()) -> list[int]:
+    """SIGTERM each process and its descendants, and the process group of each pid in ``groups``
+    that still leads one (a local rank's session: the script under ``ddp_hpc.exec``, DataLoader
+    workers); SIGKILL whatever is left after ``grace`` seconds. Returns the pids that needed
+    SIGKILL."""
+    tree: dict[int, psutil.Process] = {}
+    for p in procs:
+        for q in [p, *_children(p)]:
+            tree.setdefault(q.pid, q)
+    _signal_all(tree.values(), groups, signal.SIGTERM)
+    _, alive = psutil.wait_procs(list(tree.values()), timeout=grace)
+    _signal_all(alive, [g for g in groups if any(p.pid == g for p in alive)], signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=KILL_GRACE_S)
+    return sorted(p.pid for p in alive)
+
+
+def _children(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _signal_all(procs, leaders: Sequence[int], sig: int) -> None:
+    """Send ``sig`` to every process, and to the group of each leader that still leads one."""
+    for pid in leaders:
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass

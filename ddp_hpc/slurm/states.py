@@ -45,6 +45,8 @@ class JobState(enum.Enum):
     OUT_OF_MEMORY = "OUT_OF_MEMORY"
     LAUNCH_FAILED = "LAUNCH_FAILED"
     REVOKED = "REVOKED"
+    #: not a Slurm state: a local job stopped with Ctrl-C (SIGINT) from the terminal that ran it
+    INTERRUPTED = "INTERRUPTED"
     UNKNOWN = "UNKNOWN"
 
     @property
@@ -72,7 +74,7 @@ _ACTIVE = frozenset({
 _TERMINAL = frozenset({
     JobState.COMPLETED, JobState.CANCELLED, JobState.FAILED, JobState.TIMEOUT,
     JobState.NODE_FAIL, JobState.PREEMPTED, JobState.BOOT_FAIL, JobState.DEADLINE,
-    JobState.OUT_OF_MEMORY, JobState.LAUNCH_FAILED, JobState.REVOKED,
+    JobState.OUT_OF_MEMORY, JobState.LAUNCH_FAILED, JobState.REVOKED, JobState.INTERRUPTED,
 })
 
 #: squeue ``%t`` / ``--states`` compact codes (Slurm's job_state_string_compact).

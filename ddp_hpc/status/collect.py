@@ -18,12 +18,12 @@ from ddp_hpc.runlogs import timing
 from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.reader import Failure, RunLogs, RunProgress
-from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import sources as src
+from ddp_hpc.status.stopped import STOPPED, stall_before_stop
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
 
@@ -153,31 +153,13 @@ def _task_id(t: StatusTarget) -> str | None:
 
 
 def _state_of(t: StatusTarget, sched: SourceState | None, tried: list[str], logs: RunLogs,
-              notes: list[str], only: str | None) -> SourceState:
-    """Where the state comes from: the scheduler, a local job's processes and logs, else the
-    final state kept in the record, else the logs."""
-    rec = t.record
-    if t.local:
-        alive = src.pids_alive(getattr(rec, "pids", None), getattr(rec, "submitted_at", None),
-                               getattr(rec, "cluster", None))
-        if alive is None and getattr(rec, "pids", None):
-            notes.append("pids recorded on another host; state from the logs")
-        driver = str(Path(rec.log_dir) / LOCAL_DRIVER_OUT) if getattr(rec, "log_dir", None) else None
-        return src.from_logs(logs, [], src.PROCESSES if alive is not None else src.LOGS, alive,
-                             driver_out=driver)
-    final = records.final_of(rec, _task_id(t)) if only is None else None
+              only: str | None) -> SourceState:
+    """Where a Slurm job's state comes from: the scheduler, else the final state kept in the
+    record, else the logs."""
+    final = records.final_of(t.record, _task_id(t)) if only is None else None
     if final and (sched is None or sched.state.state is JobState.UNKNOWN):
-        return _from_final(final, sched.tried if sched else tried)
+        return src.from_final(final, sched.tried if sched else tried)
     return sched if sched is not None else src.from_logs(logs, tried)
-
-
-def _from_final(final: dict, tried: list[str]) -> SourceState:
-    seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(final.get("seen_at") or 0)))
-    note = f"record: the final state {final.get('source') or 'the scheduler'} reported at {seen}"
-    return SourceState(parse_state(final.get("state")), "record", list(tried) + [note],
-                           elapsed=final.get("elapsed"), time_limit=final.get("time_limit"),
-                           node_list=final.get("node_list"), exit_code=final.get("exit_code"),
-                           steps=list(final.get("steps") or []), restarts=final.get("restarts"))
 
 
 def _final(sched: SourceState, codes: dict[int, int], now: float) -> dict | None:
@@ -195,7 +177,10 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     rec = t.record
     logs = RunLogs(t.log_dir)
     notes: list[str] = []
-    sched = _state_of(t, sched, tried, logs, notes, only)
+    if t.local:
+        sched, keep = src.local_state(rec, _task_id(t), logs, notes, now)
+    else:
+        sched, keep = _state_of(t, sched, tried, logs, only), None
     state = sched.state
     failure, endings = _diagnose(logs, sched, notes)
     runs = logs.runs()
@@ -212,7 +197,9 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     if bad:
         notes.append(f"{plural(bad, 'unreadable line')} in the event streams skipped")
     if t.log_dir and not Path(t.log_dir).is_dir():
-        notes.append(f"log directory {t.log_dir} does not exist (yet)")
+        notes.append(f"log directory {t.log_dir} " + (
+            "does not exist (yet)" if not state.state.terminal else "is gone; final state from the record"
+            if sched.source == src.RECORD else "is gone"))
     # srun's "task R: Exited" lines stay in the appended batch output after a requeue: only
     # worth showing when the job did not complete
     codes = {} if state.state is JobState.COMPLETED else logs.srun_exit_codes()
@@ -236,7 +223,7 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
         overrides=_overrides(t))
     _timing(st, logs, now)
-    return st, _final(sched, logs.srun_exit_codes(), now)
+    return st, keep if t.local else _final(sched, logs.srun_exit_codes(), now)
 
 
 def _diagnose(logs: RunLogs, sched: SourceState, notes: list[str]):
@@ -254,6 +241,8 @@ def _diagnose(logs: RunLogs, sched: SourceState, notes: list[str]):
     else:  # cancelled, timed out, preempted, unknown, still running: every rank may have been
         # stopped from outside, so only what a rank wrote itself (an error event, a traceback)
         failure, endings = attribute(logs, sched=facts, evidence_only=True)
+    if failure is None and state in STOPPED and not over:  # a stall the stop ended
+        failure = stall_before_stop(logs)
     if failure is not None and state.active and not over:
         notes.append(f"the scheduler says {sched.state.label} but rank {failure.rank} failed "
                      f"({failure.basis}); the job should end soon (kill-on-bad-exit)")

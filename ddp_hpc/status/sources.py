@@ -8,14 +8,20 @@ the source that answered, so a user can judge how fresh the answer is.
 from __future__ import annotations
 
 import socket
+import time
+from pathlib import Path
 
-import psutil
-
+from ddp_hpc import records
+from ddp_hpc.launch.tree import recorded_processes
 from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
 from ddp_hpc.slurm.query import SUBMIT_SLACK_S, SourceState
-from ddp_hpc.slurm.states import JobState, StateInfo
+from ddp_hpc.slurm.states import JobState, StateInfo, parse_state
+from ddp_hpc.slurm.times import format_duration
 
-PROCESSES, LOGS = "processes", "logs"
+PROCESSES, LOGS, RECORD = "processes", "logs", "record"
+#: the ``source`` of a local job's final state that status saw (its processes gone)
+STATUS = "ddp-hpc status (the processes were gone)"
 
 
 def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
@@ -24,14 +30,24 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
     local job's driver wrote what happened before the ranks could write events."""
     outcome = logs.outcome()
     reason = None
+    runs = logs.runs()
+    stopped = runs[-1].end_status if runs and outcome is None else None
     if now_alive:
         return SourceState(StateInfo(JobState.RUNNING, "processes alive"), source, list(tried))
-    if outcome == "completed":
+    if logs.log_dir is not None and not logs.log_dir.is_dir():
+        st = StateInfo(JobState.UNKNOWN, "log directory gone")
+        reason = f"log directory {logs.log_dir} is gone and no final state was kept"
+    elif stopped == "interrupted":  # Ctrl-C: every rank stopped cleanly
+        st = StateInfo(JobState.INTERRUPTED, "end: interrupted")
+    elif stopped == "killed":  # a signal from outside (the wrapper forwarded it)
+        sigs = sorted({str(e.get("signal")) for e in logs.last_events().values()
+                       if e.get("event") == "end" and e.get("signal")})
+        st = StateInfo(JobState.CANCELLED, "end: killed", f"by {sigs[0]}" if len(sigs) == 1 else "")
+    elif outcome == "completed":
         st = StateInfo(JobState.COMPLETED, "end: completed")
     elif outcome == "failed":
         st = StateInfo(JobState.FAILED, "end: failed")
     elif outcome == "preempted":
-        runs = logs.runs()
         requeued = bool(runs and runs[-1].requeued)
         st = StateInfo(JobState.REQUEUED if requeued else JobState.PREEMPTED,
                        "end: preempted", "(requeue requested)" if requeued else "")
@@ -48,24 +64,56 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
     return SourceState(st, source, list(tried), reason=reason)
 
 
-def pids_alive(pids, submitted_at: float | None, cluster: str | None) -> bool | None:
+def pids_alive(pids, submitted_at: float | None, cluster: str | None,
+               pid_times=None) -> bool | None:
     """True when any of the local job's processes still runs; None when this machine cannot tell
-    (the record was written on another host). A pid reused by a process started long after the
-    submission does not count. An empty list is the local driver's word that it finished."""
+    (the record was written on another host). A pid that another process took since does not
+    count (its start time differs from the one recorded; without one: it started before the
+    submission or long after). An empty list is the local driver's word that it finished."""
     if pids is not None and len(pids) == 0:
         return False
     if not pids:
         return None
     if cluster and cluster not in (socket.gethostname(), socket.getfqdn(), "localhost"):
         return None
-    for pid in pids:
-        try:
-            p = psutil.Process(int(pid))
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if submitted_at and p.create_time() > float(submitted_at) + SUBMIT_SLACK_S:
-                continue
-            return True
-        except (psutil.Error, ValueError, TypeError):
-            continue
-    return False
+    late = float(submitted_at) + SUBMIT_SLACK_S if submitted_at else None
+    return bool(recorded_processes(pids, pid_times, not_before=submitted_at, not_after=late))
+
+
+def from_final(final: dict, tried: list[str]) -> SourceState:
+    """The terminal state a job's record keeps (`records.store_final`)."""
+    seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(final.get("seen_at") or 0)))
+    note = f"record: the final state {final.get('source') or 'the scheduler'} reported at {seen}"
+    return SourceState(parse_state(final.get("state")), RECORD, list(tried) + [note],
+                       elapsed=final.get("elapsed"), time_limit=final.get("time_limit"),
+                       node_list=final.get("node_list"), exit_code=final.get("exit_code"),
+                       steps=list(final.get("steps") or []), restarts=final.get("restarts"),
+                       reason=final.get("reason"))
+
+
+def local_state(rec, task_id: str | None, logs: RunLogs, notes: list[str],
+                now: float) -> tuple[SourceState, dict | None]:
+    """A local job's (or local array task's) state and the final state to keep in its record
+    (None: nothing new). The record's final state, written when its run ended, comes first;
+    else the processes (alive: RUNNING) and the run logs."""
+    final = records.final_of(rec, task_id)
+    if final and parse_state(final.get("state")).state.terminal:
+        return from_final(final, []), None
+    pids = getattr(rec, "pids", None)
+    alive = pids_alive(pids, getattr(rec, "submitted_at", None), getattr(rec, "cluster", None),
+                       getattr(rec, "pid_times", None))
+    if alive is None and pids:
+        notes.append("pids recorded on another host; state from the logs")
+    log_dir = getattr(rec, "log_dir", None)
+    driver = str(Path(log_dir) / LOCAL_DRIVER_OUT) if log_dir else None
+    st = from_logs(logs, [], PROCESSES if alive is not None else LOGS, alive, driver_out=driver)
+    if alive and task_id is not None and not logs.exists:
+        st.state = StateInfo(JobState.PENDING, "waiting for the earlier tasks")
+    runs = logs.runs()
+    first = runs[-1].started if runs else None
+    started = first if task_id is not None else (getattr(rec, "submitted_at", None) or first)
+    ended = now if st.state.state.active else (runs[-1].last_time if runs else None)
+    st.elapsed = format_duration(ended - started) if started and ended else None
+    if alive is False and st.state.state.terminal:
+        return st, records.local_final(st.state.label, started, ended or now, STATUS, reason=st.reason)
+    return st, None

@@ -30,13 +30,14 @@ from typing import Any, Callable, Mapping, Sequence
 from ddp_hpc.config import SlurmOptions
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.launch import RankFailedError
-from ddp_hpc.launch.tree import kill_tree
+from ddp_hpc.launch.tree import start_time
 from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.submit import dispatch as submit_dispatch
 from ddp_hpc.submit import local as submit_local
 from ddp_hpc.submit import slurm as submit_slurm
+from ddp_hpc.submit.cancel import GRACE_S, cancel_record
 from ddp_hpc.submit.functions import describe, local_driver, rank_entry
 from ddp_hpc.submit.spec import JobSpec, SpecError, build_command_spec
 from ddp_hpc.submit.target import script_command
@@ -135,14 +136,14 @@ class Job:
         return RankFailedError(f.rank, str(f.exc_type or f.kind or state),
                                str(f.message or f.summary or state), tb)
 
-    def cancel(self) -> None:
-        """scancel the Slurm job, or stop every local process."""
+    def cancel(self, grace: float = GRACE_S) -> None:
+        """Stop the job: scancel a Slurm job, or every local process (SIGTERM, SIGKILL after
+        ``grace`` seconds); its record and ``ddp-hpc status`` then say CANCELLED."""
         self._cancelled = True
-        if self._driver is not None:
-            kill_tree([self._driver.pid])
-            self._driver.join(timeout=10)
-        elif self.backend == "local":
-            kill_tree(list(self.record.pids or [])[:1])
+        if self.backend == "local":
+            cancel_record(self.record, grace)
+            if self._driver is not None:
+                self._driver.join(timeout=10)
         else:
             SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0]).cancel(self.job_id)
 
@@ -227,7 +228,7 @@ def _local_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> J
         raise SpecError(f"cannot send {describe(fn)} or its arguments to a new process: {exc}",
                         "submit a function defined at module level, with picklable arguments") from exc
     send.close()
-    rec.pids = [driver.pid]
+    rec.pids, rec.pid_times = [driver.pid], [start_time(driver.pid)]
     submit_dispatch.records.update_record(rec)
     return Job(rec, driver=driver, conn=recv)
 

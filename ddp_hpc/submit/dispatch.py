@@ -21,6 +21,7 @@ import yaml
 from ddp_hpc import records
 from ddp_hpc.config import JobConfig, config_to_dict
 from ddp_hpc.fsutil import atomic_write_text
+from ddp_hpc.launch.tree import start_time
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.submit import local as submit_local
@@ -123,9 +124,10 @@ def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfi
         f"logs in {spec.log_dir}")
     if args.wait:
         rc = submit_local.run_plan(plan, follow=True, env=env)
-        say(f"job {job_id} {'completed' if rc == 0 else f'failed (exit status {rc})'}")
+        say(f"job {job_id} {submit_local.ending_words(rc)}")
         return rc
     rec.pids = [submit_local.start_detached(plan, env, spec.python)]
+    rec.pid_times = [start_time(rec.pids[0])]
     records.update_record(rec)
     say(f"started in the background (driver pid {rec.pids[0]}); follow it with "
         f"`{prog('status')} {job_id}`")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,16 +23,19 @@ from typing import Mapping, Sequence
 
 from ddp_hpc import records
 from ddp_hpc.env import host_gpus
+from ddp_hpc.exits import exit_status_of_signal
 from ddp_hpc.fsutil import atomic_write_json
 from ddp_hpc.launch import start_local
-from ddp_hpc.launch.tree import LaunchError, pretend_node_gpus
+from ddp_hpc.launch.tree import LaunchError, pretend_node_gpus, start_time
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT, rank_out
 from ddp_hpc.submit.spec import JobSpec, SpecError
 from ddp_hpc.text import plural, prog
 
-__all__ = ["check_gpus", "write_plan", "run_plan", "start_detached", "main"]
+__all__ = ["check_gpus", "write_plan", "run_plan", "start_detached", "ending_words", "main"]
 
 PLAN_NAME = "local-plan.json"
+#: the ``source`` of the final states the driver keeps in the record
+DRIVER = "the local driver"
 
 
 def check_gpus(spec: JobSpec, environ: Mapping[str, str]) -> None:
@@ -73,15 +77,43 @@ def write_plan(spec: JobSpec, job_id: str, record_id: str | None = None,
 
 
 def _set_pids(plan: dict, pids: list[int]) -> None:
+    """Keep the record's pids (and when each started) current."""
+    _update(plan, pids=pids)
+
+
+def _set_final(plan: dict, finals: dict) -> None:
+    """Keep how runs ended (task id, None for a single run -> `records.local_final`) in the record."""
+    _update(plan, finals=finals)
+
+
+def _update(plan: dict, pids: list[int] | None = None, finals: dict | None = None) -> None:
     if not plan.get("record_id"):
         return
     env = {"DDP_HPC_HOME": plan["ddp_hpc_home"]} if plan.get("ddp_hpc_home") else None
     try:
         rec = records.load_record(plan["record_id"], environ=env)
-        rec.pids = pids
-        records.update_record(rec, env)
+        if finals:
+            records.store_final(rec, finals, env)
+        if pids is not None:
+            rec = records.load_record(plan["record_id"], environ=env)
+            rec.pids, rec.pid_times = pids, [start_time(p) for p in pids]
+            records.update_record(rec, env)
     except (records.JobRecordError, OSError) as exc:
         print(f"ddp_hpc: could not update the job record: {exc}", file=sys.stderr)
+
+
+def _ending(res, started: float) -> dict:
+    """The final state of one run, from how its ranks ended: a stop from outside is CANCELLED
+    (SIGTERM: `ddp-hpc cancel`, kill) or INTERRUPTED (Ctrl-C), never FAILED."""
+    if res.ok:
+        return records.local_final("COMPLETED", started, time.time(), DRIVER)
+    if res.interrupted:
+        state = "INTERRUPTED" if res.interrupted == "SIGINT" else "CANCELLED"
+        return records.local_final(f"{state} by {res.interrupted}", started, time.time(), DRIVER)
+    rc = res.returncodes[res.first_failed_rank]
+    return records.local_final("FAILED", started, time.time(), DRIVER,
+                               reason=f"rank {res.first_failed_rank} exited with {rc}",
+                               exit_code=f"{rc}:0" if rc >= 0 else f"0:{-rc}")
 
 
 def _run_one(plan: dict, run: dict, env: Mapping[str, str] | None,
@@ -92,10 +124,12 @@ def _run_one(plan: dict, run: dict, env: Mapping[str, str] | None,
     print(f"ddp_hpc local: {label} {run['job_id']}: {plural(n * g, 'process')} on "
           f"{plural(n, 'pretend node')}, logs in {run['log_dir']}", flush=True)
     run_env = {**(os.environ if env is None else env), "DDP_HPC_LOG_DIR": run["log_dir"]}
+    started = time.time()
     lr = start_local(run["argv"], nodes=n, procs_per_node=g, log_dir=run["log_dir"], env=run_env,
                      job_id=run["job_id"])
     _set_pids(plan, [os.getpid(), *lr.pids])
     res = lr.wait(echo=sys.stdout if follow else None)
+    _set_final(plan, {_task_key(run): _ending(res, started)})
     if res.ok:
         print(f"ddp_hpc local: {label} {run['job_id']} completed: "
               f"{'the process' if n * g == 1 else f'all {n * g} ranks'} exited 0", flush=True)
@@ -117,13 +151,33 @@ def run_plan(plan_path: str | os.PathLike, follow: bool = False,
     status of the first failing run, else 0; an interrupted run ends the plan."""
     plan = json.loads(Path(plan_path).read_text())
     worst = 0
-    for run in plan["runs"]:
+    for i, run in enumerate(plan["runs"]):
         rc, interrupted = _run_one(plan, run, env, follow)
         if interrupted:
+            now = time.time()
+            _set_final(plan, {_task_key(r): records.local_final(
+                "CANCELLED", None, now, DRIVER, reason="not started: the job was stopped before this task")
+                for r in plan["runs"][i + 1:]})
+            _set_pids(plan, [])
             return rc
         worst = worst or rc
     _set_pids(plan, [])
     return worst
+
+
+def ending_words(rc: int) -> str:
+    """How a run of the plan ended, from its exit status, in words."""
+    if rc == 0:
+        return "completed"
+    if rc == exit_status_of_signal(signal.SIGINT):
+        return "interrupted (Ctrl-C, exit status 130)"
+    if rc == exit_status_of_signal(signal.SIGTERM):
+        return "cancelled (SIGTERM, exit status 143)"
+    return f"failed (exit status {rc})"
+
+
+def _task_key(run: dict) -> str | None:
+    return None if run["task_id"] is None else str(run["task_id"])
 
 
 def start_detached(plan_path: Path, env: Mapping[str, str], python: str = sys.executable) -> int:
