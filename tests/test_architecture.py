@@ -22,7 +22,7 @@ MAX_FUNCTION_LINES = 60
 #: fact: it says which cluster Slurm's commands talk to, and ddp_hpc/slurm/conf.py checks it
 FACT_VAR = re.compile(r"^(SLURM_(?!CONF$)\w+|SUBMITIT_\w+|TORCHELASTIC_\w+|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE"
                       r"|GROUP_RANK|GROUP_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|DDP_HPC_(LOG_DIR|JOB_ID|LAUNCHER"
-                      r"|NUM_NODES|MASTER_PORT|JOB_END_TIME))$")
+                      r"|NUM_NODES|MASTER_PORT|JOB_END_TIME|RESTART_BASE))$")
 SLURM_COMMANDS = {"sbatch", "srun", "squeue", "sacct", "scontrol", "sinfo", "scancel", "sbcast", "salloc",
                   "sacctmgr", "sstat"}
 #: written-down exceptions to "only slurm/cli.py starts Slurm commands": the test cluster sets up the

@@ -315,3 +315,18 @@ def test_task_ids_without_a_step_id_are_refused_not_rank_0_of_1(var):
         detect(environ)
     assert f"{var}=3" in str(exc.value) and "no SLURM_STEP_ID" in str(exc.value)
     assert "rank 0 of 1" in str(exc.value)
+
+
+def test_a_resumed_runs_restart_numbers_follow_the_earlier_runs():
+    """DDP_HPC_RESTART_BASE (a job that resumes a stopped run) adds to every launcher's count;
+    JobFacts.requeues stays the scheduler's own."""
+    base = {"DDP_HPC_RESTART_BASE": "2"}
+    assert detect(srun_task(0, 0, 0, extra={**base, "SLURM_RESTART_COUNT": "1"}),
+                  ancestors=ancestors_ok).restart_count == 3
+    assert detect({**torchrun_task(0, 0), **base}).restart_count == 2
+    assert detect({**torchrun_task(0, 0), "DDP_HPC_LAUNCHER": "local", **base}).restart_count == 2
+    assert detect(base).restart_count == 2 and detect({}).restart_count == 0
+    facts = envmod.job_facts({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1", **base})
+    assert (facts.restart_count, facts.restart_base, facts.requeues) == (3, 2, 1)
+    facts = envmod.job_facts({"DDP_HPC_RESTART_BASE": "x"})
+    assert (facts.restart_count, facts.restart_base, facts.requeues) == (0, 0, 0)

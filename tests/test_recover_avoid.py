@@ -4,6 +4,7 @@ them. The run logs are written the way a 2-node x 2-task job leaves them when no
 Slurm commands go to a recording runner here (the real cluster run is
 tests/cluster/test_nodefail_cluster.py)."""
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -113,3 +114,17 @@ def test_requeue_with_exclude_validates_node_names_first():
     assert rec.calls == []
     SlurmCLI(runner=rec).requeue("77")
     assert rec.calls == [["scontrol", "requeue", "77"]]       # no exclusion: one command
+
+
+def test_a_resumed_jobs_first_run_asks_nothing_and_its_requeue_checks(tmp_path):
+    """A job that resumed a stopped run starts at restart DDP_HPC_RESTART_BASE: the placement
+    check runs on the scheduler's requeues of the job, not on its first run."""
+    node2_died(tmp_path, then_restart=False)   # the earlier job's restart 0 lost n2
+    facts = job_facts({"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "0", "SLURM_JOB_NODELIST": "n[1-2]",
+                       "DDP_HPC_RESTART_BASE": "1"})
+    rec = Recorder()
+    assert check_placement(tmp_path, facts, SlurmCLI(runner=rec)) == 0 and rec.calls == []
+    requeued = dataclasses.replace(facts, restart_count=2)   # its first requeue
+    rec, out = Recorder(stdout="JobId=78 JobName=demo ExcNodeList=(null) Restarts=1\n"), io.StringIO()
+    assert check_placement(tmp_path, requeued, SlurmCLI(runner=rec), out=out) == REQUEUED
+    assert "restart 2 landed on n2, which failed an earlier run" in out.getvalue()

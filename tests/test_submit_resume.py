@@ -21,7 +21,8 @@ from ddp_hpc.config import config_to_dict, load_config
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.submit import render
-from ddp_hpc.submit.resume import resume_or_new
+from ddp_hpc.submit.resume import next_restart, resume_or_new
+from ddp_hpc.submit.slurm import submitit_parameters
 from ddp_hpc.submit.spec import SpecError, build_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +80,35 @@ def test_the_same_local_submit_resumes_its_interrupted_run(tmp_path):
     assert str(run_dir) not in done.stdout
 
 
+def test_a_failed_local_run_resumed_to_completion_reads_completed_with_both_runs(tmp_path):
+    """The resumed run's events carry restart 1 after the failed run's 0: status judges the
+    newest run (COMPLETED) and lists both."""
+    argv = [sys.executable, "-m", "ddp_hpc.submit", "-N", "1", "-G", "2", "--backend", "local",
+            DEMO, "--wait", "--", f"log.dir={tmp_path / 'runs'}", "train.epochs=1",
+            "data.kwargs.size=1024", "data.eval_split=0.0", "log.progress=lines", "log.every_n_steps=1",
+            "checkpoint.every_steps=2", "data.dataset=tests.resume_helpers:fail_once",
+            f"data.kwargs.marker={tmp_path / 'failed-once'}"]
+    env = _env(tmp_path)
+    first = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode != 0 and "FailedOnce" in first.stdout + first.stderr, first.stderr[-2000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    w = argv.index("--wait")
+    dry = subprocess.run([*argv[:w], "--dry-run", *argv[w:]], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert f"DDP_HPC_RESTART_BASE=1 DDP_HPC_LOG_DIR={run_dir} " in dry.stdout, dry.stdout + dry.stderr
+    again = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"resuming run {run_dir.name} from its checkpoint" in again.stderr
+    job_id = f"local-{run_dir.name}"
+    st = subprocess.run([sys.executable, "-m", "ddp_hpc.status", "--json", job_id], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert st.returncode == 0, st.stderr
+    job = json.loads(st.stdout)
+    assert job["state"] == "COMPLETED" and job["restarts"] == 1, job
+    assert [(r["restart"], r["end_status"]) for r in job["runs"]] == [(0, "failed"), (1, "completed")]
+    assert "FailedOnce" in job["runs"][0]["cause"]
+
+
 class _Queue:
     """squeue's answer for the earlier job."""
 
@@ -122,8 +152,14 @@ def test_a_slurm_submission_resumes_into_the_run_dir_its_record_names(tmp_path, 
     spec = resume_or_new(new, backend, [cfg], fresh=False, cli=_Queue(None), say=said.append)
     assert spec.log_dir == str(run_dir) and spec.tasks[0].log_dir == str(run_dir)
     assert said == [f"resuming run {run_dir.name} from its checkpoint at step 40; --fresh starts over"]
+    assert spec.restart_base == 1 and new.restart_base == 0     # restarts after the earlier run's 0
     if backend == "sbatch":
         assert f"LOG_DIR={run_dir}\n" in render.render(spec)
+        assert "\nexport DDP_HPC_RESTART_BASE=1\n" in render.render(spec)
+        assert "DDP_HPC_RESTART_BASE" not in render.render(new)
+    else:
+        assert "export DDP_HPC_RESTART_BASE=1" in submitit_parameters(spec)["setup"]
+        assert not any("RESTART_BASE" in line for line in submitit_parameters(new)["setup"])
     other = resume_or_new(new, "sbatch" if backend == "submitit" else "submitit", [cfg], fresh=False,
                           cli=_Queue(None), say=said.append)
     assert other.log_dir == new.log_dir != str(run_dir)          # another backend: another run
@@ -131,6 +167,19 @@ def test_a_slurm_submission_resumes_into_the_run_dir_its_record_names(tmp_path, 
     assert resume_or_new(new, backend, [changed], fresh=False, cli=_Queue(None),
                          say=said.append).log_dir == new.log_dir
     assert said[-1] == f"the config file changed since the earlier run {run_dir.name}; starting a new run"
+
+
+def test_restart_numbers_of_a_resumed_run_start_after_the_highest_in_every_task_dir(tmp_path):
+    for name, restarts in (("task0", [0, 1]), ("task1", [0, 1, 2]), ("task2", [])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank0.events.jsonl").write_text(
+            "".join(json.dumps({"event": "start", "restart": r}) + "\n" for r in restarts))
+    assert next_restart([str(tmp_path / "task0"), str(tmp_path / "task1")]) == 3
+    assert next_restart([str(tmp_path / "task2"), str(tmp_path / "none")]) == 0
+    with pytest.raises(SpecError):
+        dataclasses.replace(build_spec(merged(load_config(DEMO).slurm, {"backend": "sbatch"}),
+                                       config_path=DEMO, cfg=load_config(DEMO), overrides=[]),
+                            restart_base=-1)
 
 
 def test_a_completed_or_checkpointless_or_queued_earlier_run_is_not_resumed(tmp_path, monkeypatch):

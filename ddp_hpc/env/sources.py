@@ -20,7 +20,7 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 
-from ddp_hpc.env.job import job_key
+from ddp_hpc.env.job import job_key, restart_base
 from ddp_hpc.env.model import LAUNCHERS, DistEnv, EnvError, int_var
 from ddp_hpc.env.ports import master_port
 from ddp_hpc.slurm import hostlist
@@ -34,9 +34,10 @@ def this_host() -> str:
 
 
 def restart_count(environ: Mapping[str, str]) -> int:
+    """The run's restart number: `restart_base` (a resumed run's first) plus the launcher's count."""
     if environ.get("SLURM_RESTART_COUNT"):
-        return int_var(environ, "SLURM_RESTART_COUNT")
-    return int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
+        return restart_base(environ) + int_var(environ, "SLURM_RESTART_COUNT")
+    return restart_base(environ) + int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
 
 
 def in_batch_step(environ: Mapping[str, str]) -> bool:
@@ -103,7 +104,7 @@ def from_submitit(environ: Mapping[str, str]) -> DistEnv:
         world_size=world, local_world_size=world // num_nodes, node_rank=int_var(environ, "SUBMITIT_LOCAL_NODEID", 0),
         num_nodes=num_nodes, master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
         master_port=master_port(environ, job), hostnames=(this_host(),) * num_nodes, job_id=job,
-        restart_count=0, launcher="submitit",
+        restart_count=restart_base(environ), launcher="submitit",
     )
 
 
@@ -182,7 +183,7 @@ def from_single(environ: Mapping[str, str]) -> DistEnv:
     return DistEnv(
         rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
         master_addr=environ.get("MASTER_ADDR", "127.0.0.1"), master_port=master_port(environ, None),
-        hostnames=(this_host(),), job_id=None, restart_count=0, launcher="single",
+        hostnames=(this_host(),), job_id=None, restart_count=restart_base(environ), launcher="single",
     )
 
 

@@ -68,9 +68,12 @@ def _history(job_id: str, cli) -> list[str]:
 
 
 def failed_nodes(log_dir: str | Path | None, job_id: str | None = None, before: int | None = None,
-                 cli=None) -> list[str]:
+                 cli=None, base: int = 0) -> list[str]:
     """Nodes whose failure ended an earlier run of this job (restarts < ``before``; default all):
-    the node named by the runs' attribution (its ranks vanished) and srun's "Node failure on"."""
+    the node named by the runs' attribution (its ranks vanished) and srun's "Node failure on".
+    ``base``: the restart number of ``job_id``'s first run (a job that resumed a stopped run in
+    the same log directory); the scheduler's history of ``job_id`` is matched to the runs from
+    there, and the runs before it (another job's) are judged by their logs alone."""
     logs = RunLogs(log_dir)
     if not logs.ranks:
         return []
@@ -79,7 +82,7 @@ def failed_nodes(log_dir: str | Path | None, job_id: str | None = None, before: 
             and r.end_status not in ("completed", "preempted")]
     states = _history(job_id, cli) if runs and job_id and cli is not None else []
     for run in runs:
-        state = states[run.restart] if run.restart < len(states) else None
+        state = states[run.restart - base] if 0 <= run.restart - base < len(states) else None
         failure, _ = attribute(logs, restart=run.restart, sched=SchedulerFacts(state), files=False,
                                assume_failed=state == "NODE_FAIL")
         if failure is not None and failure.kind == "vanished" and failure.node:
@@ -88,14 +91,15 @@ def failed_nodes(log_dir: str | Path | None, job_id: str | None = None, before: 
 
 
 def requeue_avoiding(job_id: str, log_dir: str | Path | None, *, exclude: bool = True,
-                     restart: int | None = None, cli=None) -> list[str]:
+                     restart: int | None = None, base: int = 0, cli=None) -> list[str]:
     """``scontrol requeue`` the job; with ``exclude``, also keep it off the nodes that failed its
-    earlier runs (returned). Raises SlurmError when the requeue itself fails."""
+    earlier runs (returned; ``restart`` and ``base`` as in `failed_nodes`). Raises SlurmError
+    when the requeue itself fails."""
     cli = cli or SlurmCLI()
     nodes = []
     if exclude:
         try:
-            nodes = failed_nodes(log_dir, job_id, restart, cli)
+            nodes = failed_nodes(log_dir, job_id, restart, cli, base)
         except Exception as e:  # noqa: BLE001 - never let the check stop a requeue
             print(f"ddp_hpc: failed nodes unknown ({type(e).__name__}: {e})", file=sys.stderr)
     _requeue(cli, job_id, nodes)
@@ -104,11 +108,13 @@ def requeue_avoiding(job_id: str, log_dir: str | Path | None, *, exclude: bool =
 
 def check_placement(log_dir: str | Path, facts, cli=None, out=sys.stdout) -> int:
     """At a restart's start: 0 to go on, `REQUEUED` when this run landed on a node that failed an
-    earlier one and was requeued to avoid it."""
-    if not facts.job_id or facts.restart_count < 1:
+    earlier one and was requeued to avoid it. Only a requeue checks (``facts.requeues``: the
+    scheduler's restarts of this job, not a resumed run's restart numbers)."""
+    if not facts.job_id or facts.requeues < 1:
         return 0
     cli = cli or SlurmCLI()
-    bad = failed_nodes(log_dir, facts.key or facts.job_id, facts.restart_count, cli)
+    bad = failed_nodes(log_dir, facts.key or facts.job_id, facts.restart_count, cli,
+                       facts.restart_base)
     if not bad:
         return 0
     here = set(expand(facts.node_list)) if facts.node_list else set()

@@ -6,15 +6,17 @@
 from ddp_hpc.runlogs.reader import (
                                     Failure,
                                     RankStream,
+                                    RunEnding,
                                     RunLogs,
                                     RunProgress,
                                     RunSummary,
                                     exception_of,
                                     read_events,
+                                    run_ending,
                                     tail_file,
                                     tail_lines,
                                     traceback_in,
 )
 
-__all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "read_events",
-           "traceback_in", "exception_of", "tail_file", "tail_lines"]
+__all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "RunEnding", "read_events",
+           "run_ending", "traceback_in", "exception_of", "tail_file", "tail_lines"]

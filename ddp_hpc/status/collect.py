@@ -182,9 +182,10 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     else:
         sched, keep = _state_of(t, sched, tried, logs, only), None
     state = sched.state
-    failure, endings = _diagnose(logs, sched, notes)
+    base = _restart_base(rec)
+    failure, endings = _diagnose(logs, sched, notes, base)
     runs = logs.runs()
-    restarts = max([sched.restarts or 0] + [r.restart for r in runs])
+    restarts = max([base + (sched.restarts or 0)] + [r.restart for r in runs])
     progress = logs.progress(now)
     if progress is not None and not state.state.active:
         progress.eta_s = 0.0 if state.state is JobState.COMPLETED else None
@@ -218,7 +219,7 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         node_list=sched.node_list, progress=progress, last_events=logs.last_events(),
         failure=failure, exit_code=sched.exit_code, steps=sched.steps, rank_exit_codes=codes,
         scheduler_history=sched.history, history_source=sched.history_source,
-        runs=_runs(logs, runs, sched), notes=notes, command=getattr(rec, "command", None),
+        runs=_runs(logs, runs, sched, base), notes=notes, command=getattr(rec, "command", None),
         rank_endings=rank_endings(logs), rank_classification={str(r): e.to_dict() for r, e in endings.items()},
         eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
         overrides=_overrides(t))
@@ -226,14 +227,29 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     return st, keep if t.local else _final(sched, logs.srun_exit_codes(), now)
 
 
-def _diagnose(logs: RunLogs, sched: SourceState, notes: list[str]):
+def _restart_base(rec) -> int:
+    """The restart number of the job's first run in its logs (a job that resumed a stopped run
+    starts after that run's restarts; the scheduler's runs of the job map onto the logs' from it)."""
+    base = getattr(rec, "restart_base", 0)
+    return base if isinstance(base, int) and base > 0 else 0
+
+
+def _sched_state(hist: list, restart: int, base: int) -> str | None:
+    """The scheduler's state name of the run with this restart number (None: not this job's, or
+    not in its history)."""
+    i = restart - base
+    return parse_state(hist[i]).state.name if 0 <= i < len(hist) else None
+
+
+def _diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0):
     """(the primary failure, every rank's ending) as far as the job's state allows judging. A
-    job the scheduler requeued before its new run wrote events is judged by its last run."""
+    job the scheduler requeued (or, resuming a stopped run, started) before its new run wrote
+    events is judged by its last run."""
     state = sched.state.state
     cur = logs.current_restart()
-    over = bool(logs.ranks) and (sched.restarts or 0) > cur
+    over = bool(logs.ranks) and base + (sched.restarts or 0) > cur
     hist = [h.get("state") for h in sched.history]
-    name = (parse_state(hist[cur]).state.name if cur < len(hist) else None) if over else state.name
+    name = _sched_state(hist, cur, base) if over else state.name
     facts = SchedulerFacts(name, [c for c in [sched.exit_code] + [s.get("exit_code") for s in sched.steps] if c])
     crashed = name is not None and JobState[name] in CRASHED
     if crashed or logs.outcome() == "failed":
@@ -249,14 +265,14 @@ def _diagnose(logs: RunLogs, sched: SourceState, notes: list[str]):
     return failure, endings
 
 
-def _runs(logs: RunLogs, runs, sched: SourceState) -> list[dict]:
+def _runs(logs: RunLogs, runs, sched: SourceState, base: int = 0) -> list[dict]:
     """The runs of the event logs; an earlier run that failed says who broke it."""
     hist = [h.get("state") for h in sched.history]
     out = []
     for r in runs:
         d = dataclasses.asdict(r)
         if r.restart < logs.current_restart() and r.end_status not in ("completed", "preempted"):
-            name = parse_state(hist[r.restart]).state.name if r.restart < len(hist) else None
+            name = _sched_state(hist, r.restart, base)
             f, _ = attribute(logs, restart=r.restart, sched=SchedulerFacts(name), files=False,
                              assume_failed=name is not None and JobState[name] in CRASHED)
             d["cause"] = f.summary if f else None

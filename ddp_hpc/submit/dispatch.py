@@ -20,6 +20,7 @@ import yaml
 
 from ddp_hpc import records
 from ddp_hpc.config import JobConfig, config_to_dict
+from ddp_hpc.env.job import RESTART_BASE_VAR
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.launch.tree import start_time
 from ddp_hpc.runlogs.schema import CONFIG_FILE
@@ -70,7 +71,7 @@ def record(spec: JobSpec, job_id: str, backend: str, cluster: str, *, script: st
         gpus_per_node=spec.gpus_per_node, time_limit=spec.time if backend != "local" else None,
         log_dir=spec.log_dir, config=spec.config, overrides=list(spec.overrides),
         submitted_at=time.time(), cwd=spec.workdir, array=array, pids=pids, script=script,
-        command=list(spec.command) if spec.is_command else None)
+        command=list(spec.command) if spec.is_command else None, restart_base=spec.restart_base)
     records.write_record(rec)
     return rec
 
@@ -103,11 +104,14 @@ def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfi
     submit_local.check_gpus(spec, env)
     if spec.is_command:
         env["DDP_HPC_PREEMPT_SIGNAL"] = spec.signal
+    base = f"{RESTART_BASE_VAR}={spec.restart_base} " if spec.restart_base else ""
+    if spec.restart_base:   # resumes a stopped run: its restart numbers follow that run's
+        env[RESTART_BASE_VAR] = str(spec.restart_base)
     if args.dry_run:
         for t in spec.tasks:   # what the local driver runs, as the equivalent launcher command
             tid = job_id if t.task_id is None else f"{job_id}_{t.task_id}"
             sig = f"DDP_HPC_PREEMPT_SIGNAL={spec.signal} " if spec.is_command else ""
-            print(f"{sig}DDP_HPC_LOG_DIR={shlex.quote(t.log_dir)} {shlex.quote(spec.python)} -m "
+            print(f"{sig}{base}DDP_HPC_LOG_DIR={shlex.quote(t.log_dir)} {shlex.quote(spec.python)} -m "
                   f"ddp_hpc.launch --nodes {spec.nodes} --procs-per-node {spec.gpus_per_node} "
                   f"--log-dir {shlex.quote(t.log_dir)} --job-id {tid} -- "
                   f"{shlex.join(spec.task_argv(t))}")

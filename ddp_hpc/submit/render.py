@@ -18,7 +18,8 @@ why:
   ``--container IMAGE`` every rank runs as ``apptainer exec --nv IMAGE ...`` (or singularity),
   and the script stops with a clear message on a node that has neither;
 - logs: the batch output and one ``rank%t.out`` per rank in the job's log directory, which is
-  also ``DDP_HPC_LOG_DIR`` for the run logs; an array task gets its own directory;
+  also ``DDP_HPC_LOG_DIR`` for the run logs; an array task gets its own directory; a job that
+  resumes a stopped run exports ``DDP_HPC_RESTART_BASE`` (its restart numbers follow that run's);
 - safety: every value that reaches shell code goes through ``shlex.quote``; values in
   ``#SBATCH`` lines were validated by ``ddp_hpc.config.SlurmOptions`` (no blanks, quotes or
   ``#``), which also lists the options passed on as they are (``sbatch_items``).
@@ -87,6 +88,8 @@ def render(spec: JobSpec) -> str:
         lines.insert(-1, f"export DDP_HPC_PREEMPT_SIGNAL={spec.signal}")
     if not spec.exclude_failed_nodes:   # preempt.exclude_failed_nodes=false
         lines.insert(-1, "export DDP_HPC_EXCLUDE_FAILED_NODES=0")
+    if spec.restart_base:   # resumes a stopped run: its restart numbers follow that run's
+        lines.insert(-1, f"export DDP_HPC_RESTART_BASE={int(spec.restart_base)}")
     if spec.is_array:
         lines.append('case "${SLURM_ARRAY_TASK_ID:-}" in')
         for task in spec.tasks:

@@ -12,6 +12,10 @@ directory, where the training core resumes from the newest checkpoint.
 - still queued or running: refused (wait, cancel it, or ``--fresh``);
 - ``--fresh``: always a new run directory; the earlier one is never removed.
 
+A resumed run's restart numbers follow the earlier run's (``JobSpec.restart_base``: one past the
+highest restart number in the earlier run's event files; the backends pass it on as
+``DDP_HPC_RESTART_BASE``), so its events, and ``ddp-hpc status``, keep the two apart.
+
 Script and module jobs are not resumed this way: their checkpoints live where the script puts
 them, and each submission gets its own run directory.
 """
@@ -27,14 +31,14 @@ import yaml
 
 from ddp_hpc import records
 from ddp_hpc.config import JobConfig, config_to_dict
-from ddp_hpc.runlogs.reader import RunEnding, run_ending
+from ddp_hpc.runlogs.reader import RunEnding, RunLogs, run_ending
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.status.sources import pids_alive
 from ddp_hpc.submit.spec import JobSpec, SpecError
 
-__all__ = ["earlier_run", "resume_or_new"]
+__all__ = ["earlier_run", "next_restart", "resume_or_new"]
 
 
 def _task_overrides(spec: JobSpec) -> list[list[str]] | None:
@@ -127,8 +131,15 @@ def resume_or_new(spec: JobSpec, backend: str, task_cfgs: Sequence[JobConfig], *
     return _moved(spec, rec)
 
 
+def next_restart(log_dirs: Sequence[str]) -> int:
+    """One past the highest restart number in the event files of ``log_dirs`` (0 without any):
+    where a resumed run's restart numbers start, in every task's directory."""
+    return 1 + max((r for d in log_dirs for r in RunLogs(d).restarts()), default=-1)
+
+
 def _moved(spec: JobSpec, rec: records.JobRecord) -> JobSpec:
-    """``spec`` with the earlier run's directories (the same layout: ``task<i>`` per task)."""
+    """``spec`` with the earlier run's directories (the same layout: ``task<i>`` per task) and
+    restart numbers after the earlier run's."""
     dirs = _task_dirs(rec)
     tasks = tuple(dataclasses.replace(t, log_dir=d) for t, d in zip(spec.tasks, dirs, strict=True))
-    return dataclasses.replace(spec, log_dir=rec.log_dir, tasks=tasks)
+    return dataclasses.replace(spec, log_dir=rec.log_dir, tasks=tasks, restart_base=next_restart(dirs))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ddp_hpc.config.slurm_options import sbatch_items
+from ddp_hpc.env.job import RESTART_BASE_VAR
 from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import rank_out
@@ -37,10 +38,11 @@ SUBMITIT_DIR = "submitit"         # submitit's own files (*.pkl, its logs), unde
 
 
 def clean_slurm_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """A copy without an enclosing job's SLURM_* / SRUN_* variables; also returns their names."""
+    """A copy without an enclosing job's SLURM_* / SRUN_* variables; also returns their names.
+    An enclosing job's DDP_HPC_RESTART_BASE goes too (unnamed): a job sets its own."""
     removed = sorted(k for k in environ
                      if (k.startswith("SLURM_") and k not in KEEP_SLURM) or k.startswith("SRUN_"))
-    return {k: v for k, v in environ.items() if k not in removed}, removed
+    return {k: v for k, v in environ.items() if k not in removed and k != RESTART_BASE_VAR}, removed
 
 
 @contextlib.contextmanager
@@ -48,8 +50,8 @@ def cleaned_environ() -> Iterator[list[str]]:
     """Remove SLURM_* from os.environ while submitit runs sbatch (it inherits this process's
     environment), and put them back afterwards."""
     clean, removed = clean_slurm_env(os.environ)
-    saved = {k: os.environ[k] for k in removed}
-    for k in removed:
+    saved = {k: v for k, v in os.environ.items() if k not in clean}
+    for k in saved:
         del os.environ[k]
     try:
         yield removed
@@ -174,7 +176,8 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
         "gpus_per_node": spec.gpus_per_node, "cpus_per_task": spec.cpus_per_task,
         "signal_delay_s": spec.grace_s,
         "setup": [f"export SRUN_CPUS_PER_TASK={spec.cpus_per_task}",
-                  f"cd {shlex.quote(spec.workdir)}"],
+                  f"cd {shlex.quote(spec.workdir)}"]
+        + ([f"export {RESTART_BASE_VAR}={int(spec.restart_base)}"] if spec.restart_base else []),
         "srun_args": ["--kill-on-bad-exit=1", "--open-mode=append", f"--output={out}",
                       f"--error={out}", *render.srun_args(spec)],
         "additional_parameters": extra,

@@ -103,6 +103,14 @@ class JobSpec:
     python: str                     # the interpreter the tasks run
     command: tuple[str, ...] | None = None   # a script/module job: the argv every rank runs
     exclude_failed_nodes: bool = True         # preempt.exclude_failed_nodes (ddp_hpc.recover.avoid)
+    #: the restart number of the job's first run: 0, or for a job that resumes a stopped run one
+    #: past the highest in that run's logs (DDP_HPC_RESTART_BASE, read by ddp_hpc.env.job)
+    restart_base: int = 0
+
+    def __post_init__(self) -> None:
+        if type(self.restart_base) is not int or self.restart_base < 0:
+            raise SpecError(f"restart_base {self.restart_base!r} is not a whole number >= 0",
+                            "pass the restart number of the job's first run (0 for a new run)")
 
     name = property(lambda self: self.options.job_name)
     nodes = property(lambda self: self.options.nodes)

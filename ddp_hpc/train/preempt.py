@@ -188,7 +188,9 @@ def classify(received_at: float | None, end_time: float | None, window_s: float,
 def requeue(job_id: str, log_dir=None, exclude: bool = True) -> list[str]:
     """Requeue this Slurm job (``JOBID_TASK`` for an array task) through ddp_hpc.slurm.cli; with
     ``exclude``, off the nodes that failed its earlier runs (ddp_hpc.recover.avoid; returned)."""
-    return requeue_avoiding(job_id, log_dir, exclude=exclude, restart=job_facts().restart_count)
+    facts = job_facts()
+    return requeue_avoiding(job_id, log_dir, exclude=exclude, restart=facts.restart_count,
+                            base=facts.restart_base)
 
 
 def requeue_if_wanted(flag: PreemptionFlag, env, *, rank: int, enabled: bool, distributed: bool,
