@@ -3,8 +3,10 @@
 # without them they skip with a visible reason).
 #
 # With no arguments the cluster tests (tests/cluster: they mostly wait on Slurm and on ranks
-# starting up) run in a second pytest beside the unit tests; both reports are printed, and the
-# exit status is the first non-zero one. With arguments, one pytest gets them as they are.
+# starting up) run in a second pytest beside the unit tests, spread over DDP_HPC_CLUSTER_WORKERS
+# (default 4) pytest-xdist workers that share one test cluster (tests/conftest.py says how); both
+# reports are printed, and the exit status is the first non-zero one. With arguments, one pytest
+# gets them as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,7 +18,7 @@ fi
 log=$(mktemp "${TMPDIR:-/tmp}/ddp_hpc_cluster_tests.XXXXXX")
 trap 'rm -f "$log"' EXIT
 start=$(date +%s)
-"${PYTEST[@]}" tests/cluster >"$log" 2>&1 &
+"${PYTEST[@]}" -n "${DDP_HPC_CLUSTER_WORKERS:-4}" --dist loadgroup tests/cluster >"$log" 2>&1 &
 cluster_pid=$!
 unit_rc=0
 "${PYTEST[@]}" tests --ignore=tests/cluster || unit_rc=$?

@@ -1,8 +1,9 @@
 """Shared pytest fixtures.  The main one is ``slurm_cluster``: a real multi-node Slurm for tests.
 
 ``slurm_cluster`` (session scope) starts ONE local cluster per test session with
-``ddp_hpc.testcluster`` -- 4 nodes ``n1..n4``, each in its own network namespace with its own
-address and hostname, 4 fake GPUs per node (GRES), job completion records (``sacct -c``) and,
+``ddp_hpc.testcluster`` -- 4 nodes ``n1..n4`` in the default partition and 3 more, ``n5..n7``, in
+a partition ``spare`` of their own (for a test that kills a node while others run), each node in
+its own network namespace with its own address and hostname, 4 fake GPUs per node (GRES), job completion records (``sacct -c``) and,
 when MariaDB + slurmdbd are installed, full accounting (plain ``sacct``, ``sacct -D``) -- and
 tears it down when the session ends.  Only one cluster can run on a machine, so the fixture holds
 an exclusive ``fcntl.flock`` on /tmp/ddp_hpc_testcluster.lock for the whole session; another
@@ -19,7 +20,8 @@ What the fixture yields (a :class:`SlurmTestCluster`)::
 
     def test_two_by_two(slurm_cluster):
         c = slurm_cluster
-        c.nodes                      # ['n1', 'n2', 'n3', 'n4']
+        c.nodes                      # ['n1', 'n2', 'n3', 'n4']: the default partition's
+        c.spare_nodes                # ['n5', 'n6', 'n7']: partition c.spare_partition ('spare')
         c.gpus_per_node              # 4
         c.env                        # os.environ + SLURM_CONF + PATH with the venv's bin first,
                                      # minus inherited SLURM_* / torchrun variables
@@ -38,6 +40,15 @@ What the fixture yields (a :class:`SlurmTestCluster`)::
         c.cluster_name               # 'ddphpc' (job ids restart at 1 in every session)
         c.slurm_conf, c.state_dir, c.log_dir, c.partition, c.layout
 
+Under pytest-xdist (``pytest -n 4 --dist loadgroup tests/cluster``, what scripts/test.sh runs) the
+workers share ONE cluster: the first worker that needs it takes the machine's lock through a small
+holder process (it keeps the lock until the run's controller exits) and starts the cluster; the
+others attach to it; the controller stops it when the run ends.  Cluster tests then run side by
+side, each taking a shared "gate"; a test marked ``cluster_exclusive`` (it kills a node, switches
+accounting, restarts daemons or asserts on the whole queue) takes the gate alone: it waits for the
+running cluster tests to end, and new ones wait for it.  Tests that share module state are kept
+on one worker with ``@pytest.mark.xdist_group``.
+
 Jobs run as root with the submitter's environment (sbatch/srun export ALL), so ``python`` inside a
 job is the venv's.  sacct lags squeue by seconds and ``sbatch --wait`` notices the end late, so
 ``wait`` polls squeue, then reads the final state from ``scontrol`` and waits until accounting
@@ -46,8 +57,12 @@ job is the venv's.  sacct lags squeue by seconds and ``sbatch --wait`` notices t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -88,10 +103,12 @@ class SlurmTestCluster:
     """Handle on the running test cluster (see the module docstring for the whole API)."""
 
     partition = "debug"
+    spare_partition = "spare"
 
     def __init__(self, spec):
         self._spec = spec
-        self.nodes: list[str] = list(spec.node_names)
+        self.nodes: list[str] = list(spec.partition_nodes)
+        self.spare_nodes: list[str] = list(spec.spare_node_names)
         self.gpus_per_node: int = spec.gpus_per_node
         self.cluster_name: str = spec.cluster_name
         self.layout: str = spec.layout
@@ -236,10 +253,106 @@ class SlurmTestCluster:
 
 
 _held_lock = []  # the open lock file while this session holds the machine's cluster
+RUN_VAR = "DDP_HPC_TESTCLUSTER_RUN"  # set by an xdist controller for its workers: its pid
+# The process that holds the machine's cluster lock for a whole xdist run: it takes the lock,
+# says "locked" (or "busy HOLDER"), and keeps it until the run's controller has exited or it is
+# sent SIGTERM (by the controller, after it has stopped the cluster).
+_HOLDER = r"""
+import os, signal, sys, time
+from ddp_hpc.testcluster import lock
+wait, controller = float(sys.argv[1]), int(sys.argv[2])
+f = lock.acquire(wait)
+if f is None:
+    print("busy " + lock.holder(), flush=True)
+    sys.exit(1)
+f.seek(0)
+f.truncate()
+f.write(f"pid {os.getpid()} (for the pytest-xdist run of pid {controller})\n")
+f.flush()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+print("locked", flush=True)
+while True:
+    try:
+        os.kill(controller, 0)
+    except ProcessLookupError:
+        break
+    time.sleep(1)
+"""
+_holder_proc = []
 
 
-def _acquire_lock() -> str | None:
-    """Take the machine's cluster lock for this session; the skip reason when it stays busy."""
+def _run_dir(config) -> Path | None:
+    """This xdist run's folder of shared files (coordination lock, record, gate), seen from a
+    worker or from the controller; None outside xdist."""
+    if hasattr(config, "workerinput"):
+        run = os.environ.get(RUN_VAR)
+    elif getattr(config, "_ddp_hpc_run", None):
+        run = config._ddp_hpc_run
+    else:
+        return None
+    return Path(f"/tmp/ddp_hpc_testcluster.run-{run}") if run else None
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no":
+        config._ddp_hpc_run = str(os.getpid())   # the workers, started after this, inherit it
+        os.environ[RUN_VAR] = config._ddp_hpc_run
+
+
+@contextlib.contextmanager
+def _flocked(path: Path, mode: int = fcntl.LOCK_EX):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _record(d: Path) -> dict:
+    try:
+        return json.loads((d / "record.json").read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _save_record(d: Path, rec: dict) -> None:
+    tmp = d / "record.json.tmp"
+    tmp.write_text(json.dumps(rec))
+    os.replace(tmp, d / "record.json")
+
+
+def _join_run(d: Path) -> str | None:
+    """On an xdist worker: make sure the run holds the machine's cluster lock (the first worker
+    to ask starts the holder process); the skip reason when it stays busy."""
+    d.mkdir(exist_ok=True)
+    with _flocked(d / "coord.lock"):
+        rec = _record(d)
+        if rec:
+            return rec.get("busy")
+        from ddp_hpc.testcluster import lock
+        proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(LOCK_WAIT_S), os.environ[RUN_VAR]],
+                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                start_new_session=True)
+        _holder_proc.append(proc)
+        answer = proc.stdout.readline().strip()
+        if answer != "locked":
+            proc.wait()
+            rec = {"busy": f"the Slurm test cluster stayed busy for {LOCK_WAIT_S:.0f} s "
+                           f"({lock.LOCK_FILE} held by {answer[5:] or 'an unknown process'}); only "
+                           "one may run per machine"}
+        else:
+            rec = {"holder": proc.pid}
+        _save_record(d, rec)
+        return rec.get("busy")
+
+
+def _acquire_lock(config) -> str | None:
+    """Take the machine's cluster lock for this session (for the whole run under xdist); the
+    skip reason when it stays busy."""
+    d = _run_dir(config)
+    if d is not None:
+        return _join_run(d)
     if _held_lock:
         return None
     from ddp_hpc.testcluster import lock
@@ -265,46 +378,75 @@ def pytest_collection_finish(session):
     a test's pytest-timeout; only when a selected test needs the cluster."""
     if cluster_skip_reason() or not any(_wants_cluster(i) for i in session.items):
         return
-    reason = _acquire_lock()
+    reason = _acquire_lock(session.config)
     if reason:
         for item in session.items:
             if _wants_cluster(item):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def _start_cluster():
+    """Start the test cluster, best layout first; returns (spec, notes on what failed)."""
+    from ddp_hpc.testcluster import ClusterError, ClusterSpec, down, up
+    state_dir = Path(os.environ.get("DDP_HPC_TESTCLUSTER_DIR", "/tmp/ddp_hpc_testcluster"))
+    layouts = ["netns", "loopback"] if _which_all("ip", "nsenter") else ["loopback"]
+    if os.environ.get("DDP_HPC_TESTCLUSTER_LAYOUT") in layouts:
+        layouts = [os.environ["DDP_HPC_TESTCLUSTER_LAYOUT"]]
+    dbd = _which_all("slurmdbd", "mariadbd", "mariadb-install-db", "sacctmgr")
+    attempts = [(lay, d) for lay in layouts for d in ([True, False] if dbd else [False])]
+    down(state_dir)  # we hold the lock: anything recorded there is stale
+    notes = []
+    for layout, with_dbd in attempts:  # best first; fall back rather than lose every test
+        candidate = ClusterSpec(nodes=4, spare_nodes=3, gpus_per_node=4, layout=layout,
+                                slurmdbd=with_dbd, state_dir=state_dir)
+        try:
+            up(candidate)
+        except ClusterError as exc:
+            notes.append(f"{layout}{' + slurmdbd' if with_dbd else ''}: {exc}")
+            sys.stderr.write(f"\n[slurm_cluster] could not start {notes[-1]}\n")
+            continue
+        return candidate, notes
+    raise ClusterError("the Slurm test cluster did not start:\n" + "\n".join(notes))
+
+
+def _shared_cluster(d: Path) -> SlurmTestCluster:
+    """On an xdist worker: the run's one cluster, started by the first worker that needs it."""
+    from ddp_hpc.testcluster import ClusterError, ClusterSpec
+    with _flocked(d / "coord.lock"):
+        rec = _record(d)
+        if rec.get("error"):
+            raise ClusterError(rec["error"])
+        if not rec.get("spec"):
+            t0 = time.monotonic()
+            try:
+                spec, notes = _start_cluster()
+            except ClusterError as exc:
+                _save_record(d, {**rec, "error": str(exc)})
+                raise
+            rec.update(spec=spec.to_json(), notes=notes, up_s=time.monotonic() - t0)
+            _save_record(d, rec)
+    cluster = SlurmTestCluster(ClusterSpec.from_json(rec["spec"]))
+    cluster.startup_notes = rec["notes"]
+    return cluster
+
+
 @pytest.fixture(scope="session")
-def slurm_cluster():
+def slurm_cluster(request):
     """A running 4-node Slurm test cluster for the whole session (see this module's docstring)."""
     reason = cluster_skip_reason()
     if reason:
         pytest.skip(reason)
-    from ddp_hpc.testcluster import ClusterError, ClusterSpec, down, up
-    busy = _acquire_lock()  # normally taken at collection already
+    busy = _acquire_lock(request.config)  # normally taken at collection already
     if busy:
         pytest.skip(busy)
+    d = _run_dir(request.config)
+    if d is not None:   # xdist: the controller stops it when the run ends
+        yield _shared_cluster(d)
+        return
+    from ddp_hpc.testcluster import down
     try:
-        state_dir = Path(os.environ.get("DDP_HPC_TESTCLUSTER_DIR", "/tmp/ddp_hpc_testcluster"))
-        layouts = ["netns", "loopback"] if _which_all("ip", "nsenter") else ["loopback"]
-        if os.environ.get("DDP_HPC_TESTCLUSTER_LAYOUT") in layouts:
-            layouts = [os.environ["DDP_HPC_TESTCLUSTER_LAYOUT"]]
-        dbd = _which_all("slurmdbd", "mariadbd", "mariadb-install-db", "sacctmgr")
-        attempts = [(lay, d) for lay in layouts for d in ([True, False] if dbd else [False])]
-        down(state_dir)  # we hold the lock: anything recorded there is stale
         t0 = time.monotonic()
-        notes, spec = [], None
-        for layout, with_dbd in attempts:  # best first; fall back rather than lose every test
-            candidate = ClusterSpec(nodes=4, gpus_per_node=4, layout=layout, slurmdbd=with_dbd,
-                                    state_dir=state_dir)
-            try:
-                up(candidate)
-            except ClusterError as exc:
-                notes.append(f"{layout}{' + slurmdbd' if with_dbd else ''}: {exc}")
-                sys.stderr.write(f"\n[slurm_cluster] could not start {notes[-1]}\n")
-                continue
-            spec = candidate
-            break
-        if spec is None:
-            raise ClusterError("the Slurm test cluster did not start:\n" + "\n".join(notes))
+        spec, notes = _start_cluster()
         _timings["up"] = time.monotonic() - t0
         cluster = SlurmTestCluster(spec)
         cluster.startup_notes = notes
@@ -312,25 +454,139 @@ def slurm_cluster():
             yield cluster
         finally:
             t0 = time.monotonic()
-            down(state_dir)
+            down(spec.state_dir)
             _timings["down"] = time.monotonic() - t0
     finally:
         _held_lock.pop().close()
 
 
+def pytest_sessionfinish(session):
+    """The xdist controller, once every worker is done: stop the run's cluster, let the lock go."""
+    d = None if hasattr(session.config, "workerinput") else _run_dir(session.config)
+    if d is None or not d.exists():
+        return
+    rec = _record(d)
+    if rec.get("spec"):
+        from ddp_hpc.testcluster import ClusterSpec, down
+        t0 = time.monotonic()
+        down(ClusterSpec.from_json(rec["spec"]).state_dir)
+        _timings.update(up=rec["up_s"], down=time.monotonic() - t0)
+    if rec.get("holder"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rec["holder"], signal.SIGTERM)
+        from ddp_hpc.testcluster import lock
+        lock.release(lock.acquire(30))   # returns once the holder has let it go
+    shutil.rmtree(d, ignore_errors=True)
+
+
+_exclusive = []  # the gate's open lock files while this worker runs a block of exclusive tests
+
+
+@contextlib.contextmanager
+def _gate(config, exclusive: bool):
+    """Under xdist: cluster tests hold the run's gate shared, a ``cluster_exclusive`` test alone.
+    A turnstile keeps new tests out while an exclusive one waits, so it is not starved.  Back to
+    back exclusive tests keep the gate (see pytest_runtest_teardown): one wait for the others."""
+    d = _run_dir(config)
+    if d is None:
+        yield
+        return
+    if exclusive:
+        if not _exclusive:
+            for name in ("turnstile.lock", "gate.lock"):
+                _exclusive.append(os.open(d / name, os.O_RDWR | os.O_CREAT, 0o666))
+                fcntl.flock(_exclusive[-1], fcntl.LOCK_EX)
+        yield
+    else:
+        with _flocked(d / "turnstile.lock"):
+            pass
+        with _flocked(d / "gate.lock", fcntl.LOCK_SH):
+            yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if _exclusive and (nextitem is None or nextitem.get_closest_marker("cluster_exclusive") is None):
+        while _exclusive:
+            os.close(_exclusive.pop())
+
+
 @pytest.fixture(autouse=True)
 def _cluster_marker(request):
-    """Tests marked ``cluster`` get the cluster (and its skip logic) without naming the fixture."""
+    """Tests marked ``cluster`` get the cluster (and its skip logic) without naming the fixture;
+    every cluster test passes the gate (see :func:`_gate`)."""
     if request.node.get_closest_marker("cluster") is not None:
         request.getfixturevalue("slurm_cluster")
-    yield
-    if "slurm_cluster" in request.fixturenames:
+    if "slurm_cluster" not in request.fixturenames:
+        yield
+        return
+    exclusive = request.node.get_closest_marker("cluster_exclusive") is not None
+    with _gate(request.config, exclusive):
+        yield
         cluster = request.getfixturevalue("slurm_cluster")
         if cluster.slurmdbd_available and cluster.accounting != "slurmdbd":
             cluster.start_slurmdbd()  # a test switched accounting off and did not switch it back
 
 
+DURATIONS = Path(__file__).with_name("cluster") / "durations.json"
+DEFAULT_DURATION_S = 30
+
+
+def _group(item) -> str:
+    names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")})
+    return "_".join(names) or item.nodeid
+
+
+def _plan_for_xdist(config, items) -> None:
+    """On an xdist worker with ``--dist loadgroup``: order the tests longest group first (by the
+    seconds in tests/cluster/durations.json; a test not listed counts DEFAULT_DURATION_S), the
+    exclusive tests of a group last in it; and write down each test's group for the controller's
+    scheduler (:func:`pytest_xdist_make_scheduler`)."""
+    d = _run_dir(config)
+    if d is None or not getattr(config.option, "loadgroup", False):   # xdist sets it on workers
+        return
+    try:
+        seconds = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        seconds = {}
+    weight: dict[str, float] = {}
+    for item in items:
+        weight[_group(item)] = weight.get(_group(item), 0) + seconds.get(item.nodeid, DEFAULT_DURATION_S)
+    index = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-weight[_group(item)], _group(item),
+                                 item.get_closest_marker("cluster_exclusive") is not None, index[id(item)]))
+    d.mkdir(exist_ok=True)
+    tmp = d / f"groups.json.{os.getpid()}"
+    tmp.write_text(json.dumps({item.nodeid: _group(item) for item in items}))
+    os.replace(tmp, d / "groups.json")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the groups the workers wrote down (pytest-xdist 3.8 marks a group
+    by changing the test's nodeid, which pytest 9.2 no longer lets it do: its own loadgroup would
+    spread a group over workers), in the workers' order (longest first)."""
+    d = _run_dir(config)
+    if d is None or config.getoption("dist", "no") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:   # asked only once every worker has collected
+                self.groups = json.loads((d / "groups.json").read_text())
+            return self.groups.get(nodeid, nodeid)
+
+    config.option.loadscopereorder = False   # keep the workers' order
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    _plan_for_xdist(config, items)
     reason = cluster_skip_reason()
     if not reason:
         return

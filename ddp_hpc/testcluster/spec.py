@@ -39,7 +39,10 @@ class ClusterSpec:
     """The whole shape of one local cluster; every path lives under ``state_dir``."""
 
     nodes: int = 4
-    """Number of Slurm nodes (n1..nN)."""
+    """Number of Slurm nodes (n1..nN) in the default partition ``debug``."""
+    spare_nodes: int = 0
+    """More nodes (n(N+1)..), in a partition ``spare`` of their own: for jobs that must not share
+    nodes with others (a node killed on purpose) while other jobs run in ``debug``."""
     gpus_per_node: int = 4
     """Fake GPUs per node (GRES ``gpu`` backed by char devices); 0 for none."""
     layout: str = "netns"
@@ -58,6 +61,9 @@ class ClusterSpec:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
         if not 1 <= self.nodes <= MAX_NODES:
             raise _fail(f"--nodes {self.nodes} is out of range", f"use 1..{MAX_NODES} nodes.")
+        if not 0 <= self.spare_nodes <= MAX_NODES - self.nodes:
+            raise _fail(f"{self.spare_nodes} spare nodes is out of range",
+                        f"use 0..{MAX_NODES} nodes in all.")
         if not 0 <= self.gpus_per_node <= 16:
             raise _fail(f"--gpus-per-node {self.gpus_per_node} is out of range", "use 0..16.")
         if self.layout not in LAYOUTS:
@@ -82,11 +88,26 @@ class ClusterSpec:
     # -- names and addresses -------------------------------------------------------------
     @property
     def node_names(self) -> list[str]:
-        return [f"{self.node_prefix}{i}" for i in range(1, self.nodes + 1)]
+        """Every node, the spare ones included."""
+        return [f"{self.node_prefix}{i}" for i in range(1, self.nodes + self.spare_nodes + 1)]
+
+    @property
+    def partition_nodes(self) -> list[str]:
+        """The nodes of the default partition ``debug``."""
+        return self.node_names[:self.nodes]
+
+    @property
+    def spare_node_names(self) -> list[str]:
+        """The nodes of the partition ``spare`` (none unless ``spare_nodes``)."""
+        return self.node_names[self.nodes:]
 
     @property
     def nodelist(self) -> str:
-        return f"{self.node_prefix}[1-{self.nodes}]" if self.nodes > 1 else f"{self.node_prefix}1"
+        return self._range(1, self.nodes + self.spare_nodes)
+
+    def _range(self, first: int, last: int) -> str:
+        p = self.node_prefix
+        return f"{p}[{first}-{last}]" if last > first else f"{p}{first}"
 
     @property
     def controller_addr(self) -> str:
@@ -248,7 +269,14 @@ def _nodes_conf(spec: ClusterSpec) -> list[str]:
             f"NodeName={name} NodeAddr={spec.node_addr(i)} NodeHostname={hostname} "
             f"Port={spec.node_port(i)} CPUs={CPUS_PER_NODE} Boards=1 SocketsPerBoard=1 "
             f"CoresPerSocket={CPUS_PER_NODE} ThreadsPerCore=1 RealMemory=4000{gres} State=UNKNOWN")
-    lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+    if not spec.spare_nodes:
+        lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+        return lines
+    total = spec.nodes + spec.spare_nodes
+    lines.append(f"PartitionName=debug Nodes={spec._range(1, spec.nodes)} Default=YES "
+                 "MaxTime=INFINITE State=UP")
+    lines.append(f"PartitionName=spare Nodes={spec._range(spec.nodes + 1, total)} MaxTime=INFINITE "
+                 "State=UP")
     return lines
 
 

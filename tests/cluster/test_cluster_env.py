@@ -78,6 +78,20 @@ def test_rendered_config_has_fast_requeue_fake_gpus_and_per_node_ports(tmp_path)
     assert "Gres=gpu:4" in loop
 
 
+def test_spare_nodes_get_a_partition_of_their_own(tmp_path):
+    spec = ClusterSpec(nodes=4, spare_nodes=3, state_dir=tmp_path)
+    assert spec.node_names == [f"n{i}" for i in range(1, 8)]
+    assert (spec.partition_nodes, spec.spare_node_names) == (["n1", "n2", "n3", "n4"], ["n5", "n6", "n7"])
+    conf = render_slurm_conf(spec)
+    assert "PartitionName=debug Nodes=n[1-4] Default=YES" in conf
+    assert "PartitionName=spare Nodes=n[5-7] MaxTime" in conf and "Nodes=ALL" not in conf
+    assert "NodeName=n7 NodeAddr=10.77.0.17 NodeHostname=n7" in conf
+    assert f"NodeName=n[1-7] Name=gpu File={tmp_path}/dev/nvidia[0-3]" in render_gres_conf(spec)
+    assert "PartitionName=debug Nodes=ALL Default=YES" in render_slurm_conf(ClusterSpec(state_dir=tmp_path))
+    with pytest.raises(ClusterError, match="spare nodes is out of range"):
+        ClusterSpec(nodes=60, spare_nodes=5)
+
+
 # ---------------------------------------------------------------------------- the cluster itself
 @pytest.mark.cluster
 def test_each_task_runs_on_its_own_node_with_its_own_address(slurm_cluster):
@@ -95,20 +109,24 @@ def test_each_task_runs_on_its_own_node_with_its_own_address(slurm_cluster):
         assert addrs == [socket.gethostbyname(n) for n in c.nodes]  # ... the one its name resolves to
 
 
+# GPU indexes are asserted: under xdist other jobs would hold the debug nodes' first GPUs, so this
+# runs on the spare partition's nodes, on one worker with the node-failure test that uses them too.
+@pytest.mark.xdist_group("spare")
 @pytest.mark.cluster
 def test_fake_gpus_are_handed_out_by_gres(slurm_cluster):
     c = slurm_cluster
-    p = c.run(["srun", "-N2", "--ntasks-per-node=1", "--gpus-per-node=2", "sh", "-c",
+    p = c.run(["srun", "-p", c.spare_partition, "-N2", "--ntasks-per-node=1", "--gpus-per-node=2", "sh", "-c",
                'echo "$(hostname) $CUDA_VISIBLE_DEVICES"'], timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = sorted(p.stdout.splitlines())
     assert len(rows) == 2 and [r.split()[1] for r in rows] == ["0,1", "0,1"], p.stdout + p.stderr
     assert len({r.split()[0] for r in rows}) == 2
-    p = c.run(["srun", "-N1", "-n2", "--gpus-per-task=2", "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES"'],
+    p = c.run(["srun", "-p", c.spare_partition, "-N1", "-n2", "--gpus-per-task=2", "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES"'],
               timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(p.stdout.split()) == ["0,1", "2,3"], p.stdout + p.stderr
-    p = c.run(["srun", "-N1", f"--gpus-per-node={c.gpus_per_node + 1}", "true"], timeout=60)
+    p = c.run(["srun", "-p", c.spare_partition, "-N1", f"--gpus-per-node={c.gpus_per_node + 1}", "true"],
+              timeout=60)
     assert p.returncode != 0
     assert "Requested node configuration is not available" in p.stderr, p.stderr
 
@@ -116,7 +134,7 @@ def test_fake_gpus_are_handed_out_by_gres(slurm_cluster):
 @pytest.mark.cluster
 def test_batch_job_states_reach_accounting(slurm_cluster):
     c = slurm_cluster
-    ok = c.sbatch("#!/bin/bash\nsrun hostname\n", "-N2", "--ntasks-per-node=1")
+    ok = c.sbatch("#!/bin/bash\nsrun hostname\n", "-N2", "--ntasks-per-node=1", "-w", "n1,n2")
     bad = c.sbatch("#!/bin/bash\nexit 3\n", "-N1")
     assert c.wait(ok) == "COMPLETED"
     assert sorted(c.output(ok).split()) == ["n1", "n2"]
@@ -127,6 +145,10 @@ def test_batch_job_states_reach_accounting(slurm_cluster):
         (ok, "COMPLETED", "0:0"), (bad, "FAILED", "3:0")}
 
 
+# Switches accounting off (slurmctld restarts): under xdist the cluster is this test's alone, and it
+# runs with the other exclusive tests, after test_status_cluster.py's (tests/conftest.py: _gate).
+@pytest.mark.cluster_exclusive
+@pytest.mark.xdist_group("exclusive")
 @pytest.mark.cluster
 def test_accounting_can_be_switched_off_and_on(slurm_cluster):
     c = slurm_cluster
@@ -211,13 +233,17 @@ DEVICE_PROBE = (
 
 
 def _probe_devices(c, *gpu_args: str) -> list[dict]:
-    p = c.run(["srun", "-N2", "--ntasks-per-node=2", *gpu_args, "python", "-c", DEVICE_PROBE], timeout=180)
+    p = c.run(["srun", "-p", c.spare_partition, "-N2", "--ntasks-per-node=2", *gpu_args, "python", "-c",
+               DEVICE_PROBE], timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = sorted(json_lines(p.stdout), key=lambda r: r["rank"])
     assert [r["rank"] for r in rows] == [0, 1, 2, 3]
     return rows
 
 
+# GPU indexes are asserted: under xdist other jobs would hold the debug nodes' first GPUs, so this
+# runs on the spare partition's nodes, on one worker with the node-failure test that uses them too.
+@pytest.mark.xdist_group("spare")
 @pytest.mark.cluster
 def test_gpus_per_node_binds_local_rank(slurm_cluster):
     rows = _probe_devices(slurm_cluster, "--gpus-per-node=2")
@@ -226,6 +252,9 @@ def test_gpus_per_node_binds_local_rank(slurm_cluster):
         assert r["index"] == r["local_rank"]         # ... and each takes its own: cuda:local_rank
 
 
+# GPU indexes are asserted: under xdist other jobs would hold the debug nodes' first GPUs, so this
+# runs on the spare partition's nodes, on one worker with the node-failure test that uses them too.
+@pytest.mark.xdist_group("spare")
 @pytest.mark.cluster
 def test_gpus_per_task_binds_its_only_device(slurm_cluster):
     rows = _probe_devices(slurm_cluster, "--gpus-per-task=1")

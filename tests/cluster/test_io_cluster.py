@@ -60,9 +60,11 @@ def test_stage_lmdb_and_broadcast_train_to_the_same_metrics_as_direct(slurm_clus
         "broadcast": ["data.io=broadcast", "data.broadcast_groups=node"],
     }
     metrics = {}
-    for name, overrides in runs.items():
+    jobs = {name: c.sbatch(_script(c.shared_dir / f"io-{name}", data, overrides), "-N2",
+                           "--ntasks-per-node=2", "--time=10")
+            for name, overrides in runs.items()}   # side by side: 3 jobs of 2 nodes fit 4 nodes
+    for name, jid in jobs.items():
         run_dir = c.shared_dir / f"io-{name}"
-        jid = c.sbatch(_script(run_dir, data, overrides), "-N2", "--ntasks-per-node=2", "--time=10")
         assert c.wait(jid, timeout=400) == "COMPLETED", _diag(c, jid, run_dir)
         metrics[name] = _final_eval(run_dir)
         if name == "stage_lmdb":
@@ -101,7 +103,7 @@ srun -N1 -w n2 sh -c 'printf X | dd of="$(ls -d {shlex.quote(str(local))}/.*.sbc
 srun -N2 --ntasks-per-node=1 --output={shlex.quote(str(work / 'stage%t.out'))} \\
     {py} -m ddp_hpc.data stage {shlex.quote(str(work / 'db.lmdb'))} --to {shlex.quote(str(local))} --json
 """
-    jid = c.sbatch(script, "-N2", "--time=5")
+    jid = c.sbatch(script, "-N2", "-w", "n1,n2", "--time=5")   # the script names n1 and n2
     assert c.wait(jid, timeout=300) == "COMPLETED", c.output(jid)[-3000:]
     bench = json.loads((work / "bench.json").read_text())
     assert bench["nodes"] == 2 and set(bench["best"]) == {"copy", "sbcast"}

@@ -5,7 +5,10 @@ restart resumes from the newest checkpoint and status names the node. Then the n
 (ReturnToService) and the job is requeued from outside (as an admin or a preemption would):
 Slurm places the run on the revived node again, and the batch script's check
 (preempt.exclude_failed_nodes, on by default) requeues it off that node with ExcNodeList. The test
-prints how long each stage took and what status said."""
+prints how long each stage took and what status said.
+
+The job runs in the test cluster's partition ``spare`` (3 nodes of its own): the node it kills
+runs nothing of the other tests, which go on meanwhile, and Slurm's placement is this job's alone."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from ddp_hpc.runlogs.reader import read_events
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import expand
 
-pytestmark = pytest.mark.cluster
+# with the tests that use the spare partition's GPUs, one after the other on one worker
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("spare")]
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -63,8 +67,9 @@ def test_a_dead_node_is_named_the_job_resumes_elsewhere_and_later_avoids_it(slur
     d = c.shared_dir / f"nodefail-{time.monotonic_ns()}"
     env = dict(c.env, DDP_HPC_HOME=str(d / "home"), PYTHONPATH=str(REPO))
     cli = SlurmCLI(env=c.env)
+    assert len(c.spare_nodes) == 3   # 2 for the job, 1 to resume on while the dead node is down
     p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10",
-               "-J", "nodefail", str(REPO / "jobs" / "demo.yaml"), "--", f"log.dir={d / 'runs'}", *SLOW],
+               "-p", c.spare_partition, "-J", "nodefail", str(REPO / "jobs" / "demo.yaml"), "--", f"log.dir={d / 'runs'}", *SLOW],
               cwd=str(REPO), env=env)
     assert p.returncode == 0, p.stderr
     job = p.stdout.split()[-1]

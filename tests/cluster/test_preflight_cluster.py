@@ -48,9 +48,11 @@ def test_uneven_ntasks_setup_ddp_does_not_hang(slurm_cluster):
     assert "EnvError" in p.stderr and "HINT: Request --nodes=2 --ntasks-per-node" in p.stderr, p.stderr
 
 
+# Asserts GPU indexes 0,1: on the spare partition, with the other such tests (test_cluster_env.py).
+@pytest.mark.xdist_group("spare")
 def test_more_tasks_than_gpus_on_a_node_fails_with_hint(slurm_cluster):
     c = slurm_cluster
-    p = c.run(["srun", "-N1", "--ntasks-per-node=4", "--gpus-per-node=2", "--time=3",
+    p = c.run(["srun", "-p", c.spare_partition, "-N1", "--ntasks-per-node=4", "--gpus-per-node=2", "--time=3",
                "python", "-m", "ddp_hpc.env", "--check"], timeout=240)
     assert p.returncode != 0
     assert "CUDA_VISIBLE_DEVICES=0,1" in p.stderr and "has no GPU to bind" in p.stderr, p.stderr

@@ -102,14 +102,15 @@ def test_too_many_cpus_per_task_fails_before_submitting(slurm_cluster, where):
 
 
 def test_python_api_function_result_and_failure(slurm_cluster, where):
+    """Both jobs are submitted at once and run side by side; then each is waited for."""
     c, (_, env) = slurm_cluster, where
     code = ("import ddp_hpc, json\n"
             "from tests.cluster.script_helpers import allsum, fail_on\n"
             "if __name__ == '__main__':\n"
             "    job = ddp_hpc.submit(allsum, args=(0.5,), nodes=2, gpus=2, time='10')\n"
+            "    bad = ddp_hpc.submit(fail_on, args=(3,), nodes=2, gpus=2, time='10')\n"
             "    print('JOB', job.job_id, job.backend, flush=True)\n"
             "    print('RESULT', json.dumps(job.result(timeout=240)), job.state(), flush=True)\n"
-            "    bad = ddp_hpc.submit(fail_on, args=(3,), nodes=2, gpus=2, time='10')\n"
             "    try:\n"
             "        bad.result(timeout=240)\n"
             "    except Exception as e:\n"

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.cluster
+# One worker under xdist: the last test compares the jobs of the others (JOBS), and it has the
+# cluster alone (it switches accounting off), with the other exclusive tests of the suite.
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("exclusive")]
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -231,6 +233,7 @@ def test_requeued_job_shows_restarts_and_both_runs(slurm_cluster, env, elsewhere
     JOBS["requeued"] = {"id": job, "state": "COMPLETED"}
 
 
+@pytest.mark.cluster_exclusive
 def test_same_answers_from_every_source_and_without_slurmdbd(slurm_cluster, env, elsewhere):
     c = slurm_cluster
     if not {"completed", "failed"} <= set(JOBS):

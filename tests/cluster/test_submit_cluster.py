@@ -202,6 +202,9 @@ def test_torchrun_variant_completes_and_usr2_checkpoints_and_requeues(slurm_clus
     assert "forwards SIGUSR2" in (log_dir / "node0.out").read_text()
 
 
+# Compares the whole queue before and after: under xdist no other test may submit meanwhile.
+@pytest.mark.cluster_exclusive
+@pytest.mark.xdist_group("exclusive")
 def test_bad_requests_fail_before_submitting(slurm_cluster, where):
     c = slurm_cluster
     from ddp_hpc.slurm.cli import SlurmCLI
