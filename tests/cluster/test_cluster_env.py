@@ -121,8 +121,8 @@ def test_fake_gpus_are_handed_out_by_gres(slurm_cluster):
     rows = sorted(p.stdout.splitlines())
     assert len(rows) == 2 and [r.split()[1] for r in rows] == ["0,1", "0,1"], p.stdout + p.stderr
     assert len({r.split()[0] for r in rows}) == 2
-    p = c.run(["srun", "-p", c.spare_partition, "-N1", "-n2", "--gpus-per-task=2", "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES"'],
-              timeout=60)
+    p = c.run(["srun", "-p", c.spare_partition, "-N1", "-n2", "--gpus-per-task=2", "sh", "-c",
+               'echo "$CUDA_VISIBLE_DEVICES"'], timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(p.stdout.split()) == ["0,1", "2,3"], p.stdout + p.stderr
     p = c.run(["srun", "-p", c.spare_partition, "-N1", f"--gpus-per-node={c.gpus_per_node + 1}", "true"],

@@ -11,7 +11,6 @@ import re
 import time
 
 import pytest
-
 from readme_blocks import blocks, fresh_copy, run_block
 
 pytestmark = pytest.mark.cluster
@@ -23,7 +22,8 @@ def _as_run_here(body: str, slurm_conf: str) -> str:
 
 
 def test_as_run_here_keeps_every_other_line():
-    body = ".venv/bin/ddp-hpc testcluster up --nodes 4\nexport SLURM_CONF=/x/slurm.conf PATH=$PWD:$PATH\nsrun hostname\n"
+    body = (".venv/bin/ddp-hpc testcluster up --nodes 4\nexport SLURM_CONF=/x/slurm.conf PATH=$PWD:$PATH\n"
+            "srun hostname\n")
     assert _as_run_here(body, "/c/slurm.conf").splitlines() == [
         ": the test session cluster stands in", "export SLURM_CONF=/c/slurm.conf PATH=$PWD:$PATH", "srun hostname"]
 
@@ -39,7 +39,8 @@ def test_readme_cluster_blocks_work(slurm_cluster, tmp_path):
         t0 = time.monotonic()
         p = run_block(_as_run_here(b.body, str(c.slurm_conf)), work, env, timeout=600)
         print(f"README.md:{b.line}: exit {p.returncode} in {time.monotonic() - t0:.1f} s")
-        assert p.returncode == 0, f"README.md block at line {b.line} failed:\n{b.body}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        assert p.returncode == 0, (f"README.md block at line {b.line} failed:\n{b.body}\n"
+                                   f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
         outputs.append(p.stdout)
     assert outputs[0].count("OK rank") == 4, outputs[0]           # env --check: one line per task
     assert "replicas equal" in outputs[0], outputs[0]               # the torchrun-style script under srun

@@ -189,7 +189,7 @@ def test_torchrun_variant_completes_and_usr2_checkpoints_and_requeues(slurm_clus
     ev = _events(log_dir, 0)
     assert state == "COMPLETED", (
         [(e["event"], e["restart"], e.get("step")) for e in ev if e["event"] != "step"],
-        [l for l in (log_dir / "node0.out").read_text().splitlines() if "step" not in l][-60:])
+        [ln for ln in (log_dir / "node0.out").read_text().splitlines() if "step" not in ln][-60:])
     kinds = [(e["event"], e["restart"]) for e in ev]
     assert ("preempt", 0) in kinds and ("checkpoint", 0) in kinds and ("requeue", 0) in kinds, kinds
     assert ("start", 1) in kinds and ev[-1]["event"] == "end" and ev[-1]["status"] == "completed"
