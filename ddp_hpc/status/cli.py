@@ -107,7 +107,7 @@ def run(args, me: str) -> int:
     only = None if args.source == "auto" else args.source.replace("sacct-c", "sacct -c")
     if args.job is None:
         def render():
-            sts = collect(recent_targets(args.limit), cli, note, only=only)
+            sts = collect(recent_targets(args.limit), cli, note, only=only, brief=not args.json)
             return view.to_json([s.to_dict() for s in sts]) if args.json else view.render_table(sts)
     else:
         targets = job_targets(args.job, args.log_dir,

@@ -23,6 +23,7 @@ from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
+from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
@@ -92,12 +93,25 @@ class JobStatus:
         d["rank_exit_codes"] = {str(k): v for k, v in self.rank_exit_codes.items()}
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "JobStatus":
+        """The status `to_dict` gave (after a JSON round trip): the job table's cached rows."""
+        d = dict(d, progress=RunProgress(**d["progress"]) if d.get("progress") else None,
+                 failure=Failure(**d["failure"]) if d.get("failure") else None)
+        d["last_events"] = {int(k): v for k, v in (d.get("last_events") or {}).items()}
+        d["rank_exit_codes"] = {int(k): v for k, v in (d.get("rank_exit_codes") or {}).items()}
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
 
 def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, history: bool = False,
-            now: float | None = None, only: str | None = None) -> list[JobStatus]:
-    """Status of every target; Slurm ones are queried in one batch per source. ``only`` names
-    the one source to ask (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal
-    state the scheduler reports is kept in the job's record (`records.store_final`)."""
+            now: float | None = None, only: str | None = None, brief: bool = False) -> list[JobStatus]:
+    """Status of every target; Slurm ones are queried in one batch per source (one squeue and
+    one sacct call however many jobs and array tasks). ``only`` names the one source to ask
+    (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal state the scheduler
+    reports is kept in the job's record (`records.store_final`). ``brief``: only what the job
+    table shows (no failure attribution, per-rank endings or step times), and an ended job's
+    row is taken from the table's cache (`ddp_hpc.status.rowcache`) while its record, its logs
+    and the scheduler's answer are unchanged."""
     now = time.time() if now is None else now
     cluster, down = (cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
                      else (None, None))
@@ -116,9 +130,17 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
                                       controller_down=down, only=only)
         tried += more
     out, finals = [], {}
+    cache = rowcache.load() if brief else None
     for t in targets:
-        with _no_cycle_collection():
-            st, final = _one(t, found.get(t.id), tried, now, only)
+        sched = found.get(t.id)
+        key = cache.key(t, sched, tried, only) if cache is not None else None
+        kept = cache.get(key) if key is not None else None
+        st, final = (JobStatus.from_dict(kept), None) if kept is not None else (None, None)
+        if st is None:
+            with _no_cycle_collection():
+                st, final = _one(t, sched, tried, now, only, brief)
+            if key is not None:
+                cache.put(key, st.to_dict())
         if t.id in foreign:
             st.notes.append(f"submitted on cluster {t.record.cluster!r}, not this one ({cluster!r}): "
                             "the scheduler was not asked (job ids repeat across clusters)")
@@ -130,6 +152,8 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
             records.store_final(rec, per_task)
         except OSError:  # a read-only job store: status still answers
             pass
+    if cache is not None:
+        cache.save()
     return out
 
 
@@ -180,10 +204,12 @@ def _from_final(final: dict, tried: list[str]) -> SourceState:
                            steps=list(final.get("steps") or []), restarts=final.get("restarts"))
 
 
-def _final(sched: SourceState, codes: dict[int, int], now: float) -> dict | None:
-    """What to keep of a terminal state a Slurm source reported (None: not one)."""
+def _final(sched: SourceState, srun_codes, now: float) -> dict | None:
+    """What to keep of a terminal state a Slurm source reported (None: not one); ``srun_codes()``
+    gives the per-rank exit codes srun reported (read only for a state to keep)."""
     if sched.source not in (SQUEUE, SACCT, SACCT_C) or not sched.state.state.terminal:
         return None
+    codes = srun_codes()
     return {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
             "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
             "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
@@ -191,19 +217,49 @@ def _final(sched: SourceState, codes: dict[int, int], now: float) -> dict | None
 
 
 def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
-         only: str | None = None) -> tuple[JobStatus, dict | None]:
+         only: str | None = None, brief: bool = False) -> tuple[JobStatus, dict | None]:
     rec = t.record
-    logs = RunLogs(t.log_dir)
+    logs = RunLogs(t.log_dir, ends_only=brief)
     notes: list[str] = []
     sched = _state_of(t, sched, tried, logs, notes, only)
     state = sched.state
-    failure, endings = _diagnose(logs, sched, notes)
+    failure, endings = (None, {}) if brief else _diagnose(logs, sched, notes)
     runs = logs.runs()
     restarts = max([sched.restarts or 0] + [r.restart for r in runs])
     progress = logs.progress(now)
     if progress is not None and not state.state.active:
         progress.eta_s = 0.0 if state.state is JobState.COMPLETED else None
-    elapsed = sched.elapsed or _elapsed_from_runs(runs, state.state.active, now)
+    _read_notes(t, logs, notes)
+    # srun's "task R: Exited" lines stay in the appended batch output after a requeue: only
+    # worth showing when the job did not complete
+    codes = {} if state.state is JobState.COMPLETED or brief else logs.srun_exit_codes()
+    if not codes and sched.source == "record" and not brief:
+        codes = {int(r): c for r, c in (records.final_of(rec, _task_id(t)) or {}).get(
+            "rank_exit_codes", {}).items()}
+    ev = logs.last_eval()
+    st = JobStatus(
+        id=t.id, name=getattr(rec, "name", None), backend=getattr(rec, "backend", None),
+        state=state.label, state_name=state.state.name, source=sched.source, tried=sched.tried,
+        nodes=getattr(rec, "nodes", None) or sched.nodes,
+        gpus_per_node=getattr(rec, "gpus_per_node", None), device=logs.device(),
+        elapsed=sched.elapsed or _elapsed_from_runs(runs, state.state.active, now),
+        time_limit=sched.time_limit or normalize_duration(getattr(rec, "time_limit", None)),
+        restarts=restarts, log_dir=t.log_dir, cwd=getattr(rec, "cwd", None),
+        submitted_at=getattr(rec, "submitted_at", None), reason=sched.reason,
+        node_list=sched.node_list, progress=progress, last_events={} if brief else logs.last_events(),
+        failure=failure, exit_code=sched.exit_code, steps=sched.steps, rank_exit_codes=codes,
+        scheduler_history=sched.history, history_source=sched.history_source,
+        runs=[] if brief else _runs(logs, runs, sched), notes=notes, command=getattr(rec, "command", None),
+        rank_endings={} if brief else rank_endings(logs),
+        rank_classification={str(r): e.to_dict() for r, e in endings.items()},
+        eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
+        overrides=_overrides(t))
+    _timing(st, logs, now, brief)
+    return st, _final(sched, logs.srun_exit_codes, now)
+
+
+def _read_notes(t: StatusTarget, logs: RunLogs, notes: list[str]) -> None:
+    """What kept status from reading the logs whole, or at all."""
     if partial := logs.partial:
         notes.append(f"the event files of {plural(len(partial), 'rank')} ({compress_ranks(partial)}) are too big "
                      f"to read whole: status read their first {HEAD_BYTES >> 10} KiB and last {TAIL_LINES} lines "
@@ -213,30 +269,6 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         notes.append(f"{plural(bad, 'unreadable line')} in the event streams skipped")
     if t.log_dir and not Path(t.log_dir).is_dir():
         notes.append(f"log directory {t.log_dir} does not exist (yet)")
-    # srun's "task R: Exited" lines stay in the appended batch output after a requeue: only
-    # worth showing when the job did not complete
-    codes = {} if state.state is JobState.COMPLETED else logs.srun_exit_codes()
-    if not codes and sched.source == "record":
-        codes = {int(r): c for r, c in (records.final_of(rec, _task_id(t)) or {}).get(
-            "rank_exit_codes", {}).items()}
-    ev = logs.last_eval()
-    st = JobStatus(
-        id=t.id, name=getattr(rec, "name", None), backend=getattr(rec, "backend", None),
-        state=state.label, state_name=state.state.name, source=sched.source, tried=sched.tried,
-        nodes=getattr(rec, "nodes", None) or sched.nodes,
-        gpus_per_node=getattr(rec, "gpus_per_node", None), device=logs.device(),
-        elapsed=elapsed, time_limit=sched.time_limit or normalize_duration(getattr(rec, "time_limit", None)),
-        restarts=restarts, log_dir=t.log_dir, cwd=getattr(rec, "cwd", None),
-        submitted_at=getattr(rec, "submitted_at", None), reason=sched.reason,
-        node_list=sched.node_list, progress=progress, last_events=logs.last_events(),
-        failure=failure, exit_code=sched.exit_code, steps=sched.steps, rank_exit_codes=codes,
-        scheduler_history=sched.history, history_source=sched.history_source,
-        runs=_runs(logs, runs, sched), notes=notes, command=getattr(rec, "command", None),
-        rank_endings=rank_endings(logs), rank_classification={str(r): e.to_dict() for r, e in endings.items()},
-        eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
-        overrides=_overrides(t))
-    _timing(st, logs, now)
-    return st, _final(sched, logs.srun_exit_codes(), now)
 
 
 def _diagnose(logs: RunLogs, sched: SourceState, notes: list[str]):
@@ -275,13 +307,15 @@ def _runs(logs: RunLogs, runs, sched: SourceState) -> list[dict]:
     return out
 
 
-def _timing(st: JobStatus, logs: RunLogs, now: float) -> None:
-    """Stall (a running job) and straggler facts from the current run's step events."""
+def _timing(st: JobStatus, logs: RunLogs, now: float, brief: bool = False) -> None:
+    """Stall (a running job) and straggler facts (not ``brief``) from the current run's step
+    events."""
     restart = logs.current_restart()
     per_rank = {r: s.of_restart(restart) for r, s in logs.ranks.items()}
-    hosts = {r: next((e.get("host") for e in reversed(evs) if e.get("host")), None)
-             for r, evs in per_rank.items()}
-    st.timing = timing.stragglers(per_rank, hosts)
+    if not brief:
+        hosts = {r: next((e.get("host") for e in reversed(evs) if e.get("host")), None)
+                 for r, evs in per_rank.items()}
+        st.timing = timing.stragglers(per_rank, hosts)
     if st.job_state is JobState.RUNNING and (stall := timing.stall(per_rank, now)) is not None:
         stacks, none = timing.silent_stacks(per_rank, stall["ranks"], now, stall["threshold_s"])
         st.stall = {**stall, "stacks": stacks, "no_stack": none}
