@@ -339,7 +339,7 @@ def rank_endings(logs: RunLogs) -> dict[int, str]:
         if end is None:
             continue
         how = end.get("signal") or (f"exit {end['exit_code']}" if end.get("exit_code") else None)
-        out[rank] = f"{end.get('status')}" + (f" ({how})" if how else "")
+        out[rank] = str(end.get("status") or "ended") + (f" ({how})" if how else "")
     return out
 
 

@@ -215,10 +215,10 @@ def _stall_lines(st: JobStatus) -> list[str]:
     if sl.get("others_last_s") is not None:
         line += f"; the others last wrote {format_duration(sl['others_last_s'])} ago"
     elif sl.get("behind"):
-        steps = sl.get("last_steps", {})
+        steps = {k: v for k, v in sl.get("last_steps", {}).items() if v is not None}
         line += (f"; {ranks_text(sl['behind'])} stopped first (last step "
-                 f"{', '.join(str(steps.get(str(r))) for r in sl['behind'])}, the others' "
-                 f"{max(v for v in steps.values() if v is not None)})")
+                 f"{', '.join(str(steps.get(str(r), '-')) for r in sl['behind'])}, the others' "
+                 f"{max(steps.values(), default='-')})")
     out = [line, f"            (no event for > {format_duration(sl['threshold_s'])}: max({STALL_FACTOR:g} x "
                  f"the median interval between step events, {sl['median_interval_s']:.3g} s, "
                  f"{STALL_MIN_S:g} s))"]
