@@ -133,7 +133,7 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
     cache = rowcache.load() if brief else None
     for t in targets:
         sched = found.get(t.id)
-        key = cache.key(t, sched, tried, only) if cache is not None else None
+        key = cache.key(t, sched, only) if cache is not None else None
         kept = cache.get(key) if key is not None else None
         st, final = (JobStatus.from_dict(kept), None) if kept is not None else (None, None)
         if st is None:

@@ -6,10 +6,11 @@ although almost all of those jobs ended long ago. Each row of a job in a termina
 in ``$DDP_HPC_HOME/cache/status-table.json`` (beside the job records) together with what it was
 made from: the job record's facts about it (its fields, its array task, its final state), the
 log directory's files that the table reads (names; size and modification time of all but the
-ranks' ``rank*.log`` / ``rank*.out`` text), and the scheduler's answer. A later table takes the kept row only when all
-of these are the same; a running or pending job is always read afresh (its row changes with the
-clock). The cache is only ever a shortcut: a missing, unreadable or foreign file is ignored and
-rewritten.
+ranks' ``rank*.log`` / ``rank*.out`` text), and the scheduler's answer. A later table takes the
+kept row only when all of these are the same; a running or pending job is always read afresh
+(its row changes with the clock). The rows hold what the table shows (``collect(brief=True)``),
+not a detail view's facts. The cache is only ever a shortcut: a missing, unreadable or foreign
+file is ignored and rewritten.
 """
 from __future__ import annotations
 
@@ -49,9 +50,11 @@ class RowCache:
         self.path, self.rows, self.changed = path, rows, False
         self._tasks: dict[int, dict] = {}  # id(record) -> {task id: its array entry}
 
-    def key(self, t, sched: SourceState | None, tried: list[str], only: str | None) -> tuple[str, list]:
+    def key(self, t, sched: SourceState | None, only: str | None) -> tuple[str, list]:
         """(the job's id, what its row is made from) for target ``t`` and the scheduler's answer."""
-        return t.id, [self._record_part(t, sched), t.log_dir, _dir_stamp(t.log_dir), _answer(sched), list(tried), only]
+        # not what the sources that did not answer said (``tried``): the table does not show it,
+        # and one job leaving squeue changes it for all
+        return t.id, [self._record_part(t, sched), t.log_dir, _dir_stamp(t.log_dir), _answer(sched), only]
 
     def _record_part(self, t, sched: SourceState | None) -> list | None:
         """The record's facts about this job or array task: its fields but the other tasks'
@@ -124,4 +127,4 @@ def _answer(sched: SourceState | None) -> list | None:
     if sched is None:
         return None
     return [sched.state.label, sched.source, sched.elapsed, sched.time_limit, sched.nodes, sched.node_list,
-            sched.reason, sched.exit_code, sched.restarts, sched.steps, list(sched.tried)]
+            sched.reason, sched.exit_code, sched.restarts, sched.steps, sched.history]
