@@ -83,9 +83,14 @@ def cluster_or_reason(cli: SlurmCLI | None) -> tuple[str | None, str | None]:
     return answer
 
 
+class NormalRow(dict):
+    """A row whose keys are already in `_norm`'s spelling: `norm_get` looks up without
+    rebuilding it (thousands of rows, a dozen lookups each)."""
+
+
 def norm_get(row: dict, *names: str, default=None):
     """``row[name]`` for the first of ``names`` present, ignoring case, '_' and spaces."""
-    idx = {_norm(k): v for k, v in row.items()}
+    idx = row if isinstance(row, NormalRow) else {_norm(k): v for k, v in row.items()}
     for n in names:
         v = idx.get(_norm(n))
         if v not in (None, ""):
@@ -241,7 +246,9 @@ class _Query:
         a short command line however many tasks), its rows grouped by job once."""
         fn = self.cli.squeue if label == SQUEUE else self.cli.sacct
         rows = _call(self.tried, label, fn, job_ids_to_ask(ids), **kwargs)
-        return None if rows is None else _by_job(rows, self.expect)
+        if rows is None:
+            return None
+        return _by_job([NormalRow((_norm(k), v) for k, v in r.items()) for r in rows], self.expect)
 
     def ask_squeue(self, controller_down: str | None) -> None:
         if controller_down:
