@@ -15,13 +15,18 @@ one process, and times ddp_hpc's code on real-shaped inputs:
                 preempted and requeued, a second run in which one rank raised and the others lost
                 their peer), ``rank<R>.out`` and the batch output with srun's reports;
 - ``table``:    ``python -m ddp_hpc.status`` (the table of the 20 newest jobs) and ``--limit 0``
-                (every job) over 8 ... 10,000 job records.
+                (every job) over 8 ... 10,000 job records: a refresh, and the first view (before
+                the table's cache of ended jobs, ``ddp_hpc.status.rowcache``, holds their rows);
+- ``scheduler``: ``status --limit 0`` over 10,000 Slurm jobs and over one array of 1,000 tasks,
+                with a stand-in scheduler (`ddp_hpc.slurm.cli.SlurmCLI` with a runner that answers
+                squeue / sacct / scontrol as Slurm does: one job in 5 (or in 50) running, the rest
+                completed) that counts the Slurm commands each refresh runs.
 
-The scheduler is not asked (status runs as on a machine without Slurm's commands): this measures
-ddp_hpc's costs, not slurmctld's. Times are the best of a few repetitions (the machine may be
-shared) in CPU seconds of this process, which other work on a shared machine does not stretch
-(the status goal shows the wall clock too); the event files are in the page cache, having just
-been written.
+Outside the ``scheduler`` section the scheduler is not asked (status runs as on a machine without
+Slurm's commands): this measures ddp_hpc's costs, not slurmctld's. Times are the best of a few
+repetitions (the machine may be shared) in CPU seconds of this process, which other work on a
+shared machine does not stretch (the status goals show the wall clock too); the event files are
+in the page cache, having just been written.
 
 Each line shows the cost per unit (per rank, per host, per record) at every size and the growth
 factor: the cost per unit at the largest size over the lowest cost per unit at any size (fixed
@@ -65,6 +70,12 @@ PER_NODE = 8
 JOB_ID = "900001"
 STATUS_GOAL_S = 5.0
 GROWTH_OK = 2.0
+#: the table over many Slurm jobs / array tasks: a refresh within SCHED_GOAL_S (CPU seconds),
+#: one squeue and one sacct call however many
+#: (what, how many, one in how many runs): a running job's row is worked out on every refresh
+SCHED_SIZES = (("jobs", 10000, 5), ("jobs", 10000, 50), ("array tasks", 1000, 5))
+QUICK_SCHED = (("jobs", 50, 5), ("array tasks", 40, 5))
+SCHED_GOAL_S = 5.0
 SECTIONS = ("env", "hostlist expand", "hostlist compress", "groups: node/leader/strided lists",
             "groups: build_plan two_level", "status detail", "status --json", "table (20 newest)",
             "table --limit 0")
@@ -302,28 +313,105 @@ def bench_status(work: Path, ranks: int, n_events: int, reps: int) -> tuple[floa
     return t_write, t_detail, t_json, wall
 
 
-def bench_table(work: Path, n_records: int, reps: int) -> tuple[float, float]:
-    """(seconds for ``status`` (20 newest), for ``status --limit 0``) over ``n_records`` records
-    whose log directories are 16 small jobs (8 ranks, 40 events each)."""
-    home = work / f"table-{n_records}"
+def small_dirs(work: Path) -> list[Path]:
+    """16 small jobs' log directories (8 ranks, 40 events each) the table records point to."""
     dirs = []
     for i in range(16):
         d = work / "small" / f"job{i}"
         if not d.exists():
             write_logs(d, 8, 40)
         dirs.append(d)
+    return dirs
+
+
+def bench_table(work: Path, n_records: int, reps: int) -> tuple[float, float, float]:
+    """(seconds for ``status`` (20 newest), for ``status --limit 0``, for the first
+    ``status --limit 0``: no row kept yet) over ``n_records`` records of 16 small jobs' logs."""
+    home = work / f"table-{n_records}"
+    dirs = small_dirs(work)
     now = time.time()
     for i in range(n_records):
         write_record(home, str(100000 + i), dirs[i % 16], 1, now - 86400 + i)
     with status_home(home):
-        assert run_status([]).count("\n") == min(n_records, 20) + 1
+        t0 = time.process_time()
         assert run_status(["--limit", "0"]).count("\n") == n_records + 1
-        return best_of(lambda: run_status([]), reps), best_of(lambda: run_status(["--limit", "0"]), reps)
+        first = time.process_time() - t0
+        assert run_status([]).count("\n") == min(n_records, 20) + 1
+        return best_of(lambda: run_status([]), reps), best_of(lambda: run_status(["--limit", "0"]), reps), first
+
+
+# --- the table against a stand-in scheduler that counts its calls
+class StandInSlurm:
+    """Answers squeue / sacct / scontrol argv as Slurm 22.05 does (``ddp_hpc.slurm.cli``'s
+    separators and fields) for ``jobs`` (id or array task id -> state), counting each command."""
+
+    def __init__(self, jobs: dict[str, str]):
+        self.jobs, self.calls = jobs, {}
+
+    def __call__(self, argv, *, input=None, cwd=None, env=None, timeout=None):
+        from subprocess import CompletedProcess
+        self.calls[argv[0]] = self.calls.get(argv[0], 0) + 1
+        if argv[0] == "scontrol":
+            return CompletedProcess(argv, 0, "ClusterName=big\n", "")
+        asked = set(next(a for a in argv if a.startswith("--jobs=")).split("=", 1)[1].split(","))
+        mine = [(j, st) for j, st in self.jobs.items() if j in asked or j.split("_", 1)[0] in asked]
+        rows = [self._squeue(j) for j, st in mine if st == "RUNNING"] if argv[0] == "squeue" else \
+            [r for j, st in mine if st != "RUNNING" for r in self._sacct(j, st)]
+        return CompletedProcess(argv, 0, "".join(r + "\n" for r in rows), "")
+
+    @staticmethod
+    def _squeue(j: str) -> str:
+        from ddp_hpc.slurm.cli import SEP, SQUEUE_FIELDS
+        job, _, task = j.partition("_")
+        row = dict(JobArrayID=j, JobID=job, ArrayJobID=job, ArrayTaskID=task or "N/A", State="RUNNING",
+                   Reason="None", TimeUsed="1:00:05", TimeLimit="2-00:00:00", NumNodes="1", RestartCnt="0",
+                   NodeList="gpu0001", Partition="gpu", UserName="user", SubmitTime="N/A", StartTime="N/A",
+                   EndTime="N/A", Name="train")
+        return "".join(f"{row[f]}{SEP}" for f in SQUEUE_FIELDS)
+
+    @staticmethod
+    def _sacct(j: str, state: str) -> list[str]:
+        from ddp_hpc.slurm.cli import SACCT_FIELDS, SEP
+        row = dict(JobID=j, JobIDRaw=j, State=state, ExitCode="0:0", Elapsed="01:02:03", Timelimit="2-00:00:00",
+                   NNodes="1", NodeList="gpu0001", Partition="gpu", Submit="N/A", Start="N/A", End="N/A",
+                   JobName="train")
+        step = dict(row, JobID=f"{j}.0", JobIDRaw=f"{j}.0", JobName="python")
+        return [SEP.join(r[f] for f in SACCT_FIELDS) for r in (row, step)]
+
+
+def bench_scheduler(work: Path, n: int, array: bool, reps: int, every: int = 5) -> dict:
+    """``status --limit 0`` over ``n`` Slurm jobs (or one array of ``n`` tasks) that a stand-in
+    scheduler knows, one in ``every`` running: CPU and wall seconds of the first view and of a refresh,
+    and the Slurm commands one refresh ran."""
+    from ddp_hpc.slurm.cli import SlurmCLI
+    home, dirs, now = work / f"sched-{n}-{array}", small_dirs(work), time.time()
+    if array:
+        ids = [f"700000_{i}" for i in range(n)]
+        tasks = [{"task_id": i, "overrides": [f"train.lr={i}"], "log_dir": str(dirs[i % 16])} for i in range(n)]
+        write_record(home, "700000", dirs[0], 1, now - 3600)
+        path = home / "jobs" / "700000.json"
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), array=tasks)))
+    else:
+        ids = [str(200000 + i) for i in range(n)]
+        for i, j in enumerate(ids):
+            write_record(home, j, dirs[i % 16], 1, now - 86400 + i)
+    sched = StandInSlurm({j: "RUNNING" if i % every == 0 else "COMPLETED" for i, j in enumerate(ids)})
+    with mock.patch.dict(os.environ, {"DDP_HPC_HOME": str(home)}), \
+            mock.patch.object(status_cli, "slurm_cli", lambda: (SlurmCLI(runner=sched), None)):
+        t0, w0 = time.process_time(), time.perf_counter()
+        text = run_status(["--limit", "0"])
+        first, first_wall = time.process_time() - t0, time.perf_counter() - w0
+        assert text.count("\n") == n + 1 and text.count(" RUNNING ") == len(ids[::every]), text[:2000]
+        sched.calls.clear()
+        refresh = best_of(lambda: run_status(["--limit", "0"]), reps)
+        calls = {k: v // reps for k, v in sched.calls.items()}
+    return {"first_s": first, "first_wall_s": first_wall, "refresh_s": refresh, "refresh_wall_s": LAST_WALL[0],
+            "calls": calls}
 
 
 # --- the report
 def measure(sizes: tuple[int, ...], table_sizes: tuple[int, ...], n_events: int, work: Path,
-            log=print) -> list[dict]:
+            log=print, sched_sizes: tuple[tuple[str, int, int], ...] = ()) -> list[dict]:
     """One row per (section, size): the units it covered and its seconds."""
     rows = []
 
@@ -349,9 +437,14 @@ def measure(sizes: tuple[int, ...], table_sizes: tuple[int, ...], n_events: int,
         add("status --json", n, "rank", n, t_json)
     for n in table_sizes:
         log(f"  {n} job records: status table ...")
-        t20, t_all = bench_table(work, n, 3 if n <= 512 else 1)
+        t20, t_all, first = bench_table(work, n, 3 if n <= 512 else 1)
         add("table (20 newest)", n, "record", n, t20)
-        add("table --limit 0", n, "record", n, t_all)
+        add("table --limit 0", n, "record", n, t_all, first_s=first)
+    for what, n, every in sched_sizes:
+        log(f"  {what}, 1 in {every} running: status --limit 0 against a stand-in scheduler ...")
+        got = bench_scheduler(work, n, what.startswith("array"), 1, every)
+        add(f"scheduler: {what}, 1 in {every} running", n, "job" if what == "jobs" else "task", n,
+            got.pop("refresh_s"), **got)
     return rows
 
 
@@ -400,6 +493,7 @@ def render(rows: list[dict], summary: dict) -> str:
         lines.append(f"  {s:<20}" + "  ".join(f"{r['size']:,}: {r['seconds']:.3f}" for r in got))
     env = sorted((r for r in rows if r["section"] == "env"), key=lambda r: r["size"])
     lines.append("  env per rank (us)   " + "  ".join(f"{r['size']:,}: {r['per_rank_us']:.1f}" for r in env))
+    lines += scheduler_lines(rows)
     lines.append("verdict:")
     for goal, ok in summary["goals"].items():
         if isinstance(ok, tuple):
@@ -407,6 +501,27 @@ def render(rows: list[dict], summary: dict) -> str:
         else:
             lines.append(f"  {goal}: {'yes' if ok else 'NO'}")
     return "\n".join(lines) + "\n"
+
+
+def scheduler_lines(rows: list[dict]) -> list[str]:
+    """The table's first view and refresh over many jobs and array tasks, with the Slurm commands
+    one refresh ran, against the goal."""
+    out = []
+    for r in rows:
+        if r["section"] == "table --limit 0" and r["size"] == max(TABLE_SIZES):
+            out.append(f"  table --limit 0, {r['size']:,} records (no scheduler): first view {r['first_s']:.2f} s, "
+                       f"refresh {r['seconds']:.2f} s CPU")
+    sched = [r for r in rows if r["section"].startswith("scheduler: ")]
+    if sched:
+        out.append("status --limit 0 against a stand-in scheduler (1 in N running, the rest completed):")
+    for r in sched:
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(r["calls"].items())) or "none"
+        ok = "yes" if r["seconds"] <= SCHED_GOAL_S else "NO"
+        out.append(f"  {r['section'][11:]:<28} {r['size']:>7,}: first view {r['first_s']:.2f} s CPU "
+                   f"({r['first_wall_s']:.2f} s wall), refresh {r['seconds']:.2f} s CPU "
+                   f"({r['refresh_wall_s']:.2f} s wall); x{r['seconds'] / SCHED_GOAL_S:.2f} of the "
+                   f"{SCHED_GOAL_S:g} s goal: {ok}; Slurm calls per refresh: {calls}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -426,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ddp_hpc_scale-", dir=args.workdir))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        rows = measure(sizes, table_sizes, events, work, log)
+        rows = measure(sizes, table_sizes, events, work, log, QUICK_SCHED if args.quick else SCHED_SIZES)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(rows)

@@ -4,9 +4,10 @@
 ``ddp_hpc.testcluster`` -- 4 nodes ``n1..n4`` in the default partition and 3 more, ``n5..n7``, in
 a partition ``spare`` of their own (for a test that kills a node while others run), each node in
 its own network namespace with its own address and hostname, 4 fake GPUs per node (GRES), job
-completion records (``sacct -c``) and, when MariaDB + slurmdbd are installed, full accounting (plain ``sacct``, ``sacct -D``) -- and
-tears it down when the session ends.  Only one cluster can run on a machine, so the fixture holds
-an exclusive ``fcntl.flock`` on /tmp/ddp_hpc_testcluster.lock for the whole session; another
+completion records (``sacct -c``) and, when MariaDB + slurmdbd are installed, full accounting
+(plain ``sacct``, ``sacct -D``) -- and tears it down when the session ends.  Only one cluster
+can run on a machine, so the fixture holds an exclusive ``fcntl.flock`` on
+/tmp/ddp_hpc_testcluster.lock for the whole session; another
 session waits for it (up to ``DDP_HPC_CLUSTER_LOCK_WAIT`` seconds, default 1200) and then skips.
 The netns layout is used when ``ip`` and ``nsenter`` exist, the loopback one otherwise or when it
 fails (``DDP_HPC_TESTCLUSTER_LAYOUT=loopback`` forces it); slurmdbd when it is installed and

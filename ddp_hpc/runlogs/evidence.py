@@ -157,12 +157,19 @@ def _from_error(base: RankEnding, e: dict, end: dict | None, out_tb, out_tail,
         exc_type, message = exception_of(out_tb)
         tb = out_tb
     elif wrapper and (line := own_error_line(out_tail)):  # its own words first, the wrapper's below
-        tb = (tb or []) + ([f"{exc_type}: {message}"] if tb is None else [])
+        tb = (tb or []) + ([_said(exc_type, message)] if tb is None else [])
         return _words(base, None, line, tb, f"error event; {out_name}", out_tail)
-    ended = _words(base, exc_type, message, tb, "error event", out_tail)
-    if ended.kind == "raised" and exc_type == "Exited" and not tb:  # a status, no Python error
-        ended.kind = "exited"
-    return ended
+    if exc_type == "Exited" and not tb:  # a status, no Python error: the wrapper's words alone
+        return _set(base, "exited", _said(exc_type, message), "error event", exc_type=exc_type, message=message)
+    return _words(base, exc_type, message, tb, "error event", out_tail)
+
+
+def _said(exc_type, message) -> str:
+    """An error in words: ``ValueError: bad batch``; the exec wrapper's "Exited" / "Signal" (not
+    exception names) as their message alone: ``exited with status 3``."""
+    if exc_type in ("Exited", "Signal") and message:
+        return str(message)
+    return ": ".join(str(x) for x in (exc_type, message) if x)
 
 
 def _from_end(base: RankEnding, end: dict, out_tb, out_tail, out_name: str) -> RankEnding:
@@ -203,8 +210,7 @@ def _words(base: RankEnding, exc_type, message, tb, basis: str, out_tail) -> Ran
     """A Python error: a consequence when its words say a peer failed, else ``raised``."""
     tail = (tb or [])[-3:]
     phrase = consequence_phrase(message, exc_type, *reversed(tail))
-    what = ": ".join(str(x) for x in (exc_type, message) if x)
-    return _set(base, "consequence" if phrase else "raised", what, basis, phrase=phrase,
+    return _set(base, "consequence" if phrase else "raised", _said(exc_type, message), basis, phrase=phrase,
                 exc_type=exc_type, message=message, traceback=tb)
 
 

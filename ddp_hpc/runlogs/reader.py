@@ -92,9 +92,11 @@ def run_ending(log_dir: str | Path) -> RunEnding:
 
 class RunLogs:
     """All the rank files of one log directory, read once; methods derive the facts. A missing
-    directory (or None: a job whose log directory is not known) reads as one without files."""
+    directory (or None: a job whose log directory is not known) reads as one without files.
+    ``ends_only``: read the other ranks' event files only at their ends (as beyond the read budget)
+    whatever their size, rank 0's whole: enough for the state and progress a job table shows."""
 
-    def __init__(self, log_dir: str | Path | None):
+    def __init__(self, log_dir: str | Path | None, ends_only: bool = False):
         self.log_dir = Path(log_dir) if log_dir else None
         self.ranks: dict[int, RankStream] = {}
         self.outs: dict[int, Path] = {}
@@ -105,7 +107,7 @@ class RunLogs:
             return
         paths = sorted(self.log_dir.iterdir(), key=lambda p: p.name)  # one directory: as Path order
         events = [(int(m.group(1)), p) for p in paths if (m := EVENTS_RE.match(p.name))]
-        window = over_budget([p for _, p in events])
+        window = ends_only or over_budget([p for _, p in events])
         for rank, p in events:
             self.ranks[rank] = read_events(p, window and (rank != 0 or file_size(p) > FULL_READ_BYTES))
         for p in paths:

@@ -83,9 +83,14 @@ def cluster_or_reason(cli: SlurmCLI | None) -> tuple[str | None, str | None]:
     return answer
 
 
+class NormalRow(dict):
+    """A row whose keys are already in `_norm`'s spelling: `norm_get` looks up without
+    rebuilding it (thousands of rows, a dozen lookups each)."""
+
+
 def norm_get(row: dict, *names: str, default=None):
     """``row[name]`` for the first of ``names`` present, ignoring case, '_' and spaces."""
-    idx = {_norm(k): v for k, v in row.items()}
+    idx = row if isinstance(row, NormalRow) else {_norm(k): v for k, v in row.items()}
     for n in names:
         v = idx.get(_norm(n))
         if v not in (None, ""):
@@ -140,8 +145,9 @@ def _matches(row: dict, expect: dict | None) -> bool:
     return True
 
 
-def _group(rows: list[dict], expect: dict[str, dict]) -> dict[str, list[dict]]:
-    """Rows keyed by job / array-task id (steps included under their job), wrong jobs dropped."""
+def _by_job(rows: list[dict], expect: dict[str, dict]) -> dict[str, list[dict]]:
+    """Rows keyed by job / array-task id (steps included under their job), wrong jobs dropped;
+    ``<array id>_*`` also holds the rows of all of an array's tasks. One pass however many jobs."""
     out: dict[str, list[dict]] = {}
     for row in rows:
         jid = row_job_id(row)
@@ -153,7 +159,15 @@ def _group(rows: list[dict], expect: dict[str, dict]) -> dict[str, list[dict]]:
         if "." not in jid and not _matches(row, exp):
             continue
         out.setdefault(key, []).append(row)
+        if parent != key:
+            out.setdefault(f"{parent}_*", []).append(row)
     return out
+
+
+def job_ids_to_ask(ids: list[str]) -> list[str]:
+    """The ids to name on squeue's / sacct's command line: an array task ``123_4`` as its array
+    ``123`` (both list every task of an array asked for by its id), each id once, in order."""
+    return list(dict.fromkeys(i.split("_", 1)[0] for i in ids))
 
 
 def _view_from_rows(rows: list[dict], source: str, tried: list[str]) -> SourceState:
@@ -221,21 +235,28 @@ class _Query:
     def missing(self) -> list[str]:
         return [j for j in self.ids if j not in self.found]
 
-    def rows_of(self, rows: list[dict] | None, want: str) -> list[dict] | None:
-        """The rows of job ``want`` (or of all its array tasks) among ``rows``."""
-        by = _group(rows or [], self.expect)
+    def rows_of(self, by: dict[str, list[dict]], want: str) -> list[dict] | None:
+        """The rows of job ``want`` (or of all its array tasks) in ``by`` (`_by_job`)."""
         if want in by:
             return by[want]
-        tasks = [r for k, rs in by.items() if k.split("_", 1)[0] == want for r in rs]
-        return tasks or None
+        return by.get(f"{want}_*")
+
+    def ask(self, label: str, ids: list[str], **kwargs) -> dict[str, list[dict]] | None:
+        """One call of one source for all of ``ids`` (array tasks asked for by their array's id:
+        a short command line however many tasks), its rows grouped by job once."""
+        fn = self.cli.squeue if label == SQUEUE else self.cli.sacct
+        rows = _call(self.tried, label, fn, job_ids_to_ask(ids), **kwargs)
+        if rows is None:
+            return None
+        return _by_job([NormalRow((_norm(k), v) for k, v in r.items()) for r in rows], self.expect)
 
     def ask_squeue(self, controller_down: str | None) -> None:
         if controller_down:
             self.tried.append(f"{SQUEUE}: not asked, the controller does not answer "
                               f"({controller_down.strip()})")
             return
-        rows = _call(self.tried, SQUEUE, self.cli.squeue, self.ids)
-        for j in self.ids:
+        rows = self.ask(SQUEUE, self.ids)
+        for j in self.ids if rows is not None else ():
             if (r := self.rows_of(rows, j)) is not None:
                 self.found[j] = _view_from_rows(r, SQUEUE, [])
         if rows is not None and self.missing():
@@ -245,13 +266,12 @@ class _Query:
         missing = self.missing()
         if not (missing or self.history):
             return
-        rows = _call(self.tried, SACCT, self.cli.sacct, self.ids if self.history else missing,
-                     duplicates=self.history)
+        rows = self.ask(SACCT, self.ids if self.history else missing, duplicates=self.history)
         self.sacct_answered = rows is not None
-        for j in missing:
+        for j in missing if rows is not None else ():
             if (r := self.rows_of(rows, j)) is not None:
                 self.found[j] = _view_from_rows(r, SACCT, self.tried)
-        for j in self.ids if self.history else ():
+        for j in self.ids if self.history and rows is not None else ():
             if j in self.found and (r := self.rows_of(rows, j)) is not None:
                 st, hist = self.found[j], _view_from_rows(r, SACCT, self.tried)
                 st.history, st.history_source = hist.history, "sacct -D"
@@ -266,9 +286,8 @@ class _Query:
         missing = self.missing()
         if not (missing or (self.history and not self.sacct_answered)):
             return
-        rows = _call(self.tried, SACCT_C, self.cli.sacct, self.ids if self.history else missing,
-                     completion=True)
-        for j in self.ids:
+        rows = self.ask(SACCT_C, self.ids if self.history else missing, completion=True)
+        for j in self.ids if rows is not None else ():
             if (r := self.rows_of(rows, j)) is None:
                 continue
             if j not in self.found:

@@ -18,7 +18,9 @@ the command works from any directory. The state comes from squeue, else sacct, e
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
 import sys
 import time
 
@@ -45,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "without one: a table of the recent jobs")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--logs", action="store_true",
-                   help=f"show rank-prefixed tails of the ranks' training logs ({LOGS})")
+                   help=f"show rank-prefixed tails of the ranks' training logs ({LOGS}); of a "
+                        f"script job, its own output ({OUTS})")
     p.add_argument("--rank", type=int, help="with --logs: only this rank")
     p.add_argument("-n", "--lines", type=int, default=10, metavar="N",
                    help="with --logs: last N lines per file")
@@ -107,8 +110,8 @@ def run(args, me: str) -> int:
     only = None if args.source == "auto" else args.source.replace("sacct-c", "sacct -c")
     if args.job is None:
         def render():
-            sts = collect(recent_targets(args.limit), cli, note, only=only)
-            return view.to_json([s.to_dict() for s in sts]) if args.json else view.render_table(sts)
+            sts = collect(recent_targets(args.limit), cli, note, only=only, brief=not args.json)
+            return view.to_json([s.to_dict() for s in sts]) if args.json else view.render_table(sts, _width())
     else:
         targets = job_targets(args.job, args.log_dir,
                               current_cluster(cli) if is_slurm_id(args.job) else None)
@@ -136,6 +139,13 @@ def run(args, me: str) -> int:
     return 0
 
 
+def _width() -> int | None:
+    """The table's width: $COLUMNS, else the terminal's; None (no limit) into a pipe or file."""
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return max(40, shutil.get_terminal_size().columns)
+    return None
+
+
 def _stacks(args, targets, cli) -> int:
     found = []
     for t in targets:
@@ -155,11 +165,14 @@ def _unknown(st) -> bool:
 
 
 def _logs(args, targets, cli, note) -> int:
-    kind = args.files or "log"
     if len(targets) > 1:
         raise StatusError(f"job {args.job} is an array of {len(targets)} tasks; --logs needs one task",
                           f"give a task id, e.g. {targets[0].id}")
     t = targets[0]
+    # a script / module / function job has no training log: its rank*.log holds the exec
+    # wrapper's start and end lines, its own output is in rank*.out
+    script = getattr(t.record, "command", None) is not None and getattr(t.record, "config", None) is None
+    kind = args.files or ("out" if script else "log")
     if not t.log_dir:
         raise StatusError(f"job {args.job}: no log directory known (no job record)",
                           "pass --log-dir DIR")
@@ -169,6 +182,9 @@ def _logs(args, targets, cli, note) -> int:
                           "the job may not have started yet; add --follow to wait for them")
     if not args.json:  # on stderr: stdout stays exactly the log lines (for grep and pipes)
         print(view.files_guide(), file=sys.stderr, flush=True)
+        if script and not args.files:
+            print(f"a script job: its own output ({OUTS}); --all-files adds the wrapper's start and end "
+                  f"lines ({LOGS})", file=sys.stderr, flush=True)
     if args.follow:
         last = {"at": -1e9, "active": True}
 

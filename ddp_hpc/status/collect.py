@@ -15,22 +15,17 @@ from pathlib import Path
 
 from ddp_hpc import records
 from ddp_hpc.runlogs import timing
-from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.reader import Failure, RunLogs, RunProgress
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
-from ddp_hpc.slurm.states import JobState, parse_state
+from ddp_hpc.slurm.states import JobState
 from ddp_hpc.slurm.times import format_duration, normalize_duration
+from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
-from ddp_hpc.status.stopped import STOPPED, stall_before_stop
+from ddp_hpc.status.diagnose import diagnose, restart_base, run_causes
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
-
-#: terminal states in which the job itself broke (rather than being stopped from outside): here
-#: the rank whose events stopped first is a suspect even without an error event
-CRASHED = frozenset({JobState.FAILED, JobState.NODE_FAIL, JobState.OUT_OF_MEMORY,
-                     JobState.BOOT_FAIL, JobState.LAUNCH_FAILED})
 
 
 @dataclass
@@ -92,12 +87,25 @@ class JobStatus:
         d["rank_exit_codes"] = {str(k): v for k, v in self.rank_exit_codes.items()}
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "JobStatus":
+        """The status `to_dict` gave (after a JSON round trip): the job table's cached rows."""
+        d = dict(d, progress=RunProgress(**d["progress"]) if d.get("progress") else None,
+                 failure=Failure(**d["failure"]) if d.get("failure") else None)
+        d["last_events"] = {int(k): v for k, v in (d.get("last_events") or {}).items()}
+        d["rank_exit_codes"] = {int(k): v for k, v in (d.get("rank_exit_codes") or {}).items()}
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
 
 def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, history: bool = False,
-            now: float | None = None, only: str | None = None) -> list[JobStatus]:
-    """Status of every target; Slurm ones are queried in one batch per source. ``only`` names
-    the one source to ask (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal
-    state the scheduler reports is kept in the job's record (`records.store_final`)."""
+            now: float | None = None, only: str | None = None, brief: bool = False) -> list[JobStatus]:
+    """Status of every target; Slurm ones are queried in one batch per source (one squeue and
+    one sacct call however many jobs and array tasks). ``only`` names the one source to ask
+    (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal state the scheduler
+    reports is kept in the job's record (`records.store_final`). ``brief``: only what the job
+    table shows (no failure attribution, per-rank endings or step times), and an ended job's
+    row is taken from the table's cache (`ddp_hpc.status.rowcache`) while its record, its logs
+    and the scheduler's answer are unchanged."""
     now = time.time() if now is None else now
     cluster, down = (cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
                      else (None, None))
@@ -116,9 +124,17 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
                                       controller_down=down, only=only)
         tried += more
     out, finals = [], {}
+    cache = rowcache.load() if brief else None
     for t in targets:
-        with _no_cycle_collection():
-            st, final = _one(t, found.get(t.id), tried, now, only)
+        sched = found.get(t.id)
+        key = cache.key(t, sched, only) if cache is not None else None
+        kept = cache.get(key) if key is not None else None
+        st, final = (JobStatus.from_dict(kept), None) if kept is not None else (None, None)
+        if st is None:
+            with _no_cycle_collection():
+                st, final = _one(t, sched, tried, now, only, brief)
+            if key is not None:
+                cache.put(key, st.to_dict())
         if t.id in foreign:
             st.notes.append(f"submitted on cluster {t.record.cluster!r}, not this one ({cluster!r}): "
                             "the scheduler was not asked (job ids repeat across clusters)")
@@ -130,6 +146,8 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
             records.store_final(rec, per_task)
         except OSError:  # a read-only job store: status still answers
             pass
+    if cache is not None:
+        cache.save()
     return out
 
 
@@ -162,10 +180,12 @@ def _state_of(t: StatusTarget, sched: SourceState | None, tried: list[str], logs
     return sched if sched is not None else src.from_logs(logs, tried)
 
 
-def _final(sched: SourceState, codes: dict[int, int], now: float) -> dict | None:
-    """What to keep of a terminal state a Slurm source reported (None: not one)."""
+def _final(sched: SourceState, srun_codes, now: float) -> dict | None:
+    """What to keep of a terminal state a Slurm source reported (None: not one); ``srun_codes()``
+    gives the per-rank exit codes srun reported (read only for a state to keep)."""
     if sched.source not in (SQUEUE, SACCT, SACCT_C) or not sched.state.state.terminal:
         return None
+    codes = srun_codes()
     return {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
             "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
             "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
@@ -173,38 +193,28 @@ def _final(sched: SourceState, codes: dict[int, int], now: float) -> dict | None
 
 
 def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
-         only: str | None = None) -> tuple[JobStatus, dict | None]:
+         only: str | None = None, brief: bool = False) -> tuple[JobStatus, dict | None]:
     rec = t.record
-    logs = RunLogs(t.log_dir)
+    logs = RunLogs(t.log_dir, ends_only=brief)
     notes: list[str] = []
     if t.local:
         sched, keep = src.local_state(rec, _task_id(t), logs, notes, now)
     else:
         sched, keep = _state_of(t, sched, tried, logs, only), None
     state = sched.state
-    base = _restart_base(rec)
-    failure, endings = _diagnose(logs, sched, notes, base)
+    base = restart_base(rec)
+    failure, endings = (None, {}) if brief else diagnose(logs, sched, notes, base)
     runs = logs.runs()
     restarts = max([base + (sched.restarts or 0)] + [r.restart for r in runs])
     progress = logs.progress(now)
     if progress is not None and not state.state.active:
         progress.eta_s = 0.0 if state.state is JobState.COMPLETED else None
     elapsed = sched.elapsed or _elapsed_from_runs(runs, state.state.active, now)
-    if partial := logs.partial:
-        notes.append(f"the event files of {plural(len(partial), 'rank')} ({compress_ranks(partial)}) are too big "
-                     f"to read whole: status read their first {HEAD_BYTES >> 10} KiB and last {TAIL_LINES} lines "
-                     "(step times and earlier runs are judged from those)")
-    bad = sum(s.bad_lines for s in logs.ranks.values())
-    if bad:
-        notes.append(f"{plural(bad, 'unreadable line')} in the event streams skipped")
-    if t.log_dir and not Path(t.log_dir).is_dir():
-        notes.append(f"log directory {t.log_dir} " + (
-            "does not exist (yet)" if not state.state.terminal else "is gone; final state from the record"
-            if sched.source == src.RECORD else "is gone"))
+    _read_notes(t, logs, notes, sched)
     # srun's "task R: Exited" lines stay in the appended batch output after a requeue: only
     # worth showing when the job did not complete
-    codes = {} if state.state is JobState.COMPLETED else logs.srun_exit_codes()
-    if not codes and sched.source == "record":
+    codes = {} if state.state is JobState.COMPLETED or brief else logs.srun_exit_codes()
+    if not codes and sched.source == "record" and not brief:
         codes = {int(r): c for r, c in (records.final_of(rec, _task_id(t)) or {}).get(
             "rank_exit_codes", {}).items()}
     ev = logs.last_eval()
@@ -216,77 +226,42 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         elapsed=elapsed, time_limit=sched.time_limit or normalize_duration(getattr(rec, "time_limit", None)),
         restarts=restarts, log_dir=t.log_dir, cwd=getattr(rec, "cwd", None),
         submitted_at=getattr(rec, "submitted_at", None), reason=sched.reason,
-        node_list=sched.node_list, progress=progress, last_events=logs.last_events(),
+        node_list=sched.node_list, progress=progress, last_events={} if brief else logs.last_events(),
         failure=failure, exit_code=sched.exit_code, steps=sched.steps, rank_exit_codes=codes,
         scheduler_history=sched.history, history_source=sched.history_source,
-        runs=_runs(logs, runs, sched, base), notes=notes, command=getattr(rec, "command", None),
-        rank_endings=rank_endings(logs), rank_classification={str(r): e.to_dict() for r, e in endings.items()},
+        runs=[] if brief else run_causes(logs, runs, sched, base), notes=notes,
+        command=getattr(rec, "command", None), rank_endings={} if brief else rank_endings(logs),
+        rank_classification={str(r): e.to_dict() for r, e in endings.items()},
         eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
         overrides=_overrides(t))
-    _timing(st, logs, now)
-    return st, keep if t.local else _final(sched, logs.srun_exit_codes(), now)
+    _timing(st, logs, now, brief)
+    return st, keep if t.local else _final(sched, logs.srun_exit_codes, now)
 
 
-def _restart_base(rec) -> int:
-    """The restart number of the job's first run in its logs (a job that resumed a stopped run
-    starts after that run's restarts; the scheduler's runs of the job map onto the logs' from it)."""
-    base = getattr(rec, "restart_base", 0)
-    return base if isinstance(base, int) and base > 0 else 0
+def _read_notes(t: StatusTarget, logs: RunLogs, notes: list[str], sched: SourceState) -> None:
+    """What kept status from reading the logs whole, or at all."""
+    if partial := logs.partial:
+        notes.append(f"the event files of {plural(len(partial), 'rank')} ({compress_ranks(partial)}) are too big "
+                     f"to read whole: status read their first {HEAD_BYTES >> 10} KiB and last {TAIL_LINES} lines "
+                     "(step times and earlier runs are judged from those)")
+    bad = sum(s.bad_lines for s in logs.ranks.values())
+    if bad:
+        notes.append(f"{plural(bad, 'unreadable line')} in the event streams skipped")
+    if t.log_dir and not Path(t.log_dir).is_dir():
+        notes.append(f"log directory {t.log_dir} " + (
+            "does not exist (yet)" if not sched.state.state.terminal else "is gone; final state from the record"
+            if sched.source == src.RECORD else "is gone"))
 
 
-def _sched_state(hist: list, restart: int, base: int) -> str | None:
-    """The scheduler's state name of the run with this restart number (None: not this job's, or
-    not in its history)."""
-    i = restart - base
-    return parse_state(hist[i]).state.name if 0 <= i < len(hist) else None
-
-
-def _diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0):
-    """(the primary failure, every rank's ending) as far as the job's state allows judging. A
-    job the scheduler requeued (or, resuming a stopped run, started) before its new run wrote
-    events is judged by its last run."""
-    state = sched.state.state
-    cur = logs.current_restart()
-    over = bool(logs.ranks) and base + (sched.restarts or 0) > cur
-    hist = [h.get("state") for h in sched.history]
-    name = _sched_state(hist, cur, base) if over else state.name
-    facts = SchedulerFacts(name, [c for c in [sched.exit_code] + [s.get("exit_code") for s in sched.steps] if c])
-    crashed = name is not None and JobState[name] in CRASHED
-    if crashed or logs.outcome() == "failed":
-        failure, endings = attribute(logs, sched=facts, assume_failed=crashed)
-    else:  # cancelled, timed out, preempted, unknown, still running: every rank may have been
-        # stopped from outside, so only what a rank wrote itself (an error event, a traceback)
-        failure, endings = attribute(logs, sched=facts, evidence_only=True)
-    if failure is None and state in STOPPED and not over:  # a stall the stop ended
-        failure = stall_before_stop(logs)
-    if failure is not None and state.active and not over:
-        notes.append(f"the scheduler says {sched.state.label} but rank {failure.rank} failed "
-                     f"({failure.basis}); the job should end soon (kill-on-bad-exit)")
-    return failure, endings
-
-
-def _runs(logs: RunLogs, runs, sched: SourceState, base: int = 0) -> list[dict]:
-    """The runs of the event logs; an earlier run that failed says who broke it."""
-    hist = [h.get("state") for h in sched.history]
-    out = []
-    for r in runs:
-        d = dataclasses.asdict(r)
-        if r.restart < logs.current_restart() and r.end_status not in ("completed", "preempted"):
-            name = _sched_state(hist, r.restart, base)
-            f, _ = attribute(logs, restart=r.restart, sched=SchedulerFacts(name), files=False,
-                             assume_failed=name is not None and JobState[name] in CRASHED)
-            d["cause"] = f.summary if f else None
-        out.append(d)
-    return out
-
-
-def _timing(st: JobStatus, logs: RunLogs, now: float) -> None:
-    """Stall (a running job) and straggler facts from the current run's step events."""
+def _timing(st: JobStatus, logs: RunLogs, now: float, brief: bool = False) -> None:
+    """Stall (a running job) and straggler facts (not ``brief``) from the current run's step
+    events."""
     restart = logs.current_restart()
     per_rank = {r: s.of_restart(restart) for r, s in logs.ranks.items()}
-    hosts = {r: next((e.get("host") for e in reversed(evs) if e.get("host")), None)
-             for r, evs in per_rank.items()}
-    st.timing = timing.stragglers(per_rank, hosts)
+    if not brief:
+        hosts = {r: next((e.get("host") for e in reversed(evs) if e.get("host")), None)
+                 for r, evs in per_rank.items()}
+        st.timing = timing.stragglers(per_rank, hosts)
     if st.job_state is JobState.RUNNING and (stall := timing.stall(per_rank, now)) is not None:
         stacks, none = timing.silent_stacks(per_rank, stall["ranks"], now, stall["threshold_s"])
         st.stall = {**stall, "stacks": stacks, "no_stack": none}
@@ -310,7 +285,7 @@ def rank_endings(logs: RunLogs) -> dict[int, str]:
         if end is None:
             continue
         how = end.get("signal") or (f"exit {end['exit_code']}" if end.get("exit_code") else None)
-        out[rank] = f"{end.get('status')}" + (f" ({how})" if how else "")
+        out[rank] = str(end.get("status") or "ended") + (f" ({how})" if how else "")
     return out
 
 

@@ -20,7 +20,7 @@ from ddp_hpc.runlogs.tails import follow_logs, log_line, logs_tail, rank_files, 
 from ddp_hpc.runlogs.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.status.collect import JobStatus
-from ddp_hpc.text import plural, prog
+from ddp_hpc.text import fit_columns, plural, prog
 
 __all__ = ["render_table", "render_detail", "to_json", "files_guide", "watch", "compress_ranks",
            "follow_logs", "log_line", "logs_tail", "rank_files", "render_logs"]
@@ -30,6 +30,8 @@ COLUMNS = ("ID", "NAME", "BACKEND", "STATE", "NODESxGPUS", "ELAPSED/LIMIT", "RES
 #: columns shown only when some job has them, before LOG DIR: final eval metrics, sweep overrides
 OPTIONAL = ("EVAL", "OVERRIDES")
 CELL_MAX = 40  # characters of an EVAL / OVERRIDES cell
+#: the columns that give way to fit the terminal, in that order, and their narrowest widths
+SHRINK = (("LOG DIR", 16), ("OVERRIDES", 12), ("EVAL", 12), ("NAME", 8), ("STATE", 9))
 
 
 def _num(v, fmt: str) -> str:
@@ -93,7 +95,9 @@ def table_row(st: JobStatus, optional: tuple[str, ...] = ()) -> list[str]:
     ] + [extra[c](st) for c in optional] + [st.log_dir or "-"]
 
 
-def render_table(statuses: Iterable[JobStatus]) -> str:
+def render_table(statuses: Iterable[JobStatus], width: int | None = None) -> str:
+    """The jobs as a table within ``width`` columns (None: as wide as its cells): the log
+    directory gives way first (its middle cut), then overrides, eval metrics, names and states."""
     statuses = list(statuses)
     optional = tuple(c for c, have in zip(OPTIONAL, (any(s.eval_metrics for s in statuses),
                                                      any(s.overrides for s in statuses))) if have)
@@ -101,6 +105,8 @@ def render_table(statuses: Iterable[JobStatus]) -> str:
     rows = [columns] + [table_row(s, optional) for s in statuses]
     if len(rows) == 1:
         return f"no ddp_hpc jobs recorded (submit one with {prog('submit')})\n"
+    at = {c: i for i, c in enumerate(columns)}
+    rows = fit_columns(rows, width, [(at[c], n, c == "LOG DIR") for c, n in SHRINK if c in at])
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines) + "\n"
@@ -114,7 +120,8 @@ def _ago(t, now) -> str:
 
 def _event_text(ev: dict) -> str:
     skip = {"time", "event", "rank", "job_id", "host", "traceback", "restart", "stack"}
-    extras = " ".join(f"{k}={_short(v)}" for k, v in ev.items() if k not in skip)
+    # a field the event leaves unknown (an end event's step or exit code) is left out, not "None"
+    extras = " ".join(f"{k}={_short(v)}" for k, v in ev.items() if k not in skip and v is not None)
     return f"{ev.get('event')}" + (f" {extras}" if extras else "")
 
 
@@ -208,10 +215,10 @@ def _stall_lines(st: JobStatus) -> list[str]:
     if sl.get("others_last_s") is not None:
         line += f"; the others last wrote {format_duration(sl['others_last_s'])} ago"
     elif sl.get("behind"):
-        steps = sl.get("last_steps", {})
+        steps = {k: v for k, v in sl.get("last_steps", {}).items() if v is not None}
         line += (f"; {ranks_text(sl['behind'])} stopped first (last step "
-                 f"{', '.join(str(steps.get(str(r))) for r in sl['behind'])}, the others' "
-                 f"{max(v for v in steps.values() if v is not None)})")
+                 f"{', '.join(str(steps.get(str(r), '-')) for r in sl['behind'])}, the others' "
+                 f"{max(steps.values(), default='-')})")
     out = [line, f"            (no event for > {format_duration(sl['threshold_s'])}: max({STALL_FACTOR:g} x "
                  f"the median interval between step events, {sl['median_interval_s']:.3g} s, "
                  f"{STALL_MIN_S:g} s))"]
@@ -230,7 +237,8 @@ def _failure_lines(st: JobStatus) -> list[str]:
     head = f.summary
     if not head:  # a Failure made elsewhere (no attribution): today's words
         where = f" on {f.host}" if f.host else ""
-        what = ": ".join(x for x in (f.exc_type, f.message) if x)
+        what = f.message if f.exc_type in ("Exited", "Signal") and f.message else \
+            ": ".join(x for x in (f.exc_type, f.message) if x)
         head = f"rank {f.rank}{where} (restart {f.restart}, from {f.basis})" + (f": {what}" if what else "")
     out = [f"First failure: {head}"]
     out += [f"    {ranks_text(c['ranks'])}: {c['text']}" for c in f.consequences]

@@ -1,0 +1,74 @@
+"""Judging a job from its logs and the scheduler's facts: which rank broke it (the primary
+failure), how every rank ended, and the cause of each earlier run that did not complete. A job
+that resumed a stopped run numbers its runs after that run's (``restart_base``), and the
+scheduler's history maps onto the logs' restarts from there.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
+from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.slurm.query import SourceState
+from ddp_hpc.slurm.states import JobState, parse_state
+from ddp_hpc.status.stopped import STOPPED, stall_before_stop
+
+__all__ = ["CRASHED", "diagnose", "restart_base", "run_causes"]
+
+#: terminal states in which the job itself broke (rather than being stopped from outside): here
+#: the rank whose events stopped first is a suspect even without an error event
+CRASHED = frozenset({JobState.FAILED, JobState.NODE_FAIL, JobState.OUT_OF_MEMORY,
+                     JobState.BOOT_FAIL, JobState.LAUNCH_FAILED})
+
+
+def restart_base(rec) -> int:
+    """The restart number of the job's first run in its logs (a job that resumed a stopped run
+    starts after that run's restarts; the scheduler's runs of the job map onto the logs' from it)."""
+    base = getattr(rec, "restart_base", 0)
+    return base if isinstance(base, int) and base > 0 else 0
+
+
+def sched_state_at(hist: list, restart: int, base: int) -> str | None:
+    """The scheduler's state name of the run with this restart number (None: not this job's, or
+    not in its history)."""
+    i = restart - base
+    return parse_state(hist[i]).state.name if 0 <= i < len(hist) else None
+
+
+def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0):
+    """(the primary failure, every rank's ending) as far as the job's state allows judging. A
+    job the scheduler requeued (or, resuming a stopped run, started) before its new run wrote
+    events is judged by its last run."""
+    state = sched.state.state
+    cur = logs.current_restart()
+    over = bool(logs.ranks) and base + (sched.restarts or 0) > cur
+    hist = [h.get("state") for h in sched.history]
+    name = sched_state_at(hist, cur, base) if over else state.name
+    facts = SchedulerFacts(name, [c for c in [sched.exit_code] + [s.get("exit_code") for s in sched.steps] if c])
+    crashed = name is not None and JobState[name] in CRASHED
+    if crashed or logs.outcome() == "failed":
+        failure, endings = attribute(logs, sched=facts, assume_failed=crashed)
+    else:  # cancelled, timed out, preempted, unknown, still running: every rank may have been
+        # stopped from outside, so only what a rank wrote itself (an error event, a traceback)
+        failure, endings = attribute(logs, sched=facts, evidence_only=True)
+    if failure is None and state in STOPPED and not over:  # a stall the stop ended
+        failure = stall_before_stop(logs)
+    if failure is not None and state.active and not over:
+        notes.append(f"the scheduler says {sched.state.label} but rank {failure.rank} failed "
+                     f"({failure.basis}); the job should end soon (kill-on-bad-exit)")
+    return failure, endings
+
+
+def run_causes(logs: RunLogs, runs, sched: SourceState, base: int = 0) -> list[dict]:
+    """The runs of the event logs; an earlier run that failed says who broke it."""
+    hist = [h.get("state") for h in sched.history]
+    out = []
+    for r in runs:
+        d = dataclasses.asdict(r)
+        if r.restart < logs.current_restart() and r.end_status not in ("completed", "preempted"):
+            name = sched_state_at(hist, r.restart, base)
+            f, _ = attribute(logs, restart=r.restart, sched=SchedulerFacts(name), files=False,
+                             assume_failed=name is not None and JobState[name] in CRASHED)
+            d["cause"] = f.summary if f else None
+        out.append(d)
+    return out
