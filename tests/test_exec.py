@@ -267,9 +267,18 @@ def test_binding_note(visible, lws, words):
 
 
 def test_per_task_gpu_binding_warns_in_the_rank_log(tmp_path):
-    res = run_local([*EXEC, "--", sys.executable, "-c", "pass"], nodes=1, procs_per_node=2, log_dir=tmp_path,
-                    env=clean_env(CUDA_VISIBLE_DEVICES="0"))
-    assert res.ok
+    """Two tasks of one node, each bound to its own GPU as Slurm's --gpus-per-task=1 binds them
+    (each sees one device, CUDA_VISIBLE_DEVICES=<its own>); started by hand with torchrun's
+    variables, since the local launcher gives a pretend node's ranks the node's GPUs."""
+    procs = []
+    for r in (0, 1):
+        env = clean_env(CUDA_VISIBLE_DEVICES=str(r), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                        LOCAL_WORLD_SIZE="2", GROUP_RANK="0", GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT="29555", TORCHELASTIC_RUN_ID="per-task", DDP_HPC_LOG_DIR=str(tmp_path))
+        with open(tmp_path / f"rank{r}.out", "wb") as out:
+            procs.append(subprocess.Popen([*EXEC, "--", sys.executable, "-c", "pass"], env=env,
+                                          stdout=out, stderr=subprocess.STDOUT))
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
     for r in (0, 1):
         assert "WARNING: each task sees only its own GPU" in (tmp_path / f"rank{r}.log").read_text()
         assert "WARNING" in (tmp_path / f"rank{r}.out").read_text()
