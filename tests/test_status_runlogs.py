@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ddp_hpc.runlogs.reader import RunLogs, traceback_in
+from ddp_hpc.runlogs.reader import RunLogs, read_events, traceback_in
 
 T0 = 1_800_000_000.0
 
@@ -137,6 +137,21 @@ def test_half_written_and_garbage_lines_are_skipped(tmp_path):
     logs = RunLogs(tmp_path)
     assert logs.ranks[0].bad_lines == 3
     assert logs.ranks[0].last["event"] == "step"
+
+
+def test_event_lines_decode_as_json_loads_does(tmp_path):
+    """A line is decoded without json.loads's wrappers only when it is one value from its first
+    character to its last: what json.loads makes of every other line (spaces around, two objects
+    on one line, one object over two lines) is kept."""
+    good = [json.dumps(start(0)), json.dumps(step(0, 3, 5)), "  " + json.dumps(step(0, 4, 6)) + " ", "null"]
+    odd = ['{"event": "a", "time": 1}, {"event": "b", "time": 2}', '{"event": "c", "k": [1', '2]}']
+    for name, lines, events, bad in (("intact", good, 3, 1), ("run together", good + odd, 3, 4)):
+        path = tmp_path / name / "rank0.events.jsonl"
+        path.parent.mkdir()
+        path.write_text("\n".join(lines) + "\n\n")
+        stream = read_events(path)
+        assert (len(stream.events), stream.bad_lines) == (events, bad), name
+        assert [e["event"] for e in stream.events] == ["start", "step", "step"]
 
 
 @pytest.mark.parametrize("where", ["nope", None])

