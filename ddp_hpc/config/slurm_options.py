@@ -56,25 +56,44 @@ def _opt(default: Any, parse: Callable[[Any, str], Any], help: str, *, flags: Se
 _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]+$")
 
 
-def check_sbatch_args(value: Any, label: str) -> dict:
-    """A mapping of other sbatch options: valid names that ddp_hpc does not set itself, values
-    fit for an #SBATCH line (True or empty: a flag)."""
+@dataclass(frozen=True)
+class _OptionMap:
+    """What one command's map of extra options may hold: the names ddp_hpc sets itself (-> what to
+    use instead), an example, and what a value may contain (None: check_plain's default)."""
+
+    tool: str
+    managed: Mapping[str, str]
+    example: str
+    value: re.Pattern | None = None
+    value_hint: str = ""
+
+
+def _check_option_map(value: Any, label: str, kind: _OptionMap) -> dict:
+    """A mapping of extra options for ``kind.tool``: long names without dashes that ddp_hpc does
+    not set itself, each value fit for its line (True or empty: a flag)."""
     if not isinstance(value, Mapping):
         raise ConfigError(f"{label} must be a mapping, got {value!r}",
-                          "write sbatch_args: {mail-type: END}")
+                          f"write {kind.tool}_args: {{{kind.example.replace('=', ': ')}}}")
     out = {str(k): v for k, v in value.items()}
     for key, v in out.items():
         src = f"{label} {key}={v}"
         if not _SBATCH_KEY.match(key):
-            raise ConfigError(f"sbatch option name {key!r} is not valid ({src})",
-                              "write the long option name without dashes, e.g. "
-                              "--sbatch-arg mail-type=END")
-        if key in MANAGED_SBATCH_KEYS:
-            raise ConfigError(f"sbatch option {key!r} is set by ddp_hpc itself ({src})",
-                              f"use {MANAGED_SBATCH_KEYS[key]} instead")
+            raise ConfigError(f"{kind.tool} option name {key!r} is not valid ({src})",
+                              f"write the long option name without dashes, e.g. --{kind.tool}-arg {kind.example}")
+        if key in kind.managed:
+            raise ConfigError(f"{kind.tool} option {key!r} is set by ddp_hpc itself ({src})",
+                              f"use {kind.managed[key]} instead")
         if not (v is True or v is None or v == ""):
-            check_plain(f"value of sbatch option {key} ({src})", v)
+            label_v = f"value of {kind.tool} option {key} ({src})"
+            check_plain(label_v, v) if kind.value is None else check_plain(label_v, v, kind.value, kind.value_hint)
     return out
+
+
+def check_sbatch_args(value: Any, label: str) -> dict:
+    """A mapping of other sbatch options: valid names that ddp_hpc does not set itself, values
+    fit for an #SBATCH line (True or empty: a flag)."""
+    # MANAGED_SBATCH_KEYS is derived from SlurmOptions below: looked up when called
+    return _check_option_map(value, label, _OptionMap("sbatch", MANAGED_SBATCH_KEYS, "mail-type=END"))
 
 
 _SRUN_VALUE = re.compile(r"^[A-Za-z0-9_.:@%+=,/&|*!()\[\]#~-]+$")
@@ -88,29 +107,16 @@ MANAGED_SRUN_KEYS = {
     "gpus-per-node": "--gpus", "G": "--gpus", "gres": "--gpus", "job-name": "--job-name",
     "J": "--job-name", "time": "--time", "t": "--time", "signal": "--signal",
 }
+_SRUN_MAP = _OptionMap("srun", MANAGED_SRUN_KEYS, "cpu-bind=none", _SRUN_VALUE,
+                       "use letters, digits and _ . : @ % + = , / & | * ! ( ) [ ] # ~ - only "
+                       "(no blanks, quotes, $, ; or backslashes)")
 
 
 def check_srun_args(value: Any, label: str) -> dict:
     """A mapping of srun options for the job step (``--container-image``, ``--cpu-bind``, ``--mpi``
     ...): long names that the batch step does not set itself, values without blanks, quotes, $, ;
     or backslashes (True or empty: a flag). They reach srun as single, quoted words."""
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{label} must be a mapping, got {value!r}",
-                          "write srun_args: {cpu-bind: none}")
-    out = {str(k): v for k, v in value.items()}
-    for key, v in out.items():
-        src = f"{label} {key}={v}"
-        if not _SBATCH_KEY.match(key):
-            raise ConfigError(f"srun option name {key!r} is not valid ({src})",
-                              "write the long option name without dashes, e.g. --srun-arg cpu-bind=none")
-        if key in MANAGED_SRUN_KEYS:
-            raise ConfigError(f"srun option {key!r} is set by ddp_hpc itself ({src})",
-                              f"use {MANAGED_SRUN_KEYS[key]} instead")
-        if not (v is True or v is None or v == ""):
-            check_plain(f"value of srun option {key} ({src})", v, _SRUN_VALUE,
-                        "use letters, digits and _ . : @ % + = , / & | * ! ( ) [ ] # ~ - only "
-                        "(no blanks, quotes, $, ; or backslashes)")
-    return out
+    return _check_option_map(value, label, _SRUN_MAP)
 
 
 _IMAGE = re.compile(r"^[A-Za-z0-9_./:@+#~=-]+$")
