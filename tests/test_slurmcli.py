@@ -319,6 +319,12 @@ def test_parse_real_sinfo_output_and_aggregate_lines_per_partition():
                             "time_limit": "1:00:00", "nodes": 2, "node_list": "c[01-02]",
                             "node_states": {"down*": 2}, "gpus_per_node": 0,
                             "cpus_per_node": 2, "mem_per_node_mb": 1000}
+    # nodes listed by state (busy ones first) read in the partition's own order: one answer
+    # whatever the jobs are doing
+    busy = ("debug\x1fdebug*\x1fup\x1finfinite\x1f2\x1fallocated\x1fn[3-4]\x1fgpu:4\x1f8\x1f4000\n"
+            "debug\x1fdebug*\x1fup\x1finfinite\x1f2\x1fidle\x1fn[1-2,10]\x1fgpu:4\x1f8\x1f4000\n")
+    (part,) = SlurmCLI(runner=Recorder(stdout=busy)).sinfo_partitions()
+    assert part["node_list"] == "n[1-4,10]"
 
 
 def test_sinfo_asks_for_exact_sizes_and_an_inexact_one_is_unknown():

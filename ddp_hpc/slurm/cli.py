@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.conf import CONF_HINT, NO_CONFIG, NO_CONFIG_HINT, config_problem
-from ddp_hpc.slurm.hostlist import HostlistError, compress, expand
+from ddp_hpc.slurm.hostlist import HostlistError, compress, expand, natural_key
 from ddp_hpc.slurm.values import JOB_ID, NODE_NAME, SlurmArgumentError, gpus_in_gres, validate_job_id
 
 __all__ = ["SlurmCLI", "SlurmError", "SlurmArgumentError", "validate_job_id", "gpus_in_gres"]
@@ -312,8 +312,8 @@ class SlurmCLI:
                 part["node_list"].append(row["N"])
         for name, key in unsized:
             parts[name][key] = 0
-        for part in parts.values():
-            part["node_list"] = compress(part["node_list"]) if part["node_list"] else ""
+        for part in parts.values():  # sinfo lists a partition's nodes by state: one order whatever their states
+            part["node_list"] = compress(sorted(set(part["node_list"]), key=natural_key)) if part["node_list"] else ""
         return list(parts.values())
 
     def cluster_name(self) -> str:

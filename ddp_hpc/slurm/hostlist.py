@@ -34,7 +34,7 @@ from collections.abc import Iterable
 
 from ddp_hpc.errors import HintError
 
-__all__ = ["HostlistError", "expand", "compress", "parse_tasks_per_node"]
+__all__ = ["HostlistError", "expand", "compress", "natural_key", "parse_tasks_per_node"]
 
 MAX_RANGE = 64 * 1024  # Slurm's limit on the hosts of one lo-hi range
 MAX_HOSTS = 1 << 20  # our guard against a typo that would expand to billions of names
@@ -158,6 +158,12 @@ def _check_host(host: object, hosts: list) -> str:
             "and must not contain brackets, commas or whitespace"
         )
     return host
+
+
+def natural_key(host: str) -> tuple[str, int, str]:
+    """Sort key that puts ``n2`` before ``n10`` (the trailing number compared as a number)."""
+    match = _TRAILING_DIGITS.match(host)
+    return (host, -1, "") if match is None else (match.group(1), int(match.group(2)), match.group(2))
 
 
 def compress(hosts: Iterable[str]) -> str:
