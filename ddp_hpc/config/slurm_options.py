@@ -19,6 +19,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from ddp_hpc.config.checks import (
     BACKENDS,
+    PLAIN,
     check_backend,
     check_count,
     check_flag,
@@ -59,12 +60,12 @@ _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]+$")
 @dataclass(frozen=True)
 class _OptionMap:
     """What one command's map of extra options may hold: the names ddp_hpc sets itself (-> what to
-    use instead), an example, and what a value may contain (None: check_plain's default)."""
+    use instead), an example, and what a value may contain (an empty hint: check_plain's own)."""
 
     tool: str
     managed: Mapping[str, str]
     example: str
-    value: re.Pattern | None = None
+    value: re.Pattern = PLAIN
     value_hint: str = ""
 
 
@@ -84,8 +85,7 @@ def _check_option_map(value: Any, label: str, kind: _OptionMap) -> dict:
             raise ConfigError(f"{kind.tool} option {key!r} is set by ddp_hpc itself ({src})",
                               f"use {kind.managed[key]} instead")
         if not (v is True or v is None or v == ""):
-            label_v = f"value of {kind.tool} option {key} ({src})"
-            check_plain(label_v, v) if kind.value is None else check_plain(label_v, v, kind.value, kind.value_hint)
+            check_plain(f"value of {kind.tool} option {key} ({src})", v, kind.value, kind.value_hint)
     return out
 
 
