@@ -76,6 +76,9 @@ class TrainConfig:
     sync_buffers_at_end: bool = True     # broadcast rank 0's buffers after the last step
     device: Literal["auto", "cpu", "cuda"] = "auto"
     collective_timeout_s: float = 1800.0  # a rank stuck this long in a collective fails the job
+    # resuming on another number of ranks keeps the global batch with grad_accum; these allow more:
+    allow_batch_size_change: bool = False    # also change the per-rank batch to keep the global batch
+    allow_global_batch_change: bool = False  # go on with the nearest global batch when none keeps it
 
 
 @dataclass(frozen=True, kw_only=True)

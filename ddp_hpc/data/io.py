@@ -195,7 +195,7 @@ def make_train_batches(dataset, data_cfg, ctx, *, batch_size: int, seed: int, ep
         return dataset.batches(batch_size=batch_size, seed=seed, epoch=epoch, start_batch=start_batch,
                                num_workers=num_workers)
     loader, sampler = _loader(dataset, ctx, batch_size, seed, num_workers)
-    sampler.epoch, sampler.start = epoch, start_batch * batch_size
+    sampler.epoch, sampler.start = epoch, start_batch * batch_size * ctx.env.world_size  # global
     # A fresh iterator draws its base seed from `generator`, or from the global torch RNG when
     # there is none -- which would shift dropout & co. and break bitwise mid-epoch resume.
     loader.generator = torch.Generator().manual_seed(seed * 100003 + epoch)

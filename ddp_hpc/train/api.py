@@ -120,10 +120,10 @@ def build_datasets(cfg: JobConfig, ctx) -> tuple[Dataset, Dataset | None, Callab
             "name a separate data.eval_dataset")
     from ddp_hpc.data.io import make_train_batches, open_train_data  # lmdb: only for these modes
     train = open_train_data(d, ctx, make_train)
-    t = cfg.train
+    seed = cfg.train.seed
 
-    def batches(epoch: int, start_batch: int):
-        return make_train_batches(train, d, ctx, batch_size=t.batch_size, seed=t.seed,
+    def batches(epoch: int, start_batch: int, batch_size: int):   # the batch size chosen at resume
+        return make_train_batches(train, d, ctx, batch_size=batch_size, seed=seed,
                                   epoch=epoch, start_batch=start_batch, num_workers=d.num_workers)
     return train, eval_ds, batches
 

@@ -11,9 +11,11 @@ neither waited for on the step that starts it (bench/overhead.py measures the ov
 Exactness rules kept here:
 - every rank starts from the same weights (same seed, and DDP broadcasts rank 0's anyway), then
   seeds its RNGs per rank (seed + rank) for dropout / augmentation;
-- the epoch's sample order is DistributedSampler(shuffle, seed).set_epoch(epoch); a resumed run
-  skips exactly the micro-batches already consumed (`batch_in_epoch`), and DataLoaders get their
-  own generator so creating one never draws from the global RNG (that would break bitwise resume);
+- the epoch's sample order is DistributedSampler(shuffle, seed).set_epoch(epoch)'s, through a
+  sampler whose position is global (samples consumed by all ranks, data/samplers.py); a resumed
+  run skips exactly the samples already consumed, also on another number of ranks (reshape.py
+  keeps the global batch), and DataLoaders get their own generator so creating one never draws
+  from the global RNG (that would break bitwise resume);
 - the loss of each micro-batch is divided by the number of micro-batches in its step, so 4 ranks
   x batch b x accum a give the same update as one process with batch 4ab (step.py).
 """
@@ -21,16 +23,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from ddp_hpc.config import ConfigError, JobConfig, config_to_dict
+from ddp_hpc.data.samplers import ResumableDistributedSampler
 from ddp_hpc.dist import group_has_peers
 from ddp_hpc.exits import signal_name
 from ddp_hpc.runlogs.watchdog import HangWatch, dump_after
@@ -41,6 +44,7 @@ from ddp_hpc.train.cadence import Cadence
 from ddp_hpc.train.metrics import evaluate
 from ddp_hpc.train.parts import RankPlace, TrainParts
 from ddp_hpc.train.preempt import PreemptionFlag, classify, job_end_time, requeue_if_wanted
+from ddp_hpc.train.reshape import ResumePlan, plan_resume
 from ddp_hpc.train.result import TrainResult
 from ddp_hpc.train.step import Stepper
 
@@ -75,13 +79,19 @@ class Trainer:
                 f"use train.strategy=ddp with several processes, or launch one process for "
                 f"{t.strategy}")
         self.precision = make_precision(t.precision, self.device)
-        per_rank = math.ceil(len(parts.train_data) / self.world)       # DistributedSampler, no drop_last
-        self.batches_per_epoch = math.ceil(per_rank / t.batch_size)
-        self.steps_per_epoch = math.ceil(self.batches_per_epoch / t.grad_accum)
+        self.resumed_from, self._resume_state = self._resume()     # a collective
+        self.plan = self._plan(self._resume_state)
+        t = self.cfg.train                                          # the layout chosen at resume
+        n = len(parts.train_data)
+        self.batches_per_epoch = math.ceil(math.ceil(n / self.world) / t.batch_size)  # no drop_last
+        self.steps_per_epoch = math.ceil(self.batches_per_epoch / t.grad_accum)       # ceil(n / G)
         total = t.epochs * self.steps_per_epoch
+        if self.plan is not None and self.plan.warning:    # another global batch from here on
+            s = self._resume_state
+            total = (s["step"] + (t.epochs - s["epoch"]) * self.steps_per_epoch
+                     - self.plan.samples // self.plan.layout.global_batch)
         self.total_steps = min(total, t.max_steps) if t.max_steps else total
-        self.sampler = DistributedSampler(parts.train_data, num_replicas=self.world, rank=self.rank,
-                                          shuffle=True, seed=t.seed, drop_last=False)
+        self.sampler = ResumableDistributedSampler(n, self.world, self.rank, t.seed)
         self.pos = Position()
 
     @property
@@ -129,16 +139,30 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):               # none in a checkpoint of an fp32/bf16 run
             self.precision.scaler.load_state_dict(state["scaler"])
-        pos = self.pos
-        pos.step, pos.epoch, pos.micro = state["step"], state["epoch"], state["batch_in_epoch"]
-        if state.get("world_size") == self.world:
+        pos, plan = self.pos, self.plan
+        pos.step, pos.epoch = state["step"], state["epoch"]
+        pos.micro = plan.samples // plan.layout.per_micro       # a step boundary of this layout
+        if plan.written.world == self.world:
             ckpt.set_rng_state(state["rng"][self.rank])
         else:
-            self.log.warning(f"world size changed from {state.get('world_size')} to {self.world}: "
-                             f"restarting epoch {pos.epoch} from its first batch with fresh RNG seeds")
-            pos.micro = 0
+            self.log.info(f"the RNG states of {plan.written.world} ranks do not map onto "
+                          f"{self.world}: each rank's RNGs start from seed + rank")
         self.log.info(f"resumed from {resumed_from} at step {pos.step} (epoch {pos.epoch}, "
                       f"batch {pos.micro})")
+
+    def _plan(self, state: dict | None) -> ResumePlan | None:
+        """At resume: the layout that keeps the checkpoint's global batch on this many ranks
+        (reshape.py); `cfg.train` takes its per-rank batch and accumulation."""
+        if state is None:
+            return None
+        plan = plan_resume(state, self.cfg.train, self.world)
+        lay = plan.layout
+        self.cfg = replace(self.cfg, train=replace(self.cfg.train, batch_size=lay.batch_size,
+                                                   grad_accum=lay.grad_accum))
+        self.log.info(plan.note)
+        if plan.warning:
+            self.log.warning(plan.warning)
+        return plan
 
     def _state(self) -> dict | None:
         """Collective (gathers every rank's RNG state); returns the checkpoint dict on rank 0."""
@@ -150,11 +174,14 @@ class Trainer:
             rngs = [rng]
         if self.rank != 0:
             return None
+        t = self.cfg.train
         return {"epoch": self.pos.epoch, "batch_in_epoch": self.pos.micro,
                 "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.scaler.state_dict() or None,   # {} from a disabled scaler
                 "rng": rngs, "world_size": self.world, "config": config_to_dict(self.cfg),
+                "batch_size": t.batch_size, "grad_accum": t.grad_accum,
+                "samples_in_epoch": self.pos.micro * t.batch_size * self.world,
                 "time": time.time()}
 
     def _save(self) -> None:
@@ -172,18 +199,17 @@ class Trainer:
     def _epoch_batches(self, epoch: int, start_batch: int):
         t, nw = self.cfg.train, self.cfg.data.num_workers
         if self.parts.batches is not None:      # io != direct: data.io.make_train_batches
-            return self.parts.batches(epoch, start_batch)
-        self.sampler.set_epoch(epoch)
-        indices = list(self.sampler)[start_batch * t.batch_size:]
+            return self.parts.batches(epoch, start_batch, t.batch_size)
+        self.sampler.epoch, self.sampler.start = epoch, start_batch * t.batch_size * self.world
         gen = torch.Generator().manual_seed(t.seed * 100003 + epoch)
-        return DataLoader(self.parts.train_data, batch_size=t.batch_size, sampler=indices,
+        return DataLoader(self.parts.train_data, batch_size=t.batch_size, sampler=self.sampler,
                           num_workers=nw, pin_memory=self.device.type == "cuda",
                           drop_last=False, generator=gen, persistent_workers=False)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> TrainResult:
-        cfg = self.cfg
-        resumed_from, state = self._resume()
+        cfg, resumed_from, state = self.cfg, self.resumed_from, self._resume_state
+        self._resume_state = None
         if state is not None:
             self.module.load_state_dict(state["model"])
         self.model = self._wrap()

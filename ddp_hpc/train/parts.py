@@ -20,7 +20,8 @@ class TrainParts:
     loss_fn: Callable
     eval_data: Any = None                 #: a Dataset to evaluate on, or None
     classification: bool = True           #: report accuracy next to the loss
-    #: (epoch, start batch) -> that epoch's batches, for io != direct (data.io.make_train_batches);
+    #: (epoch, start batch, per-rank batch size) -> that epoch's batches, for io != direct
+    #: (data.io.make_train_batches);
     #: None: a DataLoader over DistributedSampler
     batches: Callable[[int, int], Iterable] | None = None
     on_step: Callable[[int, int], None] | None = None   #: called with (step, epoch) after each step
