@@ -1,0 +1,173 @@
+"""Resuming on another number of ranks (train/reshape.py): a 2 x 2 run stopped mid-epoch and
+resumed on 1 x 2 and on 1 x 1 keeps the global batch (more accumulation steps), trains exactly the
+samples not seen yet, and ends with the uninterrupted run's weights and loss; a world size that
+cannot keep the global batch is refused with the numbers and the choices; checkpoints written
+before the layout fields existed still resume."""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_hpc.config import ConfigError, TrainConfig
+from ddp_hpc.data.samplers import ResumableDistributedSampler, epoch_permutation
+from ddp_hpc.launch import RankFailedError, launch_distributed
+from ddp_hpc.train.reshape import plan_resume
+
+FAST = "forkserver"   # torch preloaded once: a launch costs ~0.2 s instead of seconds of imports
+mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
+
+# 96 samples, 4 ranks x batch 4 x accumulation 1 = global batch 16: 6 steps an epoch, 2 epochs
+SIZE, STEPS = 96, 12
+COMMON = ["train.batch_size=4", "train.grad_accum=1", "train.epochs=2", "train.seed=0",
+          "optim.momentum=0.9", "optim.lr=0.2", "schedule.name=cosine", "schedule.warmup_steps=2",
+          "checkpoint.every_epochs=1", "log.progress=off", "log.every_n_steps=2",
+          "train.eval_every_epochs=0", "preempt.check_every_steps=1"]
+
+
+def _worker(rank: int, world: int, run: str, ckpt: str, extra: list[str], signal_at: int | None):
+    from ddp_hpc.examples.models import MLP
+    from ddp_hpc.examples.synthetic import SyntheticClassification
+    from ddp_hpc.train import fit
+    from ddp_hpc.train.build import seed_everything
+    seed_everything(0)
+    model = MLP(in_dim=8, hidden=16, num_classes=3)
+    data = SyntheticClassification(size=SIZE, in_dim=8, num_classes=3, seed=1)
+
+    def hook(step: int, epoch: int) -> None:   # a real signal: the ranks agree one step later
+        if signal_at is not None and rank == world - 1 and step == signal_at:
+            os.kill(os.getpid(), signal.SIGUSR2)
+    res = fit(model, data, overrides=[*COMMON, f"log.dir={run}/logs", f"checkpoint.dir={ckpt}",
+                                      *extra], on_step=hook)
+    buf = io.BytesIO()
+    torch.save(res.model.state_dict(), buf)
+    return {"status": res.status, "step": res.step, "loss": res.loss, "state": buf.getvalue(),
+            "resumed_from": res.resumed_from}
+
+
+def _launch(world: int, nodes: int, run: Path, ckpt: Path, extra=(), signal_at=None) -> dict:
+    out = launch_distributed(_worker, world, args=(str(run), str(ckpt), list(extra), signal_at),
+                             nodes=nodes, start_method=FAST, timeout=120)
+    out[0]["state"] = torch.load(io.BytesIO(out[0]["state"]), weights_only=True)
+    return out[0]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def _rank0_log(run: Path) -> str:
+    return "".join(p.read_text() for p in (run / "logs").rglob("rank0.log"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted 2 x 2 run, and a 2 x 2 run stopped after step 3 (mid epoch 0)."""
+    tmp = tmp_path_factory.mktemp("reshape")
+    full = _launch(4, 2, tmp / "full", tmp / "full_ckpt")
+    assert full["status"] == "completed" and full["step"] == STEPS
+    cut = _launch(4, 2, tmp / "cut", tmp / "cut_ckpt", signal_at=2)
+    assert cut["status"] == "preempted" and cut["step"] == 3
+    return tmp, full
+
+
+def _copy_cut(tmp: Path, name: str) -> Path:
+    dest = tmp / f"{name}_ckpt"
+    shutil.copytree(tmp / "cut_ckpt", dest)
+    return dest
+
+
+@pytest.mark.parametrize("world, accum", [(2, 2), (1, 4)])
+def test_a_2x2_run_resumed_on_fewer_ranks_keeps_the_global_batch_and_ends_the_same(runs, world, accum):
+    tmp, full = runs
+    run = tmp / f"on{world}"
+    res = _launch(world, 1, run, _copy_cut(tmp, f"on{world}"))
+    assert res["status"] == "completed" and res["step"] == STEPS
+    assert Path(res["resumed_from"]).name == "ckpt-000000003.pt"
+    assert (f"resuming step 3 written by 4 ranks on {world} ranks: per-rank batch 4, "
+            f"accumulation 1 -> {accum} (global batch 16 kept)") in _rank0_log(run)
+    # the same samples per step, summed in another order: equal within float32 rounding
+    assert _max_diff(res["state"], full["state"]) <= 1e-6    # seen: 3e-8
+    assert res["loss"] == pytest.approx(full["loss"], rel=1e-6)
+    saved = torch.load(run.parent / f"on{world}_ckpt" / f"ckpt-{STEPS:09d}.pt", weights_only=True)
+    assert (saved["world_size"], saved["batch_size"], saved["grad_accum"]) == (world, 4, accum)
+
+
+def test_a_checkpoint_without_the_layout_fields_resumes_on_another_world_size(runs):
+    tmp, full = runs
+    ckpt = _copy_cut(tmp, "old")
+    path = ckpt / "ckpt-000000003.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["samples_in_epoch"] == 48 and state["batch_in_epoch"] == 3
+    for key in ("batch_size", "grad_accum", "samples_in_epoch"):   # as written before they existed
+        del state[key]
+    torch.save(state, path)
+    run = tmp / "old"
+    res = _launch(2, 1, run, ckpt)
+    assert res["status"] == "completed" and res["step"] == STEPS
+    assert "accumulation 1 -> 2 (global batch 16 kept)" in _rank0_log(run)
+    assert _max_diff(res["state"], full["state"]) <= 1e-6
+
+
+def test_a_world_size_that_cannot_keep_the_global_batch_is_refused(runs):
+    tmp, _ = runs
+    with pytest.raises(RankFailedError) as info:
+        _launch(3, 1, tmp / "on3", _copy_cut(tmp, "on3"))
+    assert info.value.exc_type == "ConfigError"
+    msg = info.value.message
+    assert ("cannot resume step 3 on 3 ranks with the same global batch: it was written by 4 ranks "
+            "x per-rank batch 4 x accumulation 1 = global batch 16, and 16 is not a multiple of "
+            "per-rank batch 4 x 3 ranks = 12") in msg
+    assert "HINT: run on a number of ranks that divides 16 / 4 = 4 (1, 2, 4)" in msg
+    assert "train.allow_global_batch_change=true to go on with global batch 12" in msg
+
+
+def _state(world: int, batch: int, accum: int, step: int, samples: int) -> dict:
+    return {"step": step, "epoch": 0, "batch_in_epoch": samples // (world * batch),
+            "world_size": world, "batch_size": batch, "grad_accum": accum, "samples_in_epoch": samples}
+
+
+def test_the_per_rank_batch_changes_only_when_allowed():
+    state = _state(4, 4, 1, 3, 48)                  # global batch 16; 8 ranks x 4 cannot keep it
+    with pytest.raises(ConfigError, match="allow_batch_size_change=true \\(per-rank batch 2 x "
+                                          "accumulation 1 keeps it\\)"):
+        plan_resume(state, TrainConfig(batch_size=4), 8)
+    plan = plan_resume(state, TrainConfig(batch_size=4, allow_batch_size_change=True), 8)
+    assert (plan.layout.batch_size, plan.layout.grad_accum, plan.samples) == (2, 1, 48)
+    assert plan.note.endswith("per-rank batch 4 -> 2, accumulation 1 -> 1 (global batch 16 kept)")
+    assert plan.warning is None
+
+
+def test_an_allowed_global_batch_change_says_what_changed_and_where_the_epoch_goes_on():
+    plan = plan_resume(_state(4, 4, 1, 5, 80), TrainConfig(batch_size=4, allow_global_batch_change=True), 3)
+    assert (plan.layout.global_batch, plan.samples) == (12, 72)   # the last step boundary of 12
+    assert plan.note.endswith("(global batch 16 -> 12 changed)")
+    assert "global batch 16 -> 12" in plan.warning and "8 samples" in plan.warning
+
+
+def test_the_sampler_position_is_global_so_other_ranks_go_on_with_the_unseen_samples():
+    n, seed, epoch = 50, 3, 1
+    order = epoch_permutation(n, 1, seed, epoch)
+
+    def consumed(world: int, start: int, per_rank: int | None = None) -> list[int]:
+        out = []
+        for rank in range(world):
+            s = ResumableDistributedSampler(n, world, rank, seed)
+            s.epoch, s.start = epoch, start
+            out += list(s)[:per_rank]
+        return out
+    before = consumed(4, 0, 6)                       # 4 ranks took 24 samples (6 each)...
+    after = consumed(3, 24)                          # ...3 ranks go on from global position 24
+    assert sorted(before) == sorted(order[:24])
+    # the other 26, each once, plus one padding sample (DistributedSampler's: the order's first)
+    assert len(after) == 27 and sorted(after) == sorted(order[24:] + order[:1])
+    s = ResumableDistributedSampler(n, 3, 0, seed)
+    s.start = 25
+    with pytest.raises(ValueError, match="start=25 is not a multiple of world_size=3"):
+        list(s)
