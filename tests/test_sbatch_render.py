@@ -47,6 +47,7 @@ CASES = {
         srun_args={"cpu-bind": "none", "container-image": "nvcr.io#nvidia/pytorch:24.01-py3",
                    "label": True, "export": "ALL,FOO=a&b"},
         container="docker://pytorch/pytorch:2.3.0-cuda12.1"),
+    "sbatch_node_range.sh": _spec(nodes="1-2"),
     "sbatch_quoting.sh": _spec(
         workdir="/work/my dir", config="/work/my dir/it's.yaml",
         overrides=("name=$(touch /tmp/pwned)", "log.dir=`id`; rm -rf x", 'model.name="a b"')),
@@ -71,6 +72,32 @@ def test_one_task_per_gpu_and_preemption_options():
     text = render(_spec())
     assert "srun --kill-on-bad-exit=1" in text and 'rank%t.out' in text
     assert 'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-3}"' in text
+
+
+@pytest.mark.parametrize("given, stored", [(3, 3), ("3", 3), ("1-2", "1-2"), (" 2 - 4 ", "2-4"),
+                                           ("2-2", 2)])
+def test_nodes_take_a_count_or_sbatchs_range(given, stored):
+    opts = SlurmOptions(nodes=given)
+    assert opts.nodes == stored
+    low, high = opts.node_range
+    assert (low, high) == ((stored, stored) if isinstance(stored, int) else tuple(map(int, stored.split("-"))))
+    assert dict(sbatch_options(_spec(nodes=given)))["nodes"] == str(stored)
+    assert _spec(nodes=given).nodes == high      # the spec's node count (local backend, records): MAX
+
+
+@pytest.mark.parametrize("given, words", [
+    ("2-1", ["'2-1'", "1 <= MIN <= MAX", "MIN 2 and MAX 1", "HINT: write e.g. --nodes 2-2"]),
+    ("0-2", ["'0-2'", "MIN 0 and MAX 2", "HINT: write e.g. --nodes 1-2"]),
+    ("1-2;x", ["'1-2;x'", "a node count or a range MIN-MAX", "HINT: write e.g. --nodes 2, or --nodes 1-2"]),
+    (0, ["--nodes 0 is too few"]),
+])
+def test_a_bad_node_range_is_refused_naming_the_value(given, words):
+    from ddp_hpc.config import ConfigError
+    from ddp_hpc.config.slurm_options import merged
+    with pytest.raises(ConfigError) as info:
+        merged(SlurmOptions(), {"nodes": given})
+    for w in words:
+        assert w in str(info.value)
 
 
 def _fake_srun(tmp_path: Path) -> Path:

@@ -257,6 +257,30 @@ def test_cli_dry_run_submitit_and_local(job, tmp_path):
     assert not (tmp_path / "home").exists() and not (tmp_path / "logs").exists()
 
 
+class _Cluster:
+    def available(self):
+        return True
+
+    def sinfo_partitions(self):
+        return [{"name": "gpu", "nodes": 2, "gpus_per_node": 2}]
+
+
+def test_a_node_range_goes_to_sbatch_and_the_local_backend_runs_max(job, tmp_path):
+    # (the rendered #SBATCH --nodes=1-2: tests/golden/sbatch_node_range.sh)
+    env = {"PATH": os.path.dirname(PY)}
+    p = _cli(["--backend", "local", "--dry-run", "--nodes", "1-2", str(job)], tmp_path, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "--nodes 1-2: the local backend runs the most, 2 pretend nodes" in p.stderr
+    assert "--nodes 2 --procs-per-node 1" in p.stdout
+    p = _cli(["--backend", "submitit", "--dry-run", "--nodes", "1-2", str(job)], tmp_path, env=env)
+    assert p.returncode == 2
+    assert "--nodes 1-2 is a range, which the submitit backend cannot take" in p.stderr
+    assert "HINT: use --backend sbatch (or auto)" in p.stderr
+    opts = merged(load_config(job).slurm, {"nodes": "1-2"})
+    assert submit._backend(opts, _Cluster()) == "sbatch"     # auto would pick submitit for a count
+    assert submit._backend(merged(opts, {"nodes": 2}), _Cluster()) == "submitit"
+
+
 def _write_events(d: Path, rank: int, events):
     d.mkdir(parents=True, exist_ok=True)
     with open(d / f"rank{rank}.events.jsonl", "w") as f:

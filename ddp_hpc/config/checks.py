@@ -13,7 +13,8 @@ from ddp_hpc.config.typed import ConfigError
 from ddp_hpc.slurm.times import duration_seconds
 
 __all__ = ["BACKENDS", "time_to_seconds", "parse_signal", "check_count", "check_flag",
-           "check_text", "check_time", "check_signal", "check_backend", "PLAIN"]
+           "check_text", "check_time", "check_signal", "check_backend", "check_nodes", "node_range",
+           "PLAIN"]
 
 BACKENDS = ("auto", "submitit", "sbatch", "local")
 
@@ -72,6 +73,31 @@ def check_count(minimum: int, optional: bool = False) -> Callable[[Any, str], in
                               f"use {minimum} or more for {label}")
         return value
     return check
+
+
+_NODES = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+def check_nodes(value: Any, label: str) -> int | str:
+    """A node count (int >= 1), or sbatch's range ``MIN-MAX`` (1 <= MIN <= MAX), kept as the text
+    ``"MIN-MAX"``: the job starts on at least MIN nodes and at most MAX, whatever is free."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return check_count(1)(value, label)
+    m = _NODES.match(value) if isinstance(value, str) else None
+    if m is None:
+        raise ConfigError(f"{label} must be a node count or a range MIN-MAX, got {value!r}",
+                          f"write e.g. {label} 2, or {label} 1-2 to start on what is free")
+    low, high = int(m.group(1)), int(m.group(2) or m.group(1))
+    if low < 1 or low > high:
+        raise ConfigError(f"{label} {value!r}: a node range needs 1 <= MIN <= MAX, got MIN {low} "
+                          f"and MAX {high}", f"write e.g. {label} {max(low, 1)}-{max(low, high, 1)}")
+    return low if low == high else f"{low}-{high}"
+
+
+def node_range(value: int | str) -> tuple[int, int]:
+    """(MIN, MAX) of a checked ``nodes`` value: (N, N) for a count."""
+    low, _, high = str(value).partition("-")
+    return int(low), int(high or low)
 
 
 def check_flag(value: Any, label: str) -> bool:

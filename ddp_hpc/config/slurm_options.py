@@ -23,10 +23,12 @@ from ddp_hpc.config.checks import (
     check_backend,
     check_count,
     check_flag,
+    check_nodes,
     check_plain,
     check_signal,
     check_text,
     check_time,
+    node_range,
 )
 from ddp_hpc.config.typed import ConfigError
 
@@ -133,8 +135,12 @@ class SlurmOptions:
     UNKNOWN_KEY_HINT: ClassVar[str] = ("any other sbatch option goes under slurm.sbatch_args or "
                                        "--sbatch-arg KEY=VALUE")
 
-    nodes: int = _opt(1, check_count(1), "nodes; each runs one task per GPU",
-                      flags=("--nodes", "-N"), group=LAYOUT, sbatch="nodes", type=int, metavar="N")
+    nodes: int | str = _opt(1, check_nodes, "nodes; each runs one task per GPU; a range MIN-MAX "
+                            "(sbatch's) starts the job on what is free, MIN nodes at least, and "
+                            "the job runs with the nodes it got (the local backend runs MAX)",
+                            flags=("--nodes", "-N"), group=LAYOUT, sbatch="nodes",
+                            type=lambda text: int(text) if text.strip().isdigit() else text,
+                            metavar="N|MIN-MAX")
     gpus_per_node: int = _opt(
         1, check_count(1), "GPUs per node, which is also the tasks per node (one task per GPU); "
         "per node, unlike sbatch's -G/--gpus, which counts the GPUs of all nodes",
@@ -195,6 +201,11 @@ class SlurmOptions:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, f.metadata["parse"](getattr(self, f.name),
                                                                  f"slurm.{f.name}"))
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """(MIN, MAX) nodes: (N, N) for a plain count."""
+        return node_range(self.nodes)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(SlurmOptions)}

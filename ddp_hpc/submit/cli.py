@@ -151,6 +151,8 @@ def _load(config: str, overrides: Sequence[str], tasks: Sequence[Sequence[str]])
 
 def _backend(opts, cli: SlurmCLI) -> str:
     backend, why = choose_backend(opts.backend, cli)
+    if backend == "submitit" and opts.backend == "auto" and isinstance(opts.nodes, str):
+        backend, why = "sbatch", f"{why}; --nodes {opts.nodes} is a range, which only sbatch takes"
     say(f"backend {backend}: {why}")
     return backend
 

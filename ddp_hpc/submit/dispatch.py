@@ -42,6 +42,10 @@ def say(msg: str) -> None:
 
 def preflight(spec, backend: str, cli: SlurmCLI, dry_run: bool) -> None:
     """Compare the request with what sinfo lists; a dry run goes on without a cluster."""
+    if backend == "submitit" and isinstance(spec.options.nodes, str):
+        raise SpecError(f"--nodes {spec.options.nodes} is a range, which the submitit backend cannot "
+                        "take (it counts its tasks from one node count)",
+                        f"use --backend sbatch (or auto), or a count such as --nodes {spec.nodes}")
     if not cli.available():
         if dry_run:
             say("dry run without Slurm (`sbatch` is not on PATH): partition and GPU checks skipped")
@@ -100,6 +104,9 @@ def _removed_note(removed: list[str]) -> str:
 
 def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfig] | None) -> int:
     job_id = f"local-{Path(spec.log_dir).name}"
+    if isinstance(spec.options.nodes, str):
+        say(f"--nodes {spec.options.nodes}: the local backend runs the most, "
+            f"{plural(spec.nodes, 'pretend node')}")
     env, removed = submit_slurm.clean_slurm_env(os.environ)
     submit_local.check_gpus(spec, env)
     if spec.is_command:

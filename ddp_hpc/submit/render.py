@@ -4,9 +4,10 @@ environment), so the exact text is golden-tested and ``--dry-run`` shows what wo
 The script is a plain, readable batch file a user could submit again by hand. What it does and
 why:
 
-- one task per GPU: ``--ntasks-per-node=G --gpus-per-node=G``; ``--cpus-per-task`` from the
-  spec, and ``SRUN_CPUS_PER_TASK`` exported because since Slurm 22.05 srun no longer inherits
-  ``--cpus-per-task`` from the batch allocation;
+- one task per GPU: ``--ntasks-per-node=G --gpus-per-node=G``; ``--nodes`` a count or sbatch's
+  range ``MIN-MAX`` as given (the job runs with the nodes it got: ranks = nodes x G from Slurm's
+  variables); ``--cpus-per-task`` from the spec, and ``SRUN_CPUS_PER_TASK`` exported because
+  since Slurm 22.05 srun no longer inherits ``--cpus-per-task`` from the batch allocation;
 - preemption: ``--signal=SIG@grace`` reaches every task of the step (the training core turns it
   into checkpoint + requeue), ``--requeue`` allows that, ``--open-mode=append`` keeps the first
   run's output after a requeue;
@@ -41,7 +42,7 @@ def sbatch_options(spec: JobSpec) -> list[tuple[str, str | None]]:
     """The ``#SBATCH`` options in order: (name, value or None for a flag)."""
     opts: list[tuple[str, str | None]] = [
         ("job-name", spec.name),
-        ("nodes", str(spec.nodes)),
+        ("nodes", str(spec.options.nodes)),       # N, or a range MIN-MAX as sbatch takes it
         ("ntasks-per-node", str(spec.tasks_per_node)),
         ("gpus-per-node", str(spec.gpus_per_node)),
         ("cpus-per-task", str(spec.cpus_per_task)),
@@ -69,7 +70,7 @@ def render(spec: JobSpec) -> str:
     """The batch script for ``spec`` (text). Same spec, same text."""
     lines = [
         "#!/bin/bash",
-        f"# ddp_hpc job {spec.name}: {spec.nodes} node(s) x {spec.tasks_per_node} task(s), one "
+        f"# ddp_hpc job {spec.name}: {spec.options.nodes} node(s) x {spec.tasks_per_node} task(s), one "
         f"task per GPU{f', array of {len(spec.tasks)} tasks' if spec.is_array else ''}.",
         "# Rendered by ddp_hpc.submit (sbatch backend); `sbatch <this file>` submits it again.",
     ]

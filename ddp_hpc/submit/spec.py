@@ -113,7 +113,7 @@ class JobSpec:
                             "pass the restart number of the job's first run (0 for a new run)")
 
     name = property(lambda self: self.options.job_name)
-    nodes = property(lambda self: self.options.nodes)
+    nodes = property(lambda self: self.options.node_range[1])   # a range MIN-MAX: MAX
     gpus_per_node = property(lambda self: self.options.gpus_per_node)
     tasks_per_node = property(lambda self: self.options.gpus_per_node)   # one task per GPU
     cpus_per_task = property(lambda self: self.options.cpus_per_task)
