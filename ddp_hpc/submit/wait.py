@@ -109,6 +109,23 @@ def run_verdict(log_dir: str | os.PathLike, world_size: int) -> tuple[bool, str]
     return False, "; ".join(parts) + f" (logs in {d})"
 
 
+def world_that_ran(log_dir: str | os.PathLike, default: int) -> int:
+    """The world size in rank 0's newest ``start`` event (a job with a node range MIN-MAX runs
+    with the nodes it got), else ``default``."""
+    try:
+        lines = (Path(log_dir) / events_file(0)).read_text(errors="replace").splitlines()
+    except OSError:
+        return default
+    for line in reversed(lines):
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and ev.get("event") == "start" and isinstance(ev.get("world_size"), int):
+            return ev["world_size"]
+    return default
+
+
 def wait_and_judge(spec, job_id: str, cli, timeout: float | None, say) -> int:
     """``submit --wait`` on Slurm: wait for the end, then one verdict per run from its run logs;
     0 when every run completed on every rank."""
@@ -117,7 +134,10 @@ def wait_and_judge(spec, job_id: str, cli, timeout: float | None, say) -> int:
                            progress=lambda: latest_step([t.log_dir for t in spec.tasks]))
     ok_all = True
     for t in spec.tasks:
-        ok, why = run_verdict(t.log_dir, spec.world_size)
+        world = spec.world_size
+        if isinstance(spec.options.nodes, str):     # a range: as many ranks as the nodes it got
+            world = world_that_ran(t.log_dir, world)
+        ok, why = run_verdict(t.log_dir, world)
         label = f"task {t.task_id}" if t.task_id is not None else f"job {job_id}"
         say(f"{label}: {'completed' if ok else 'NOT completed'}: {why}")
         ok_all = ok_all and ok
