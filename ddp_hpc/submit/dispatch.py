@@ -181,7 +181,8 @@ def _slurm(spec: JobSpec, args: argparse.Namespace, backend: str, cli: SlurmCLI,
         script = submit_slurm.submitit_script(spec, job_id)
     args.record = record(spec, job_id, backend, cluster, script=script)
     array = f", array of {len(spec.tasks)}" if spec.is_array else ""
-    say(f"submitted job {job_id} ({backend}, {plural(spec.nodes, 'node')} x "
+    nodes = f"{spec.options.nodes} nodes" if isinstance(spec.options.nodes, str) else plural(spec.nodes, "node")
+    say(f"submitted job {job_id} ({backend}, {nodes} x "
         f"{plural(spec.tasks_per_node, 'task')}{array}), logs in {spec.log_dir}")
     if not getattr(args, "quiet", False):
         print(job_id)
