@@ -265,17 +265,19 @@ class _Cluster:
         return [{"name": "gpu", "nodes": 2, "gpus_per_node": 2}]
 
 
-def test_a_node_range_goes_to_sbatch_and_the_local_backend_runs_max(job, tmp_path):
+def test_a_node_range_goes_to_sbatch_and_the_local_backend_runs_max(job, tmp_path, monkeypatch, capsys):
     # (the rendered #SBATCH --nodes=1-2: tests/golden/sbatch_node_range.sh)
-    env = {"PATH": os.path.dirname(PY)}
-    p = _cli(["--backend", "local", "--dry-run", "--nodes", "1-2", str(job)], tmp_path, env=env)
-    assert p.returncode == 0, p.stderr
-    assert "--nodes 1-2: the local backend runs the most, 2 pretend nodes" in p.stderr
-    assert "--nodes 2 --procs-per-node 1" in p.stdout
-    p = _cli(["--backend", "submitit", "--dry-run", "--nodes", "1-2", str(job)], tmp_path, env=env)
-    assert p.returncode == 2
-    assert "--nodes 1-2 is a range, which the submitit backend cannot take" in p.stderr
-    assert "HINT: use --backend sbatch (or auto)" in p.stderr
+    monkeypatch.setenv("PATH", os.path.dirname(PY))
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert submit.main(["--backend", "local", "--dry-run", "--nodes", "1-2", str(job)]) == 0
+    out, err = capsys.readouterr()
+    assert "--nodes 1-2: the local backend runs the most, 2 pretend nodes" in err
+    assert "--nodes 2 --procs-per-node 1" in out
+    assert submit.main(["--backend", "submitit", "--dry-run", "--nodes", "1-2", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "--nodes 1-2 is a range, which the submitit backend cannot take" in err
+    assert "HINT: use --backend sbatch (or auto)" in err
     opts = merged(load_config(job).slurm, {"nodes": "1-2"})
     assert submit._backend(opts, _Cluster()) == "sbatch"     # auto would pick submitit for a count
     assert submit._backend(merged(opts, {"nodes": 2}), _Cluster()) == "submitit"
