@@ -14,6 +14,8 @@ decided by evidence in ``ddp_hpc.runlogs.attribution``; this module reads the fi
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,28 +95,56 @@ def run_ending(log_dir: str | Path) -> RunEnding:
 class RunLogs:
     """All the rank files of one log directory, read once; methods derive the facts. A missing
     directory (or None: a job whose log directory is not known) reads as one without files.
-    ``ends_only``: read the other ranks' event files only at their ends (as beyond the read budget)
-    whatever their size, rank 0's whole: enough for the state and progress a job table shows."""
+    ``ends_only``: of the other ranks' event files only how their current run ended (their last
+    events back to the newest step: `tails.END_LINES`), rank 0's whole: enough for the state and
+    progress a job table shows; `widen` reads them as a detail view does (for a running job's
+    stall)."""
 
     def __init__(self, log_dir: str | Path | None, ends_only: bool = False):
         self.log_dir = Path(log_dir) if log_dir else None
+        self.ends_only = ends_only
         self.ranks: dict[int, RankStream] = {}
-        self.outs: dict[int, Path] = {}
-        self.texts: dict[int, Path] = {}
+        self._names: dict[str, dict[int, str]] = {"out": {}, "log": {}}  # rank -> file name
         self._outs_read: dict[int, tuple[list[str] | None, list[str]]] = {}
         self._memo: dict[str, tuple] = {}
-        if self.log_dir is None or not self.log_dir.is_dir():
+        try:  # names, not Paths: a Path per file was a tenth of the job table's first view
+            names = sorted(os.listdir(self.log_dir)) if self.log_dir is not None else []
+        except OSError:  # no such directory (yet), or not one
             return
-        paths = sorted(self.log_dir.iterdir(), key=lambda p: p.name)  # one directory: as Path order
-        events = [(int(m.group(1)), p) for p in paths if (m := EVENTS_RE.match(p.name))]
+        events = []
+        for name in names:
+            if m := EVENTS_RE.match(name):
+                events.append((int(m.group(1)), self.log_dir / name))
+            elif m := OUT_RE.match(name):
+                self._names["out"][int(m.group(1))] = name
+            elif m := LOG_RE.match(name):
+                self._names["log"][int(m.group(1))] = name
         window = ends_only or over_budget([p for _, p in events])
         for rank, p in events:
-            self.ranks[rank] = read_events(p, window and (rank != 0 or file_size(p) > FULL_READ_BYTES))
-        for p in paths:
-            if m := OUT_RE.match(p.name):
-                self.outs[int(m.group(1))] = p
-            elif m := LOG_RE.match(p.name):
-                self.texts[int(m.group(1))] = p
+            big = rank != 0 or file_size(p) > FULL_READ_BYTES
+            self.ranks[rank] = read_events(p, window and big, ends=ends_only and rank != 0)
+
+    @functools.cached_property
+    def outs(self) -> dict[int, Path]:
+        """rank -> its ``rank{R}.out``."""
+        return {r: self.log_dir / name for r, name in self._names["out"].items()}
+
+    @functools.cached_property
+    def texts(self) -> dict[int, Path]:
+        """rank -> its ``rank{R}.log``."""
+        return {r: self.log_dir / name for r, name in self._names["log"].items()}
+
+    def widen(self) -> None:
+        """Read the event files that ``ends_only`` read at their ends as the read budget allows
+        (the other ranks' first KiB and last lines): a running job's stall is judged from the
+        intervals between every rank's recent step events."""
+        if not self.ends_only:
+            return
+        self.ends_only = False
+        for rank, stream in self.ranks.items():
+            if rank != 0:
+                self.ranks[rank] = read_events(stream.path, True)
+        self._memo.clear()  # keyed by the streams' ids: a new list may take a freed one's
 
     @property
     def partial(self) -> list[int]:
@@ -123,7 +153,7 @@ class RunLogs:
 
     @property
     def exists(self) -> bool:
-        return bool(self.ranks or self.outs or self.texts)
+        return bool(self.ranks or self._names["out"] or self._names["log"])
 
     def all_events(self) -> list[dict]:
         evs = [e for s in self.ranks.values() for e in s.events]

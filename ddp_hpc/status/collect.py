@@ -124,38 +124,46 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
                                       controller_down=down, only=only)
         tried += more
     out, finals = [], {}
-    cache = rowcache.load() if brief else None
-    for t in targets:
-        sched = found.get(t.id)
-        key = cache.key(t, sched, only) if cache is not None else None
-        kept = cache.get(key) if key is not None else None
-        st, final = (JobStatus.from_dict(kept), None) if kept is not None else (None, None)
-        if st is None:
-            with _no_cycle_collection():
-                st, final = _one(t, sched, tried, now, only, brief)
-            if key is not None:
-                cache.put(key, st.to_dict())
-        if t.id in foreign:
-            st.notes.append(f"submitted on cluster {t.record.cluster!r}, not this one ({cluster!r}): "
-                            "the scheduler was not asked (job ids repeat across clusters)")
-        if final is not None and getattr(t.record, "path", None):
-            finals.setdefault(id(t.record), (t.record, {}))[1][_task_id(t)] = final
-        out.append(st)
-    for rec, per_task in finals.values():
-        try:
-            records.store_final(rec, per_task)
-        except OSError:  # a read-only job store: status still answers
-            pass
-    if cache is not None:
-        cache.save()
+    with _no_cycle_collection():
+        cache = rowcache.load() if brief else None
+        for t in targets:
+            st, final = _cached_or_one(t, found.get(t.id), tried, now, only, cache)
+            if t.id in foreign:
+                st.notes.append(f"submitted on cluster {t.record.cluster!r}, not this one ({cluster!r}): "
+                                "the scheduler was not asked (job ids repeat across clusters)")
+            if final is not None and getattr(t.record, "path", None):
+                finals.setdefault(id(t.record), (t.record, {}))[1][_task_id(t)] = final
+            out.append(st)
+        for rec, per_task in finals.values():
+            try:
+                records.store_final(rec, per_task)
+            except OSError:  # a read-only job store: status still answers
+                pass
+        if cache is not None:
+            cache.save()
     return out
+
+
+def _cached_or_one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
+                   only: str | None, cache: rowcache.RowCache | None) -> tuple[JobStatus, dict | None]:
+    """(the job's status, the final state to keep in its record): the table's kept row while
+    what it was made from is unchanged, else worked out (and kept when the job ended)."""
+    key = cache.key(t, sched, only) if cache is not None else None
+    kept = cache.get(key) if key is not None else None
+    if kept is not None:
+        return JobStatus.from_dict(kept), None
+    st, final = _one(t, sched, tried, now, only, brief=cache is not None)
+    if key is not None:
+        cache.put(key, st.to_dict())
+    return st, final
 
 
 @contextlib.contextmanager
 def _no_cycle_collection():
-    """Python's cycle collector paused while one job's logs are read and judged: the hundreds of
+    """Python's cycle collector paused while jobs' logs are read and judged: the hundreds of
     thousands of event dicts of a big job (freed by reference counting, no cycles) made it scan
-    the heap again and again, a third of the time of an 8,192-rank job's status."""
+    the heap again and again, a third of the time of an 8,192-rank job's status; and over
+    thousands of jobs the statuses and kept rows that pile up made every collection longer."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -202,6 +210,8 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     else:
         sched, keep = _state_of(t, sched, tried, logs, only), None
     state = sched.state
+    if state.state is JobState.RUNNING:  # its stall is judged from every rank's recent steps
+        logs.widen()
     base = restart_base(rec)
     failure, endings = (None, {}) if brief else diagnose(logs, sched, notes, base)
     runs = logs.runs()
@@ -240,7 +250,7 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
 
 def _read_notes(t: StatusTarget, logs: RunLogs, notes: list[str], sched: SourceState) -> None:
     """What kept status from reading the logs whole, or at all."""
-    if partial := logs.partial:
+    if (partial := logs.partial) and not logs.ends_only:  # the table reads the others' ends only
         notes.append(f"the event files of {plural(len(partial), 'rank')} ({compress_ranks(partial)}) are too big "
                      f"to read whole: status read their first {HEAD_BYTES >> 10} KiB and last {TAIL_LINES} lines "
                      "(step times and earlier runs are judged from those)")
