@@ -162,10 +162,13 @@ class RunLogs:
     def _cached(self, name: str, compute):
         """``compute()``, kept while no stream changed (status asks the same of thousands of
         ranks' events several times)."""
-        key = tuple((id(s.events), len(s.events)) for s in self.ranks.values())
+        key = self._key()
         if self._memo.get(name, (None,))[0] != key:
             self._memo[name] = (key, compute())
         return self._memo[name][1]
+
+    def _key(self) -> tuple:
+        return tuple((id(s.events), len(s.events)) for s in self.ranks.values())
 
     def restarts(self) -> list[int]:
         """Every restart number seen in any event, ascending."""
@@ -198,11 +201,19 @@ class RunLogs:
     def runs(self) -> list[RunSummary]:
         """One summary per restart number: what each run of a requeued job did (computed once
         while the streams do not change; each call returns copies)."""
-        return [dataclasses.replace(r) for r in self._cached("runs", self._runs)]
+        return [dataclasses.replace(r) for r in self._cached("runs", lambda: self._summaries(self.restarts()))]
 
-    def _runs(self) -> list[RunSummary]:
+    def current_run(self) -> RunSummary | None:
+        """The newest run's summary, ``runs()[-1]`` without summing up the earlier runs (a copy);
+        None without events."""
+        if (runs := self._memo.get("runs")) and runs[0] == self._key():
+            return dataclasses.replace(runs[1][-1]) if runs[1] else None
+        cur = self._cached("current_run", lambda: self._summaries(self.restarts()[-1:]))
+        return dataclasses.replace(cur[0]) if cur else None
+
+    def _summaries(self, restarts: list[int]) -> list[RunSummary]:
         return [_summary(restart, (e for s in self.ranks.values() for e in s._runs().get(restart, ())))
-                for restart in self.restarts()]
+                for restart in restarts]
 
     def outcome(self) -> str | None:
         """The current run's ending as the events tell it: completed/failed/preempted, else None.
@@ -210,10 +221,7 @@ class RunLogs:
         "completed" only when every rank that started wrote ``end`` completed; any ``error`` or a
         failed ``end`` makes it "failed".
         """
-        if not self.ranks:
-            return None
-        runs = self.runs()
-        cur = runs[-1] if runs else None
+        cur = self.current_run()
         if cur is None:
             return None
         if cur.errors or cur.end_status == "failed":

@@ -128,9 +128,14 @@ def read_events(path: Path, window: bool = False, ends: bool = False) -> RankStr
 def _read_ending(stream: RankStream) -> RankStream:
     """``read_events(ends=True)``: the file's last lines decoded backwards until one is a
     progress event (`PROGRESS_EVENTS`) or `END_LINES` were taken; `skipped` counts the bytes
-    before them."""
-    head, tail, skipped = read_window(stream.path, 0, END_LINES, END_BYTES, TAIL_MAX_BYTES)
-    lines = [line for line in (head or tail).splitlines() if line.strip()]
+    before them. One ``pread`` of the file's end (the job table reads thousands of these)."""
+    try:
+        text, start, size = _file_end(stream.path, END_BYTES, END_LINES)
+    except OSError:
+        return stream
+    if start > 0:  # the first line is cut: start after it
+        text = text[text.find("\n") + 1:]
+    lines = [line for line in text.rsplit("\n", END_LINES + 1)[-END_LINES - 1:] if line.strip()]
     taken = 0
     for ev in _decoded(lines[:-END_LINES - 1:-1]):
         taken += 1
@@ -141,8 +146,24 @@ def _read_ending(stream: RankStream) -> RankStream:
         else:
             stream.bad_lines += 1
     stream.events.reverse()
-    stream.skipped = skipped + sum(len(line) + 1 for line in lines[:len(lines) - taken])
+    stream.skipped = max(0, size - sum(len(line) + 1 for line in lines[len(lines) - taken:]))
     return stream
+
+
+def _file_end(path: Path, nbytes: int, min_lines: int) -> tuple[str, int, int]:
+    """(the text of the file's last ``nbytes`` or more, where it starts, the file's size): read
+    back further, up to TAIL_MAX_BYTES, while it holds ``min_lines`` lines or fewer."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        while True:
+            start = max(0, size - nbytes)
+            data = os.pread(fd, size - start, start)
+            if start == 0 or data.count(b"\n") > min_lines or nbytes >= TAIL_MAX_BYTES:
+                return data.decode("utf-8", errors="replace"), start, size
+            nbytes *= 2
+    finally:
+        os.close(fd)
 
 
 def _parse_lines(lines: list[str]) -> list:

@@ -79,10 +79,11 @@ class JobStatus:
         """The fields as plain data for JSON: the nested dataclasses (progress, failure) become
         dicts, the rest is shared with this status rather than deep-copied (copying 8,192 ranks'
         events and classifications was most of ``status --json``'s time)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in ("progress", "failure"):
-            if d[name] is not None:
-                d[name] = dataclasses.asdict(d[name])
+        d = dict(vars(self))
+        if self.progress is not None:  # numbers only: a shallow copy is a copy
+            d["progress"] = dict(vars(self.progress))
+        if self.failure is not None:
+            d["failure"] = dataclasses.asdict(self.failure)
         d["last_events"] = {str(k): v for k, v in self.last_events.items()}
         d["rank_exit_codes"] = {str(k): v for k, v in self.rank_exit_codes.items()}
         return d
@@ -214,12 +215,12 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         logs.widen()
     base = restart_base(rec)
     failure, endings = (None, {}) if brief else diagnose(logs, sched, notes, base)
-    runs = logs.runs()
-    restarts = max([base + (sched.restarts or 0)] + [r.restart for r in runs])
+    cur = logs.current_run()  # the newest run: the earlier ones are the detail view's (run_causes)
+    restarts = max(base + (sched.restarts or 0), cur.restart if cur is not None else 0)
     progress = logs.progress(now)
     if progress is not None and not state.state.active:
         progress.eta_s = 0.0 if state.state is JobState.COMPLETED else None
-    elapsed = sched.elapsed or _elapsed_from_runs(runs, state.state.active, now)
+    elapsed = sched.elapsed or _elapsed_of(cur, state.state.active, now)
     _read_notes(t, logs, notes, sched)
     # srun's "task R: Exited" lines stay in the appended batch output after a requeue: only
     # worth showing when the job did not complete
@@ -239,7 +240,7 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         node_list=sched.node_list, progress=progress, last_events={} if brief else logs.last_events(),
         failure=failure, exit_code=sched.exit_code, steps=sched.steps, rank_exit_codes=codes,
         scheduler_history=sched.history, history_source=sched.history_source,
-        runs=[] if brief else run_causes(logs, runs, sched, base), notes=notes,
+        runs=[] if brief else run_causes(logs, logs.runs(), sched, base), notes=notes,
         command=getattr(rec, "command", None), rank_endings={} if brief else rank_endings(logs),
         rank_classification={str(r): e.to_dict() for r, e in endings.items()},
         eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
@@ -299,8 +300,9 @@ def rank_endings(logs: RunLogs) -> dict[int, str]:
     return out
 
 
-def _elapsed_from_runs(runs, active: bool, now: float) -> str | None:
-    if not runs or runs[-1].started is None:
+def _elapsed_of(run, active: bool, now: float) -> str | None:
+    """How long the newest run (``run``, a RunSummary) has run or ran."""
+    if run is None or run.started is None:
         return None
-    end = now if active else (runs[-1].last_time or now)
-    return format_duration(end - runs[-1].started)
+    end = now if active else (run.last_time or now)
+    return format_duration(end - run.started)
