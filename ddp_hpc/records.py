@@ -30,23 +30,13 @@ from typing import Any, Iterable, Mapping
 
 from ddp_hpc.env import job_facts
 from ddp_hpc.errors import HintError, report
-from ddp_hpc.fsutil import atomic_write_json
+from ddp_hpc.fsutil import atomic_write_json, atomic_write_texts
 from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.text import HelpFormatter, prog
 
-__all__ = [
-    "JobRecord",
-    "JobRecordError",
-    "records_dir",
-    "write_record",
-    "update_record",
-    "load_record",
-    "list_records",
-    "final_of",
-    "store_final",
-    "local_final",
-]
+__all__ = ["JobRecord", "JobRecordError", "records_dir", "write_record", "update_record", "load_record",
+           "list_records", "final_of", "store_final", "store_finals", "local_final"]
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
@@ -179,6 +169,30 @@ def store_final(rec: JobRecord, finals: Mapping[str | None, dict],
     job that is not an array) in the record, rewriting its file atomically when they changed
     (``seen_at`` aside). The file is read again first, so fields another process wrote since
     ``rec`` was loaded (the local driver's pids) survive. Returns True when it wrote."""
+    base = _with_finals(rec, finals)
+    if base is None:
+        return False
+    update_record(base, environ)
+    return True
+
+
+def store_finals(batch: Iterable[tuple[JobRecord, Mapping[str | None, dict]]]) -> int:
+    """`store_final` for many records at once (the job table keeps the final state of every job
+    it sees ended): the changed records are rewritten together by `fsutil.atomic_write_texts`,
+    each still atomically, with their fsyncs at once rather than one after the other (one by one,
+    10,000 records took minutes). Records without a file are left out. Returns how many it wrote."""
+    writes = []
+    for rec, finals in batch:
+        base = _with_finals(rec, finals) if rec.path else None
+        if base is not None:
+            writes.append((rec.path, json.dumps(base.to_dict(), indent=2, sort_keys=True) + "\n"))
+    atomic_write_texts(writes)
+    return len(writes)
+
+
+def _with_finals(rec: JobRecord, finals: Mapping[str | None, dict]) -> JobRecord | None:
+    """The record as its file holds it now, with ``finals`` kept in it (and in ``rec``); None
+    when it holds them already."""
     fresh = _read(Path(rec.path)) if rec.path else None
     base = fresh or rec
     final = dict(base.final or {}) if base.array else None
@@ -193,10 +207,9 @@ def store_final(rec: JobRecord, finals: Mapping[str | None, dict],
         else:
             final = facts
     if not changed:
-        return False
+        return None
     base.final = rec.final = final
-    update_record(base, environ)
-    return True
+    return base
 
 
 def local_final(state: str, started_at: float | None, ended_at: float, source: str,

@@ -103,7 +103,7 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
     """Status of every target; Slurm ones are queried in one batch per source (one squeue and
     one sacct call however many jobs and array tasks). ``only`` names the one source to ask
     (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal state the scheduler
-    reports is kept in the job's record (`records.store_final`). ``brief``: only what the job
+    reports is kept in the job's record (`records.store_finals`, all at once). ``brief``: only what the job
     table shows (no failure attribution, per-rank endings or step times), and an ended job's
     row is taken from the table's cache (`ddp_hpc.status.rowcache`) while its record, its logs
     and the scheduler's answer are unchanged."""
@@ -135,11 +135,10 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
             if final is not None and getattr(t.record, "path", None):
                 finals.setdefault(id(t.record), (t.record, {}))[1][_task_id(t)] = final
             out.append(st)
-        for rec, per_task in finals.values():
-            try:
-                records.store_final(rec, per_task)
-            except OSError:  # a read-only job store: status still answers
-                pass
+        try:
+            records.store_finals(finals.values())
+        except OSError:  # a read-only job store: status still answers
+            pass
         if cache is not None:
             cache.save()
     return out
