@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -92,9 +93,7 @@ class JobRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str | None = None) -> "JobRecord":
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "path"}
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        known, required = _field_names(cls)
         missing = sorted(required - set(data))
         if missing:
             raise JobRecordError(f"job record {path or '<dict>'} lacks the keys {missing}.",
@@ -103,6 +102,14 @@ class JobRecord:
         kwargs["id"] = str(kwargs["id"])
         extra = {k: v for k, v in data.items() if k not in known}
         return cls(**kwargs, extra=extra, path=path)
+
+
+@functools.cache
+def _field_names(cls) -> tuple[frozenset, frozenset]:
+    """(the fields a record file may hold, those it must hold): once, not per record read."""
+    fields, none = dataclasses.fields(cls), dataclasses.MISSING
+    return (frozenset(f.name for f in fields) - {"extra", "path"},
+            frozenset(f.name for f in fields if f.default is none and f.default_factory is none))
 
 
 def records_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -147,9 +154,7 @@ def update_record(rec: JobRecord, environ: Mapping[str, str] | None = None) -> P
     """Rewrite a record in place (e.g. to add the local backend's pids); atomic."""
     if rec.path is None:
         return write_record(rec, environ)
-    path = Path(rec.path)
-    atomic_write_json(path, rec.to_dict())
-    return path
+    return atomic_write_json(Path(rec.path), rec.to_dict())
 
 
 def final_of(rec: JobRecord | None, task_id: str | int | None = None) -> dict | None:
@@ -177,10 +182,9 @@ def store_final(rec: JobRecord, finals: Mapping[str | None, dict],
 
 
 def store_finals(batch: Iterable[tuple[JobRecord, Mapping[str | None, dict]]]) -> int:
-    """`store_final` for many records at once (the job table keeps the final state of every job
-    it sees ended): the changed records are rewritten together by `fsutil.atomic_write_texts`,
-    each still atomically, with their fsyncs at once rather than one after the other (one by one,
-    10,000 records took minutes). Records without a file are left out. Returns how many it wrote."""
+    """`store_final` for many records (the table keeps every ended job's), each still atomic but
+    their fsyncs at once (`fsutil.atomic_write_texts`; one by one, 10,000 took minutes). Records
+    without a file are left out. Returns how many it wrote."""
     writes = []
     for rec, finals in batch:
         base = _with_finals(rec, finals) if rec.path else None
@@ -191,8 +195,7 @@ def store_finals(batch: Iterable[tuple[JobRecord, Mapping[str | None, dict]]]) -
 
 
 def _with_finals(rec: JobRecord, finals: Mapping[str | None, dict]) -> JobRecord | None:
-    """The record as its file holds it now, with ``finals`` kept in it (and in ``rec``); None
-    when it holds them already."""
+    """The record as its file holds it now with ``finals`` in it (and in ``rec``); None: no change."""
     fresh = _read(Path(rec.path)) if rec.path else None
     base = fresh or rec
     final = dict(base.final or {}) if base.array else None

@@ -107,10 +107,12 @@ class RunLogs:
         self._names: dict[str, dict[int, str]] = {"out": {}, "log": {}}  # rank -> file name
         self._outs_read: dict[int, tuple[list[str] | None, list[str]]] = {}
         self._memo: dict[str, tuple] = {}
+        self.listed = False  # the directory was there to list
         try:  # names, not Paths: a Path per file was a tenth of the job table's first view
             names = sorted(os.listdir(self.log_dir)) if self.log_dir is not None else []
         except OSError:  # no such directory (yet), or not one
             return
+        self.listed = self.log_dir is not None
         events = []
         for name in names:
             if m := EVENTS_RE.match(name):

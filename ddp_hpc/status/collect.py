@@ -11,7 +11,6 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ddp_hpc import records
 from ddp_hpc.runlogs import timing
@@ -257,7 +256,7 @@ def _read_notes(t: StatusTarget, logs: RunLogs, notes: list[str], sched: SourceS
     bad = sum(s.bad_lines for s in logs.ranks.values())
     if bad:
         notes.append(f"{plural(bad, 'unreadable line')} in the event streams skipped")
-    if t.log_dir and not Path(t.log_dir).is_dir():
+    if t.log_dir and not logs.listed:
         notes.append(f"log directory {t.log_dir} " + (
             "does not exist (yet)" if not sched.state.state.terminal else "is gone; final state from the record"
             if sched.source == src.RECORD else "is gone"))

@@ -34,7 +34,7 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
     stopped = cur.end_status if cur is not None and outcome is None else None
     if now_alive:
         return SourceState(StateInfo(JobState.RUNNING, "processes alive"), source, list(tried))
-    if logs.log_dir is not None and not logs.log_dir.is_dir():
+    if logs.log_dir is not None and not logs.listed:
         st = StateInfo(JobState.UNKNOWN, "log directory gone")
         reason = f"log directory {logs.log_dir} is gone and no final state was kept"
     elif stopped == "interrupted":  # Ctrl-C: every rank stopped cleanly
