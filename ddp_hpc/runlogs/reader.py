@@ -194,11 +194,12 @@ class RunLogs:
     def device(self) -> str | None:
         """The device type the newest run trained on ("cpu", "cuda", ...) as its ``start`` events
         tell it (rank 0's first); None when no start event names one."""
-        restart = self.current_restart()  # once: inside the comprehension it was once per rank
-        starts = [e for s in sorted(self.ranks.values(), key=lambda s: s.rank)
-                  for e in s.of_restart(restart)
-                  if e.get("event") == "start" and e.get("device")]
-        return str(starts[0]["device"]).split(":", 1)[0] if starts else None
+        restart = self.current_restart()  # once: inside the loop it was once per rank
+        for s in sorted(self.ranks.values(), key=lambda s: s.rank):
+            for e in s._runs().get(restart, ()):
+                if e.get("event") == "start" and e.get("device"):
+                    return str(e["device"]).split(":", 1)[0]
+        return None
 
     def runs(self) -> list[RunSummary]:
         """One summary per restart number: what each run of a requeued job did (computed once

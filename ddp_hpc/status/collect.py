@@ -265,6 +265,8 @@ def _read_notes(t: StatusTarget, logs: RunLogs, notes: list[str], sched: SourceS
 def _timing(st: JobStatus, logs: RunLogs, now: float, brief: bool = False) -> None:
     """Stall (a running job) and straggler facts (not ``brief``) from the current run's step
     events."""
+    if brief and st.job_state is not JobState.RUNNING:  # nothing to judge for the table
+        return
     restart = logs.current_restart()
     per_rank = {r: s.of_restart(restart) for r, s in logs.ranks.items()}
     if not brief:
