@@ -97,10 +97,10 @@ class RunLogs:
     directory (or None: a job whose log directory is not known) reads as one without files.
     ``ends_only``: of the other ranks' event files only how their current run ended (their last
     events back to the newest step: `tails.END_LINES`), rank 0's whole: enough for the state and
-    progress a job table shows; `widen` reads them as a detail view does (for a running job's
-    stall)."""
+    progress a job table shows; `widen` reads them as a detail view does beyond the read budget,
+    and so does ``window`` from the start (a running job's row: its stall)."""
 
-    def __init__(self, log_dir: str | Path | None, ends_only: bool = False):
+    def __init__(self, log_dir: str | Path | None, ends_only: bool = False, window: bool = False):
         self.log_dir = Path(log_dir) if log_dir else None
         self.ends_only = ends_only
         self.ranks: dict[int, RankStream] = {}
@@ -121,7 +121,7 @@ class RunLogs:
                 self._names["out"][int(m.group(1))] = name
             elif m := LOG_RE.match(name):
                 self._names["log"][int(m.group(1))] = name
-        window = ends_only or over_budget([p for _, p in events])
+        window = ends_only or window or over_budget([p for _, p in events])
         for rank, p in events:
             big = rank != 0 or file_size(p) > FULL_READ_BYTES
             self.ranks[rank] = read_events(p, window and big, ends=ends_only and rank != 0)

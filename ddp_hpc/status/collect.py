@@ -202,7 +202,9 @@ def _final(sched: SourceState, srun_codes, now: float) -> dict | None:
 def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
          only: str | None = None, brief: bool = False) -> tuple[JobStatus, dict | None]:
     rec = t.record
-    logs = RunLogs(t.log_dir, ends_only=brief)
+    # a running Slurm job's row needs every rank's recent steps (its stall): not only their ends
+    running = brief and not t.local and sched is not None and sched.state.state is JobState.RUNNING
+    logs = RunLogs(t.log_dir, ends_only=brief and not running, window=running)
     notes: list[str] = []
     if t.local:
         sched, keep = src.local_state(rec, _task_id(t), logs, notes, now)
