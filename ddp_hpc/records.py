@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -30,23 +31,13 @@ from typing import Any, Iterable, Mapping
 
 from ddp_hpc.env import job_facts
 from ddp_hpc.errors import HintError, report
-from ddp_hpc.fsutil import atomic_write_json
+from ddp_hpc.fsutil import atomic_write_json, atomic_write_texts
 from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.text import HelpFormatter, prog
 
-__all__ = [
-    "JobRecord",
-    "JobRecordError",
-    "records_dir",
-    "write_record",
-    "update_record",
-    "load_record",
-    "list_records",
-    "final_of",
-    "store_final",
-    "local_final",
-]
+__all__ = ["JobRecord", "JobRecordError", "records_dir", "write_record", "update_record", "load_record",
+           "list_records", "final_of", "store_final", "store_finals", "local_final"]
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
@@ -102,9 +93,7 @@ class JobRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str | None = None) -> "JobRecord":
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "path"}
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        known, required = _field_names(cls)
         missing = sorted(required - set(data))
         if missing:
             raise JobRecordError(f"job record {path or '<dict>'} lacks the keys {missing}.",
@@ -113,6 +102,14 @@ class JobRecord:
         kwargs["id"] = str(kwargs["id"])
         extra = {k: v for k, v in data.items() if k not in known}
         return cls(**kwargs, extra=extra, path=path)
+
+
+@functools.cache
+def _field_names(cls) -> tuple[frozenset, frozenset]:
+    """(the fields a record file may hold, those it must hold): once, not per record read."""
+    fields, none = dataclasses.fields(cls), dataclasses.MISSING
+    return (frozenset(f.name for f in fields) - {"extra", "path"},
+            frozenset(f.name for f in fields if f.default is none and f.default_factory is none))
 
 
 def records_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -157,9 +154,7 @@ def update_record(rec: JobRecord, environ: Mapping[str, str] | None = None) -> P
     """Rewrite a record in place (e.g. to add the local backend's pids); atomic."""
     if rec.path is None:
         return write_record(rec, environ)
-    path = Path(rec.path)
-    atomic_write_json(path, rec.to_dict())
-    return path
+    return atomic_write_json(Path(rec.path), rec.to_dict())
 
 
 def final_of(rec: JobRecord | None, task_id: str | int | None = None) -> dict | None:
@@ -179,6 +174,28 @@ def store_final(rec: JobRecord, finals: Mapping[str | None, dict],
     job that is not an array) in the record, rewriting its file atomically when they changed
     (``seen_at`` aside). The file is read again first, so fields another process wrote since
     ``rec`` was loaded (the local driver's pids) survive. Returns True when it wrote."""
+    base = _with_finals(rec, finals)
+    if base is None:
+        return False
+    update_record(base, environ)
+    return True
+
+
+def store_finals(batch: Iterable[tuple[JobRecord, Mapping[str | None, dict]]]) -> int:
+    """`store_final` for many records (the table keeps every ended job's), each still atomic but
+    their fsyncs at once (`fsutil.atomic_write_texts`; one by one, 10,000 took minutes). Records
+    without a file are left out. Returns how many it wrote."""
+    writes = []
+    for rec, finals in batch:
+        base = _with_finals(rec, finals) if rec.path else None
+        if base is not None:
+            writes.append((rec.path, json.dumps(base.to_dict(), indent=2, sort_keys=True) + "\n"))
+    atomic_write_texts(writes)
+    return len(writes)
+
+
+def _with_finals(rec: JobRecord, finals: Mapping[str | None, dict]) -> JobRecord | None:
+    """The record as its file holds it now with ``finals`` in it (and in ``rec``); None: no change."""
     fresh = _read(Path(rec.path)) if rec.path else None
     base = fresh or rec
     final = dict(base.final or {}) if base.array else None
@@ -193,10 +210,9 @@ def store_final(rec: JobRecord, finals: Mapping[str | None, dict],
         else:
             final = facts
     if not changed:
-        return False
+        return None
     base.final = rec.final = final
-    update_record(base, environ)
-    return True
+    return base
 
 
 def local_final(state: str, started_at: float | None, ended_at: float, source: str,

@@ -27,6 +27,10 @@ def test_quick_run_prints_every_section(tmp_path, capsys):
     assert "cost per unit (us) by ranks:" in text and "cost per unit (us) by job records:" in text
     assert "growth" in text and "verdict:" in text and "linear or better:" in text
     assert "status of 64 ranks under 5 s:" in text
+    # the cold table (no row kept yet) against the goal, with the Slurm calls of a refresh
+    assert "first status --limit 0 over 64 records, no scheduler within 5 s:" in text
+    assert "first status --limit 0 over 40 array tasks, 1 in 5 running within 5 s:" in text
+    assert "Slurm calls per refresh: sacct 1, scontrol 1, squeue 1" in text
     doc = json.loads(out_json.read_text())
     assert {r["size"] for r in doc["rows"] if r["section"] == "status detail"} == set(scale.QUICK_SIZES)
     assert set(doc["summary"]["sections"]) == set(scale.SECTIONS)

@@ -14,6 +14,8 @@ decided by evidence in ``ddp_hpc.runlogs.attribution``; this module reads the fi
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,28 +95,58 @@ def run_ending(log_dir: str | Path) -> RunEnding:
 class RunLogs:
     """All the rank files of one log directory, read once; methods derive the facts. A missing
     directory (or None: a job whose log directory is not known) reads as one without files.
-    ``ends_only``: read the other ranks' event files only at their ends (as beyond the read budget)
-    whatever their size, rank 0's whole: enough for the state and progress a job table shows."""
+    ``ends_only``: of the other ranks' event files only how their current run ended (their last
+    events back to the newest step: `tails.END_LINES`), rank 0's whole: enough for the state and
+    progress a job table shows; `widen` reads them as a detail view does beyond the read budget,
+    and so does ``window`` from the start (a running job's row: its stall)."""
 
-    def __init__(self, log_dir: str | Path | None, ends_only: bool = False):
+    def __init__(self, log_dir: str | Path | None, ends_only: bool = False, window: bool = False):
         self.log_dir = Path(log_dir) if log_dir else None
+        self.ends_only = ends_only
         self.ranks: dict[int, RankStream] = {}
-        self.outs: dict[int, Path] = {}
-        self.texts: dict[int, Path] = {}
+        self._names: dict[str, dict[int, str]] = {"out": {}, "log": {}}  # rank -> file name
         self._outs_read: dict[int, tuple[list[str] | None, list[str]]] = {}
         self._memo: dict[str, tuple] = {}
-        if self.log_dir is None or not self.log_dir.is_dir():
+        self.listed = False  # the directory was there to list
+        try:  # names, not Paths: a Path per file was a tenth of the job table's first view
+            names = sorted(os.listdir(self.log_dir)) if self.log_dir is not None else []
+        except OSError:  # no such directory (yet), or not one
             return
-        paths = sorted(self.log_dir.iterdir(), key=lambda p: p.name)  # one directory: as Path order
-        events = [(int(m.group(1)), p) for p in paths if (m := EVENTS_RE.match(p.name))]
-        window = ends_only or over_budget([p for _, p in events])
+        self.listed = self.log_dir is not None
+        events = []
+        for name in names:
+            if m := EVENTS_RE.match(name):
+                events.append((int(m.group(1)), self.log_dir / name))
+            elif m := OUT_RE.match(name):
+                self._names["out"][int(m.group(1))] = name
+            elif m := LOG_RE.match(name):
+                self._names["log"][int(m.group(1))] = name
+        window = ends_only or window or over_budget([p for _, p in events])
         for rank, p in events:
-            self.ranks[rank] = read_events(p, window and (rank != 0 or file_size(p) > FULL_READ_BYTES))
-        for p in paths:
-            if m := OUT_RE.match(p.name):
-                self.outs[int(m.group(1))] = p
-            elif m := LOG_RE.match(p.name):
-                self.texts[int(m.group(1))] = p
+            big = rank != 0 or file_size(p) > FULL_READ_BYTES
+            self.ranks[rank] = read_events(p, window and big, ends=ends_only and rank != 0)
+
+    @functools.cached_property
+    def outs(self) -> dict[int, Path]:
+        """rank -> its ``rank{R}.out``."""
+        return {r: self.log_dir / name for r, name in self._names["out"].items()}
+
+    @functools.cached_property
+    def texts(self) -> dict[int, Path]:
+        """rank -> its ``rank{R}.log``."""
+        return {r: self.log_dir / name for r, name in self._names["log"].items()}
+
+    def widen(self) -> None:
+        """Read the event files that ``ends_only`` read at their ends as the read budget allows
+        (the other ranks' first KiB and last lines): a running job's stall is judged from the
+        intervals between every rank's recent step events."""
+        if not self.ends_only:
+            return
+        self.ends_only = False
+        for rank, stream in self.ranks.items():
+            if rank != 0:
+                self.ranks[rank] = read_events(stream.path, True)
+        self._memo.clear()  # keyed by the streams' ids: a new list may take a freed one's
 
     @property
     def partial(self) -> list[int]:
@@ -123,7 +155,7 @@ class RunLogs:
 
     @property
     def exists(self) -> bool:
-        return bool(self.ranks or self.outs or self.texts)
+        return bool(self.ranks or self._names["out"] or self._names["log"])
 
     def all_events(self) -> list[dict]:
         evs = [e for s in self.ranks.values() for e in s.events]
@@ -132,10 +164,13 @@ class RunLogs:
     def _cached(self, name: str, compute):
         """``compute()``, kept while no stream changed (status asks the same of thousands of
         ranks' events several times)."""
-        key = tuple((id(s.events), len(s.events)) for s in self.ranks.values())
+        key = self._key()
         if self._memo.get(name, (None,))[0] != key:
             self._memo[name] = (key, compute())
         return self._memo[name][1]
+
+    def _key(self) -> tuple:
+        return tuple((id(s.events), len(s.events)) for s in self.ranks.values())
 
     def restarts(self) -> list[int]:
         """Every restart number seen in any event, ascending."""
@@ -159,20 +194,29 @@ class RunLogs:
     def device(self) -> str | None:
         """The device type the newest run trained on ("cpu", "cuda", ...) as its ``start`` events
         tell it (rank 0's first); None when no start event names one."""
-        restart = self.current_restart()  # once: inside the comprehension it was once per rank
-        starts = [e for s in sorted(self.ranks.values(), key=lambda s: s.rank)
-                  for e in s.of_restart(restart)
-                  if e.get("event") == "start" and e.get("device")]
-        return str(starts[0]["device"]).split(":", 1)[0] if starts else None
+        restart = self.current_restart()  # once: inside the loop it was once per rank
+        for s in sorted(self.ranks.values(), key=lambda s: s.rank):
+            for e in s._runs().get(restart, ()):
+                if e.get("event") == "start" and e.get("device"):
+                    return str(e["device"]).split(":", 1)[0]
+        return None
 
     def runs(self) -> list[RunSummary]:
         """One summary per restart number: what each run of a requeued job did (computed once
         while the streams do not change; each call returns copies)."""
-        return [dataclasses.replace(r) for r in self._cached("runs", self._runs)]
+        return [dataclasses.replace(r) for r in self._cached("runs", lambda: self._summaries(self.restarts()))]
 
-    def _runs(self) -> list[RunSummary]:
+    def current_run(self) -> RunSummary | None:
+        """The newest run's summary, ``runs()[-1]`` without summing up the earlier runs (a copy);
+        None without events."""
+        if (runs := self._memo.get("runs")) and runs[0] == self._key():
+            return dataclasses.replace(runs[1][-1]) if runs[1] else None
+        cur = self._cached("current_run", lambda: self._summaries(self.restarts()[-1:]))
+        return dataclasses.replace(cur[0]) if cur else None
+
+    def _summaries(self, restarts: list[int]) -> list[RunSummary]:
         return [_summary(restart, (e for s in self.ranks.values() for e in s._runs().get(restart, ())))
-                for restart in self.restarts()]
+                for restart in restarts]
 
     def outcome(self) -> str | None:
         """The current run's ending as the events tell it: completed/failed/preempted, else None.
@@ -180,10 +224,7 @@ class RunLogs:
         "completed" only when every rank that started wrote ``end`` completed; any ``error`` or a
         failed ``end`` makes it "failed".
         """
-        if not self.ranks:
-            return None
-        runs = self.runs()
-        cur = runs[-1] if runs else None
+        cur = self.current_run()
         if cur is None:
             return None
         if cur.errors or cur.end_status == "failed":

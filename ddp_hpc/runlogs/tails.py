@@ -33,6 +33,14 @@ HEAD_BYTES = 1 << 10
 TAIL_LINES = 24
 TAIL_BYTES = 8 << 10
 TAIL_MAX_BYTES = 1 << 20
+#: the job table (``RunLogs(ends_only=True)``) reads of every rank but rank 0 only how its current
+#: run ended: its last events back to its newest ``step``/``epoch``/``start`` (what follows a rank's
+#: last training progress is its ending: stack, error, checkpoint, preempt, end), at most END_LINES
+#: of them, from its last END_BYTES (more when they hold fewer lines)
+END_LINES = 8
+END_BYTES = 4 << 10
+#: the events that show a rank still in its training loop: its ending comes after the newest one
+PROGRESS_EVENTS = ("step", "epoch", "start")
 _RAW_DECODE = json.JSONDecoder().raw_decode
 
 
@@ -91,12 +99,15 @@ class RunFiles(Protocol):
     def node_failures(self) -> tuple[bool, list[str]]: ...
 
 
-def read_events(path: Path, window: bool = False) -> RankStream:
+def read_events(path: Path, window: bool = False, ends: bool = False) -> RankStream:
     """Parse one ``rank{R}.events.jsonl``; malformed lines are skipped and counted. ``window``:
     only its first `HEAD_BYTES` and its last `TAIL_LINES` lines (`skipped` says how many bytes
-    between them were not read)."""
+    between them were not read). ``ends``: only its ending (`END_LINES`: the events after its
+    newest step, epoch or start event, and that one), decoded from the last line backwards."""
     m = EVENTS_RE.match(path.name)
     stream = RankStream(rank=int(m.group(1)) if m else -1, path=path)
+    if ends:
+        return _read_ending(stream)
     if window:
         head, tail, stream.skipped = read_window(path, HEAD_BYTES, TAIL_LINES, TAIL_BYTES, TAIL_MAX_BYTES)
         text = head + "\n".join(tail.splitlines()[-TAIL_LINES:])
@@ -114,25 +125,69 @@ def read_events(path: Path, window: bool = False) -> RankStream:
     return stream
 
 
+def _read_ending(stream: RankStream) -> RankStream:
+    """``read_events(ends=True)``: the file's last lines decoded backwards until one is a
+    progress event (`PROGRESS_EVENTS`) or `END_LINES` were taken; `skipped` counts the bytes
+    before them. One ``pread`` of the file's end (the job table reads thousands of these)."""
+    try:
+        text, start, size = _file_end(stream.path, END_BYTES, END_LINES)
+    except OSError:
+        return stream
+    if start > 0:  # the first line is cut: start after it
+        text = text[text.find("\n") + 1:]
+    lines = [line for line in text.rsplit("\n", END_LINES + 1)[-END_LINES - 1:] if line.strip()]
+    taken = 0
+    for ev in _decoded(lines[:-END_LINES - 1:-1]):
+        taken += 1
+        if isinstance(ev, dict) and "event" in ev:
+            stream.events.append(ev)
+            if ev.get("event") in PROGRESS_EVENTS:
+                break
+        else:
+            stream.bad_lines += 1
+    stream.events.reverse()
+    stream.skipped = max(0, size - sum(len(line) + 1 for line in lines[len(lines) - taken:]))
+    return stream
+
+
+def _file_end(path: Path, nbytes: int, min_lines: int) -> tuple[str, int, int]:
+    """(the text of the file's last ``nbytes`` or more, where it starts, the file's size): read
+    back further, up to TAIL_MAX_BYTES, while it holds ``min_lines`` lines or fewer."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        while True:
+            start = max(0, size - nbytes)
+            data = os.pread(fd, size - start, start)
+            if start == 0 or data.count(b"\n") > min_lines or nbytes >= TAIL_MAX_BYTES:
+                return data.decode("utf-8", errors="replace"), start, size
+            nbytes *= 2
+    finally:
+        os.close(fd)
+
+
 def _parse_lines(lines: list[str]) -> list:
     """Each line's JSON value as ``json.loads`` gives it, None for one that is not JSON. A line
     that is one value from its first character to its last (the writer's lines) is decoded by
     ``raw_decode`` without ``json.loads``'s wrappers, a quarter faster (the job table's first view
     parses hundreds of thousands of lines); any other is left to ``json.loads``."""
-    out = []
+    return list(_decoded(lines))
+
+
+def _decoded(lines: list[str]):
+    """`_parse_lines` one line at a time, as they are asked for."""
     for line in lines:
         try:
             value, end = _RAW_DECODE(line)
             if end == len(line):
-                out.append(value)
+                yield value
                 continue
         except ValueError:
             pass
         try:
-            out.append(json.loads(line))
+            yield json.loads(line)
         except ValueError:
-            out.append(None)
-    return out
+            yield None
 
 
 def _restart_of(e: dict) -> int:

@@ -11,7 +11,6 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ddp_hpc import records
 from ddp_hpc.runlogs import timing
@@ -79,10 +78,11 @@ class JobStatus:
         """The fields as plain data for JSON: the nested dataclasses (progress, failure) become
         dicts, the rest is shared with this status rather than deep-copied (copying 8,192 ranks'
         events and classifications was most of ``status --json``'s time)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in ("progress", "failure"):
-            if d[name] is not None:
-                d[name] = dataclasses.asdict(d[name])
+        d = dict(vars(self))
+        if self.progress is not None:  # numbers only: a shallow copy is a copy
+            d["progress"] = dict(vars(self.progress))
+        if self.failure is not None:
+            d["failure"] = dataclasses.asdict(self.failure)
         d["last_events"] = {str(k): v for k, v in self.last_events.items()}
         d["rank_exit_codes"] = {str(k): v for k, v in self.rank_exit_codes.items()}
         return d
@@ -102,7 +102,7 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
     """Status of every target; Slurm ones are queried in one batch per source (one squeue and
     one sacct call however many jobs and array tasks). ``only`` names the one source to ask
     (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal state the scheduler
-    reports is kept in the job's record (`records.store_final`). ``brief``: only what the job
+    reports is kept in the job's record (`records.store_finals`, all at once). ``brief``: only what the job
     table shows (no failure attribution, per-rank endings or step times), and an ended job's
     row is taken from the table's cache (`ddp_hpc.status.rowcache`) while its record, its logs
     and the scheduler's answer are unchanged."""
@@ -124,38 +124,45 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
                                       controller_down=down, only=only)
         tried += more
     out, finals = [], {}
-    cache = rowcache.load() if brief else None
-    for t in targets:
-        sched = found.get(t.id)
-        key = cache.key(t, sched, only) if cache is not None else None
-        kept = cache.get(key) if key is not None else None
-        st, final = (JobStatus.from_dict(kept), None) if kept is not None else (None, None)
-        if st is None:
-            with _no_cycle_collection():
-                st, final = _one(t, sched, tried, now, only, brief)
-            if key is not None:
-                cache.put(key, st.to_dict())
-        if t.id in foreign:
-            st.notes.append(f"submitted on cluster {t.record.cluster!r}, not this one ({cluster!r}): "
-                            "the scheduler was not asked (job ids repeat across clusters)")
-        if final is not None and getattr(t.record, "path", None):
-            finals.setdefault(id(t.record), (t.record, {}))[1][_task_id(t)] = final
-        out.append(st)
-    for rec, per_task in finals.values():
+    with _no_cycle_collection():
+        cache = rowcache.load() if brief else None
+        for t in targets:
+            st, final = _cached_or_one(t, found.get(t.id), tried, now, only, cache)
+            if t.id in foreign:
+                st.notes.append(f"submitted on cluster {t.record.cluster!r}, not this one ({cluster!r}): "
+                                "the scheduler was not asked (job ids repeat across clusters)")
+            if final is not None and getattr(t.record, "path", None):
+                finals.setdefault(id(t.record), (t.record, {}))[1][_task_id(t)] = final
+            out.append(st)
         try:
-            records.store_final(rec, per_task)
+            records.store_finals(finals.values())
         except OSError:  # a read-only job store: status still answers
             pass
-    if cache is not None:
-        cache.save()
+        if cache is not None:
+            cache.save()
     return out
+
+
+def _cached_or_one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
+                   only: str | None, cache: rowcache.RowCache | None) -> tuple[JobStatus, dict | None]:
+    """(the job's status, the final state to keep in its record): the table's kept row while
+    what it was made from is unchanged, else worked out (and kept when the job ended)."""
+    key = cache.key(t, sched, only) if cache is not None else None
+    kept = cache.get(key) if key is not None else None
+    if kept is not None:
+        return JobStatus.from_dict(kept), None
+    st, final = _one(t, sched, tried, now, only, brief=cache is not None)
+    if key is not None:
+        cache.put(key, st.to_dict())
+    return st, final
 
 
 @contextlib.contextmanager
 def _no_cycle_collection():
-    """Python's cycle collector paused while one job's logs are read and judged: the hundreds of
+    """Python's cycle collector paused while jobs' logs are read and judged: the hundreds of
     thousands of event dicts of a big job (freed by reference counting, no cycles) made it scan
-    the heap again and again, a third of the time of an 8,192-rank job's status."""
+    the heap again and again, a third of the time of an 8,192-rank job's status; and over
+    thousands of jobs the statuses and kept rows that pile up made every collection longer."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -195,21 +202,25 @@ def _final(sched: SourceState, srun_codes, now: float) -> dict | None:
 def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
          only: str | None = None, brief: bool = False) -> tuple[JobStatus, dict | None]:
     rec = t.record
-    logs = RunLogs(t.log_dir, ends_only=brief)
+    # a running Slurm job's row needs every rank's recent steps (its stall): not only their ends
+    running = brief and not t.local and sched is not None and sched.state.state is JobState.RUNNING
+    logs = RunLogs(t.log_dir, ends_only=brief and not running, window=running)
     notes: list[str] = []
     if t.local:
         sched, keep = src.local_state(rec, _task_id(t), logs, notes, now)
     else:
         sched, keep = _state_of(t, sched, tried, logs, only), None
     state = sched.state
+    if state.state is JobState.RUNNING:  # its stall is judged from every rank's recent steps
+        logs.widen()
     base = restart_base(rec)
     failure, endings = (None, {}) if brief else diagnose(logs, sched, notes, base)
-    runs = logs.runs()
-    restarts = max([base + (sched.restarts or 0)] + [r.restart for r in runs])
+    cur = logs.current_run()  # the newest run: the earlier ones are the detail view's (run_causes)
+    restarts = max(base + (sched.restarts or 0), cur.restart if cur is not None else 0)
     progress = logs.progress(now)
     if progress is not None and not state.state.active:
         progress.eta_s = 0.0 if state.state is JobState.COMPLETED else None
-    elapsed = sched.elapsed or _elapsed_from_runs(runs, state.state.active, now)
+    elapsed = sched.elapsed or _elapsed_of(cur, state.state.active, now)
     _read_notes(t, logs, notes, sched)
     # srun's "task R: Exited" lines stay in the appended batch output after a requeue: only
     # worth showing when the job did not complete
@@ -229,7 +240,7 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         node_list=sched.node_list, progress=progress, last_events={} if brief else logs.last_events(),
         failure=failure, exit_code=sched.exit_code, steps=sched.steps, rank_exit_codes=codes,
         scheduler_history=sched.history, history_source=sched.history_source,
-        runs=[] if brief else run_causes(logs, runs, sched, base), notes=notes,
+        runs=[] if brief else run_causes(logs, logs.runs(), sched, base), notes=notes,
         command=getattr(rec, "command", None), rank_endings={} if brief else rank_endings(logs),
         rank_classification={str(r): e.to_dict() for r, e in endings.items()},
         eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
@@ -240,14 +251,14 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
 
 def _read_notes(t: StatusTarget, logs: RunLogs, notes: list[str], sched: SourceState) -> None:
     """What kept status from reading the logs whole, or at all."""
-    if partial := logs.partial:
+    if (partial := logs.partial) and not logs.ends_only:  # the table reads the others' ends only
         notes.append(f"the event files of {plural(len(partial), 'rank')} ({compress_ranks(partial)}) are too big "
                      f"to read whole: status read their first {HEAD_BYTES >> 10} KiB and last {TAIL_LINES} lines "
                      "(step times and earlier runs are judged from those)")
     bad = sum(s.bad_lines for s in logs.ranks.values())
     if bad:
         notes.append(f"{plural(bad, 'unreadable line')} in the event streams skipped")
-    if t.log_dir and not Path(t.log_dir).is_dir():
+    if t.log_dir and not logs.listed:
         notes.append(f"log directory {t.log_dir} " + (
             "does not exist (yet)" if not sched.state.state.terminal else "is gone; final state from the record"
             if sched.source == src.RECORD else "is gone"))
@@ -256,6 +267,8 @@ def _read_notes(t: StatusTarget, logs: RunLogs, notes: list[str], sched: SourceS
 def _timing(st: JobStatus, logs: RunLogs, now: float, brief: bool = False) -> None:
     """Stall (a running job) and straggler facts (not ``brief``) from the current run's step
     events."""
+    if brief and st.job_state is not JobState.RUNNING:  # nothing to judge for the table
+        return
     restart = logs.current_restart()
     per_rank = {r: s.of_restart(restart) for r, s in logs.ranks.items()}
     if not brief:
@@ -289,8 +302,9 @@ def rank_endings(logs: RunLogs) -> dict[int, str]:
     return out
 
 
-def _elapsed_from_runs(runs, active: bool, now: float) -> str | None:
-    if not runs or runs[-1].started is None:
+def _elapsed_of(run, active: bool, now: float) -> str | None:
+    """How long the newest run (``run``, a RunSummary) has run or ran."""
+    if run is None or run.started is None:
         return None
-    end = now if active else (runs[-1].last_time or now)
-    return format_duration(end - runs[-1].started)
+    end = now if active else (run.last_time or now)
+    return format_duration(end - run.started)

@@ -3,14 +3,15 @@ nothing it came from changed.
 
 A table over thousands of jobs would otherwise read every job's run logs on every refresh,
 although almost all of those jobs ended long ago. Each row of a job in a terminal state is kept
-in ``$DDP_HPC_HOME/cache/status-table.json`` (beside the job records) together with what it was
-made from: the job record's facts about it (its fields, its array task, its final state), the
-log directory's files that the table reads (names; size and modification time of all but the
-ranks' ``rank*.log`` / ``rank*.out`` text), and the scheduler's answer. A later table takes the
-kept row only when all of these are the same; a running or pending job is always read afresh
-(its row changes with the clock). The rows hold what the table shows (``collect(brief=True)``),
-not a detail view's facts. The cache is only ever a shortcut: a missing, unreadable or foreign
-file is ignored and rewritten.
+in ``$DDP_HPC_HOME/cache/status-table.json`` (beside the job records; one row per line, so a new
+row does not encode the others again) together with what it was made from: the job record's
+facts about it (its fields, its array task, its final state), the log directory's files that
+the table reads (names; size and modification time of all but the ranks' ``rank*.log`` /
+``rank*.out`` text), and the scheduler's answer. A later table takes the kept row only when all
+of these are the same; a running or pending job is always read afresh (its row changes with the
+clock). The rows hold what the table shows (``collect(brief=True)``), not a detail view's facts.
+The cache is only ever a shortcut: a missing, unreadable or foreign file is ignored and
+rewritten.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from ddp_hpc.slurm.states import JobState
 
 CACHE_FILE = "status-table.json"
 #: bumped whenever what a row holds or how it is worked out changes: older rows are then ignored
-VERSION = 1
+VERSION = 2
+_KEY_JSON = dict(default=str, separators=(",", ":"), sort_keys=True)
+_HEAD = f'{{"version":{VERSION},"rows":{{'  # the file's first line
 
 
 def cache_path() -> Path:
@@ -34,27 +37,40 @@ def cache_path() -> Path:
 
 
 def load(path: Path | None = None) -> "RowCache":
+    """The kept rows. The file is one JSON document, ``{"version": N, "rows": {id: {"made_from",
+    "status"}}}``, written one row per line (`save`) and read line by line: a damaged line costs
+    its row only, and an unchanged row is written back as it was read, not encoded again. A file
+    of another version (or not ours) is ignored."""
     path = cache_path() if path is None else path
+    rows: dict[str, list] = {}
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        rows = doc["rows"] if doc.get("version") == VERSION and isinstance(doc.get("rows"), dict) else {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        rows = {}
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):
+        lines = []
+    for line in lines[1:] if lines and lines[0] == _HEAD else ():
+        try:
+            (job_id, row), = json.loads("{" + line.rstrip(",") + "}").items()
+            if isinstance(row.get("made_from"), str) and isinstance(row.get("status"), dict):
+                rows[job_id] = [row["made_from"], row["status"], line.rstrip(",")]
+        except (ValueError, AttributeError):  # the closing line, or a damaged one
+            continue
     return RowCache(path, rows)
 
 
 class RowCache:
-    """Rows by job id: ``{id: {"made_from": [...], "status": JobStatus.to_dict()}}``."""
+    """Rows by job id: ``{id: [made_from, status (JobStatus.to_dict()), its text in the file]}``;
+    ``made_from`` is the JSON text of what the row was made from, compared as text."""
 
     def __init__(self, path: Path, rows: dict):
         self.path, self.rows, self.changed = path, rows, False
         self._tasks: dict[int, dict] = {}  # id(record) -> {task id: its array entry}
 
-    def key(self, t, sched: SourceState | None, only: str | None) -> tuple[str, list]:
+    def key(self, t, sched: SourceState | None, only: str | None) -> tuple[str, str]:
         """(the job's id, what its row is made from) for target ``t`` and the scheduler's answer."""
         # not what the sources that did not answer said (``tried``): the table does not show it,
         # and one job leaving squeue changes it for all
-        return t.id, [self._record_part(t, sched), t.log_dir, _dir_stamp(t.log_dir), _answer(sched), only]
+        made_from = [self._record_part(t, sched), t.log_dir, _dir_stamp(t.log_dir), _answer(sched), only]
+        return t.id, json.dumps(made_from, **_KEY_JSON)
 
     def _record_part(self, t, sched: SourceState | None) -> list | None:
         """The record's facts about this job or array task: its fields but the other tasks'
@@ -69,35 +85,40 @@ class RowCache:
             self._tasks[id(rec)] = {str(e.get("task_id")): e for e in rec.array}
         entry = self._tasks[id(rec)].get(task) if task is not None else None
         final = records.final_of(rec, task) if sched is None or sched.state.state is JobState.UNKNOWN else None
-        return json.loads(json.dumps([fields, entry, final], default=str))
+        return [fields, entry, final]
 
-    def get(self, key: tuple[str, list]) -> dict | None:
+    def get(self, key: tuple[str, str]) -> dict | None:
         """The kept row made from exactly ``key``'s inputs, else None."""
-        entry = self.rows.get(key[0])
-        if isinstance(entry, dict) and entry.get("made_from") == key[1] and isinstance(entry.get("status"), dict):
-            return entry["status"]
-        return None
+        row = self.rows.get(key[0])
+        if row is None or row[0] != key[1]:
+            return None
+        if row[1] is None:  # added by `put` in this process: read back as it will be next time
+            row[1] = json.loads("{" + row[2] + "}")[key[0]]["status"]
+        return row[1]
 
-    def put(self, key: tuple[str, list], status: dict) -> None:
-        """Keep the row of a job that ended (others change with the clock: not kept)."""
+    def put(self, key: tuple[str, str], status: dict) -> None:
+        """Keep the row of a job that ended (others change with the clock: not kept), as the
+        line the file will hold (a copy: later notes on the live status stay out of it)."""
         if not JobState[status["state_name"]].terminal:
             return
-        try:  # a copy, as it will read back: later notes on the live status stay out of it
-            self.rows[key[0]] = {"made_from": key[1], "status": json.loads(json.dumps(status, default=str))}
+        try:
+            line = json.dumps(key[0]) + ":" + json.dumps({"made_from": key[1], "status": status}, default=str,
+                                                        separators=(",", ":"))
         except (TypeError, ValueError):
             return
+        self.rows[key[0]] = [key[1], None, line]
         self.changed = True
 
     def save(self) -> None:
-        """Write the rows when one was added or changed. A cache that cannot be written is left
-        alone: status still answers."""
+        """Write the rows when one was added or changed (the kept ones as they were read). A
+        cache that cannot be written is left alone: status still answers."""
         if not self.changed:
             return
         try:
-            text = json.dumps({"version": VERSION, "rows": self.rows}, default=str, separators=(",", ":"))
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, text + "\n")
-        except (OSError, TypeError, ValueError):
+            rows = ",\n".join(row[2] for row in self.rows.values())
+            atomic_write_text(self.path, f"{_HEAD}\n{rows}\n}}}}\n")
+        except OSError:
             pass
 
 

@@ -30,11 +30,11 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
     local job's driver wrote what happened before the ranks could write events."""
     outcome = logs.outcome()
     reason = None
-    runs = logs.runs()
-    stopped = runs[-1].end_status if runs and outcome is None else None
+    cur = logs.current_run()
+    stopped = cur.end_status if cur is not None and outcome is None else None
     if now_alive:
         return SourceState(StateInfo(JobState.RUNNING, "processes alive"), source, list(tried))
-    if logs.log_dir is not None and not logs.log_dir.is_dir():
+    if logs.log_dir is not None and not logs.listed:
         st = StateInfo(JobState.UNKNOWN, "log directory gone")
         reason = f"log directory {logs.log_dir} is gone and no final state was kept"
     elif stopped == "interrupted":  # Ctrl-C: every rank stopped cleanly
@@ -48,7 +48,7 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
     elif outcome == "failed":
         st = StateInfo(JobState.FAILED, "end: failed")
     elif outcome == "preempted":
-        requeued = bool(runs and runs[-1].requeued)
+        requeued = bool(cur and cur.requeued)
         st = StateInfo(JobState.REQUEUED if requeued else JobState.PREEMPTED,
                        "end: preempted", "(requeue requested)" if requeued else "")
     elif now_alive is False and not logs.ranks:  # died before any rank wrote an event
@@ -109,10 +109,10 @@ def local_state(rec, task_id: str | None, logs: RunLogs, notes: list[str],
     st = from_logs(logs, [], PROCESSES if alive is not None else LOGS, alive, driver_out=driver)
     if alive and task_id is not None and not logs.exists:
         st.state = StateInfo(JobState.PENDING, "waiting for the earlier tasks")
-    runs = logs.runs()
-    first = runs[-1].started if runs else None
+    cur = logs.current_run()
+    first = cur.started if cur is not None else None
     started = first if task_id is not None else (getattr(rec, "submitted_at", None) or first)
-    ended = now if st.state.state.active else (runs[-1].last_time if runs else None)
+    ended = now if st.state.state.active else (cur.last_time if cur is not None else None)
     st.elapsed = format_duration(ended - started) if started and ended else None
     if alive is False and st.state.state.terminal:
         return st, records.local_final(st.state.label, started, ended or now, STATUS, reason=st.reason)

@@ -1,0 +1,161 @@
+"""What the job table reads of many jobs and how it keeps what it saw (the cold view of
+``status --limit 0``): the other ranks' event files only at their endings (a running job's
+widened for its stall), the newest run summed up alone, the row cache one row per line, and the
+final states of every ended job written in one batch.
+
+Logs are written as the ranks write them; the scheduler answers like Slurm's squeue/sacct
+(tests/test_status_timing.py's stand-in), ``now`` is injected.
+"""
+import json
+import os
+import time
+
+import pytest
+
+from ddp_hpc import fsutil, records
+from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.status import rowcache
+from ddp_hpc.status.collect import collect
+from ddp_hpc.status.targets import StatusTarget, recent_targets
+
+T0 = 1_800_000_000.0
+
+
+def ev(rank, name, t, restart=0, **extra):
+    return {"time": T0 + t, "event": name, "rank": rank, "job_id": "88", "restart": restart, "host": "n1",
+            **extra}
+
+
+def write(d, rank, events):
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"rank{rank}.events.jsonl", "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+
+
+def failed_run(d, ranks=3, n_steps=60):
+    """Two runs; in the second every rank stepped ``n_steps`` times, then rank 2 raised and the
+    others lost it."""
+    for r in range(ranks):
+        run0 = [ev(r, "start", 0, world_size=ranks, total_steps=1000, device="cpu")]
+        run0 += [ev(r, "step", s, step=s, loss=1.0, total_steps=1000) for s in range(1, 6)]
+        run0 += [ev(r, "end", 7, status="preempted", step=5)]
+        run1 = [ev(r, "start", 100, 1, world_size=ranks, total_steps=1000, device="cpu")]
+        run1 += [ev(r, "step", 100 + s, 1, step=5 + s, loss=0.5, total_steps=1000) for s in range(1, n_steps + 1)]
+        msg = "ValueError: bad batch" if r == 2 else "Connection closed by peer"
+        run1 += [ev(r, "error", 200 + r, 1, exc_type="RuntimeError", message=msg),
+                 ev(r, "end", 201 + r, 1, status="failed", exit_code=1)]
+        write(d, r, run0 + run1)
+
+
+def test_the_table_reads_the_other_ranks_endings_and_judges_the_same(tmp_path):
+    failed_run(tmp_path)
+    full, ends = RunLogs(tmp_path), RunLogs(tmp_path, ends_only=True)
+    # rank 0 whole; the others from their newest step on (not the first KiB and last 24 lines)
+    assert len(ends.ranks[0].events) == len(full.ranks[0].events)
+    assert [e["event"] for e in ends.ranks[1].events] == ["step", "error", "end"]
+    assert ends.ranks[1].events[0]["step"] == 65 and ends.ranks[2].skipped > 0
+    assert ends.outcome() == full.outcome() == "failed"
+    assert ends.last_events() == full.last_events()
+    assert ends.current_restart() == full.current_restart() == 1
+    assert ends.progress() == full.progress() and ends.device() == full.device() == "cpu"
+    assert ends.current_run() == full.runs()[-1] == full.current_run()
+    assert [r.restart for r in full.runs()] == [0, 1]
+    ends.widen()   # a running job: read as the read budget allows, as before
+    assert len(ends.ranks[1].events) > 20 and not ends.ends_only
+
+
+def test_a_ranks_ending_is_read_back_to_its_newest_step_at_most_END_LINES(tmp_path):
+    from ddp_hpc.runlogs import tails
+    events = [ev(1, "step", s, step=s) for s in range(1, 4)]
+    events += [ev(1, "stack", 10 + i, stack="x" * 3000) for i in range(tails.END_LINES + 3)]
+    write(tmp_path, 1, events)
+    with open(tmp_path / "rank1.events.jsonl", "a") as f:
+        f.write('{"time": 1, "event": "en')   # the writer mid-line
+    got = tails.read_events(tmp_path / "rank1.events.jsonl", ends=True)
+    assert [e["event"] for e in got.events] == ["stack"] * (tails.END_LINES - 1) and got.bad_lines == 1
+
+
+class Squeue:
+    """squeue lists job 88 RUNNING (rows as SlurmCLI returns them)."""
+
+    def cluster_name(self):
+        return "test"
+
+    def squeue(self, job_ids=None, **kw):
+        return [{"JobID": "88", "JobArrayID": "88", "State": "RUNNING", "Reason": "None", "TimeUsed": "5:00",
+                 "TimeLimit": "1:00:00", "NumNodes": "1", "RestartCnt": "0", "NodeList": "n1", "Name": "demo"}]
+
+    def sacct(self, job_ids, **kw):
+        return []
+
+
+def test_a_running_jobs_row_judges_a_slow_rank_by_its_own_steps(tmp_path):
+    """Rank 1 steps every 30 s and was last heard 100 s ago: within 10 x its own interval, so not
+    stalled; from its ending alone (one step, no interval) the others' 1 s would call it so."""
+    write(tmp_path, 0, [ev(0, "start", 0, world_size=2)] + [ev(0, "step", s, step=s) for s in range(1, 400)])
+    write(tmp_path, 1, [ev(1, "start", 0, world_size=2)] + [ev(1, "step", s, step=s // 30)
+                                                             for s in range(30, 330, 30)])
+    target = StatusTarget("88", None, str(tmp_path))
+    table = collect([target], Squeue(), now=T0 + 400, brief=True)[0]
+    detail = collect([target], Squeue(), now=T0 + 400)[0]
+    assert table.state == detail.state == "RUNNING"
+    assert table.stall is None and detail.stall is None
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def record(job_id, log_dir, final=None):
+    rec = records.JobRecord(id=job_id, cluster="c1", name="train", backend="sbatch", nodes=1, gpus_per_node=1,
+                            time_limit="01:00:00", log_dir=str(log_dir), config=None, overrides=[],
+                            submitted_at=time.time(), cwd="/", command=["python", "t.py"], final=final)
+    records.write_record(rec)
+    return rec
+
+
+def test_the_row_cache_is_one_json_document_one_row_per_line(home, tmp_path):
+    for i in range(3):
+        failed_run(tmp_path / f"j{i}", ranks=2, n_steps=3)
+        record(str(700 + i), tmp_path / f"j{i}")
+    first = [s.to_dict() for s in collect(recent_targets(0), brief=True)]
+    path = rowcache.cache_path()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 + 2 and set(json.loads(path.read_text())["rows"]) == {"700", "701", "702"}
+    # a damaged row costs that row only; the others are taken as kept and written back as read
+    kept = {ln.rstrip(",") for ln in lines if '"701"' not in ln}
+    path.write_text("\n".join(ln if '"701"' not in ln else ln[:40] for ln in lines) + "\n")
+    assert set(rowcache.load().rows) == {"700", "702"}
+    again = [s.to_dict() for s in collect(recent_targets(0), brief=True)]
+    assert again == first
+    assert kept <= {ln.rstrip(",") for ln in path.read_text().splitlines()}
+    assert len(json.loads(path.read_text())["rows"]) == 3
+
+
+def test_the_final_states_of_many_jobs_are_written_in_one_batch(home, tmp_path, monkeypatch):
+    recs = [record(str(900 + i), tmp_path / f"d{i}") for i in range(20)]
+    same = {"state": "COMPLETED", "state_name": "COMPLETED", "seen_at": 1.0}
+    kept = record("999", tmp_path / "d", final=same)
+    before = os.stat(kept.path).st_ino
+    other = json.loads(open(recs[3].path).read())   # another process adds pids since they were read
+    open(recs[3].path, "w").write(json.dumps(dict(other, pids=[4242])))
+    synced = []
+    real = fsutil._fsync_file
+    monkeypatch.setattr(fsutil, "_fsync_file", lambda p: synced.append(p) or real(p))
+    batch = [(r, {None: {"state": "FAILED", "state_name": "FAILED", "seen_at": 2.0}}) for r in recs]
+    assert records.store_finals(batch + [(kept, {None: dict(same, seen_at=5.0)})]) == 20
+    assert len(synced) == 20                       # the unchanged record is not rewritten
+    assert os.stat(kept.path).st_ino == before
+    assert all(records.load_record(r.id).final["state"] == "FAILED" for r in recs)
+    assert records.load_record(recs[3].id).pids == [4242]
+    assert not [p for p in os.listdir(records.records_dir()) if p.endswith(".tmp")]
+
+
+def test_a_batch_that_cannot_be_written_leaves_every_file_as_it_was(tmp_path):
+    a = tmp_path / "a.json"
+    a.write_text("old\n")
+    with pytest.raises(OSError):
+        fsutil.atomic_write_texts([(a, "new\n"), (tmp_path / "missing" / "b.json", "new\n")])
+    assert a.read_text() == "old\n" and os.listdir(tmp_path) == ["a.json"]
