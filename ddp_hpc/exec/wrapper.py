@@ -26,8 +26,9 @@ from ddp_hpc.env import DistEnv, EnvError, gpu_index, job_facts, visible_gpus
 from ddp_hpc.env.checks import diagnose
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.exec.events import SafeLog
+from ddp_hpc.exec.instrumented import Instrumentation, read_error_file, torch_environ
 from ddp_hpc.exec.outcome import classify, error_fields, last_step
-from ddp_hpc.runlogs.schema import events_file, rank_out
+from ddp_hpc.runlogs.schema import error_file, events_file, rank_out
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.text import HelpFormatter, prog
 
@@ -135,12 +136,16 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
         log.warning(note)
     out_path = log.dir / rank_out(env.rank) if log.dir else None
     out_start = _size(out_path)
+    errfile = _torch_environ(child_env, env, log.dir)
+    inst = Instrumentation.prepare(cmd, child_env, log.dir, env.rank)
     started = time.time()
     with _forwarding() as fwd:
         try:
-            proc = subprocess.Popen(cmd, env=child_env)
+            proc = subprocess.Popen(cmd, env=child_env, pass_fds=inst.pass_fds)
         except OSError as exc:
+            inst.started()
             return _not_started(cmd, exc, log)
+        inst.started()
         fwd.attach(proc)
         log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,
                   local_rank=env.local_rank, pid=proc.pid, total_steps=None, epochs=None,
@@ -149,13 +154,28 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
                  f"node {env.node_rank} of {env.num_nodes})")
         events = log.dir / events_file(env.rank) if log.dir else None
         events_start = _size(events)
-        outcome = classify(proc.wait(), fwd.forwarded)
+        outcome = classify(proc.wait(), fwd.forwarded, inst.ending())
         try:
-            _record_end(log, outcome, (out_path, out_start), (events, events_start), started)
+            why = (read_error_file(errfile, started), inst.fault_stack())
+            _record_end(log, outcome, (out_path, out_start, *why), (events, events_start), started)
         except Exception as exc:  # noqa: BLE001 - the exit status must survive a broken log
             print(f"{prog('exec')}: cannot record how rank {env.rank} ended: {type(exc).__name__}: "
                   f"{exc}", file=sys.stderr, flush=True)
     return outcome.exit_status
+
+
+def _torch_environ(child_env: dict[str, str], env: DistEnv, log_dir: Path | None) -> Path | None:
+    """Add torchrun's other variables and the flight recorder's where unset (exec/instrumented.py);
+    returns the elastic error file the child will write (a stale one of an earlier run removed)."""
+    visible = visible_gpus(child_env)
+    gpus = bool(visible) if visible is not None else os.path.exists("/dev/nvidiactl")
+    path = log_dir / error_file(env.rank) if log_dir else None
+    for key, value in torch_environ(log_dir, env.rank, job_facts(child_env).restart_count, gpus).items():
+        if child_env.setdefault(key, value) != value and path is not None and value == str(path):
+            path = None    # the user chose their own error file: theirs to keep
+    if path is not None:
+        path.unlink(missing_ok=True)
+    return path
 
 
 def _record_end(log: SafeLog, outcome, out: tuple, events: tuple, started: float) -> None:
@@ -164,8 +184,13 @@ def _record_end(log: SafeLog, outcome, out: tuple, events: tuple, started: float
     elif outcome.status == "killed" and outcome.signal in ("SIGUSR1", "SIGUSR2"):
         log.warning(f"the command died of {outcome.signal}, passed on by the wrapper: it does not "
                     "handle that signal (ddp_hpc.preemption.install() catches the job's --signal)")
+    if outcome.teardown:
+        log.warning(f"the script ended with status {outcome.exit_code}, then the process died of "
+                    f"{outcome.teardown} in the interpreter's native teardown (after its Python code "
+                    f"had finished): counted as {outcome.status}, exit status {outcome.exit_status}")
     log.event("end", status=outcome.status, exit_code=outcome.exit_code, signal=outcome.signal,
-              step=last_step(*events), duration_s=round(time.time() - started, 3))
+              step=last_step(*events), duration_s=round(time.time() - started, 3),
+              teardown=outcome.teardown)
     how = f"signal {outcome.signal}" if outcome.signal else f"status {outcome.exit_code}"
     log.info(f"exec: command ended with {how}: {outcome.status}")
 

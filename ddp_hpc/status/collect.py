@@ -285,6 +285,8 @@ def rank_endings(logs: RunLogs) -> dict[int, str]:
         if end is None:
             continue
         how = end.get("signal") or (f"exit {end['exit_code']}" if end.get("exit_code") else None)
+        if end.get("teardown"):   # the script ended, then the interpreter's teardown crashed
+            how = ", ".join(filter(None, [how, f"{end['teardown']} in native teardown"]))
         out[rank] = str(end.get("status") or "ended") + (f" ({how})" if how else "")
     return out
 
