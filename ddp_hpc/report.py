@@ -52,6 +52,7 @@ class _State:
         self.watch: HangWatch | None = None
         self.explicit = False      # the script called report(): the automatic steps stay quiet
         self.world_size = 1
+        self.held: tuple | None = None   # the newest step the throttle held back
 
 
 _state = _State()
@@ -96,6 +97,14 @@ def auto_step(step: int, fields: Callable[[], dict]) -> None:
         _record(step, None, None, None, fields)
 
 
+def flush_step() -> None:
+    """Write the newest step the once-a-second throttle held back (at the script's exit)."""
+    held, _state.held = _state.held, None
+    if held is not None and _state.pid == os.getpid() and (held[4] is None or not _state.explicit):
+        _state.last_write = None
+        _record(*held)
+
+
 def hang_watch() -> HangWatch | None:
     """This process's hang watchdog (started with its run log), None without a run log."""
     rank_log()
@@ -119,8 +128,9 @@ def _record(step: int | None, total: int | None, loss: Any, metrics: dict | None
     now = time.monotonic()
     final = step is not None and total is not None and step >= total
     if _state.last_write is not None and not final and now - _state.last_write < MIN_INTERVAL_S:
+        _state.held = (step, total, loss, metrics, fields)
         return
-    _state.last_write = now
+    _state.last_write, _state.held = now, None
     metrics = dict(metrics or {})
     if fields is not None:
         metrics.update(fields())

@@ -27,6 +27,9 @@ __all__ = ["BOOT_VAR", "start"]
 #: the wrapper's configuration for the child (JSON); removed from the environment at start-up
 BOOT_VAR = "DDP_HPC_INSTRUMENT_BOOT"
 
+#: the module whose ``register(when_imported)`` hooks the frameworks (Lightning, transformers)
+INTEGRATIONS = "ddp_hpc.integrations"
+
 _fault_file = None   # kept open for faulthandler for the life of the process
 
 
@@ -48,8 +51,9 @@ def start(config: str) -> None:
             print(f"ddp_hpc: no native-crash stacks: cannot open {cfg['fault']}: {exc}",
                   file=sys.stderr, flush=True)
     when_imported("torch", _on_torch)
-    if importlib.util.find_spec("ddp_hpc.integrations") is not None:
-        importlib.import_module("ddp_hpc.integrations").register(when_imported)
+    # the framework integrations, looked up by name (an optional part: no import of it here)
+    if importlib.util.find_spec(INTEGRATIONS) is not None:
+        importlib.import_module(INTEGRATIONS).register(when_imported)
 
 
 def _on_torch(torch: ModuleType) -> None:

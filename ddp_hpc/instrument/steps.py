@@ -17,12 +17,13 @@ torch (never before: a script that does not use torch runs as it would without u
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import time
 from types import ModuleType
 from typing import Any
 
-from ddp_hpc.report import auto_step, hang_watch, world_size
+from ddp_hpc.report import auto_step, flush_step, hang_watch, world_size
 from ddp_hpc.runlogs.watchdog import dump_after
 
 __all__ = ["StepCounter", "install"]
@@ -113,8 +114,6 @@ def install(torch: ModuleType, counter: StepCounter | None = None) -> StepCounte
 
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG001 - hook API
         if counter.stepped(optimizer):
-            if counter.since is None:
-                counter.since = counter.clock()
             auto_step(counter.count, lambda: counter.fields(world))
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -122,6 +121,7 @@ def install(torch: ModuleType, counter: StepCounter | None = None) -> StepCounte
     _hook_loader(counter)
     _hook_loss(torch, counter)
     _hook_timeout()
+    atexit.register(flush_step)   # the last step, when the throttle held it back
     return counter
 
 

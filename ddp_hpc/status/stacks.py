@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import time
 
+from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.reader import RunLogs
-from ddp_hpc.runlogs.stacks import stack_summary
+from ddp_hpc.runlogs.stacks import hang_line, stack_summary
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.status.targets import StatusError
 
@@ -74,6 +75,8 @@ def ask_stacks(target, cli, wait_s: float = WAIT_S) -> tuple[str, dict[int, dict
 
 def render_stacks(job_id: str, how: str, answers: dict[int, dict], silent: list[int]) -> str:
     out = [f"Stacks of job {job_id} (asked with {how}):"]
+    if line := hang_line({r: str(ev.get("stack") or "") for r, ev in answers.items()}, ranks_text):
+        out.append(f"hang: {line}")
     for r, ev in sorted(answers.items()):
         where = stack_summary(str(ev.get("stack") or ""))
         out.append(f"rank {r} on {ev.get('host') or '?'}: in {where or '?'}"
