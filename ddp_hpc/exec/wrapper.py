@@ -174,7 +174,8 @@ def _torch_environ(child_env: dict[str, str], env: DistEnv, log_dir: Path | None
         if child_env.setdefault(key, value) != value and path is not None and value == str(path):
             path = None    # the user chose their own error file: theirs to keep
     if path is not None:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):   # an unwritable log directory costs no run
+            path.unlink(missing_ok=True)
     return path
 
 
