@@ -5,8 +5,9 @@ torch (never before: a script that does not use torch runs as it would without u
   (``torch.optim.optimizer.register_optimizer_step_post_hook``). Several optimizers stepped in one
   training step (a GAN's generator and discriminator, two optimizers over different parameter
   groups) count one step: a new step begins when an optimizer that already stepped in the current
-  one steps again. Each step beats the rank's hang watchdog and goes to ``ddp_hpc.report``'s
-  ``auto_step`` (at most one ``step`` event a second; none once the script calls ``report`` itself).
+  one steps again. Each step beats the rank's hang watchdog and, from the second on (a script
+  that calls ``report`` itself does so after its first step), goes to ``ddp_hpc.report``'s
+  ``auto_step`` (at most one ``step`` event a second; none once the script calls ``report``).
 - **Data wait**: the time spent in ``next()`` on a ``DataLoader``'s iterator, per step (``data_s``,
   the rank's own time: what status compares to find a straggler), and the batches' sizes
   (``samples_per_s``: this rank's rate times the world size).
@@ -113,8 +114,13 @@ def install(torch: ModuleType, counter: StepCounter | None = None) -> StepCounte
     world = world_size()
 
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG001 - hook API
-        if counter.stepped(optimizer):
+        if not counter.stepped(optimizer):
+            return
+        if counter.count > 1:
             auto_step(counter.count, lambda: counter.fields(world))
+        elif (watch := hang_watch()) is not None:   # a script that calls report() does so after
+            counter.fields(world)                   # its first step: events from the second on
+            watch.beat(1)
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
     register_optimizer_step_post_hook(after_step)
