@@ -1,0 +1,140 @@
+"""What ddp_hpc.exec's zero-code instrumentation costs a plain DDP script, against torchrun.
+
+1. In-loop throughput: the same plain script (a small MLP, a DataLoader, SGD, DDP over gloo; no
+   ddp_hpc in it) under ``ddp-hpc submit --backend local -N 1 -G P --wait`` (instrumented: step
+   hook, data-wait hook, loss hook, hang watchdog, step events) and under ``torchrun
+   --nproc-per-node P``, as alternating pairs (the side that goes first alternates). Each run's
+   rank 0 times steps ``--warmup`` to the end; the ratio per pair is submit's steps/s over
+   torchrun's. Printed: every pair, the MEDIAN ratio (target >= 0.99) and its min-max.
+2. Start-up: seconds from starting ``ddp-hpc submit ... --wait`` of a 2 x 2 local job to the end
+   of the script's first optimizer step on rank 0, against ``torchrun --nproc-per-node 4`` of the
+   same script; pairs alternate, the median ratio is printed.
+
+    python bench/instrument.py                        # 5 + 3 pairs, 2-4 minutes on 2 cores
+    python bench/instrument.py --pairs 7 --steps 600 --json runs/instrument.json
+
+Both sides get OMP_NUM_THREADS=1 (torchrun's default with several processes). The figures
+depend on the machine's load: run it on a quiet one and read the ratios, not the absolute times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+TARGET = 0.99
+
+
+def worker(out: str, steps: int, warmup: int) -> None:
+    """The plain script both launchers run (no ddp_hpc import)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                    torch.nn.ReLU(), torch.nn.Linear(512, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = TensorDataset(torch.randn(64 * steps, 256), torch.randint(0, 10, (64 * steps,)))
+    marks = {}
+    for step, (x, y) in enumerate(DataLoader(data, batch_size=64), start=1):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == 1:
+            marks["first_step"] = time.time()
+        if step == warmup:
+            marks["t0"] = time.perf_counter()
+    marks["t1"] = time.perf_counter()
+    if rank == 0:
+        rate = (steps - warmup) / (marks["t1"] - marks["t0"])
+        Path(out).write_text(json.dumps({"steps_per_s": rate, "first_step": marks["first_step"]}))
+    del model, opt
+    dist.destroy_process_group()
+
+
+def _env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "DDP_HPC_"))}
+    env.update(OMP_NUM_THREADS="1", DDP_HPC_HOME=str(home), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    return env
+
+
+def run_one(side: str, work: Path, procs: int, nodes: int, steps: int, warmup: int) -> dict:
+    out = work / f"{side}-{time.monotonic_ns()}.json"
+    args = ["--worker", str(out), "--steps", str(steps), "--warmup", str(warmup)]
+    me = str(Path(__file__).resolve())
+    if side == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(procs * nodes), me, *args]
+    else:
+        cmd = [str(BIN / "ddp-hpc"), "submit", "--backend", "local", "-N", str(nodes), "-G", str(procs),
+               "--wait", "--log-dir", str(work / "runs"), me, *args]
+    started = time.time()
+    p = subprocess.run(cmd, env=_env(work / "home"), capture_output=True, text=True, cwd=work, timeout=600)
+    if p.returncode != 0 or not out.exists():
+        raise SystemExit(f"{side} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    res = json.loads(out.read_text())
+    res["to_first_step_s"] = res["first_step"] - started
+    return res
+
+
+def pairs(n: int, work: Path, **kw) -> list[tuple[dict, dict]]:
+    """n pairs (submit, torchrun); the side that goes first alternates."""
+    out = []
+    for i in range(n):
+        order = ("submit", "torchrun") if i % 2 == 0 else ("torchrun", "submit")
+        got = {side: run_one(side, work, **kw) for side in order}
+        out.append((got["submit"], got["torchrun"]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    ap.add_argument("--pairs", type=int, default=5, help="throughput pairs (default 5)")
+    ap.add_argument("--start-pairs", type=int, default=3, help="start-up pairs (default 3)")
+    ap.add_argument("--procs", type=int, default=2, help="processes of the throughput runs (default 2)")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--json", metavar="FILE", help="also write the figures here")
+    a = ap.parse_args(argv)
+    if a.worker:
+        worker(a.worker, a.steps, a.warmup)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="ddp_hpc_instrument_bench-"))
+    print(f"throughput: {a.pairs} pairs, {a.procs} processes, steps {a.warmup}-{a.steps} timed", flush=True)
+    thr = pairs(a.pairs, work, procs=a.procs, nodes=1, steps=a.steps, warmup=a.warmup)
+    ratios = [s["steps_per_s"] / t["steps_per_s"] for s, t in thr]
+    for (s, t), r in zip(thr, ratios):
+        print(f"  submit {s['steps_per_s']:8.1f} steps/s  torchrun {t['steps_per_s']:8.1f} steps/s  ratio {r:.3f}")
+    med = statistics.median(ratios)
+    print(f"in-loop steps/s, submit (instrumented) / torchrun: median {med:.3f} (min {min(ratios):.3f}, "
+          f"max {max(ratios):.3f}), target >= {TARGET}: {'met' if med >= TARGET else 'MISSED'}", flush=True)
+    print(f"start-up: {a.start_pairs} pairs, 2 x 2 local job vs torchrun --nproc-per-node 4", flush=True)
+    st = pairs(a.start_pairs, work, procs=2, nodes=2, steps=a.warmup + 10, warmup=a.warmup)
+    starts = [s["to_first_step_s"] / t["to_first_step_s"] for s, t in st]
+    for (s, t), r in zip(st, starts):
+        print(f"  submit {s['to_first_step_s']:6.2f} s  torchrun {t['to_first_step_s']:6.2f} s  ratio {r:.3f}")
+    print(f"time to the first step, submit --wait / torchrun: median {statistics.median(starts):.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({
+            "command": "python bench/instrument.py " + " ".join(sys.argv[1:]),
+            "throughput": {"pairs": [[s["steps_per_s"], t["steps_per_s"]] for s, t in thr],
+                           "ratios": ratios, "median": med, "target": TARGET},
+            "startup": {"pairs": [[s["to_first_step_s"], t["to_first_step_s"]] for s, t in st],
+                        "ratios": starts, "median": statistics.median(starts)}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
