@@ -26,7 +26,7 @@ def test_a_plain_script_whose_rank3_hangs_is_stalled_naming_rank3_with_its_stack
     d.mkdir()
     env = dict(c.env, DDP_HPC_HOME=str(d / "home"), PYTHONPATH=str(REPO))
     p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10",
-               "--log-dir", str(d / "runs"), SCRIPT, "--stuck-rank", "3", "--stuck-at", "24",
+               "--log-dir", str(d / "runs"), SCRIPT, "--stuck-rank", "3", "--stuck-at", "14",
                "--steps", "100000", "--step-sleep", "0.25"], cwd=str(d), env=env)
     assert p.returncode == 0, p.stderr
     job = p.stdout.split()[-1]
