@@ -282,3 +282,23 @@ def test_a_flight_recorder_dump_names_the_rank_missing_from_the_last_collective(
         "(scheduled): rank 1 missing from #4"]
     (log_dir / "flight_recorder_rank1").write_bytes(b"\x80\x04cos\nsystem\n.")   # a pickle that loads a class
     assert flightrec.read_dump(log_dir / "flight_recorder_rank1") is None
+
+
+def _dump(*frames: tuple[str, int, str]) -> str:
+    """A faulthandler-style dump of the main thread (innermost frame first)."""
+    lines = ['Current thread 0x00007f0000000001 "MainThread" (most recent call first):']
+    return "\n".join(lines + [f'  File "{f}", line {n} in {fn}' for f, n, fn in frames]) + "\n"
+
+
+def test_the_hang_line_names_the_ranks_outside_a_collective():
+    from ddp_hpc.runlogs.consequences import ranks_text
+    from ddp_hpc.runlogs.stacks import hang_line
+    c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    barrier = _dump((c10d, 4000, "barrier"), ("/venv/lib/python3.11/site-packages/torch/distributed/"
+                                              "c10d_logger.py", 83, "wrapper"), ("/w/train.py", 30, "<module>"))
+    own = _dump(("/usr/lib/python3.11/time.py", 1, "sleep"), ("/w/train.py", 17, "load_shard"),
+                ("/w/train.py", 29, "<module>"))
+    assert hang_line({0: barrier, 1: own, 2: barrier, 3: barrier}, ranks_text) == (
+        "rank 1 in load_shard (train.py:17); ranks 0,2-3 wait in barrier")
+    assert hang_line({0: barrier, 1: barrier}, ranks_text) is None      # every rank waits: no culprit
+    assert hang_line({0: own, 1: own}, ranks_text) is None

@@ -7,6 +7,8 @@ the torchrun contract (`DistEnv.child_environ`), passes on the signals a schedul
 child's output is left alone: srun or the launcher already write it to ``rank<R>.out``.  Around it
 the wrapper writes ``start``, ``error`` and ``end`` events to ``rank<R>.events.jsonl`` (rules in
 `ddp_hpc.exec.outcome`); a log it cannot write costs a message on stderr, never the exit status.
+The child also gets torchrun's other variables and, for a Python command, ddp_hpc's
+instrumentation (`ddp_hpc.exec.instrumented`, docs/scripts.md "What status sees without changes").
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ EXAMPLES = """examples:
 The command gets the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID) and
 DDP_HPC_LOG_DIR; SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGCONT, SIGHUP and SIGURG (status --stacks)
-are passed on to it, and its exit status is this command's. See docs/scripts.md."""
+are passed on to it, and its exit status is this command's. A Python command is instrumented
+(step events, hang and native-crash stacks) unless DDP_HPC_INSTRUMENT=0. See docs/scripts.md."""
 
 
 def _parser() -> argparse.ArgumentParser:
