@@ -115,12 +115,13 @@ def test_a_script_without_torch_runs_as_before_and_the_users_sitecustomize_still
 TEARDOWN = """
 import os, sys
 class Native:
-    def __del__(self):
-        os.abort()     # stands for a C++ destructor's std::terminate at interpreter exit
+    def __del__(self, abort=os.abort):
+        abort()        # stands for a C++ destructor's std::terminate at interpreter exit
 keep = Native()
 if sys.argv[1] == "exit":
     sys.exit(int(sys.argv[2]))
 if sys.argv[1] == "raise":
+    sys.excepthook = lambda *exc: print("the script's own hook")    # rich.traceback.install() does this
     raise ValueError("bad 7")
 if sys.argv[1] == "atexit":   # an abort while the script's own exit code still runs: a crash
     import atexit

@@ -10,8 +10,9 @@ The record is written by an ``atexit`` handler registered before the script runs
 after every handler the script and its libraries register (atexit runs them last in, first out):
 when it runs, nothing of the script's Python code is left to run. The exit code:
 
+- an exception that reached the top: 1 (Python keeps it in ``sys.last_value`` whatever
+  ``sys.excepthook`` the script installed);
 - ``sys.exit(n)`` (argparse, click, most scripts), called in the main thread: n;
-- an exception that reached the top (``sys.excepthook``): 1;
 - Python 3.12 and later also see a ``raise SystemExit(n)`` that leaves the main module
   (``sys.monitoring``'s PY_UNWIND); on 3.11 that case reads as the end of the script (0);
 - otherwise the script ran to its end: 0.
@@ -53,6 +54,9 @@ class Ending:
     def record(self) -> None:
         if os.getpid() != self.pid:   # a forked child that exits through atexit: not the script
             return
+        exc = getattr(sys, "last_value", None)     # set by the interpreter for an uncaught error
+        if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            self.code, self.how = 1, f"exception {type(exc).__name__}"
         try:
             os.write(self.fd, (json.dumps({"code": self.code, "how": self.how}) + "\n").encode())
         except OSError:
@@ -64,17 +68,13 @@ def watch_ending(fd: int) -> Ending:
     os.set_inheritable(fd, False)    # programs the script starts do not get the pipe
     ending = Ending(fd, os.getpid())
     atexit.register(ending.record)
-    real_exit, real_hook = sys.exit, sys.excepthook
+    real_exit = sys.exit
 
     def exit(status: Any = None) -> None:  # noqa: A001 - stands in for sys.exit
         ending.set(exit_code_of(status), "sys.exit")
         real_exit(status)
 
-    def excepthook(exc_type, exc, tb) -> None:  # noqa: ANN001
-        ending.set(1, f"exception {getattr(exc_type, '__name__', exc_type)}")
-        real_hook(exc_type, exc, tb)
-
-    sys.exit, sys.excepthook = exit, excepthook
+    sys.exit = exit
     _watch_unwind(ending)
     return ending
 
