@@ -3,8 +3,8 @@ threads, and show them.
 
 How: ``STACK_SIGNAL`` (SIGURG) goes to every rank -- ``scancel --signal=URG`` for a Slurm job
 (every task of every step), ``kill`` of the recorded processes for a local one -- and each rank's
-watchdog thread (``ddp_hpc.runlogs.watchdog``; the training core starts one, ``ddp_hpc.report``
-starts one in a script, ``ddp_hpc.exec`` forwards the signal) writes a ``stack`` event, which this
+watchdog thread (``ddp_hpc.runlogs.watchdog``; the training core starts one, and in a script
+``ddp_hpc.report`` or the instrumentation of ``ddp_hpc.exec``, which forwards the signal) writes a ``stack`` event, which this
 command waits for. SIGURG is ignored by default, so a process without a watchdog is unharmed.
 A rank that answers nothing is frozen (SIGSTOP, a kernel hang), gone, or does not run ddp_hpc's
 watchdog; its silence is reported as such.
@@ -86,5 +86,6 @@ def render_stacks(job_id: str, how: str, answers: dict[int, dict], silent: list[
     if silent:
         out.append(f"no answer from rank{'s' if len(silent) > 1 else ''} "
                    f"{', '.join(map(str, silent))}: frozen (stopped, a hang in the kernel), ended, "
-                   "or not running ddp_hpc's watchdog (a script that never calls ddp_hpc.report)")
+                   "or not running ddp_hpc's watchdog (a script run with --no-instrument, or one that has not "
+                   "imported torch yet)")
     return "\n".join(out) + "\n"
