@@ -12,6 +12,7 @@
 
     python bench/instrument.py                        # 5 + 3 pairs, 2-4 minutes on 2 cores
     python bench/instrument.py --pairs 7 --steps 600 --json runs/instrument.json
+    python bench/instrument.py --off-pairs 7          # also instrumented vs DDP_HPC_INSTRUMENT=0
 
 Both sides get OMP_NUM_THREADS=1 (torchrun's default with several processes). The wall-clock
 figures depend on the machine's load: the local backend starts each rank in a session of its own,
@@ -80,13 +81,16 @@ def run_one(side: str, work: Path, procs: int, nodes: int, steps: int, warmup: i
     out = work / f"{side}-{time.monotonic_ns()}.json"
     args = ["--worker", str(out), "--steps", str(steps), "--warmup", str(warmup)]
     me = str(Path(__file__).resolve())
+    env = _env(work / "home")
+    if side == "off":   # the same submit, the instrumentation turned off
+        env["DDP_HPC_INSTRUMENT"] = "0"
     if side == "torchrun":
         cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(procs * nodes), me, *args]
     else:
         cmd = [str(BIN / "ddp-hpc"), "submit", "--backend", "local", "-N", str(nodes), "-G", str(procs),
                "--wait", "--log-dir", str(work / "runs"), me, *args]
     started = time.time()
-    p = subprocess.run(cmd, env=_env(work / "home"), capture_output=True, text=True, cwd=work, timeout=600)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=work, timeout=600)
     if p.returncode != 0 or not out.exists():
         raise SystemExit(f"{side} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
     res = json.loads(out.read_text())
@@ -94,14 +98,29 @@ def run_one(side: str, work: Path, procs: int, nodes: int, steps: int, warmup: i
     return res
 
 
-def pairs(n: int, work: Path, **kw) -> list[tuple[dict, dict]]:
-    """n pairs (submit, torchrun); the side that goes first alternates."""
+def pairs(n: int, work: Path, other: str = "torchrun", **kw) -> list[tuple[dict, dict]]:
+    """n pairs (submit, other); the side that goes first alternates."""
     out = []
     for i in range(n):
-        order = ("submit", "torchrun") if i % 2 == 0 else ("torchrun", "submit")
+        order = ("submit", other) if i % 2 == 0 else (other, "submit")
         got = {side: run_one(side, work, **kw) for side in order}
-        out.append((got["submit"], got["torchrun"]))
+        out.append((got["submit"], got[other]))
     return out
+
+
+def report_pairs(thr: list[tuple[dict, dict]], other: str) -> dict:
+    """Print each pair and the medians of submit / other (wall clock, and per CPU second)."""
+    ratios = [s["steps_per_s"] / t["steps_per_s"] for s, t in thr]
+    cpu = [s["steps_per_cpu_s"] / t["steps_per_cpu_s"] for s, t in thr]
+    for (s, t), r, c in zip(thr, ratios, cpu):
+        print(f"  submit {s['steps_per_s']:8.1f} steps/s  {other} {t['steps_per_s']:8.1f} steps/s  "
+              f"ratio {r:.3f}   per CPU second: ratio {c:.3f}")
+    med, cmed = statistics.median(ratios), statistics.median(cpu)
+    for what, m, rs in (("in-loop steps/s", med, ratios), ("in-loop steps per CPU second", cmed, cpu)):
+        print(f"{what}, submit (instrumented) / {other}: median {m:.3f} (min {min(rs):.3f}, "
+              f"max {max(rs):.3f}), target >= {TARGET}: {'met' if m >= TARGET else 'MISSED'}", flush=True)
+    return {"pairs": [[s["steps_per_s"], t["steps_per_s"]] for s, t in thr], "ratios": ratios,
+            "median": med, "target": TARGET, "cpu_ratios": cpu, "cpu_median": cmed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     ap.add_argument("--pairs", type=int, default=5, help="throughput pairs (default 5)")
     ap.add_argument("--start-pairs", type=int, default=3, help="start-up pairs (default 3)")
+    ap.add_argument("--off-pairs", type=int, default=0,
+                    help="also pairs of instrumented / uninstrumented submit runs (the instrumentation's "
+                         "own cost, both sides started alike; default 0)")
     ap.add_argument("--procs", type=int, default=2, help="processes of the throughput runs (default 2)")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=50)
@@ -120,15 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ddp_hpc_instrument_bench-"))
     print(f"throughput: {a.pairs} pairs, {a.procs} processes, steps {a.warmup}-{a.steps} timed", flush=True)
     thr = pairs(a.pairs, work, procs=a.procs, nodes=1, steps=a.steps, warmup=a.warmup)
-    ratios = [s["steps_per_s"] / t["steps_per_s"] for s, t in thr]
-    cpu = [s["steps_per_cpu_s"] / t["steps_per_cpu_s"] for s, t in thr]
-    for (s, t), r, c in zip(thr, ratios, cpu):
-        print(f"  submit {s['steps_per_s']:8.1f} steps/s  torchrun {t['steps_per_s']:8.1f} steps/s  "
-              f"ratio {r:.3f}   per CPU second: ratio {c:.3f}")
-    med, cmed = statistics.median(ratios), statistics.median(cpu)
-    for what, m, rs in (("in-loop steps/s", med, ratios), ("in-loop steps per CPU second", cmed, cpu)):
-        print(f"{what}, submit (instrumented) / torchrun: median {m:.3f} (min {min(rs):.3f}, "
-              f"max {max(rs):.3f}), target >= {TARGET}: {'met' if m >= TARGET else 'MISSED'}", flush=True)
+    figures = {"throughput": report_pairs(thr, "torchrun")}
+    if a.off_pairs:
+        print(f"the same under submit with DDP_HPC_INSTRUMENT=0: {a.off_pairs} pairs", flush=True)
+        off = pairs(a.off_pairs, work, other="off", procs=a.procs, nodes=1, steps=a.steps, warmup=a.warmup)
+        figures["vs_uninstrumented"] = report_pairs(off, "off")
     print(f"start-up: {a.start_pairs} pairs, 2 x 2 local job vs torchrun --nproc-per-node 4", flush=True)
     st = pairs(a.start_pairs, work, procs=2, nodes=2, steps=a.warmup + 10, warmup=a.warmup)
     starts = [s["to_first_step_s"] / t["to_first_step_s"] for s, t in st]
@@ -137,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"time to the first step, submit --wait / torchrun: median {statistics.median(starts):.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({
-            "command": "python bench/instrument.py " + " ".join(sys.argv[1:]),
-            "throughput": {"pairs": [[s["steps_per_s"], t["steps_per_s"]] for s, t in thr],
-                           "ratios": ratios, "median": med, "target": TARGET,
-                           "cpu_ratios": cpu, "cpu_median": cmed},
+            "command": "python bench/instrument.py " + " ".join(sys.argv[1:]), **figures,
             "startup": {"pairs": [[s["to_first_step_s"], t["to_first_step_s"]] for s, t in st],
                         "ratios": starts, "median": statistics.median(starts)}}, indent=1))
     return 0
