@@ -303,3 +303,25 @@ def test_the_hang_line_names_the_ranks_outside_a_collective():
         "rank 1 in load_shard (train.py:17); ranks 0,2-3 wait in barrier")
     assert hang_line({0: barrier, 1: barrier}, ranks_text) is None      # every rank waits: no culprit
     assert hang_line({0: own, 1: own}, ranks_text) is None
+
+
+RECORDED = """
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    raise ValueError("bad batch 42")
+
+main()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_elastic_error_file_is_the_ranks_error(tmp_path):
+    """``@record`` writes TORCHELASTIC_ERROR_FILE (set by exec); the error event is taken from it."""
+    p, log_dir = run_exec(tmp_path, RECORDED)
+    assert p.returncode == 1
+    (err,) = events(log_dir, 0, "error")
+    assert (err["exc_type"], err["message"]) == ("ValueError", "bad batch 42"), err
+    assert 'raise ValueError("bad batch 42")' in err["traceback"]
+    assert json.loads((log_dir / "rank0.error.json").read_text())["message"]["message"].startswith("ValueError")

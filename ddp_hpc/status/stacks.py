@@ -4,8 +4,9 @@ threads, and show them.
 How: ``STACK_SIGNAL`` (SIGURG) goes to every rank -- ``scancel --signal=URG`` for a Slurm job
 (every task of every step), ``kill`` of the recorded processes for a local one -- and each rank's
 watchdog thread (``ddp_hpc.runlogs.watchdog``; the training core starts one, and in a script
-``ddp_hpc.report`` or the instrumentation of ``ddp_hpc.exec``, which forwards the signal) writes a ``stack`` event, which this
-command waits for. SIGURG is ignored by default, so a process without a watchdog is unharmed.
+``ddp_hpc.report`` or the instrumentation of ``ddp_hpc.exec``, which forwards the signal) writes
+a ``stack`` event, which this command waits for. SIGURG is ignored by default, so a process
+without a watchdog is unharmed.
 A rank that answers nothing is frozen (SIGSTOP, a kernel hang), gone, or does not run ddp_hpc's
 watchdog; its silence is reported as such.
 """
