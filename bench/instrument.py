@@ -6,7 +6,11 @@
    --nproc-per-node P``, as alternating pairs (the side that goes first alternates). Each run's
    rank 0 times steps ``--warmup`` to the end; the ratio per pair is submit's steps/s over
    torchrun's. Printed: every pair, the MEDIAN ratio (target >= 0.99) and its min-max.
-2. Start-up: seconds from starting ``ddp-hpc submit ... --wait`` of a 2 x 2 local job to the end
+2. The hooks' own cost: the three operations they wrap (``optimizer.step()``, a DataLoader's
+   ``next()``, ``loss.backward()``) timed in this process before and after installing them
+   (timeit, the minimum of 9 rounds: robust to a busy machine, unlike 1), in microseconds per
+   step.
+3. Start-up: seconds from starting ``ddp-hpc submit ... --wait`` of a 2 x 2 local job to the end
    of the script's first optimizer step on rank 0, against ``torchrun --nproc-per-node 4`` of the
    same script; pairs alternate, the median ratio is printed.
 
@@ -71,6 +75,38 @@ def worker(out: str, steps: int, warmup: int) -> None:
     dist.destroy_process_group()
 
 
+def hook_cost(work: Path, number: int = 3000, repeat: int = 9) -> dict:
+    """Microseconds the hooks add to one training step, in this process: the three operations
+    they wrap (``optimizer.step()``, a DataLoader's ``next()``, ``loss.backward()``) timed with
+    timeit (the minimum of ``repeat`` rounds: robust to a busy machine) before and after
+    ``ddp_hpc.instrument.steps.install``, with a run log in ``work`` as in a job."""
+    import timeit
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", DDP_HPC_LOG_DIR=str(work / "hooklog"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's ddp_hpc
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=8)
+    ops = {"optimizer.step()": opt.step,
+           "DataLoader next()": lambda: next(iter(batches)),
+           "loss.backward()": lambda: model(torch.ones(1, 4)).sum().backward()}
+
+    def timed() -> dict[str, float]:
+        return {k: 1e6 * min(timeit.repeat(f, number=number, repeat=repeat)) / number for k, f in ops.items()}
+
+    before = timed()
+    from ddp_hpc.instrument.steps import install
+    install(torch)
+    after = timed()
+    extra = {k: after[k] - before[k] for k in ops}
+    print("hooks' own cost per step: " + ", ".join(f"{k} +{v:.2f} us" for k, v in extra.items())
+          + f"; in all {sum(extra.values()):.2f} us", flush=True)
+    return {"before_us": before, "after_us": after, "extra_us": extra, "total_us": sum(extra.values())}
+
+
 def _env(home: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "DDP_HPC_"))}
     env.update(OMP_NUM_THREADS="1", DDP_HPC_HOME=str(home), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -126,6 +162,7 @@ def report_pairs(thr: list[tuple[dict, dict]], other: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    ap.add_argument("--no-hooks", action="store_true", help="skip the measure of the hooks' own cost")
     ap.add_argument("--pairs", type=int, default=5, help="throughput pairs (default 5)")
     ap.add_argument("--start-pairs", type=int, default=3, help="start-up pairs (default 3)")
     ap.add_argument("--off-pairs", type=int, default=0,
@@ -140,24 +177,29 @@ def main(argv: list[str] | None = None) -> int:
         worker(a.worker, a.steps, a.warmup)
         return 0
     work = Path(tempfile.mkdtemp(prefix="ddp_hpc_instrument_bench-"))
-    print(f"throughput: {a.pairs} pairs, {a.procs} processes, steps {a.warmup}-{a.steps} timed", flush=True)
-    thr = pairs(a.pairs, work, procs=a.procs, nodes=1, steps=a.steps, warmup=a.warmup)
-    figures = {"throughput": report_pairs(thr, "torchrun")}
+    figures: dict = {}
+    if not a.no_hooks:
+        figures["hooks"] = hook_cost(work)
+    if a.pairs:
+        print(f"throughput: {a.pairs} pairs, {a.procs} processes, steps {a.warmup}-{a.steps} timed", flush=True)
+        thr = pairs(a.pairs, work, procs=a.procs, nodes=1, steps=a.steps, warmup=a.warmup)
+        figures["throughput"] = report_pairs(thr, "torchrun")
     if a.off_pairs:
         print(f"the same under submit with DDP_HPC_INSTRUMENT=0: {a.off_pairs} pairs", flush=True)
         off = pairs(a.off_pairs, work, other="off", procs=a.procs, nodes=1, steps=a.steps, warmup=a.warmup)
         figures["vs_uninstrumented"] = report_pairs(off, "off")
-    print(f"start-up: {a.start_pairs} pairs, 2 x 2 local job vs torchrun --nproc-per-node 4", flush=True)
-    st = pairs(a.start_pairs, work, procs=2, nodes=2, steps=a.warmup + 10, warmup=a.warmup)
-    starts = [s["to_first_step_s"] / t["to_first_step_s"] for s, t in st]
-    for (s, t), r in zip(st, starts):
-        print(f"  submit {s['to_first_step_s']:6.2f} s  torchrun {t['to_first_step_s']:6.2f} s  ratio {r:.3f}")
-    print(f"time to the first step, submit --wait / torchrun: median {statistics.median(starts):.3f}")
+    if a.start_pairs:
+        print(f"start-up: {a.start_pairs} pairs, 2 x 2 local job vs torchrun --nproc-per-node 4", flush=True)
+        st = pairs(a.start_pairs, work, procs=2, nodes=2, steps=a.warmup + 10, warmup=a.warmup)
+        starts = [s["to_first_step_s"] / t["to_first_step_s"] for s, t in st]
+        for (s, t), r in zip(st, starts):
+            print(f"  submit {s['to_first_step_s']:6.2f} s  torchrun {t['to_first_step_s']:6.2f} s  ratio {r:.3f}")
+        print(f"time to the first step, submit --wait / torchrun: median {statistics.median(starts):.3f}")
+        figures["startup"] = {"pairs": [[s["to_first_step_s"], t["to_first_step_s"]] for s, t in st],
+                              "ratios": starts, "median": statistics.median(starts)}
     if a.json:
-        Path(a.json).write_text(json.dumps({
-            "command": "python bench/instrument.py " + " ".join(sys.argv[1:]), **figures,
-            "startup": {"pairs": [[s["to_first_step_s"], t["to_first_step_s"]] for s, t in st],
-                        "ratios": starts, "median": statistics.median(starts)}}, indent=1))
+        Path(a.json).write_text(json.dumps({"command": "python bench/instrument.py " + " ".join(sys.argv[1:]),
+                                            **figures}, indent=1))
     return 0
 
 
