@@ -12,6 +12,12 @@ nothing.  Cheap enough for every step: the file stays open, and at most one even
 written (the first and the final one, ``step >= total``, always), so a tensor ``loss`` is turned
 into a number (a GPU sync) only when an event is written.  A log that cannot be written is
 reported once on stderr and never stops the script.
+
+Under ``ddp-hpc submit`` a script that never calls `report` still gets step events: the
+instrumentation of ``ddp_hpc.exec`` (``ddp_hpc.instrument``) calls `auto_step` from PyTorch's
+optimizer-step hook. Both go through `_record` and write with `write_step`, the one writer of a
+script's ``step`` events; the first explicit `report` call turns the automatic ones off, so
+nothing is counted twice.
 """
 from __future__ import annotations
 
@@ -19,17 +25,20 @@ import os
 import sys
 import time
 import types
-from typing import Any
+from typing import Any, Callable
 
 from ddp_hpc.env import EnvError, detect, job_facts
 from ddp_hpc.exec.events import SafeLog
 from ddp_hpc.runlogs.watchdog import HangWatch
 
-__all__ = ["report", "rank_log", "last_step", "MIN_INTERVAL_S"]
+__all__ = ["report", "rank_log", "last_step", "auto_step", "write_step", "MIN_INTERVAL_S"]
 
 MIN_INTERVAL_S = 1.0
 #: keywords with their own key in a step event (docs/architecture.md, "Run logs")
 STEP_KEYS = ("epoch", "lr", "samples_per_s")
+#: keys of the automatic step events written beside them when present: the rank's own mean wait
+#: for data per step, and steps per second
+OWN_KEYS = ("data_s", "steps_per_s")
 
 
 class _State:
@@ -41,6 +50,9 @@ class _State:
         self.last_write: float | None = None
         self.step: int | None = None
         self.watch: HangWatch | None = None
+        self.explicit = False      # the script called report(): the automatic steps stay quiet
+        self.world_size = 1
+        self.held: tuple | None = None   # the newest step the throttle held back
 
 
 _state = _State()
@@ -58,6 +70,7 @@ def rank_log() -> SafeLog | None:
             except EnvError as exc:
                 print(f"ddp_hpc: no run log: {exc}", file=sys.stderr, flush=True)
                 return None
+            _state.world_size = env.world_size
             _state.log = SafeLog(log_dir, env.rank, env.job_id, env.restart_count, who="ddp_hpc.report")
             # `ddp-hpc status JOBID --stacks` can then ask this rank for its threads' stacks
             _state.watch = HangWatch(_state.log, None).start()
@@ -72,6 +85,39 @@ def last_step() -> int | None:
 def report(step: int | None = None, total: int | None = None, loss: Any = None, **metrics: Any) -> None:
     """Record progress: a ``step`` event at most once a second (the first and the final one,
     ``step >= total``, always).  ``loss`` and metrics may be tensors or numbers."""
+    _state.explicit = True
+    _record(step, total, loss, metrics)
+
+
+def auto_step(step: int, fields: Callable[[], dict]) -> None:
+    """The automatic step count of an instrumented script (``ddp_hpc.instrument``): like
+    ``report(step=step, **fields())``, with ``fields`` called only when an event is written;
+    nothing once the script has called `report` itself."""
+    if not _state.explicit:
+        _record(step, None, None, None, fields)
+
+
+def flush_step() -> None:
+    """Write the newest step the once-a-second throttle held back (at the script's exit)."""
+    held, _state.held = _state.held, None
+    if held is not None and _state.pid == os.getpid() and (held[4] is None or not _state.explicit):
+        _state.last_write = None
+        _record(*held)
+
+
+def hang_watch() -> HangWatch | None:
+    """This process's hang watchdog (started with its run log), None without a run log."""
+    rank_log()
+    return _state.watch
+
+
+def world_size() -> int:
+    """The number of ranks of this process's job (1 before `rank_log` found one)."""
+    return _state.world_size
+
+
+def _record(step: int | None, total: int | None, loss: Any, metrics: dict | None,
+            fields: Callable[[], dict] | None = None) -> None:
     log = rank_log()
     if step is not None:
         _state.step = int(step)
@@ -82,11 +128,23 @@ def report(step: int | None = None, total: int | None = None, loss: Any = None, 
     now = time.monotonic()
     final = step is not None and total is not None and step >= total
     if _state.last_write is not None and not final and now - _state.last_write < MIN_INTERVAL_S:
+        _state.held = (step, total, loss, metrics, fields)
         return
-    _state.last_write = now
+    _state.last_write, _state.held = now, None
+    metrics = dict(metrics or {})
+    if fields is not None:
+        metrics.update(fields())
+        loss = metrics.pop("loss", loss)
     epoch, lr, samples_per_s = (metrics.pop(key, None) for key in STEP_KEYS)
-    log.event("step", epoch=epoch, step=step, total_steps=total, loss=loss, lr=lr,
-              samples_per_s=samples_per_s, metrics=metrics or None)
+    extra = {key: metrics.pop(key) for key in OWN_KEYS if key in metrics}
+    write_step(log, epoch=epoch, step=step, total_steps=total, loss=loss, lr=lr,
+               samples_per_s=samples_per_s, metrics=metrics or None, **extra)
+
+
+def write_step(log: SafeLog, **fields: Any) -> None:
+    """Write one ``step`` event: the one place a script's step events (explicit or automatic)
+    are written."""
+    log.event("step", **fields)
 
 
 class _CallableModule(types.ModuleType):

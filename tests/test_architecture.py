@@ -148,7 +148,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("env", "config"),                                                 # rank and job facts; job config
     ("runlogs", "records", "data", "dist"),                            # run logs, records, data, groups
     ("exec", "launch", "recover"),                                     # wrapper, local launch, recovery
-    ("train", "report", "checkpoint", "preemption", "run"),            # training and the script API
+    ("train", "report", "checkpoint", "preemption", "run", "instrument"),  # training, the script API
     ("status", "submit", "testcluster"),                               # the commands' packages
     ("cli", "__main__", "__init__"),                                   # ddp-hpc; the lazy public names
 )
@@ -299,7 +299,8 @@ def test_the_documented_tree_lists_every_module():
     missing = [str(path.relative_to(REPO)) for path in sorted(PKG.rglob("*.py"))
                if (path.parent == PKG and path.name not in entries)
                or (path.parent != PKG and path.name != "__init__.py"
-                   and not re.search(rf"\b{re.escape(path.name)}", entries.get(f"{path.parent.name}/", "")))]
+                   and not re.search(rf"\b{re.escape(path.name)}",
+                                     entries.get(f"{path.parent.relative_to(PKG).as_posix()}/", "")))]
     assert not missing, "add these to the tree in docs/architecture.md:\n" + "\n".join(missing)
 
 

@@ -9,11 +9,18 @@ The rules (docs/scripts.md, "Events"):
   and death by any signal the wrapper passed on -> ``killed``: consequences of someone stopping
   the job (scancel, srun's --kill-on-bad-exit, Ctrl-C, the launcher stopping the other ranks), so
   no ``error`` event, which would hide the rank that really failed;
-- anything else -> ``failed``, with an ``error`` event: the child's last Python traceback in
-  ``rank<R>.out`` (written after it started), else "exited with status N" / "killed by signal N".
+- anything else -> ``failed``, with an ``error`` event: the error ``torch.distributed.elastic``'s
+  ``@record`` wrote to the rank's error file, else the child's last Python traceback in
+  ``rank<R>.out`` (written after it started), else "exited with status N" / "killed by signal N"
+  (with the stack faulthandler wrote to ``rank<R>.fault`` for a native crash);
+- a death by SIGABRT / SIGSEGV / SIGBUS *after* the instrumented script's Python part ended
+  (its exit record, ``ddp_hpc.instrument.ending``) is a crash in the interpreter's native
+  teardown: the rank ends as its script did (``completed`` for 0, with ``teardown`` naming the
+  signal), and the wrapper exits with the script's own code.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import tempfile
@@ -35,12 +42,20 @@ class Outcome:
     signal: str | None        #: the signal that killed the child ("SIGKILL"), else None
     exit_status: int          #: what the wrapper exits with: the exit code, or 128 + signal number
     is_cause: bool            #: the child failed on its own: write an error event
+    teardown: str | None = None   #: the signal that killed it in native teardown, after its exit record
 
 
-def classify(returncode: int, forwarded: Sequence[int]) -> Outcome:
+#: signals of a native crash; after the script's exit record, a crash of the teardown
+TEARDOWN_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
+
+
+def classify(returncode: int, forwarded: Sequence[int], ending: dict | None = None) -> Outcome:
     """`Popen.returncode` (negative: killed by that signal) and the signals the wrapper passed on,
-    in order, to the ``end`` status and the wrapper's exit status."""
+    in order, to the ``end`` status and the wrapper's exit status; ``ending``: the instrumented
+    script's exit record, when it wrote one."""
     signum = -returncode if returncode < 0 else None
+    if signum in TEARDOWN_SIGNALS and ending is not None and signum not in forwarded:
+        return dataclasses.replace(classify(int(ending["code"]), forwarded), teardown=signal_name(signum))
     code = None if signum else returncode
     name = signal_name(signum) if signum else None
     status_code = exit_status_of_signal(signum) if signum else returncode
@@ -82,17 +97,22 @@ def traceback_since(path: Path, start: int) -> list[str] | None:
         return traceback_in(Path(f.name))
 
 
-def error_fields(outcome: Outcome, out_path: Path | None, out_start: int) -> dict:
-    """The ``error`` event's fields for a child that failed on its own."""
+def error_fields(outcome: Outcome, out_path: Path | None, out_start: int,
+                 recorded: dict | None = None, fault: str | None = None) -> dict:
+    """The ``error`` event's fields for a child that failed on its own: ``recorded`` (the
+    elastic error file's exc_type / message / traceback) first, then a traceback in its output,
+    then its exit status or signal (``fault``: the native-crash stack)."""
     block = traceback_since(out_path, out_start) if out_path and outcome.exit_code else None
-    if block:
+    if recorded:
+        fields = dict(recorded)
+    elif block:
         exc_type, message = exception_of(block)
         fields = {"exc_type": exc_type or "Exited", "message": message or "",
                   "traceback": "\n".join(block) + "\n"}
     elif outcome.signal:
         signum = signal_of_exit_status(outcome.exit_status)
         fields = {"exc_type": "Signal", "message": f"killed by signal {signum} ({outcome.signal})",
-                  "traceback": None}
+                  "traceback": fault}
     else:
         fields = {"exc_type": "Exited", "message": f"exited with status {outcome.exit_code}",
                   "traceback": None}

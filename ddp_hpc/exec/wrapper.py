@@ -7,6 +7,8 @@ the torchrun contract (`DistEnv.child_environ`), passes on the signals a schedul
 child's output is left alone: srun or the launcher already write it to ``rank<R>.out``.  Around it
 the wrapper writes ``start``, ``error`` and ``end`` events to ``rank<R>.events.jsonl`` (rules in
 `ddp_hpc.exec.outcome`); a log it cannot write costs a message on stderr, never the exit status.
+The child also gets torchrun's other variables and, for a Python command, ddp_hpc's
+instrumentation (`ddp_hpc.exec.instrumented`, docs/scripts.md "What status sees without changes").
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from ddp_hpc.env import DistEnv, EnvError, gpu_index, job_facts, visible_gpus
 from ddp_hpc.env.checks import diagnose
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.exec.events import SafeLog
+from ddp_hpc.exec.instrumented import Instrumentation, read_error_file, torch_environ
 from ddp_hpc.exec.outcome import classify, error_fields, last_step
-from ddp_hpc.runlogs.schema import events_file, rank_out
+from ddp_hpc.runlogs.schema import error_file, events_file, rank_out
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.text import HelpFormatter, prog
 
@@ -47,7 +50,8 @@ EXAMPLES = """examples:
 The command gets the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID) and
 DDP_HPC_LOG_DIR; SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGCONT, SIGHUP and SIGURG (status --stacks)
-are passed on to it, and its exit status is this command's. See docs/scripts.md."""
+are passed on to it, and its exit status is this command's. A Python command is instrumented
+(step events, hang and native-crash stacks) unless DDP_HPC_INSTRUMENT=0. See docs/scripts.md."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,12 +139,16 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
         log.warning(note)
     out_path = log.dir / rank_out(env.rank) if log.dir else None
     out_start = _size(out_path)
+    errfile = _torch_environ(child_env, env, log.dir)
+    inst = Instrumentation.prepare(cmd, child_env, log.dir, env.rank)
     started = time.time()
     with _forwarding() as fwd:
         try:
-            proc = subprocess.Popen(cmd, env=child_env)
+            proc = subprocess.Popen(cmd, env=child_env, pass_fds=inst.pass_fds)
         except OSError as exc:
+            inst.started()
             return _not_started(cmd, exc, log)
+        inst.started()
         fwd.attach(proc)
         log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,
                   local_rank=env.local_rank, pid=proc.pid, total_steps=None, epochs=None,
@@ -149,13 +157,29 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
                  f"node {env.node_rank} of {env.num_nodes})")
         events = log.dir / events_file(env.rank) if log.dir else None
         events_start = _size(events)
-        outcome = classify(proc.wait(), fwd.forwarded)
+        outcome = classify(proc.wait(), fwd.forwarded, inst.ending())
         try:
-            _record_end(log, outcome, (out_path, out_start), (events, events_start), started)
+            why = (read_error_file(errfile, started), inst.fault_stack())
+            _record_end(log, outcome, (out_path, out_start, *why), (events, events_start), started)
         except Exception as exc:  # noqa: BLE001 - the exit status must survive a broken log
             print(f"{prog('exec')}: cannot record how rank {env.rank} ended: {type(exc).__name__}: "
                   f"{exc}", file=sys.stderr, flush=True)
     return outcome.exit_status
+
+
+def _torch_environ(child_env: dict[str, str], env: DistEnv, log_dir: Path | None) -> Path | None:
+    """Add torchrun's other variables and the flight recorder's where unset (exec/instrumented.py);
+    returns the elastic error file the child will write (a stale one of an earlier run removed)."""
+    visible = visible_gpus(child_env)
+    gpus = bool(visible) if visible is not None else os.path.exists("/dev/nvidiactl")
+    path = log_dir / error_file(env.rank) if log_dir else None
+    for key, value in torch_environ(log_dir, env.rank, job_facts(child_env).restart_count, gpus).items():
+        if child_env.setdefault(key, value) != value and path is not None and value == str(path):
+            path = None    # the user chose their own error file: theirs to keep
+    if path is not None:
+        with contextlib.suppress(OSError):   # an unwritable log directory costs no run
+            path.unlink(missing_ok=True)
+    return path
 
 
 def _record_end(log: SafeLog, outcome, out: tuple, events: tuple, started: float) -> None:
@@ -164,8 +188,13 @@ def _record_end(log: SafeLog, outcome, out: tuple, events: tuple, started: float
     elif outcome.status == "killed" and outcome.signal in ("SIGUSR1", "SIGUSR2"):
         log.warning(f"the command died of {outcome.signal}, passed on by the wrapper: it does not "
                     "handle that signal (ddp_hpc.preemption.install() catches the job's --signal)")
+    if outcome.teardown:
+        log.warning(f"the script ended with status {outcome.exit_code}, then the process died of "
+                    f"{outcome.teardown} in the interpreter's native teardown (after its Python code "
+                    f"had finished): counted as {outcome.status}, exit status {outcome.exit_status}")
     log.event("end", status=outcome.status, exit_code=outcome.exit_code, signal=outcome.signal,
-              step=last_step(*events), duration_s=round(time.time() - started, 3))
+              step=last_step(*events), duration_s=round(time.time() - started, 3),
+              teardown=outcome.teardown)
     how = f"signal {outcome.signal}" if outcome.signal else f"status {outcome.exit_code}"
     log.info(f"exec: command ended with {how}: {outcome.status}")
 

@@ -148,8 +148,10 @@ def _from_error(base: RankEnding, e: dict, end: dict | None, out_tb, out_tail,
         if phrase:  # NCCL's watchdog aborts the process after a collective timeout
             return _set(base, "consequence", phrase, f"error event; {out_name}", phrase=phrase,
                         signal=sig)
+        # a native crash of an instrumented script: faulthandler's stack as its traceback
+        stack = str(e.get("traceback") or "").rstrip("\n").splitlines() or None
         return _set(base, "killed", f"killed by {signal_text(sig)}", "error event", signal=sig,
-                    exc_type=e.get("exc_type"), message=e.get("message"))
+                    exc_type=e.get("exc_type"), message=e.get("message"), traceback=stack)
     exc_type, message = e.get("exc_type"), e.get("message")
     tb = str(e.get("traceback") or "").rstrip("\n").splitlines() or None
     wrapper = exc_type in ("Exited", "Signal") or _WRAPPER_WORDS.search(str(message or ""))
@@ -177,8 +179,9 @@ def _from_end(base: RankEnding, end: dict, out_tb, out_tail, out_name: str) -> R
     status = str(end.get("status"))
     sig = signal_number(end.get("signal"))
     code = end.get("exit_code") if isinstance(end.get("exit_code"), int) else None
-    if status in ("completed", "preempted"):
-        return _set(base, status, status, "end event", exit_code=code)
+    if status in ("completed", "preempted"):  # teardown: a native abort after the script ended
+        after = f"; then {end['teardown']} in native teardown" if end.get("teardown") else ""
+        return _set(base, status, status + after, "end event", exit_code=code)
     if status in ("killed", "interrupted"):  # a SIGTERM/SIGINT the exec wrapper passed on
         how = f" by {signal_name(sig)}" if sig else ""
         word = "stopped" if status == "killed" else status

@@ -9,6 +9,10 @@ Files in a run's log directory, per rank R:
                             Python tracebacks, library warnings, anything printed outside the logger.
 - ``slurm-<id>.out``:       the batch script's own output (srun's exit reports), Slurm jobs only.
 - ``config.yaml``:          the resolved job config the run trained with.
+- ``rank{R}.fault``:        a script's native-crash stacks (faulthandler, from ``ddp_hpc.exec``'s
+                            instrumentation): SIGSEGV / SIGABRT / SIGBUS in a C extension.
+- ``rank{R}.error.json``:   torch.distributed.elastic's error file (``TORCHELASTIC_ERROR_FILE``).
+- ``flight_recorder_rank{R}``: PyTorch's flight recorder dump (NCCL, on a collective timeout).
 - ``local-driver.out``:     the local backend's driver output (its "FAILED: rank R exited with RC"
                             lines), local jobs only.
 """
@@ -25,14 +29,14 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "start": ("world_size", "num_nodes", "local_rank", "pid", "total_steps", "epochs", "launcher",
               "device", "command"),
     "step": ("epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "data_s", "rss_mb",
-             "cpu_percent", "metrics"),
+             "cpu_percent", "metrics", "steps_per_s"),
     "epoch": ("epoch", "step", "loss", "samples_per_s"),
     "eval": ("epoch", "step", "metrics"),
     "checkpoint": ("step", "path"),
     "preempt": ("signal", "reason", "step"),
     "requeue": ("job_id",),
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),
-    "end": ("status", "step", "exit_code", "signal", "duration_s"),
+    "end": ("status", "step", "exit_code", "signal", "duration_s", "teardown"),
     "stack": ("reason", "stack", "step"),
     # data.io=stage, on each node leader: how (copy | sbcast | reused), where, bytes, time
     "stage": ("method", "path", "src", "bytes", "files", "seconds", "mb_per_s", "copy_seconds", "made_by",
@@ -66,6 +70,19 @@ def events_file(rank: int) -> str:
 def rank_out(rank: int | str) -> str:
     """``rank{R}.out``; pass ``"%t"`` for srun's ``--output`` pattern."""
     return f"rank{rank}.out"
+
+
+def fault_file(rank: int | str) -> str:
+    return f"rank{rank}.fault"
+
+
+def error_file(rank: int | str) -> str:
+    return f"rank{rank}.error.json"
+
+
+def flight_prefix() -> str:
+    """The flight recorder's dump file prefix; PyTorch appends the rank."""
+    return "flight_recorder_rank"
 
 
 def batch_out(job_pattern: str = "%j") -> str:

@@ -104,10 +104,58 @@ def _frame(f: tuple[str, int, str]) -> str:
 
 
 def _library(path: str) -> bool:
-    """Installed packages and the standard library (not the program's own code)."""
+    """Installed packages, the standard library and ddp_hpc's own hooks in a script (not the
+    program's own code)."""
     p = path.replace("\\", "/")
     return (p.startswith("<") or "/site-packages/" in p or "/dist-packages/" in p
-            or bool(_STDLIB.search(p)))
+            or "/ddp_hpc/instrument/" in p or bool(_STDLIB.search(p)))
+
+
+def collective(text: str) -> str | None:
+    """What collective the main thread waits in, in words ("all_reduce", "DDP's all-reduce
+    (backward)"), or None when it is not in one: a frame of ``torch.distributed``'s collectives,
+    of autograd's backward (where DDP's reducer waits for its gradient all-reduce) or of DDP's
+    forward (its buffer broadcast)."""
+    t = main_thread(text)
+    if t is None:
+        return None
+    for file, _line, func in t.frames:
+        p = file.replace("\\", "/")
+        if p.endswith("torch/distributed/distributed_c10d.py"):
+            return func
+        if p.endswith("torch/nn/parallel/distributed.py"):
+            return "DDP's forward (buffer broadcast)"
+        if "/torch/autograd/" in p:
+            return "DDP's all-reduce (backward)"
+    return None
+
+
+def own_frame(text: str) -> str | None:
+    """The innermost frame of the program's own code in the main thread: ``stuck (train.py:17)``."""
+    t = main_thread(text)
+    if t is None:
+        return None
+    f = next((f for f in t.frames if not _library(f[0])), t.frames[0])
+    return f"{f[2]} ({_frame(f).split(' in ')[0]})"
+
+
+def hang_line(texts: dict[int, str], ranks_text) -> str | None:
+    """A hang in one line from the ranks' stacks (rank -> stack text): the ranks *not* inside a
+    collective first, then the collectives the others wait in: ``rank 3 in stuck (train.py:17);
+    ranks 0-2 wait in DDP's all-reduce (backward)``. None unless some rank waits in a collective
+    and some does not. ``ranks_text`` words a list of ranks ("ranks 0-2")."""
+    waits: dict[str, list[int]] = {}
+    outside: dict[str, list[int]] = {}
+    for r, text in sorted(texts.items()):
+        if (c := collective(text)) is not None:
+            waits.setdefault(c, []).append(r)
+        elif (own := own_frame(text)) is not None:
+            outside.setdefault(own, []).append(r)
+    if not waits or not outside:
+        return None
+    parts = [f"{ranks_text(rs)} in {where}" for where, rs in outside.items()]
+    parts += [f"{ranks_text(rs)} wait{'s' if len(rs) == 1 else ''} in {c}" for c, rs in waits.items()]
+    return "; ".join(parts)
 
 
 def stack_excerpt(text: str, n: int = EXCERPT_LINES) -> list[str]:

@@ -29,7 +29,8 @@ import statistics
 from dataclasses import dataclass
 
 from ddp_hpc.parsing import to_float, to_int
-from ddp_hpc.runlogs.stacks import stack_summary
+from ddp_hpc.runlogs.consequences import ranks_text
+from ddp_hpc.runlogs.stacks import hang_line, stack_summary
 
 #: with data_s, a rank's extra wait must also be at least this share of the median step time
 OWN_MIN_SHARE = 0.1
@@ -55,6 +56,7 @@ class RunProgress:
     percent: float | None = None
     loss: float | None = None
     samples_per_s: float | None = None
+    steps_per_s: float | None = None
     eta_s: float | None = None
     updated: float | None = None
 
@@ -127,15 +129,33 @@ def silent_stacks(per_rank: dict[int, list[dict]], ranks: list[int], now: float 
     only when it has been silent for ``STACK_GRACE_S`` past the threshold."""
     where: dict[str, str] = {}
     late: list[int] = []
+    texts = silent_texts(per_rank, ranks)
     for r in ranks:
-        evs = per_rank.get(r, [])
-        since = _last_time(evs) or 0.0
-        stacks = [e for e in evs if e.get("event") == "stack" and (to_float(e.get("time")) or 0) >= since]
-        if stacks and (s := stack_summary(str(stacks[-1].get("stack") or ""))):
+        since = _last_time(per_rank.get(r, [])) or 0.0
+        if (s := stack_summary(texts.get(r, ""))):
             where[str(r)] = s
         elif now is None or threshold_s is None or now - since > threshold_s + STACK_GRACE_S:
             late.append(r)
     return where, (late if where else [])
+
+
+def silent_texts(per_rank: dict[int, list[dict]], ranks: list[int]) -> dict[int, str]:
+    """rank -> the text of its newest stack event written during its silence (since its newest
+    other event)."""
+    out: dict[int, str] = {}
+    for r in ranks:
+        evs = per_rank.get(r, [])
+        since = _last_time(evs) or 0.0
+        stacks = [e for e in evs if e.get("event") == "stack" and (to_float(e.get("time")) or 0) >= since]
+        if stacks and stacks[-1].get("stack"):
+            out[r] = str(stacks[-1]["stack"])
+    return out
+
+
+def hang(per_rank: dict[int, list[dict]], ranks: list[int]) -> str | None:
+    """The silent ranks' hang in one line (`ddp_hpc.runlogs.stacks.hang_line`): which rank is
+    not inside a collective while the others wait in one; None when the stacks do not say."""
+    return hang_line(silent_texts(per_rank, ranks), ranks_text)
 
 
 def _own_times(evs: list[dict]) -> list[float]:
@@ -240,6 +260,8 @@ def progress(evs: list[dict], all_events: list[dict]) -> RunProgress | None:
                 p.loss = to_float(e.get("loss"), p.loss)
             if e.get("samples_per_s") is not None:
                 p.samples_per_s = to_float(e.get("samples_per_s"), p.samples_per_s)
+            if e.get("steps_per_s") is not None:   # an instrumented script's step events
+                p.steps_per_s = to_float(e.get("steps_per_s"), p.steps_per_s)
     totals = [e.get("total_steps") for e in all_events if e.get("total_steps") is not None]
     p.total_steps = to_int(totals[-1], None) if totals else None
     if p.total_steps and p.step is not None:

@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 from ddp_hpc import records
-from ddp_hpc.runlogs import timing
+from ddp_hpc.runlogs import flightrec, timing
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
+from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.reader import Failure, RunLogs, RunProgress
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
@@ -69,6 +70,7 @@ class JobStatus:
     eval_metrics: dict | None = None  # the newest eval event's metrics
     eval_step: int | None = None
     overrides: list[str] | None = None  # an array task's overrides (the record's array[i])
+    flight: list[str] = field(default_factory=list)  # the flight recorder's dumps (runlogs.flightrec)
 
     @property
     def job_state(self) -> JobState:
@@ -246,6 +248,9 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
         overrides=_overrides(t))
     _timing(st, logs, now, brief)
+    if not brief and t.log_dir:   # NCCL's flight recorder dumps of the current run
+        since = runs[-1].started if runs else None
+        st.flight = flightrec.summary(flightrec.dumps(Path(t.log_dir), since), ranks_text)
     return st, keep if t.local else _final(sched, logs.srun_exit_codes, now)
 
 
@@ -277,7 +282,7 @@ def _timing(st: JobStatus, logs: RunLogs, now: float, brief: bool = False) -> No
         st.timing = timing.stragglers(per_rank, hosts)
     if st.job_state is JobState.RUNNING and (stall := timing.stall(per_rank, now)) is not None:
         stacks, none = timing.silent_stacks(per_rank, stall["ranks"], now, stall["threshold_s"])
-        st.stall = {**stall, "stacks": stacks, "no_stack": none}
+        st.stall = {**stall, "stacks": stacks, "no_stack": none, "hang": timing.hang(per_rank, stall["ranks"])}
 
 
 def _overrides(t: StatusTarget) -> list[str] | None:
@@ -298,6 +303,8 @@ def rank_endings(logs: RunLogs) -> dict[int, str]:
         if end is None:
             continue
         how = end.get("signal") or (f"exit {end['exit_code']}" if end.get("exit_code") else None)
+        if end.get("teardown"):   # the script ended, then the interpreter's teardown crashed
+            how = ", ".join(filter(None, [how, f"{end['teardown']} in native teardown"]))
         out[rank] = str(end.get("status") or "ended") + (f" ({how})" if how else "")
     return out
 

@@ -3,9 +3,10 @@ threads, and show them.
 
 How: ``STACK_SIGNAL`` (SIGURG) goes to every rank -- ``scancel --signal=URG`` for a Slurm job
 (every task of every step), ``kill`` of the recorded processes for a local one -- and each rank's
-watchdog thread (``ddp_hpc.runlogs.watchdog``; the training core starts one, ``ddp_hpc.report``
-starts one in a script, ``ddp_hpc.exec`` forwards the signal) writes a ``stack`` event, which this
-command waits for. SIGURG is ignored by default, so a process without a watchdog is unharmed.
+watchdog thread (``ddp_hpc.runlogs.watchdog``; the training core starts one, and in a script
+``ddp_hpc.report`` or the instrumentation of ``ddp_hpc.exec``, which forwards the signal) writes
+a ``stack`` event, which this command waits for. SIGURG is ignored by default, so a process
+without a watchdog is unharmed.
 A rank that answers nothing is frozen (SIGSTOP, a kernel hang), gone, or does not run ddp_hpc's
 watchdog; its silence is reported as such.
 """
@@ -14,8 +15,9 @@ from __future__ import annotations
 import os
 import time
 
+from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.reader import RunLogs
-from ddp_hpc.runlogs.stacks import stack_summary
+from ddp_hpc.runlogs.stacks import hang_line, stack_summary
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.status.targets import StatusError
 
@@ -74,6 +76,8 @@ def ask_stacks(target, cli, wait_s: float = WAIT_S) -> tuple[str, dict[int, dict
 
 def render_stacks(job_id: str, how: str, answers: dict[int, dict], silent: list[int]) -> str:
     out = [f"Stacks of job {job_id} (asked with {how}):"]
+    if line := hang_line({r: str(ev.get("stack") or "") for r, ev in answers.items()}, ranks_text):
+        out.append(f"hang: {line}")
     for r, ev in sorted(answers.items()):
         where = stack_summary(str(ev.get("stack") or ""))
         out.append(f"rank {r} on {ev.get('host') or '?'}: in {where or '?'}"
@@ -83,5 +87,6 @@ def render_stacks(job_id: str, how: str, answers: dict[int, dict], silent: list[
     if silent:
         out.append(f"no answer from rank{'s' if len(silent) > 1 else ''} "
                    f"{', '.join(map(str, silent))}: frozen (stopped, a hang in the kernel), ended, "
-                   "or not running ddp_hpc's watchdog (a script that never calls ddp_hpc.report)")
+                   "or not running ddp_hpc's watchdog (a script run with --no-instrument, or one that has not "
+                   "imported torch yet)")
     return "\n".join(out) + "\n"

@@ -141,6 +141,7 @@ def files_guide() -> str:
 def render_detail(st: JobStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
     out = _head_lines(st, now) + _exit_lines(st) + _failure_lines(st) + _timing_lines(st)
+    out += [("Flight rec: " if i == 0 else "            ") + ln for i, ln in enumerate(st.flight)]
     out += _event_lines(st, now) + _history_lines(st) + [f"Note: {n}" for n in st.notes]
     return "\n".join(out) + "\n"
 
@@ -162,6 +163,8 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
             bits.append(f"loss {p.loss:.4g}")
         if p.samples_per_s is not None:
             bits.append(f"{p.samples_per_s:.1f} samples/s")
+        if p.steps_per_s is not None:
+            bits.append(f"{p.steps_per_s:.3g} steps/s")
         if p.eta_s is not None:
             bits.append(f"ETA {format_duration(p.eta_s)}")
         bits.append(f"updated {_ago(p.updated, now)}")
@@ -222,6 +225,8 @@ def _stall_lines(st: JobStatus) -> list[str]:
     out = [line, f"            (no event for > {format_duration(sl['threshold_s'])}: max({STALL_FACTOR:g} x "
                  f"the median interval between step events, {sl['median_interval_s']:.3g} s, "
                  f"{STALL_MIN_S:g} s))"]
+    if sl.get("hang"):
+        out.append(f"            hang: {sl['hang']}")
     out += [f"            rank {r} was in {where}" for r, where in sorted(sl.get("stacks", {}).items(),
                                                                    key=lambda kv: int(kv[0]))]
     if sl.get("no_stack"):

@@ -94,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
                          "the earlier run is kept")
     ap.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
                     help="give up waiting after this many seconds")
+    ap.add_argument("--no-instrument", action="store_true",
+                    help="a script or module: run it without ddp_hpc's instrumentation (step "
+                         "events, hang stacks, native-crash stacks; docs/scripts.md); the same as "
+                         "DDP_HPC_INSTRUMENT=0")
     return ap
 
 
@@ -181,6 +185,8 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
         command = script_command(str(target.what), target.rest)
         name = Path(str(target.what)).stem
     sweeps = script_sweeps(args.sweep)
+    if args.no_instrument:   # every backend's ranks inherit this environment
+        os.environ["DDP_HPC_INSTRUMENT"] = "0"
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
     cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)
