@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ddp_hpc import records
 from ddp_hpc.runlogs import flightrec, timing
@@ -249,7 +250,7 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         overrides=_overrides(t))
     _timing(st, logs, now, brief)
     if not brief and t.log_dir:   # NCCL's flight recorder dumps of the current run
-        since = runs[-1].started if runs else None
+        since = cur.started if cur is not None else None
         st.flight = flightrec.summary(flightrec.dumps(Path(t.log_dir), since), ranks_text)
     return st, keep if t.local else _final(sched, logs.srun_exit_codes, now)
 
