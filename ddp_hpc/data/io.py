@@ -35,8 +35,8 @@ from torch.utils.data import DataLoader
 from ddp_hpc.data.broadcast import BroadcastDataset, build_plan
 from ddp_hpc.data.errors import IOConfigError, StageError
 from ddp_hpc.data.lmdb import LMDBDataset
-from ddp_hpc.data.samplers import ResumableDistributedSampler
 from ddp_hpc.data.nodestage import node_user, rank_user, release_on_node, stage_log_entry, stage_on_node, write_run_log
+from ddp_hpc.data.samplers import ResumableDistributedSampler
 from ddp_hpc.data.stage import StageResult, resolve_stage_dir
 from ddp_hpc.dist import group_has_peers, group_initialized
 
