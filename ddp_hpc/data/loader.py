@@ -19,11 +19,10 @@ pair with the members'), as with any DDP loop.
 """
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from ddp_hpc.data.broadcast import BroadcastDataset, build_plan
 from ddp_hpc.data.errors import IOConfigError
 from ddp_hpc.data.samplers import batches_per_rank
+from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect
 
 __all__ = ["BroadcastLoader"]
@@ -42,7 +41,7 @@ class BroadcastLoader:
 
     def __init__(self, dataset, batch_size: int, *, groups: str = "node", seed: int = 0, device=None,
                  bucket_mb: float = 1.0, num_workers: int = 0):
-        if not (dist.is_available() and dist.is_initialized()):
+        if not group_initialized():
             raise IOConfigError("BroadcastLoader needs torch.distributed initialised first",
                                 "call dist.init_process_group(...) (or ddp_hpc.dist.setup_ddp()) before "
                                 "making the loader")
