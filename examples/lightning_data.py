@@ -13,11 +13,13 @@ from the torchrun variables ``ddp_hpc.exec`` sets (or from Slurm's under srun). 
 line, ``lightning_data: {...}``, with the path it read and the samples every rank trained on.
 """
 import argparse
+import gc
 import json
 import os
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -79,6 +81,9 @@ def main() -> None:
         print("lightning_data: " + json.dumps({"data": data.path, "kind": type(data.dataset).__name__,
                                                 "loader": args.loader, "samples": int(seen),
                                                 "ranks": trainer.world_size}), flush=True)
+    del trainer, model, data   # DDP's parts go before their process group, not at interpreter exit
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ in ``DDP_HPC_STAGE_<NAME>``.  When the script has ended every rank gives the cop
 (:func:`ddp_hpc.data.nodestage.release_on_node`; the last one out removes it), unless it exited 75
 (preempted: the requeued job reuses the copy).
 
-NAME defaults to SRC's base name; it is upper-cased, and any character other than a letter, a digit
+NAME defaults to SRC's base name (a SRC whose name holds ``=`` needs ``=NAME``, unless it exists
+and its part before the ``=`` does not); it is upper-cased, and any character other than a letter, a digit
 or ``_`` becomes ``_`` (``/shared/train.lmdb`` -> ``DDP_HPC_STAGE_TRAIN_LMDB``).  A script reads it
 with :func:`staged_path` (or ``os.environ``), so it changes one path, or none.
 """
@@ -58,10 +59,14 @@ def _default_name(src: str) -> str:
     return re.sub(r"[^A-Z0-9_]", "_", base.upper())[:64]
 
 
-def _split(item: str) -> tuple[str, str | None]:
-    """``SRC=NAME`` -> (SRC, NAME); a ``=`` whose right side holds a ``/`` belongs to SRC."""
+def _split(item: str, workdir: str) -> tuple[str, str | None]:
+    """``SRC=NAME`` -> (SRC, NAME).  The last ``=`` belongs to SRC when its right side holds a
+    ``/``, or when the whole item names a path that exists and the left side does not."""
     src, eq, name = item.rpartition("=")
     if not eq or "/" in name or not src:
+        return item, None
+    here = os.path.join(workdir, os.path.expanduser(item))
+    if os.path.exists(here) and not os.path.exists(os.path.join(workdir, os.path.expanduser(src))):
         return item, None
     return src, name
 
@@ -72,15 +77,16 @@ def parse_stage_items(items: Sequence[str], *, where: str = "--stage", workdir: 
     A bad name, a missing source, a path with control characters, or two items with one source
     or one name are a :class:`StageError` naming the item."""
     out: list[StageItem] = []
+    workdir = workdir or os.getcwd()
     for item in items:
-        src, name = _split(str(item))
+        src, name = _split(str(item), workdir)
         if _BAD_PATH.search(src):
             raise StageError(f"{where} {item!r}: the path holds a control character (newline, tab, ...)",
                              "rename the file or folder, or link it from a plain path")
         if name is not None and not _GIVEN_NAME.match(name):
             raise StageError(f"{where} {item!r}: NAME {name!r} is not letters, digits and _ (at most 64)",
                              f"write e.g. {where} {src}=TRAIN: the script reads $DDP_HPC_STAGE_TRAIN")
-        src = os.path.abspath(os.path.join(workdir or os.getcwd(), os.path.expanduser(src)))
+        src = os.path.abspath(os.path.join(workdir, os.path.expanduser(src)))
         try:
             kind = source_kind(src)
         except StageError:
