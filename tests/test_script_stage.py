@@ -1,7 +1,8 @@
 """``ddp-hpc submit --stage SRC[=NAME]`` for a script, and ``ddp_hpc.data``'s API for scripts: the
-items and their checks, what each backend is handed (the batch script's quoting, sbcast), and real
+items and their checks, what each backend is handed (the batch script's quoting, sbcast), real
 local jobs of examples/fast_data.py and examples/lightning_data.py on 2 pretend nodes (one copy,
-the path in the variable, the copy gone after the job, the staging in ``ddp-hpc status``)."""
+the path in the variable, the copy gone after the job, the staging in ``ddp-hpc status``), and
+docs/scripts.md's script with the LMDB dataset and the broadcast loader, run as written."""
 
 from __future__ import annotations
 
@@ -152,14 +153,19 @@ def test_a_lightning_datamodule_reads_a_staged_folder(images, tmp_path):
     assert sorted(e["method"] for e in events) == ["copy", "reused"] and events[0]["files"] == 96 + 1
 
 
-def test_a_plain_script_uses_the_broadcast_loader_on_the_shared_lmdb(images, tmp_path):
-    p = _cli(["--backend", "local", "-N", "1", "-G", "2", "--log-dir", "runs", "--wait", FAST,
-              "--data", str(images / "imgs.lmdb"), "--loader", "broadcast", "--epochs", "2", "--batch-size", "8"],
-             tmp_path)
-    assert p.returncode == 0, p.stderr
-    out = _result(p.stdout, "fast_data")
-    assert (out["kind"], out["loader"], out["samples"], out["data"]) == \
-        ("LMDBDataset", "broadcast", 2 * 96, str(images / "imgs.lmdb"))
+def _docs_script(lmdb: Path) -> str:
+    """docs/scripts.md's complete torchrun-style script, reading ``lmdb`` through the broadcast loader."""
+    text = (ROOT / "docs" / "scripts.md").read_text()
+    block = text[text.index("A complete torchrun-style script"):].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "broadcast = False" in block and '"/shared/imgs.lmdb"' in block
+    return block.replace("broadcast = False", "broadcast = True").replace('"/shared/imgs.lmdb"', repr(str(lmdb)))
+
+
+def test_the_documented_script_trains_on_the_lmdb_dataset_through_the_broadcast_loader(images, tmp_path):
+    (tmp_path / "train.py").write_text(_docs_script(images / "imgs.lmdb"))
+    p = _cli(["--backend", "local", "-N", "1", "-G", "2", "--log-dir", "runs", "--wait", "train.py"], tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert re.search(r"^rank 0: loss \d+\.\d+$", p.stdout, re.M), p.stdout
 
 
 def _one_rank(tmp_path, spec: str, exit_status: int):
