@@ -191,15 +191,15 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
         command = script_command(str(target.what), target.rest)
         name = Path(str(target.what)).stem
     sweeps = script_sweeps(args.sweep)
+    try:   # before the backend is chosen: a bad --stage fails first
+        stage = parse_stage_items(args.stage)
+    except StageError as exc:
+        raise SpecError(exc.problem, exc.hint) from None
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
     cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)
     spec = build_command_spec(dataclasses.replace(opts, backend=backend), command=command,
                               name=name, log_root=args.log_dir or "runs", sweeps=sweeps)
-    try:
-        stage = parse_stage_items(args.stage, workdir=spec.workdir)
-    except StageError as exc:
-        raise SpecError(exc.problem, exc.hint) from None
     return dispatch(dataclasses.replace(spec, stage=stage), args, backend, cli, None)
 
 
