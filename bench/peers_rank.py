@@ -150,7 +150,7 @@ def run_rank(rank, world_size, a):
                 cell = out["cells"][-1]
                 say(f"{scenario} round {rnd} {label}: {cell['samples']} samples, {cell['epoch_s']:.2f} s")
     k = max(1, -(-a["files"] // world_size) // a["batch"] // 2)
-    for label in a["techniques"]:
+    for label in a["techniques"] if a.get("resume", True) else ():   # bench/io_scripts.py: no resume test
         out["resume"][label] = _resume(label, ctx, a, k)
         say(f"resume test {label}")
     cleanup_ddp()

@@ -374,7 +374,7 @@ def test_a_cleanup_that_really_fails_says_what_is_left_and_what_to_do(tmp_path, 
     src = _small_lmdb(tmp_path)
     size = os.path.getsize(os.path.join(src, "data.mdb"))
     logs = tmp_path / "logs"
-    env = SimpleNamespace(rank=0, local_rank=0, node_rank=0, job_id="j9", restart_count=0)
+    env = SimpleNamespace(rank=0, local_rank=0, local_world_size=1, node_rank=0, job_id="j9", restart_count=0)
     cfg = DataConfig(io="stage", lmdb_path=src, stage_to=str(tmp_path), stage_cleanup=True)
     monkeypatch.delenv("DDP_HPC_LOG_DIR", raising=False)
     ds = open_train_data(cfg, SimpleNamespace(env=env), list)

@@ -15,5 +15,27 @@
 * :mod:`ddp_hpc.data.errors`: the package's errors (``HintError``: problem + HINT line);
 * :mod:`ddp_hpc.data.cli`: ``ddp-hpc data pack|verify|make-images|stage|sbcast``.
 
-Submodules are imported on use, so ``import ddp_hpc.data`` stays cheap.
+For a user's own training script (docs/scripts.md, "Fast data from your own script"):
+
+* ``LMDBDataset(path)``: a packed LMDB as a map-style dataset (``(tensor, label)`` items; safe to
+  pickle into DataLoader workers; a DataLoader batch is one bulk read);
+* ``BroadcastLoader(dataset, batch_size)``: one reader per node ships each rank its
+  ``DistributedSampler`` samples (:mod:`ddp_hpc.data.loader`);
+* ``staged_path(name, default)``: the node-local copy ``ddp-hpc submit --stage SRC=NAME`` made
+  (``$DDP_HPC_STAGE_<NAME>``; :mod:`ddp_hpc.data.scriptstage`);
+* ``ImageFolderDataset(root)``: a class-per-folder image dataset (``ddp-hpc data pack`` makes
+  one LMDB of it).
+
+Submodules, and these names, are imported on use, so ``import ddp_hpc.data`` stays cheap.
 """
+import importlib
+
+_PUBLIC = {"LMDBDataset": "ddp_hpc.data.lmdb", "BroadcastLoader": "ddp_hpc.data.loader",
+           "staged_path": "ddp_hpc.data.scriptstage", "ImageFolderDataset": "ddp_hpc.data.images"}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'ddp_hpc.data' has no attribute {name!r}")

@@ -25,7 +25,6 @@ drop_last=False)``'s samples for the epoch, in order, from batch ``start_batch``
 from __future__ import annotations
 
 import logging
-import socket
 import weakref
 from datetime import timedelta
 
@@ -36,11 +35,10 @@ from torch.utils.data import DataLoader
 from ddp_hpc.data.broadcast import BroadcastDataset, build_plan
 from ddp_hpc.data.errors import IOConfigError, StageError
 from ddp_hpc.data.lmdb import LMDBDataset
+from ddp_hpc.data.nodestage import node_user, rank_user, release_on_node, stage_log_entry, stage_on_node, write_run_log
 from ddp_hpc.data.samplers import ResumableDistributedSampler
-from ddp_hpc.data.stage import StageRequest, StageResult, cleanup_staged, resolve_stage_dir, stage_result
+from ddp_hpc.data.stage import StageResult, resolve_stage_dir
 from ddp_hpc.dist import group_has_peers, group_initialized
-from ddp_hpc.env import job_facts
-from ddp_hpc.runlogs.writer import RunLog
 
 __all__ = ["open_train_data", "make_train_batches", "close_train_data", "take_stage_log", "IOConfigError",
            "STAGE_WAIT"]
@@ -69,11 +67,6 @@ def _long_barrier_group():
     return dist.new_group(backend="gloo", timeout=STAGE_WAIT)
 
 
-def _node_user(env) -> str:
-    """This node leader's name on a shared stage folder (pretend nodes share the host name)."""
-    return f"node{env.node_rank}@{socket.gethostname()}"
-
-
 def _stage_dataset(data_cfg, ctx, dataset_factory):
     env = ctx.env
     group = _long_barrier_group()
@@ -86,59 +79,21 @@ def _stage_dataset(data_cfg, ctx, dataset_factory):
             raise IOConfigError(f"data.io=stage without data.lmdb_path needs a dataset with a .root folder "
                                 f"and .relocated(path); {type(base).__name__} has neither",
                                 "set data.lmdb_path to a packed LMDB (python -m ddp_hpc.data pack)")
-    user = _node_user(env)
-    res = stage_result(StageRequest(src, resolve_stage_dir(data_cfg.stage_to), job_id=env.job_id,
-                                    restart_count=env.restart_count, copier=env.local_rank == 0,
-                                    user=user, wait_timeout=STAGE_WAIT.total_seconds()))
+    res = stage_on_node(src, resolve_stage_dir(data_cfg.stage_to), env, wait_timeout=STAGE_WAIT.total_seconds())
     if group is not None:
         dist.barrier(group=group)  # every node staged before anyone enters a training collective
         dist.destroy_process_group(group)
     ds = LMDBDataset(res.path) if base is None else base.relocated(res.path)
-    _staged[id(ds)] = (res.path, user)
+    _staged[id(ds)] = res.path
     if env.local_rank == 0:
-        _log_stage(ds, res, env, user)
+        _log_stage(ds, res, env)
     return ds
 
 
-def _write_run_log(env, line: str, event: dict | None = None, warning: bool = False) -> bool:
-    """Add ``line`` (and a ``stage`` event) to this rank's run log when its directory is known
-    now ($DDP_HPC_LOG_DIR); False when it is not, or cannot be written (logged; the run goes on)."""
-    log_dir = job_facts().log_dir
-    if not log_dir:
-        return False
-    try:
-        run_log = RunLog(log_dir, env.rank, env.job_id, env.restart_count, console=False)
-        try:
-            run_log.warning(line) if warning else run_log.info(line)
-            if event is not None:
-                run_log.event("stage", **event)
-        finally:
-            run_log.close()
-    except OSError as e:
-        log.warning("cannot write rank %s's run log in %s: %s", env.rank, log_dir, e)
-        return False
-    return True
-
-
-def stage_log_entry(res: StageResult, user: str) -> tuple[str, dict]:
-    """The text line and the ``stage`` event fields that describe one node leader's staging."""
-    how = {"copy": "copied", "sbcast": "adopted the sbcast copy of", "reused": "reused the copy of"}
-    if res.method == "reused":
-        detail = f"made by attempt {res.made_by}"
-    else:
-        detail = f"copy {res.copy_seconds:.2f} s, {res.mb_per_s:.0f} MB/s"
-    line = (f"stage: {how.get(res.method, res.method)} {res.src} -> {res.path} on {user}: "
-            f"{res.bytes / 1e6:.1f} MB, {res.files} file(s) in {res.seconds:.2f} s ({detail})")
-    fields = {"method": res.method, "path": res.path, "src": res.src, "bytes": res.bytes, "files": res.files,
-              "seconds": res.seconds, "mb_per_s": res.mb_per_s, "copy_seconds": res.copy_seconds,
-              "made_by": res.made_by, "node": user, "users": list(res.users)}
-    return line, fields
-
-
-def _log_stage(ds, res: StageResult, env, user: str) -> None:
-    line, fields = stage_log_entry(res, user)
+def _log_stage(ds, res: StageResult, env) -> None:
+    line, fields = stage_log_entry(res, node_user(env))
     log.info(line)
-    if not _write_run_log(env, line, fields):
+    if not write_run_log(env, line, fields):
         _stage_logs[id(ds)] = [(line, fields)]  # for take_stage_log, once the run log is open
 
 
@@ -203,29 +158,30 @@ def make_train_batches(dataset, data_cfg, ctx, *, batch_size: int, seed: int, ep
 
 
 def close_train_data(dataset, data_cfg, ctx, *, completed: bool) -> None:
-    """End of training (every rank calls it): remove the staged copy when ``data.stage_cleanup``
+    """End of training (every rank calls it): give the staged copy back when ``data.stage_cleanup``
     and the run completed; a preempted run keeps it for its requeue.  A barrier first, so no rank
-    still reads the copy when a node leader removes it.  Node leaders that share one stage folder
-    each unregister; the last one removes the copy.  A removal that fails is logged as a warning
-    with what is left and how to remove it; the run still counts as completed."""
-    path, user = _staged.pop(id(dataset), (None, None))
+    still reads the copy when it goes.  Every rank of a node is a user of its copy
+    (:mod:`ddp_hpc.data.nodestage`); the last one out, on whichever node shares the folder,
+    removes it.  A removal that fails is logged as a warning with what is left and how to remove
+    it; the run still counts as completed."""
+    path = _staged.pop(id(dataset), None)
     _stage_logs.pop(id(dataset), None)
     if not (path and completed and data_cfg.stage_cleanup):
         return
     if group_has_peers():
         dist.barrier()
-    if ctx.env.local_rank != 0:
-        return
+    env = ctx.env
     try:
-        outcome, left = cleanup_staged(path, user)
+        outcome, left = release_on_node(path, env)
     except (OSError, StageError) as e:
         msg = f"stage cleanup of {path} failed: {e}"
-        if not _write_run_log(ctx.env, msg, warning=True):  # RunLog.warning also prints it
+        if not write_run_log(env, msg, warning=True):  # RunLog.warning also prints it
             log.warning(msg)
         return
     msg = {"removed": f"stage cleanup: removed {path}",
-           "kept": f"stage cleanup: {user} is done with {path}; kept for {', '.join(left)} (the last "
-                   "node leader out removes it)",
+           "kept": f"stage cleanup: {rank_user(env)} is done with {path}; kept for {', '.join(left)} (the "
+                   "last one out removes it)",
            "gone": f"stage cleanup: {path} was already removed by another node leader sharing it"}[outcome]
     log.info(msg)
-    _write_run_log(ctx.env, msg)
+    if env.local_rank == 0:  # node leaders' run logs say what became of the copy
+        write_run_log(env, msg)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from ddp_hpc.data.scriptstage import run_staged
 from ddp_hpc.env import DistEnv, EnvError, gpu_index, job_facts, visible_gpus
 from ddp_hpc.env.checks import diagnose
 from ddp_hpc.errors import HintError, report
@@ -113,8 +114,8 @@ def run(cmd: Sequence[str], log_dir: str | os.PathLike | None = None) -> int:
     if where is not None:
         child_env["DDP_HPC_LOG_DIR"] = str(where)
     log = SafeLog(where, env.rank, env.job_id, env.restart_count, who=prog("exec"))
-    try:
-        return _supervise(cmd, env, child_env, log)
+    try:  # submit --stage: node-local copies first, their paths in DDP_HPC_STAGE_<NAME>
+        return run_staged(env, child_env, log, lambda: _supervise(cmd, env, child_env, log))
     finally:
         log.close()
 

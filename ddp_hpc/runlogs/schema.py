@@ -38,9 +38,10 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),
     "end": ("status", "step", "exit_code", "signal", "duration_s", "teardown"),
     "stack": ("reason", "stack", "step"),
-    # data.io=stage, on each node leader: how (copy | sbcast | reused), where, bytes, time
+    # data.io=stage and submit --stage, on each node leader: how (copy | sbcast | reused), where,
+    # bytes, time; for --stage also the script's variable (DDP_HPC_STAGE_<NAME>)
     "stage": ("method", "path", "src", "bytes", "files", "seconds", "mb_per_s", "copy_seconds", "made_by",
-              "node", "users"),
+              "node", "users", "variable"),
 }
 
 CONFIG_FILE = "config.yaml"

@@ -25,6 +25,7 @@ from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.diagnose import diagnose, restart_base, run_causes
+from ddp_hpc.status.staging import stage_rows
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
 
@@ -72,6 +73,7 @@ class JobStatus:
     eval_step: int | None = None
     overrides: list[str] | None = None  # an array task's overrides (the record's array[i])
     flight: list[str] = field(default_factory=list)  # the flight recorder's dumps (runlogs.flightrec)
+    staging: list[dict] = field(default_factory=list)  # per node leader and source (status/staging.py)
 
     @property
     def job_state(self) -> JobState:
@@ -247,7 +249,7 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         command=getattr(rec, "command", None), rank_endings={} if brief else rank_endings(logs),
         rank_classification={str(r): e.to_dict() for r, e in endings.items()},
         eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
-        overrides=_overrides(t))
+        overrides=_overrides(t), staging=[] if brief else stage_rows(logs))
     _timing(st, logs, now, brief)
     if not brief and t.log_dir:   # NCCL's flight recorder dumps of the current run
         since = cur.started if cur is not None else None

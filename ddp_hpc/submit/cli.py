@@ -35,6 +35,8 @@ from typing import Sequence
 
 from ddp_hpc.config import ConfigError, JobConfig, load_config, slurm_options
 from ddp_hpc.config.validate import validate_job
+from ddp_hpc.data.errors import StageError
+from ddp_hpc.data.scriptstage import parse_stage_items
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.submit import slurm as submit_slurm
@@ -80,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                     help="one job array over the product of all --sweep values (repeatable); "
                          "for a script, each task gets --KEY=V as extra arguments")
+    ap.add_argument("--stage", action="append", default=[], metavar="SRC[=NAME]",
+                    help="a script or module job: before it starts, copy SRC (a file, an LMDB or a "
+                         "folder) once per node to node-local storage and give every rank the path "
+                         "in $DDP_HPC_STAGE_<NAME> (NAME: SRC's base name, upper-cased); removed "
+                         "when the job ends, kept for a requeue (repeatable)")
     ap.add_argument("--log-dir", metavar="DIR",
                     help="where run directories go (default: runs for a script or module, "
                          "log.dir for a config)")
@@ -162,6 +169,11 @@ def _backend(opts, cli: SlurmCLI) -> str:
 
 
 def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) -> int:
+    if args.stage:
+        raise SpecError(f"--stage {args.stage[0]} is for a script or module job; {config} is a config "
+                        "for ddp_hpc's own loop",
+                        "stage a config job's data with data.io=stage data.lmdb_path=... (docs/io.md), "
+                        "or submit your script: ddp-hpc submit --stage SRC train.py")
     sweeps = parse_sweeps(args.sweep)
     check_overrides(overrides)
     cfg, task_cfgs = _load(config, overrides, sweep_tasks(sweeps))
@@ -187,12 +199,16 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
     sweeps = script_sweeps(args.sweep)
     if args.no_instrument:   # every backend's ranks inherit this environment
         os.environ["DDP_HPC_INSTRUMENT"] = "0"
+    try:   # before the backend is chosen: a bad --stage fails first
+        stage = parse_stage_items(args.stage)
+    except StageError as exc:
+        raise SpecError(exc.problem, exc.hint) from None
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
     cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)
     spec = build_command_spec(dataclasses.replace(opts, backend=backend), command=command,
                               name=name, log_root=args.log_dir or "runs", sweeps=sweeps)
-    return dispatch(spec, args, backend, cli, None)
+    return dispatch(dataclasses.replace(spec, stage=stage), args, backend, cli, None)
 
 
 def _submit(args: argparse.Namespace, target: SubmitTarget) -> int:

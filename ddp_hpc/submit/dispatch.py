@@ -111,7 +111,9 @@ def _local(spec: JobSpec, args: argparse.Namespace, task_cfgs: Sequence[JobConfi
     submit_local.check_gpus(spec, env)
     if spec.is_command:
         env["DDP_HPC_PREEMPT_SIGNAL"] = spec.signal
+    env.update(spec.stage_environ())   # --stage: what each pretend node copies first
     base = f"{RESTART_BASE_VAR}={spec.restart_base} " if spec.restart_base else ""
+    base += "".join(f"{k}={shlex.quote(v)} " for k, v in spec.stage_environ().items())
     if spec.restart_base:   # resumes a stopped run: its restart numbers follow that run's
         env[RESTART_BASE_VAR] = str(spec.restart_base)
     if args.dry_run:

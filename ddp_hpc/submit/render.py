@@ -35,7 +35,7 @@ from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.runlogs.schema import batch_out, rank_out
 from ddp_hpc.submit.spec import JobSpec
 
-__all__ = ["render", "sbatch_options", "srun_args"]
+__all__ = ["render", "sbatch_options", "srun_args", "stage_sbcast_lines"]
 
 
 def sbatch_options(spec: JobSpec) -> list[tuple[str, str | None]]:
@@ -91,6 +91,8 @@ def render(spec: JobSpec) -> str:
         lines.insert(-1, "export DDP_HPC_EXCLUDE_FAILED_NODES=0")
     if spec.restart_base:   # resumes a stopped run: its restart numbers follow that run's
         lines.insert(-1, f"export DDP_HPC_RESTART_BASE={int(spec.restart_base)}")
+    for key, value in spec.stage_environ().items():   # --stage: what each node copies first
+        lines.insert(-1, f"export {key}={shlex.quote(value)}")
     if spec.is_array:
         lines.append('case "${SLURM_ARRAY_TASK_ID:-}" in')
         for task in spec.tasks:
@@ -111,6 +113,7 @@ def render(spec: JobSpec) -> str:
         f'  rc=0; {shlex.quote(spec.python)} -m ddp_hpc.recover.avoid "$LOG_DIR" || rc=$?',
         f'  if [ "$rc" = {EX_TEMPFAIL} ]; then exit 0; fi',
         "fi",
+        *stage_sbcast_lines(spec),
         *_container_lines(spec),
         'exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/'
         + rank_out("%t") + '"' + "".join(f" {shlex.quote(a)}" for a in srun_args(spec))
@@ -124,6 +127,20 @@ def srun_args(spec: JobSpec) -> list[str]:
     """The user's srun options (``--srun-arg`` / ``slurm.srun_args``), one word each, by name."""
     return [f"--{key}" if value is True or value is None or value == "" else f"--{key}={value}"
             for key, value in sorted(spec.options.srun_args.items())]
+
+
+def stage_sbcast_lines(spec: JobSpec) -> list[str]:
+    """``--stage`` of a file or LMDB on several nodes: Slurm's sbcast reads it once and puts it on
+    every node, where the ranks adopt it (``ddp_hpc.data.sbcast``); a failed sbcast only means
+    each node copies it. First runs only: a requeue reuses the nodes' copies."""
+    items = spec.stage_sbcast()
+    if not items:
+        return []
+    lines = ['if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then']
+    for item in items:   # item.name: letters, digits and _ (ddp_hpc.data.scriptstage)
+        lines.append(f"  {shlex.quote(spec.python)} -m ddp_hpc.data sbcast {shlex.quote(item.src)} --to auto"
+                     f' || echo "ddp_hpc: sbcast of --stage {item.name} failed; each node copies it" >&2')
+    return [*lines, "fi"]
 
 
 def _container_lines(spec: JobSpec) -> list[str]:

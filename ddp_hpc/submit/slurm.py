@@ -177,7 +177,9 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
         "signal_delay_s": spec.grace_s,
         "setup": [f"export SRUN_CPUS_PER_TASK={spec.cpus_per_task}",
                   f"cd {shlex.quote(spec.workdir)}"]
-        + ([f"export {RESTART_BASE_VAR}={int(spec.restart_base)}"] if spec.restart_base else []),
+        + ([f"export {RESTART_BASE_VAR}={int(spec.restart_base)}"] if spec.restart_base else [])
+        + [f"export {k}={shlex.quote(v)}" for k, v in spec.stage_environ().items()]
+        + render.stage_sbcast_lines(spec),
         "srun_args": ["--kill-on-bad-exit=1", "--open-mode=append", f"--output={out}",
                       f"--error={out}", *render.srun_args(spec)],
         "additional_parameters": extra,

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from ddp_hpc.config import SlurmOptions, parse_signal, time_to_seconds
 from ddp_hpc.config.checks import check_plain
+from ddp_hpc.data.scriptstage import SPEC_VAR, StageItem, encode_items
 from ddp_hpc.errors import HintError
 
 __all__ = ["SpecError", "TaskSpec", "JobSpec", "parse_sweeps", "sweep_tasks", "check_overrides",
@@ -106,6 +107,8 @@ class JobSpec:
     #: the restart number of the job's first run: 0, or for a job that resumes a stopped run one
     #: past the highest in that run's logs (DDP_HPC_RESTART_BASE, read by ddp_hpc.env.job)
     restart_base: int = 0
+    #: ``--stage SRC[=NAME]`` of a script job: what every node copies before the ranks start
+    stage: tuple[StageItem, ...] = ()
 
     def __post_init__(self) -> None:
         if type(self.restart_base) is not int or self.restart_base < 0:
@@ -140,6 +143,15 @@ class JobSpec:
     def is_command(self) -> bool:
         """A job that runs the user's own script or module (under ``ddp_hpc.exec``)."""
         return self.command is not None
+
+    def stage_environ(self) -> dict[str, str]:
+        """What the ranks' wrapper reads to stage ``--stage``'s sources (empty without any)."""
+        return {SPEC_VAR: encode_items(self.stage)} if self.stage else {}
+
+    def stage_sbcast(self) -> tuple[StageItem, ...]:
+        """The ``--stage`` sources the batch script sends to every node with Slurm's sbcast
+        before srun: files and LMDBs (sbcast moves single files) of a job on several nodes."""
+        return tuple(i for i in self.stage if i.kind != "dir") if self.nodes > 1 else ()
 
     def base_argv(self) -> list[str]:
         """What every task runs before its own sweep values: ``python -m ddp_hpc.run CONFIG
