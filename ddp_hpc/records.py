@@ -12,9 +12,10 @@ fsync, rename), so a reader never sees half a record.
 
 Fields (docs/architecture.md, "Job records"): id, cluster, name, backend, nodes, gpus_per_node,
 time_limit, log_dir, config, overrides, submitted_at, cwd, array, pids, pid_times, script, command,
-final, restart_base. ``final`` is written by ``ddp_hpc.status`` once the scheduler reports the job
-ended (Slurm forgets it later; a cluster can go down), by the local driver when a local run ends,
-and by ``ddp-hpc cancel``: see :func:`store_final`.
+final, restart_base, alloc_restarts (the in-allocation restarts, ``ddp_hpc.supervise``). ``final``
+is written by ``ddp_hpc.status`` once the scheduler reports the job ended (Slurm forgets it
+later; a cluster can go down), by the local driver when a local run ends, and by
+``ddp-hpc cancel``: see :func:`store_final`.
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ class JobRecord:
     #: the restart number of the job's first run in its run logs: 0, or for a job that resumed a
     #: stopped run one past that run's (the scheduler's restart count of this job adds to it)
     restart_base: int = 0
+    #: the in-allocation restarts (ddp_hpc.supervise), one dict each (runlogs.schema.ALLOC_RESTART_KEYS):
+    #: when and why, what was excluded, the nodes and world size before and after
+    alloc_restarts: list[dict] | None = None
     #: keys a newer writer added that this version does not know; kept so a rewrite loses nothing
     extra: dict = dataclasses.field(default_factory=dict)
     #: the file this record was read from or written to (not stored inside the file)
