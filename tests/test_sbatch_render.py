@@ -24,7 +24,7 @@ _OPTION_NAMES = {f.name for f in dataclasses.fields(SlurmOptions)}
 def _spec(**kw) -> JobSpec:
     """A resolved spec; keyword arguments that name a SlurmOptions field go to its options."""
     opts = dict(job_name="demo", nodes=2, gpus_per_node=2, cpus_per_task=3, time="00:30:00",
-                signal="USR2@90")
+                signal="USR2@90", max_restarts=0)   # 0: today's script (no supervisor), the goldens
     opts.update({k: kw.pop(k) for k in list(kw) if k in _OPTION_NAMES})
     base = dict(options=SlurmOptions(**opts), config="/work/jobs/demo.yaml",
                 overrides=("train.epochs=2",), tasks=(TaskSpec(None, (), "/work/runs/demo-1"),),
@@ -47,6 +47,9 @@ CASES = {
         srun_args={"cpu-bind": "none", "container-image": "nvcr.io#nvidia/pytorch:24.01-py3",
                    "label": True, "export": "ALL,FOO=a&b"},
         container="docker://pytorch/pytorch:2.3.0-cuda12.1"),
+    "sbatch_supervised.sh": _spec(
+        max_restarts=3, spare_nodes=1, min_nodes=1, restart_on_error=True, stall_timeout_s=35.0,
+        srun_args={"cpu-bind": "none"}),
     "sbatch_quoting.sh": _spec(
         workdir="/work/my dir", config="/work/my dir/it's.yaml",
         overrides=("name=$(touch /tmp/pwned)", "log.dir=`id`; rm -rf x", 'model.name="a b"')),
