@@ -24,6 +24,7 @@ from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.diagnose import diagnose, restart_base, run_causes
+from ddp_hpc.status.restarts import alloc_restarts
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
 
@@ -70,6 +71,8 @@ class JobStatus:
     eval_metrics: dict | None = None  # the newest eval event's metrics
     eval_step: int | None = None
     overrides: list[str] | None = None  # an array task's overrides (the record's array[i])
+    #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
+    alloc_restarts: list[dict] = field(default_factory=list)
 
     @property
     def job_state(self) -> JobState:
@@ -203,7 +206,8 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         sched, keep = _state_of(t, sched, tried, logs, only), None
     state = sched.state
     base = restart_base(rec)
-    failure, endings = (None, {}) if brief else diagnose(logs, sched, notes, base)
+    inside = [] if brief else alloc_restarts(rec, t.log_dir, logs)
+    failure, endings = (None, {}) if brief else diagnose(logs, sched, notes, base, inside)
     runs = logs.runs()
     restarts = max([base + (sched.restarts or 0)] + [r.restart for r in runs])
     progress = logs.progress(now)
@@ -229,11 +233,11 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         node_list=sched.node_list, progress=progress, last_events={} if brief else logs.last_events(),
         failure=failure, exit_code=sched.exit_code, steps=sched.steps, rank_exit_codes=codes,
         scheduler_history=sched.history, history_source=sched.history_source,
-        runs=[] if brief else run_causes(logs, runs, sched, base), notes=notes,
+        runs=[] if brief else run_causes(logs, runs, sched, base, inside), notes=notes,
         command=getattr(rec, "command", None), rank_endings={} if brief else rank_endings(logs),
         rank_classification={str(r): e.to_dict() for r, e in endings.items()},
         eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
-        overrides=_overrides(t))
+        overrides=_overrides(t), alloc_restarts=inside)
     _timing(st, logs, now, brief)
     return st, keep if t.local else _final(sched, logs.srun_exit_codes, now)
 

@@ -20,6 +20,7 @@ from ddp_hpc.runlogs.tails import follow_logs, log_line, logs_tail, rank_files, 
 from ddp_hpc.runlogs.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.status.collect import JobStatus
+from ddp_hpc.status.restarts import restart_lines
 from ddp_hpc.text import fit_columns, plural, prog
 
 __all__ = ["render_table", "render_detail", "to_json", "files_guide", "watch", "compress_ranks",
@@ -140,7 +141,8 @@ def files_guide() -> str:
 
 def render_detail(st: JobStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
-    out = _head_lines(st, now) + _exit_lines(st) + _failure_lines(st) + _timing_lines(st)
+    out = _head_lines(st, now) + _exit_lines(st) + _failure_lines(st) + restart_lines(st.alloc_restarts)
+    out += _timing_lines(st)
     out += _event_lines(st, now) + _history_lines(st) + [f"Note: {n}" for n in st.notes]
     return "\n".join(out) + "\n"
 
