@@ -37,10 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not command:
             raise HintError("no command given", "end the options with -- COMMAND...")
-        for name in ("nodes", "tasks_per_node"):
-            if getattr(args, name) < 1:
-                raise HintError(f"--{name.replace('_', '-')} {getattr(args, name)} is not >= 1",
-                                "pass a positive number")
+        for name, least in (("nodes", 1), ("tasks_per_node", 1), ("max_restarts", 0), ("spare_nodes", 0)):
+            if getattr(args, name) < least:
+                raise HintError(f"--{name.replace('_', '-')} {getattr(args, name)} is not >= {least}",
+                                f"pass a number >= {least}")
+        if args.min_nodes is not None and not 1 <= args.min_nodes <= args.nodes:
+            raise HintError(f"--min-nodes {args.min_nodes} is not between 1 and --nodes {args.nodes}",
+                            "pass how few nodes the job may go on with, at most --nodes")
         policy = Policy(nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                         max_restarts=args.max_restarts, spare_nodes=args.spare_nodes,
                         min_nodes=args.min_nodes, restart_on_error=args.restart_on_error)
