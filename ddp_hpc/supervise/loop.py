@@ -44,11 +44,13 @@ def _say(text: str) -> None:
     print(f"{PREFIX} {text}", file=sys.stderr, flush=True)
 
 
-def step_args(s: Settings, nodes: list[str]) -> list[str]:
+def step_args(s: Settings, nodes: list[str], again: bool = False) -> list[str]:
     """srun's arguments for a step on ``nodes``: --no-kill (a lost node does not end the job),
-    one task per GPU, every rank's output in the log directory."""
+    one task per GPU, every rank's output in the log directory. ``again`` (a restart): --overlap,
+    since Slurm keeps the stopped step, and the resources it held, while a lost node of it does
+    not answer (the new step would wait "Requested nodes are busy" until then)."""
     g = s.policy.tasks_per_node
-    return ["--no-kill", "--kill-on-bad-exit=1", "--open-mode=append",
+    return ["--no-kill", *(["--overlap"] if again else []), "--kill-on-bad-exit=1", "--open-mode=append",
             f"--output={s.log_dir}/{rank_out('%t')}", f"--nodes={len(nodes)}",
             f"--ntasks={len(nodes) * g}", f"--ntasks-per-node={g}", f"--nodelist={compress(nodes)}",
             *s.srun_args, *s.command]
@@ -83,7 +85,7 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
     done, restart = 0, facts.restart_count + before
     while True:
         env = {**environ, ALLOC_RESTARTS_VAR: str(before + done)}
-        proc = cli.start_step(step_args(s, plan.active), env)
+        proc = cli.start_step(step_args(s, plan.active, again=done > 0), env)
         end = watch_step(proc, EventTail(s.log_dir, restart), cli,
                          Watch(tuple(plan.active), s.stall_timeout_s), lambda: stop.asked)
         if stop.asked:
