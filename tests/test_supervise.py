@@ -13,6 +13,7 @@ from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.env import job_facts
 from ddp_hpc.env.checks import detect
 from ddp_hpc.runlogs.restarts import append_restart, read_restarts, sched_index
+from ddp_hpc.slurm.query import _view_from_rows  # the rows -> state step of query_slurm
 from ddp_hpc.submit.render import render
 from ddp_hpc.submit.slurm import check_container
 from ddp_hpc.submit.spec import JobSpec, SpecError, TaskSpec
@@ -137,3 +138,12 @@ def test_event_tail_reads_new_whole_lines_of_one_run(tmp_path: Path):
     with f.open("a") as fh:
         fh.write('ror", "restart": 1}\n')
     assert tail.poll() == [{"event": "error", "restart": 1}] and tail.poll() == []
+
+
+def test_a_resized_record_is_no_run_of_the_scheduler_history():
+    """A --no-kill job that lost a node: sacct -D lists its record before the loss as RESIZING."""
+    rows = [{"JobID": "1", "State": "RESIZING", "ExitCode": "0:0"},
+            {"JobID": "1.batch", "State": "RESIZING", "ExitCode": "0:0"},
+            {"JobID": "1", "State": "COMPLETED", "ExitCode": "0:0"}]
+    st = _view_from_rows(rows, "sacct", [])
+    assert st.state.state.name == "COMPLETED" and st.history == []
