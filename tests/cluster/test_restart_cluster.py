@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc import records
 from ddp_hpc.runlogs.reader import read_events
 from ddp_hpc.runlogs.restarts import read_restarts
 
@@ -101,6 +102,8 @@ def test_dead_node_and_hang_are_healed_in_one_job_on_a_spare(slurm_cluster):
     assert len({s["host"] for s in starts2.values()}) == 2
     assert re.search(r"resumed from \S+ckpt-\d+\.pt at step [1-9]", (log_dir / "rank0.log").read_text())
     assert "Restarts inside the allocation: 2" in status and f"excluded {dead}" in status, status
+    rec = records.load_record(job, environ={"DDP_HPC_HOME": env["DDP_HPC_HOME"]})
+    assert [r["restart"] for r in rec.alloc_restarts] == [1, 2]          # the record keeps them
 
 
 def test_plain_script_killed_rank_then_dead_node_goes_on_with_fewer_nodes(slurm_cluster):
