@@ -4,6 +4,10 @@ the ranks see (env.job_facts) and how the scheduler's runs map past in-allocatio
 supervisor itself runs on the real test cluster: tests/cluster/test_restart_cluster.py."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -13,14 +17,16 @@ from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.env import job_facts
 from ddp_hpc.env.checks import detect
 from ddp_hpc.runlogs.restarts import append_restart, read_restarts, sched_index
+from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.query import _view_from_rows  # the rows -> state step of query_slurm
 from ddp_hpc.submit.render import render
 from ddp_hpc.submit.slurm import check_container
 from ddp_hpc.submit.spec import JobSpec, SpecError, TaskSpec
+from ddp_hpc.supervise import watch
 from ddp_hpc.supervise.cli import main as supervise_main
 from ddp_hpc.supervise.loop import Settings, step_args
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
-from ddp_hpc.supervise.watch import EventTail
+from ddp_hpc.supervise.watch import EventTail, Watch
 
 
 def test_user_errors_are_not_restarted_unless_asked_and_faults_are():
@@ -147,3 +153,44 @@ def test_a_resized_record_is_no_run_of_the_scheduler_history():
             {"JobID": "1", "State": "COMPLETED", "ExitCode": "0:0"}]
     st = _view_from_rows(rows, "sacct", [])
     assert st.state.state.name == "COMPLETED" and st.history == []
+
+
+def _sinfo(states: dict):
+    """A SlurmCLI whose sinfo answers ``states`` (node -> state), as a recording runner does."""
+    def runner(argv, **kw):
+        out = "".join(f"{n}\x1f{s}\n" for n, s in states.items()) if argv[0] == "sinfo" else ""
+        return subprocess.CompletedProcess(argv, 0, out, "")
+    return SlurmCLI(runner=runner, env={"PATH": os.environ.get("PATH", "")})
+
+
+def _events(tmp_path: Path, *events: dict) -> None:
+    with (tmp_path / "rank0.events.jsonl").open("a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+
+
+def test_the_watcher_stops_a_stalled_step_and_one_on_a_down_node(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(watch, "NODE_EVERY_S", 0.0)
+    _events(tmp_path, {"event": "step", "restart": 0, "time": time.time() - 5})
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        end = watch.watch_step(proc, EventTail(tmp_path, 0), _sinfo({"n1": "mixed"}),
+                               Watch(("n1",), stall_timeout_s=2.0, every_s=0.05))
+        assert end.trigger == "stalled" and end.returncode is None and end.last_step_at
+        end = watch.watch_step(proc, EventTail(tmp_path, 0), _sinfo({"n1": "mixed", "n2": "idle*"}),
+                               Watch(("n1", "n2"), every_s=0.05))
+        assert (end.trigger, end.down) == ("node down", ["n2"])
+    finally:
+        assert watch.stop_step(proc, timeout=5) == -2          # srun's abort: SIGINT
+    done = subprocess.Popen(["sh", "-c", "exit 3"])
+    assert watch.watch_step(done, EventTail(tmp_path, 0), _sinfo({}), Watch(("n1",), every_s=0.05)).returncode == 3
+
+
+def test_the_watcher_gives_srun_a_grace_after_a_rank_failed(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(watch, "FAILED_GRACE_S", 0.2)
+    _events(tmp_path, {"event": "error", "restart": 1, "time": time.time()})
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        end = watch.watch_step(proc, EventTail(tmp_path, 1), _sinfo({}), Watch(("n1",), every_s=0.05))
+        assert end.trigger == "rank failed" and end.first_bad_at
+    finally:
+        watch.stop_step(proc, timeout=5)
