@@ -124,9 +124,10 @@ def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Wa
         time.sleep(watch.every_s)
 
 
-def stop_step(proc: subprocess.Popen, timeout: float = 20.0) -> int | None:
-    """End the step: srun's own abort (two SIGINTs within a second: every task is killed), then,
-    if srun still runs after ``timeout`` (a node that does not answer), SIGKILL for srun."""
+def stop_step(proc: subprocess.Popen, timeout: float = 8.0) -> int | None:
+    """End the step: srun's own abort (two SIGINTs within a second: Slurm kills every task), then,
+    if srun still runs after ``timeout`` (it waits KillWait + 2 s for a node that does not answer),
+    SIGKILL for srun."""
     if proc.poll() is None:
         for _ in range(2):
             try:
