@@ -112,7 +112,7 @@ def test_plain_script_killed_rank_then_dead_node_goes_on_with_fewer_nodes(slurm_
     d.mkdir()
     ckpt = d / "ckpt"
     job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--max-restarts", "2", "--min-nodes", "1", "-J", "rs-script",
-                          str(REPO / "examples" / "preemptible.py"), "--steps", "60", "--sleep", "0.1",
+                          str(REPO / "examples" / "preemptible.py"), "--steps", "100", "--sleep", "0.1",
                           "--ckpt-every", "5", "--ckpt-dir", str(ckpt))
     log_dir = _wait_for("the log directory", lambda: next((d / "runs").glob("rs-script-*"), None), 60)
     starts0 = _wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4), 180)
@@ -133,6 +133,6 @@ def test_plain_script_killed_rank_then_dead_node_goes_on_with_fewer_nodes(slurm_
     assert [(r["world_before"], r["world_after"]) for r in rows] == [(4, 4), (4, 2)], rows
     assert rows[0]["rank"] == 3 and rows[0]["kind"] == "killed" and rows[0]["excluded"] == []
     assert rows[1]["excluded"] == [dead]
-    m = re.search(r"preemptible: 2 ranks, 60 steps \(resumed from step (\d+)\)", out0)
+    m = re.search(r"preemptible: 2 ranks, 100 steps \(resumed from step (\d+)\)", out0)
     assert m and int(m.group(1)) >= 5, out0[-800:]
     assert "Restarts inside the allocation: 2" in status, status
