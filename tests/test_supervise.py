@@ -187,8 +187,13 @@ def test_the_watcher_stops_a_stalled_step_and_one_on_a_down_node(tmp_path: Path,
 
 def test_the_watcher_gives_srun_a_grace_after_a_rank_failed(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(watch, "FAILED_GRACE_S", 0.2)
-    _events(tmp_path, {"event": "error", "restart": 1, "time": time.time()})
-    proc = subprocess.Popen(["sleep", "30"])
+    _events(tmp_path, {"event": "error", "restart": 1, "time": time.time(), "message": "ValueError: bad input"})
+    proc = subprocess.Popen(["sh", "-c", "sleep 1; exit 1"])        # a rank's own error: srun ends it
+    end = watch.watch_step(proc, EventTail(tmp_path, 1), _sinfo({}), Watch(("n1",), every_s=0.05))
+    assert (end.trigger, end.returncode, end.first_bad_at) == ("exited", 1, None)
+    _events(tmp_path, {"event": "error", "restart": 1, "time": time.time(),
+                       "message": "RuntimeError: [pair.cc:537] Connection reset by peer"})
+    proc = subprocess.Popen(["sleep", "30"])                       # a lost peer: srun may wait long
     try:
         end = watch.watch_step(proc, EventTail(tmp_path, 1), _sinfo({}), Watch(("n1",), every_s=0.05))
         assert end.trigger == "rank failed" and end.first_bad_at

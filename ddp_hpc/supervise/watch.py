@@ -2,10 +2,11 @@
 its nodes; and stopping it.
 
 A step needs stopping when srun ended (every rank gone, or srun's --kill-on-bad-exit ended it),
-when a rank wrote that it failed (its peers then fail or hang; srun may wait long for a node that
-is gone), when one of its nodes is down or not responding, or when no rank reported a training
-step for the stall timeout after steps had begun (a hang the ranks' own collective timeout did
-not end).
+when a rank wrote that it failed because a peer did (a lost connection, a collective timeout:
+srun may wait long for a node that is gone; a rank's own error is left to srun, which ends the
+step when that rank exits, with its exit report), when one of its nodes is down or not
+responding, or when no rank reported a training step for the stall timeout after steps had begun
+(a hang the ranks' own collective timeout did not end).
 """
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc.parsing import to_float, to_int
+from ddp_hpc.runlogs.evidence import consequence_phrase
 from ddp_hpc.runlogs.schema import EVENTS_RE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 
 __all__ = ["EventTail", "StepEnd", "Watch", "watch_step", "stop_step", "down_nodes"]
 
-#: after a rank wrote that it failed, how long srun gets to end the step by itself
+#: after a rank wrote that it lost a peer, how long srun gets to end the step by itself
 FAILED_GRACE_S = 5.0
 #: how often the nodes' states are asked (sinfo), seconds
 NODE_EVERY_S = 3.0
@@ -69,7 +71,7 @@ class StepEnd:
     trigger: str
     returncode: int | None
     detected_at: float
-    first_bad_at: float | None = None    # the first failed rank's error / end event
+    first_bad_at: float | None = None    # the first error event of a rank that lost a peer
     last_step_at: float | None = None    # the newest step event of any rank
     down: list[str] = field(default_factory=list)   # nodes sinfo called down / not responding
 
@@ -103,8 +105,8 @@ def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Wa
             t = to_float(ev.get("time"))
             if ev.get("event") == "step" and t is not None:
                 last_step = max(last_step or t, t)
-            failed = ev.get("event") == "error" or (ev.get("event") == "end" and ev.get("status") == "failed")
-            if failed and first_bad is None:
+            lost_peer = ev.get("event") == "error" and consequence_phrase(ev.get("message"), ev.get("exc_type"))
+            if lost_peer and first_bad is None:
                 first_bad = t or time.time()
         now = time.time()
         end = StepEnd("exited", rc, now, first_bad, last_step)
