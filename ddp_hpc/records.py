@@ -12,9 +12,10 @@ fsync, rename), so a reader never sees half a record.
 
 Fields (docs/architecture.md, "Job records"): id, cluster, name, backend, nodes, gpus_per_node,
 time_limit, log_dir, config, overrides, submitted_at, cwd, array, pids, pid_times, script, command,
-final, restart_base. ``final`` is written by ``ddp_hpc.status`` once the scheduler reports the job
-ended (Slurm forgets it later; a cluster can go down), by the local driver when a local run ends,
-and by ``ddp-hpc cancel``: see :func:`store_final`.
+final, restart_base, alloc_restarts (the in-allocation restarts, ``ddp_hpc.supervise``). ``final``
+is written by ``ddp_hpc.status`` once the scheduler reports the job ended (Slurm forgets it
+later; a cluster can go down), by the local driver when a local run ends, and by
+``ddp-hpc cancel``: see :func:`store_final`.
 """
 
 from __future__ import annotations
@@ -48,12 +49,10 @@ class JobRecordError(HintError, LookupError):
 
 @dataclasses.dataclass
 class JobRecord:
-    """One submission. ``array`` is a list of ``{task_id, overrides, log_dir}`` for job arrays
-    (``log_dir`` of the record is then the parent of the per-task dirs); ``pids`` are the local
-    backend's process ids; ``script`` is the path of the rendered sbatch script, if any.
-    ``command`` is set for a job that runs the user's own script, module or function (then
-    ``config`` is None): the argv every rank runs under ``ddp_hpc.exec``, e.g.
-    ``["python", "train.py", "--lr", "0.1"]``, or ``["<function>", "mod:fn"]`` for a function."""
+    """One submission. ``array``: ``{task_id, overrides, log_dir}`` per task of a job array (then
+    ``log_dir`` is the tasks' parent); ``pids``: the local backend's processes; ``script``: the
+    rendered sbatch script; ``command``: for the user's own script, module or function (``config``
+    None), what every rank runs under ``ddp_hpc.exec`` (``["<function>", "mod:fn"]`` for a function)."""
 
     id: str
     cluster: str
@@ -73,14 +72,15 @@ class JobRecord:
     pid_times: list[float | None] | None = None
     script: str | None = None
     command: list[str] | None = None
-    #: the job's terminal state as the scheduler last reported it (see `store_final`): state,
-    #: state_name, source, seen_at, elapsed, time_limit, exit_code, steps, rank_exit_codes,
-    #: node_list (a local job's also started_at, ended_at); for a job array a dict of those per
-    #: task id (``{"3": {...}}``)
+    #: the job's terminal state as the scheduler last reported it (`store_final`: state, state_name,
+    #: source, seen_at, elapsed, time_limit, exit_code, steps, rank_exit_codes, node_list, a local
+    #: job's started_at and ended_at); for a job array one such dict per task id (``{"3": {...}}``)
     final: dict | None = None
-    #: the restart number of the job's first run in its run logs: 0, or for a job that resumed a
-    #: stopped run one past that run's (the scheduler's restart count of this job adds to it)
+    #: the restart number of the job's first run in its logs: 0, or one past a resumed stopped run's
     restart_base: int = 0
+    #: the in-allocation restarts (ddp_hpc.supervise), one dict each (runlogs.schema.ALLOC_RESTART_KEYS):
+    #: when and why, what was excluded, the nodes and world size before and after
+    alloc_restarts: list[dict] | None = None
     #: keys a newer writer added that this version does not know; kept so a rewrite loses nothing
     extra: dict = dataclasses.field(default_factory=dict)
     #: the file this record was read from or written to (not stored inside the file)

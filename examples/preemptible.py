@@ -27,6 +27,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ckpt-dir", default="checkpoints/preemptible", help="where checkpoints go")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep per step (testing)")
     ap.add_argument("--lr", type=float, default=0.1, help="learning rate")
+    ap.add_argument("--ckpt-every", type=int, default=0, help="also checkpoint every N steps (0: only "
+                    "when stopped and at the end): what a restart after a fault resumes from")
     return ap.parse_args()
 
 
@@ -58,6 +60,8 @@ def main() -> None:
         opt.step()
         report(step=step + 1, total=args.steps, loss=loss.detach())
         time.sleep(args.sleep)
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+            checkpoint.save(args.ckpt_dir, model, opt, step=step + 1)
         if preemption.requested():                          # the same answer on every rank
             checkpoint.save(args.ckpt_dir, model, opt, step=step + 1)
             if rank == 0:

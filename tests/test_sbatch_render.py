@@ -24,7 +24,7 @@ _OPTION_NAMES = {f.name for f in dataclasses.fields(SlurmOptions)}
 def _spec(**kw) -> JobSpec:
     """A resolved spec; keyword arguments that name a SlurmOptions field go to its options."""
     opts = dict(job_name="demo", nodes=2, gpus_per_node=2, cpus_per_task=3, time="00:30:00",
-                signal="USR2@90")
+                signal="USR2@90", max_restarts=0)   # 0: today's script (no supervisor), the goldens
     opts.update({k: kw.pop(k) for k in list(kw) if k in _OPTION_NAMES})
     base = dict(options=SlurmOptions(**opts), config="/work/jobs/demo.yaml",
                 overrides=("train.epochs=2",), tasks=(TaskSpec(None, (), "/work/runs/demo-1"),),
@@ -48,6 +48,9 @@ CASES = {
                    "label": True, "export": "ALL,FOO=a&b"},
         container="docker://pytorch/pytorch:2.3.0-cuda12.1"),
     "sbatch_node_range.sh": _spec(nodes="1-2"),
+    "sbatch_supervised.sh": _spec(
+        max_restarts=3, spare_nodes=1, min_nodes=1, restart_on_error=True, stall_timeout_s=35.0,
+        srun_args={"cpu-bind": "none"}),
     "sbatch_quoting.sh": _spec(
         workdir="/work/my dir", config="/work/my dir/it's.yaml",
         overrides=("name=$(touch /tmp/pwned)", "log.dir=`id`; rm -rf x", 'model.name="a b"')),
@@ -207,3 +210,20 @@ def test_container_without_a_runtime_on_the_node_stops_the_script(tmp_path):
     assert done.returncode == 2 and argv == []
     assert ("ddp_hpc: --container /images/torch.sif: neither apptainer nor singularity is on PATH on "
             in done.stderr)
+
+
+def test_a_node_range_under_the_supervisor_goes_on_down_to_its_minimum():
+    """--nodes MIN-MAX with restarts: sbatch gets the range as is, and the supervisor may go on with
+    as few nodes as the job may start on (MIN) unless --min-nodes says otherwise."""
+    text = render(_spec(nodes="2-4", max_restarts=2))
+    assert "#SBATCH --nodes=2-4\n" in text
+    assert "ddp_hpc.supervise --nodes 4 --tasks-per-node 2 --max-restarts 2 --min-nodes 2 " in text
+    text = render(_spec(nodes="2-4", max_restarts=2, min_nodes=3))
+    assert "--max-restarts 2 --min-nodes 3 " in text
+    text = render(_spec(nodes=3, max_restarts=1, spare_nodes=1))
+    assert "#SBATCH --nodes=4\n" in text and "--nodes 3 " in text
+
+
+def test_spare_nodes_with_a_node_range_are_refused():
+    with pytest.raises(Exception, match=r"--spare-nodes 1 \(slurm.spare_nodes\) with the node range --nodes 1-2"):
+        SlurmOptions(nodes="1-2", max_restarts=1, spare_nodes=1)

@@ -37,7 +37,10 @@ __all__ = ["SlurmOptions", "PASSTHROUGH", "MANAGED_SBATCH_KEYS", "MANAGED_SRUN_K
 
 LAYOUT = "layout (one task per GPU)"
 SLURM = "Slurm options (also from the YAML's slurm: section)"
+RESTARTS = "restarts inside the allocation (sbatch backend; docs/restarts.md)"
 TOP = ""
+#: in-allocation restarts of a job unless asked otherwise (--max-restarts)
+DEFAULT_MAX_RESTARTS = 2
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 _MEM = re.compile(r"^\d+[KMGT]?$", re.I)
@@ -194,6 +197,19 @@ class SlurmOptions:
                                  "e.g. /images/torch.sif or docker://pytorch/pytorch:latest"),
         "run each rank as `apptainer exec --nv IMAGE ...` (or singularity), sbatch backend",
         flags=("--container",), metavar="IMAGE")
+    max_restarts: int = _opt(
+        DEFAULT_MAX_RESTARTS, check_count(0), "restart the ranks inside the allocation after a lost "
+        "node, a killed rank or a hang, at most N times, resuming from the newest checkpoint (0: a "
+        "fault ends the job, as before)", flags=("--max-restarts",), group=RESTARTS, type=int, metavar="N")
+    spare_nodes: int = _opt(0, check_count(0), "K more nodes in the allocation that stand by and "
+                            "replace a failed one", flags=("--spare-nodes",), group=RESTARTS, type=int,
+                            metavar="K")
+    min_nodes: int | None = _opt(None, check_count(1, optional=True), "go on with fewer nodes, down to "
+                                 "M, when no spare is left (default: --nodes: never fewer)",
+                                 flags=("--min-nodes",), group=RESTARTS, type=int, metavar="M")
+    restart_on_error: bool = _opt(False, check_flag, "restart after an exception raised by the code "
+                                  "(or its non-zero exit) too", flags=("--restart-on-error",),
+                                  group=RESTARTS, action="store_true")
     backend: str = _opt("auto", check_backend, "auto: submitit when Slurm answers, else local",
                         flags=("--backend",), group=TOP, choices=BACKENDS)
 
@@ -201,11 +217,30 @@ class SlurmOptions:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, f.metadata["parse"](getattr(self, f.name),
                                                                  f"slurm.{f.name}"))
+        _check_restarts(self)
 
     @property
     def node_range(self) -> tuple[int, int]:
         """(MIN, MAX) nodes: (N, N) for a plain count."""
         return node_range(self.nodes)
+
+
+def _check_restarts(o: SlurmOptions) -> None:
+    """The restart options against each other and --nodes."""
+    low, high = node_range(o.nodes)
+    if o.min_nodes is not None and o.min_nodes > high:
+        raise ConfigError(f"--min-nodes {o.min_nodes} (slurm.min_nodes) is more than --nodes {o.nodes}",
+                          f"use --min-nodes {high} or fewer: it is how few nodes a job may go on with")
+    if o.spare_nodes and low != high:
+        raise ConfigError(f"--spare-nodes {o.spare_nodes} (slurm.spare_nodes) with the node range --nodes "
+                          f"{o.nodes}: which of the nodes Slurm gives are spares would be a guess",
+                          f"give a node count (--nodes {high}) with --spare-nodes, or the range without it")
+    if o.max_restarts == 0 and (o.spare_nodes or o.min_nodes is not None or o.restart_on_error):
+        given = [w for w, on in (("--spare-nodes", o.spare_nodes), ("--min-nodes", o.min_nodes is not None),
+                                 ("--restart-on-error", o.restart_on_error)) if on]
+        raise ConfigError(f"{' and '.join(given)} (slurm.{given[0][2:].replace('-', '_')}) need "
+                          "restarts inside the allocation, but --max-restarts is 0",
+                          f"give --max-restarts 1 or more, or drop {' and '.join(given)}")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(SlurmOptions)}

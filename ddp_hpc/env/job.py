@@ -8,8 +8,11 @@ rule and the variable names live in one place.
 Restart numbers: a run's restart number is ``DDP_HPC_RESTART_BASE`` (set by ``ddp-hpc submit``
 when a job resumes a stopped run in the same run directory: one past the highest restart number
 in its logs; 0 otherwise) plus the launcher's own count (``SLURM_RESTART_COUNT`` for a requeue,
-``TORCHELASTIC_RESTART_COUNT`` under torchrun). So a resumed run's events follow the earlier
-run's instead of mixing with them, and a requeue of the resumed job counts on from there.
+``TORCHELASTIC_RESTART_COUNT`` under torchrun) plus ``DDP_HPC_ALLOC_RESTARTS``: how often the
+supervisor (``ddp_hpc.supervise``) started the job's ranks again inside its allocation, counted
+over all of the job's runs. So a resumed run's events follow the earlier run's instead of mixing
+with them, a requeue of the resumed job counts on from there, and every in-allocation restart has
+a number of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ddp_hpc.parsing import to_float
 class JobFacts:
     job_id: str | None              #: SLURM_JOB_ID
     key: str | None                 #: ARRAYJOB_TASK inside an array, else the job id
-    restart_count: int              #: restart_base + SLURM_RESTART_COUNT (0 when unset or not a number)
+    restart_count: int              #: restart_base + SLURM_RESTART_COUNT + alloc_restarts
     end_time: float | None          #: SLURM_JOB_END_TIME or DDP_HPC_JOB_END_TIME (unix seconds)
     node_tmpdir: str | None         #: SLURM_TMPDIR: the job's node-local scratch, when the site sets it
     tmpdir: str | None              #: TMPDIR
@@ -42,20 +45,30 @@ class JobFacts:
     exclude_failed_nodes: bool = True
     #: DDP_HPC_RESTART_BASE: the restart number of this job's first run (0 unless it resumes a run)
     restart_base: int = 0
+    #: DDP_HPC_ALLOC_RESTARTS: restarts of the ranks inside the allocation (ddp_hpc.supervise)
+    alloc_restarts: int = 0
 
     @property
     def requeues(self) -> int:
         """How often the scheduler restarted this job itself (``SLURM_RESTART_COUNT``)."""
-        return self.restart_count - self.restart_base
+        return self.restart_count - self.restart_base - self.alloc_restarts
 
 
 #: the variable ``ddp-hpc submit`` sets for a job that resumes a stopped run (see the docstring)
 RESTART_BASE_VAR = "DDP_HPC_RESTART_BASE"
+#: the variable the in-allocation supervisor exports to the job steps it starts
+ALLOC_RESTARTS_VAR = "DDP_HPC_ALLOC_RESTARTS"
 
 
 def restart_base(environ: Mapping[str, str]) -> int:
     """``DDP_HPC_RESTART_BASE`` as a number (0 when unset or not a plain number)."""
     raw = environ.get("DDP_HPC_RESTART_BASE", "").strip()
+    return int(raw) if raw.isdigit() else 0
+
+
+def alloc_restarts(environ: Mapping[str, str]) -> int:
+    """``DDP_HPC_ALLOC_RESTARTS`` as a number (0 when unset or not a plain number)."""
+    raw = environ.get(ALLOC_RESTARTS_VAR, "").strip()
     return int(raw) if raw.isdigit() else 0
 
 
@@ -75,10 +88,10 @@ def job_key(environ: Mapping[str, str]) -> str | None:
 
 def job_facts(environ: Mapping[str, str] | None = None) -> JobFacts:
     env = os.environ if environ is None else environ
-    restart, base = env.get("SLURM_RESTART_COUNT", ""), restart_base(env)
+    restart, base, alloc = env.get("SLURM_RESTART_COUNT", ""), restart_base(env), alloc_restarts(env)
     return JobFacts(
         job_id=env.get("SLURM_JOB_ID") or None, key=job_key(env),
-        restart_count=base + (int(restart) if restart.isdigit() else 0),
+        restart_count=base + (int(restart) if restart.isdigit() else 0) + alloc,
         end_time=to_float(env.get("SLURM_JOB_END_TIME")) or to_float(env.get("DDP_HPC_JOB_END_TIME")),
         node_tmpdir=env.get("SLURM_TMPDIR") or None, tmpdir=env.get("TMPDIR") or None,
         log_dir=env.get("DDP_HPC_LOG_DIR") or None, cluster=env.get("SLURM_CLUSTER_NAME", ""),
@@ -90,5 +103,5 @@ def job_facts(environ: Mapping[str, str] | None = None) -> JobFacts:
         node_list=env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or None,
         exclude_failed_nodes=env.get("DDP_HPC_EXCLUDE_FAILED_NODES", "1").strip().lower()
         not in ("0", "false", "no", "off"),
-        restart_base=base,
+        restart_base=base, alloc_restarts=alloc,
     )

@@ -20,7 +20,7 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 
-from ddp_hpc.env.job import job_key, restart_base
+from ddp_hpc.env.job import ALLOC_RESTARTS_VAR, alloc_restarts, job_key, restart_base
 from ddp_hpc.env.model import LAUNCHERS, DistEnv, EnvError, int_var
 from ddp_hpc.env.ports import master_port
 from ddp_hpc.slurm import hostlist
@@ -34,9 +34,10 @@ def this_host() -> str:
 
 
 def restart_count(environ: Mapping[str, str]) -> int:
-    """The run's restart number: `restart_base` (a resumed run's first) plus the launcher's count."""
-    if environ.get("SLURM_RESTART_COUNT"):
-        return restart_base(environ) + int_var(environ, "SLURM_RESTART_COUNT")
+    """The run's restart number: `restart_base` (a resumed run's first) plus the launcher's count
+    (Slurm's requeues and the in-allocation supervisor's restarts, else torchrun's)."""
+    if environ.get("SLURM_RESTART_COUNT") or environ.get(ALLOC_RESTARTS_VAR):
+        return restart_base(environ) + int_var(environ, "SLURM_RESTART_COUNT", 0) + alloc_restarts(environ)
     return restart_base(environ) + int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
 
 

@@ -28,6 +28,7 @@ from ddp_hpc.env import job_facts
 from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
 from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.runlogs.restarts import read_restarts, sched_index
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import expand
 from ddp_hpc.slurm.query import query_slurm
@@ -78,11 +79,15 @@ def failed_nodes(log_dir: str | Path | None, job_id: str | None = None, before: 
     if not logs.ranks:
         return []
     nodes: set[str] = set(logs.node_failures()[1])
+    inside = read_restarts(log_dir, job_id)   # lost nodes the supervisor left behind count too
+    nodes.update(e["node"] for e in inside if e.get("node") and (e.get("kind") == "vanished"
+                                                                 or e.get("trigger") == "node down"))
     runs = [r for r in logs.runs() if (before is None or r.restart < before)
             and r.end_status not in ("completed", "preempted")]
     states = _history(job_id, cli) if runs and job_id and cli is not None else []
     for run in runs:
-        state = states[run.restart - base] if 0 <= run.restart - base < len(states) else None
+        i = sched_index(run.restart, base, inside)
+        state = states[i] if 0 <= i < len(states) else None
         failure, _ = attribute(logs, restart=run.restart, sched=SchedulerFacts(state), files=False,
                                assume_failed=state == "NODE_FAIL")
         if failure is not None and failure.kind == "vanished" and failure.node:

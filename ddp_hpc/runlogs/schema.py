@@ -15,6 +15,8 @@ Files in a run's log directory, per rank R:
 - ``flight_recorder_rank{R}``: PyTorch's flight recorder dump (NCCL, on a collective timeout).
 - ``local-driver.out``:     the local backend's driver output (its "FAILED: rank R exited with RC"
                             lines), local jobs only.
+- ``restarts.jsonl``:       the in-allocation restarts (``ddp_hpc.supervise``): one JSON object per
+                            restart (`ALLOC_RESTART_KEYS`), written by the batch step.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ EVENTS: dict[str, tuple[str, ...]] = {
 CONFIG_FILE = "config.yaml"
 BATCH_OUT_GLOB = "slurm-*.out"
 LOCAL_DRIVER_OUT = "local-driver.out"
+ALLOC_RESTARTS_FILE = "restarts.jsonl"
+#: the keys of one in-allocation restart (docs/restarts.md): the new run's restart number, the
+#: job, when the fault happened and when the supervisor saw it, why (trigger, kind, rank, node,
+#: basis, the failure's summary), the nodes excluded, the nodes and world size before and after
+ALLOC_RESTART_KEYS = ("restart", "job_id", "fault_at", "detected_at", "trigger", "why", "kind", "rank",
+                      "node", "basis", "excluded", "nodes_before", "nodes_after", "world_before",
+                      "world_after")
 
 EVENTS_RE = re.compile(r"^rank(\d+)\.events\.jsonl$")
 OUT_RE = re.compile(r"^rank(\d+)\.out$")

@@ -325,6 +325,19 @@ class SlurmCLI:
                 return value.strip()
         raise SlurmError(argv, 0, "no ClusterName line in the output")
 
+    def node_states(self, nodes: Sequence[str]) -> dict[str, str]:
+        """node -> its state as sinfo prints it (``idle``, ``alloc``, ``down*``: ``*`` = not responding)."""
+        argv = ["sinfo", "--noheader", "--Node", "--nodes=" + compress(list(nodes)), "--format=%N" + SEP + "%T"]
+        return {r["N"]: r["T"] for r in self._records(argv, self._run(argv).stdout, ("N", "T"), trailing=False)}
+
+    def start_step(self, args: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
+        """``srun ARGS...`` started, not waited for (a job step the caller supervises)."""
+        argv = ["srun", *[str(a) for a in args]]
+        problem = config_problem(env)
+        if problem:
+            raise SlurmError(argv, None, problem, CONF_HINT, status="not run")
+        return subprocess.Popen(argv, env=dict(env))
+
     def show_hostnames(self, expr: str) -> list[str]:
         """Slurm's own expansion of a host list (``scontrol show hostnames EXPR``)."""
         if not isinstance(expr, str) or not expr.strip() or expr.lstrip().startswith("-"):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ddp_hpc.parsing import to_int
 from ddp_hpc.slurm.cli import CONTROLLER_DOWN, SlurmCLI, SlurmError
-from ddp_hpc.slurm.states import StateInfo, parse_state
+from ddp_hpc.slurm.states import JobState, StateInfo, parse_state
 from ddp_hpc.slurm.times import normalize_duration, timestamp
 
 SQUEUE, SACCT, SACCT_C = "squeue", "sacct", "sacct -c"
@@ -171,7 +171,10 @@ def job_ids_to_ask(ids: list[str]) -> list[str]:
 
 
 def _view_from_rows(rows: list[dict], source: str, tried: list[str]) -> SourceState:
-    jobs = [r for r in rows if "." not in row_job_id(r)]
+    # a RESIZING row is no run of its own: Slurm's record of a --no-kill job before it lost a node
+    jobs = [r for r in rows if "." not in row_job_id(r)
+            and parse_state(norm_get(r, "State", default="")).state is not JobState.RESIZING]
+    jobs = jobs or [r for r in rows if "." not in row_job_id(r)]
     steps = [r for r in rows if "." in row_job_id(r)]
     cur = jobs[-1] if jobs else rows[-1]
     restarts = norm_get(cur, "Restarts", "RestartCnt", "restart_count")

@@ -25,6 +25,7 @@ from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.diagnose import diagnose, restart_base, run_causes
+from ddp_hpc.status.restarts import alloc_restarts
 from ddp_hpc.status.staging import stage_rows
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
@@ -74,6 +75,8 @@ class JobStatus:
     overrides: list[str] | None = None  # an array task's overrides (the record's array[i])
     flight: list[str] = field(default_factory=list)  # the flight recorder's dumps (runlogs.flightrec)
     staging: list[dict] = field(default_factory=list)  # per node leader and source (status/staging.py)
+    #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
+    alloc_restarts: list[dict] = field(default_factory=list)
 
     @property
     def job_state(self) -> JobState:
@@ -219,7 +222,8 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     if state.state is JobState.RUNNING:  # its stall is judged from every rank's recent steps
         logs.widen()
     base = restart_base(rec)
-    failure, endings = (None, {}) if brief else diagnose(logs, sched, notes, base)
+    inside = [] if brief else alloc_restarts(rec, t.log_dir, logs)
+    failure, endings = (None, {}) if brief else diagnose(logs, sched, notes, base, inside)
     cur = logs.current_run()  # the newest run: the earlier ones are the detail view's (run_causes)
     restarts = max(base + (sched.restarts or 0), cur.restart if cur is not None else 0)
     progress = logs.progress(now)
@@ -245,11 +249,12 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         node_list=sched.node_list, progress=progress, last_events={} if brief else logs.last_events(),
         failure=failure, exit_code=sched.exit_code, steps=sched.steps, rank_exit_codes=codes,
         scheduler_history=sched.history, history_source=sched.history_source,
-        runs=[] if brief else run_causes(logs, logs.runs(), sched, base), notes=notes,
+        runs=[] if brief else run_causes(logs, logs.runs(), sched, base, inside), notes=notes,
         command=getattr(rec, "command", None), rank_endings={} if brief else rank_endings(logs),
         rank_classification={str(r): e.to_dict() for r, e in endings.items()},
         eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
-        overrides=_overrides(t), staging=[] if brief else stage_rows(logs))
+        overrides=_overrides(t), staging=[] if brief else stage_rows(logs),
+        alloc_restarts=inside)
     _timing(st, logs, now, brief)
     if not brief and t.log_dir:   # NCCL's flight recorder dumps of the current run
         since = cur.started if cur is not None else None

@@ -1,7 +1,8 @@
 """Judging a job from its logs and the scheduler's facts: which rank broke it (the primary
 failure), how every rank ended, and the cause of each earlier run that did not complete. A job
 that resumed a stopped run numbers its runs after that run's (``restart_base``), and the
-scheduler's history maps onto the logs' restarts from there.
+scheduler's history maps onto the logs' restarts from there, leaving out the in-allocation
+restarts (``inside``: restarts.jsonl), which have restart numbers but are no runs of the scheduler's.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 
 from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
 from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.runlogs.restarts import sched_index
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.status.stopped import STOPPED, stall_before_stop
@@ -28,22 +30,22 @@ def restart_base(rec) -> int:
     return base if isinstance(base, int) and base > 0 else 0
 
 
-def sched_state_at(hist: list, restart: int, base: int) -> str | None:
+def sched_state_at(hist: list, restart: int, base: int, inside=()) -> str | None:
     """The scheduler's state name of the run with this restart number (None: not this job's, or
     not in its history)."""
-    i = restart - base
+    i = sched_index(restart, base, list(inside))
     return parse_state(hist[i]).state.name if 0 <= i < len(hist) else None
 
 
-def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0):
+def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0, inside=()):
     """(the primary failure, every rank's ending) as far as the job's state allows judging. A
     job the scheduler requeued (or, resuming a stopped run, started) before its new run wrote
     events is judged by its last run."""
     state = sched.state.state
     cur = logs.current_restart()
-    over = bool(logs.ranks) and base + (sched.restarts or 0) > cur
+    over = bool(logs.ranks) and base + (sched.restarts or 0) + len(inside) > cur
     hist = [h.get("state") for h in sched.history]
-    name = sched_state_at(hist, cur, base) if over else state.name
+    name = sched_state_at(hist, cur, base, inside) if over else state.name
     facts = SchedulerFacts(name, [c for c in [sched.exit_code] + [s.get("exit_code") for s in sched.steps] if c])
     crashed = name is not None and JobState[name] in CRASHED
     if crashed or logs.outcome() == "failed":
@@ -59,14 +61,14 @@ def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0)
     return failure, endings
 
 
-def run_causes(logs: RunLogs, runs, sched: SourceState, base: int = 0) -> list[dict]:
+def run_causes(logs: RunLogs, runs, sched: SourceState, base: int = 0, inside=()) -> list[dict]:
     """The runs of the event logs; an earlier run that failed says who broke it."""
     hist = [h.get("state") for h in sched.history]
     out = []
     for r in runs:
         d = dataclasses.asdict(r)
         if r.restart < logs.current_restart() and r.end_status not in ("completed", "preempted"):
-            name = sched_state_at(hist, r.restart, base)
+            name = sched_state_at(hist, r.restart, base, inside)
             f, _ = attribute(logs, restart=r.restart, sched=SchedulerFacts(name), files=False,
                              assume_failed=name is not None and JobState[name] in CRASHED)
             d["cause"] = f.summary if f else None

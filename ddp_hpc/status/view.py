@@ -20,6 +20,7 @@ from ddp_hpc.runlogs.tails import follow_logs, log_line, logs_tail, rank_files, 
 from ddp_hpc.runlogs.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.status.collect import JobStatus
+from ddp_hpc.status.restarts import restart_lines
 from ddp_hpc.status.staging import stage_lines
 from ddp_hpc.text import fit_columns, plural, prog
 
@@ -141,7 +142,8 @@ def files_guide() -> str:
 
 def render_detail(st: JobStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
-    out = _head_lines(st, now) + stage_lines(st.staging) + _exit_lines(st) + _failure_lines(st) + _timing_lines(st)
+    out = _head_lines(st, now) + stage_lines(st.staging) + _exit_lines(st) + _failure_lines(st)
+    out += restart_lines(st.alloc_restarts) + _timing_lines(st)
     out += [("Flight rec: " if i == 0 else "            ") + ln for i, ln in enumerate(st.flight)]
     out += _event_lines(st, now) + _history_lines(st) + [f"Note: {n}" for n in st.notes]
     return "\n".join(out) + "\n"

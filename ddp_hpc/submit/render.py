@@ -15,6 +15,10 @@ why:
   blocked in a collective until the NCCL/gloo timeout;
 - a node that failed: a restart placed again on a node that failed an earlier run requeues
   itself with that node in ``ExcNodeList`` (``ddp_hpc.recover.avoid``) before srun starts;
+- restarts inside the allocation (``--max-restarts N`` > 0, docs/restarts.md): the allocation
+  asks for the spare nodes too and ``--no-kill`` (a lost node does not end it), and the batch step
+  runs ``python -m ddp_hpc.supervise`` instead of ``srun``: it starts the ranks' srun step itself,
+  and again on healthy nodes after a fault; with 0 the script is exactly what it was before;
 - the user's srun options (``--srun-arg``) go on the srun line, each one quoted word; with
   ``--container IMAGE`` every rank runs as ``apptainer exec --nv IMAGE ...`` (or singularity),
   and the script stops with a clear message on a node that has neither;
@@ -42,7 +46,7 @@ def sbatch_options(spec: JobSpec) -> list[tuple[str, str | None]]:
     """The ``#SBATCH`` options in order: (name, value or None for a flag)."""
     opts: list[tuple[str, str | None]] = [
         ("job-name", spec.name),
-        ("nodes", str(spec.options.nodes)),       # N, or a range MIN-MAX as sbatch takes it
+        ("nodes", spec.alloc_nodes),       # N (+ spares), or a range MIN-MAX as sbatch takes it
         ("ntasks-per-node", str(spec.tasks_per_node)),
         ("gpus-per-node", str(spec.gpus_per_node)),
         ("cpus-per-task", str(spec.cpus_per_task)),
@@ -51,6 +55,8 @@ def sbatch_options(spec: JobSpec) -> list[tuple[str, str | None]]:
         ("requeue", None),
         ("open-mode", "append"),
     ]
+    if spec.supervised:
+        opts.append(("no-kill", None))
     if spec.is_array:
         opts.append(("output", f"{spec.log_dir}/task%a/{batch_out('%A_%a')}"))
         opts.append(("array", f"0-{len(spec.tasks) - 1}"))
@@ -115,12 +121,31 @@ def render(spec: JobSpec) -> str:
         "fi",
         *stage_sbcast_lines(spec),
         *_container_lines(spec),
-        'exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/'
-        + rank_out("%t") + '"' + "".join(f" {shlex.quote(a)}" for a in srun_args(spec))
-        + ' "${ARGS[@]}"',
+        _step_line(spec),
         "",
     ]
     return "\n".join(lines)
+
+
+def _step_line(spec: JobSpec) -> str:
+    """The batch step's last line: srun (a fault ends the job), or the supervisor that runs srun
+    and restarts the ranks inside the allocation."""
+    if not spec.supervised:
+        return ('exec srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/'
+                + rank_out("%t") + '"' + "".join(f" {shlex.quote(a)}" for a in srun_args(spec))
+                + ' "${ARGS[@]}"')
+    o = spec.options
+    words = [spec.python, "-m", "ddp_hpc.supervise", "--nodes", spec.nodes, "--tasks-per-node",
+             spec.tasks_per_node, "--max-restarts", o.max_restarts]
+    words += ["--spare-nodes", o.spare_nodes] if o.spare_nodes else []
+    low, high = o.node_range   # a range job goes on with as few nodes as it may start on
+    least = o.min_nodes if o.min_nodes is not None else (low if low != high else None)
+    words += ["--min-nodes", least] if least is not None else []
+    words += ["--restart-on-error"] if o.restart_on_error else []
+    words += ["--stall-timeout", f"{spec.stall_timeout_s:g}"] if spec.stall_timeout_s else []
+    words += [f"--srun-arg={a}" for a in srun_args(spec)]
+    return ("# the supervisor starts the ranks with srun and again after a fault (docs/restarts.md)\n"
+            f'exec {_q(words)} --log-dir "$LOG_DIR" -- "${{ARGS[@]}}"')
 
 
 def srun_args(spec: JobSpec) -> list[str]:

@@ -91,10 +91,12 @@ def check_against_cluster(spec: JobSpec, partitions: Sequence[Mapping[str, Any]]
             f"{part['name']!r} has (at most {max_gpus}, from sinfo)",
             f"use --gpus {max_gpus} or less and more --nodes"
             + (f", or a partition with more: {', '.join(others)}" if others else ""))
-    if spec.nodes > int(part.get("nodes") or 0):
+    if spec.options.node_range[0] + spec.options.spare_nodes > int(part.get("nodes") or 0):
+        asked = f"--nodes {spec.options.nodes}" + (f" + --spare-nodes {spec.options.spare_nodes}"
+                                           if spec.options.spare_nodes else "")
         raise SpecError(
-            f"--nodes {spec.nodes} is more than partition {part['name']!r} has "
-            f"({part.get('nodes')} nodes, from sinfo)", f"use --nodes {part.get('nodes')} or fewer")
+            f"{asked} is more than partition {part['name']!r} has "
+            f"({part.get('nodes')} nodes, from sinfo)", f"ask for {part.get('nodes')} nodes or fewer")
     return part["name"]
 
 
@@ -103,7 +105,9 @@ CONTAINER_RUNTIMES = ("apptainer", "singularity")
 
 def check_container(spec: JobSpec, backend: str, path: str | None = None) -> None:
     """``--container IMAGE`` goes through the sbatch backend and needs apptainer or singularity;
-    this machine's PATH is checked here (the batch script checks the node's again)."""
+    this machine's PATH is checked here (the batch script checks the node's again). The options of
+    restarts inside the allocation are the sbatch backend's too."""
+    _check_restart_options(spec, backend)
     image = spec.options.container
     if not image:
         return
@@ -115,6 +119,16 @@ def check_container(spec: JobSpec, backend: str, path: str | None = None) -> Non
         raise SpecError(f"--container {image} needs apptainer or singularity, and neither is on "
                         "PATH here", "load or install one (e.g. `module load apptainer`) where "
                         f"you submit and on the nodes; {pyxis}")
+
+
+def _check_restart_options(spec: JobSpec, backend: str) -> None:
+    o = spec.options
+    given = [w for w, on in (("--spare-nodes", o.spare_nodes), ("--min-nodes", o.min_nodes is not None),
+                             ("--restart-on-error", o.restart_on_error)) if on]
+    if given and backend != "sbatch":
+        raise SpecError(f"{' and '.join(given)} restart the ranks inside the allocation, which only the "
+                        f"sbatch backend does, not {backend}",
+                        "add --backend sbatch (docs/restarts.md says why submitit cannot)")
 
 
 # ----------------------------------------------------------------------------- submitit

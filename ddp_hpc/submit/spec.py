@@ -35,6 +35,8 @@ class SpecError(HintError, ValueError):
 
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _LOG_DIR = re.compile(r"^[A-Za-z0-9_./+=@,:~-]+$")
+#: seconds past the collective timeout before the supervisor calls a run stalled
+STALL_MARGIN_S = 15.0
 
 
 def is_override(item: str) -> bool:
@@ -109,6 +111,9 @@ class JobSpec:
     restart_base: int = 0
     #: ``--stage SRC[=NAME]`` of a script job: what every node copies before the ranks start
     stage: tuple[StageItem, ...] = ()
+    #: the supervisor restarts a step with no training step for this long (0: off); for a config
+    #: job train.collective_timeout_s plus `STALL_MARGIN_S`, so the ranks' own timeouts come first
+    stall_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if type(self.restart_base) is not int or self.restart_base < 0:
@@ -122,6 +127,18 @@ class JobSpec:
     cpus_per_task = property(lambda self: self.options.cpus_per_task)
     time = property(lambda self: self.options.time)
     partition = property(lambda self: self.options.partition)
+
+    @property
+    def alloc_nodes(self) -> str:
+        """sbatch's --nodes: the job's nodes and its spares, or a range MIN-MAX as given (a range
+        takes no spares: SlurmOptions refuses them)."""
+        low, high = self.options.node_range
+        return f"{low}-{high}" if low != high else str(high + self.options.spare_nodes)
+
+    @property
+    def supervised(self) -> bool:
+        """The batch step supervises the ranks and restarts them after a fault (--max-restarts)."""
+        return self.options.max_restarts > 0
 
     @property
     def signal(self) -> str:
@@ -210,7 +227,8 @@ def build_spec(opts: SlurmOptions, *, config_path: str | os.PathLike, cfg: Any,
     return JobSpec(options=options, config=str(Path(config_path).resolve()),
                    overrides=tuple(overrides), tasks=tasks, log_dir=str(log_dir),
                    workdir=workdir, python=python or sys.executable,
-                   exclude_failed_nodes=bool(cfg.preempt.exclude_failed_nodes))
+                   exclude_failed_nodes=bool(cfg.preempt.exclude_failed_nodes),
+                   stall_timeout_s=float(cfg.train.collective_timeout_s) + STALL_MARGIN_S)
 
 
 _SCRIPT_KEY = re.compile(r"^-{0,2}[A-Za-z0-9_][A-Za-z0-9_.-]*$")

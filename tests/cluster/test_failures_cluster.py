@@ -35,7 +35,8 @@ def env(slurm_cluster):
 def _submit(c, env, name, overrides) -> tuple[str, Path]:
     e, d = env
     p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10",
-               "-J", name, str(REPO / "jobs" / "demo.yaml"), "--", f"log.dir={d / 'runs'}",
+               "--max-restarts", "0", "-J", name,
+               str(REPO / "jobs" / "demo.yaml"), "--", f"log.dir={d / 'runs'}",
                *overrides], cwd=str(REPO), env=e)
     assert p.returncode == 0, p.stderr
     job = p.stdout.split()[-1]

@@ -69,7 +69,8 @@ def test_a_dead_node_is_named_the_job_resumes_elsewhere_and_later_avoids_it(slur
     cli = SlurmCLI(env=c.env)
     assert len(c.spare_nodes) == 3   # 2 for the job, 1 to resume on while the dead node is down
     p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10",
-               "-p", c.spare_partition, "-J", "nodefail", str(REPO / "jobs" / "demo.yaml"), "--",
+               "--max-restarts", "0", "-p", c.spare_partition,
+               "-J", "nodefail", str(REPO / "jobs" / "demo.yaml"), "--",
                f"log.dir={d / 'runs'}", *SLOW],
               cwd=str(REPO), env=env)
     assert p.returncode == 0, p.stderr

@@ -36,6 +36,7 @@ def test_srun_args_and_container_reach_every_task(slurm_cluster):
     env = {**c.env, "DDP_HPC_HOME": str(d / "home"), "PATH": f"{bindir}:{c.env['PATH']}",
            "FAKE_RUNTIME_OUT": str(d / "runtime.argv")}
     p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-N", "2", "-G", "1", "-t", "5",
+               "--max-restarts", "0",   # the srun line itself; the supervisor's: tests/test_supervise.py
                "--srun-arg", "label=", "--srun-arg", "export=ALL,DDP_HPC_SRUN_PROBE=through-srun",
                "--srun-arg", "cpu-bind=none", "--container", "/images/stand-in.sif",
                "--wait", "--wait-timeout", "180", "probe.py"], cwd=str(d), env=env, timeout=240)

@@ -1,0 +1,9 @@
+"""The in-allocation restart supervisor (docs/restarts.md): the batch step of a job submitted with
+``--max-restarts N`` (sbatch backend, ``slurm/train.sbatch``) runs ``python -m ddp_hpc.supervise``,
+which starts the ranks as one ``srun --no-kill`` step, watches them, and after a lost node, a
+killed rank or a hang stops every rank, excludes what failed and starts them again on healthy
+nodes (spares first), where they resume from their newest checkpoint.
+
+``plan`` (what is restartable, which nodes next: pure), ``watch`` (one step: srun, events, node
+states; stopping it), ``loop`` (the supervisor), ``cli`` (its command line).
+"""

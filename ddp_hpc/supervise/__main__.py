@@ -1,0 +1,5 @@
+import sys
+
+from ddp_hpc.supervise.cli import main
+
+sys.exit(main())

@@ -1,0 +1,54 @@
+"""``python -m ddp_hpc.supervise [OPTIONS] -- COMMAND...``: what the batch script of a job with
+in-allocation restarts runs instead of ``srun COMMAND...`` (the renderer writes the line)."""
+from __future__ import annotations
+
+import argparse
+
+from ddp_hpc.errors import HintError, report
+from ddp_hpc.supervise.loop import Settings, supervise
+from ddp_hpc.supervise.plan import Policy
+from ddp_hpc.text import HelpFormatter, prog
+
+__all__ = ["main", "parser"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog("supervise"), formatter_class=HelpFormatter,
+                                description=__doc__)
+    p.add_argument("--nodes", type=int, required=True, help="nodes the ranks run on (without spares)")
+    p.add_argument("--tasks-per-node", type=int, required=True, help="ranks per node")
+    p.add_argument("--max-restarts", type=int, default=2, help="in-allocation restarts at most")
+    p.add_argument("--spare-nodes", type=int, default=0, help="nodes of the allocation standing by")
+    p.add_argument("--min-nodes", type=int, default=None, help="go on with this few nodes at least")
+    p.add_argument("--restart-on-error", action="store_true",
+                   help="restart after an error raised by the code too")
+    p.add_argument("--stall-timeout", type=float, default=0.0, metavar="S",
+                   help="stop and restart a step with no training step for S seconds (0: off)")
+    p.add_argument("--log-dir", required=True, help="the run's log directory")
+    p.add_argument("--srun-arg", action="append", default=[], metavar="WORD",
+                   help="one word of the user's srun options (repeatable)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...: what every rank runs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        if not command:
+            raise HintError("no command given", "end the options with -- COMMAND...")
+        for name, least in (("nodes", 1), ("tasks_per_node", 1), ("max_restarts", 0), ("spare_nodes", 0)):
+            if getattr(args, name) < least:
+                raise HintError(f"--{name.replace('_', '-')} {getattr(args, name)} is not >= {least}",
+                                f"pass a number >= {least}")
+        if args.min_nodes is not None and not 1 <= args.min_nodes <= args.nodes:
+            raise HintError(f"--min-nodes {args.min_nodes} is not between 1 and --nodes {args.nodes}",
+                            "pass how few nodes the job may go on with, at most --nodes")
+        policy = Policy(nodes=args.nodes, tasks_per_node=args.tasks_per_node,
+                        max_restarts=args.max_restarts, spare_nodes=args.spare_nodes,
+                        min_nodes=args.min_nodes, restart_on_error=args.restart_on_error)
+        return supervise(Settings(policy=policy, log_dir=args.log_dir, command=tuple(command),
+                                  srun_args=tuple(args.srun_arg), stall_timeout_s=args.stall_timeout))
+    except HintError as exc:
+        report(prog("supervise"), exc)
+        return 2

@@ -1,0 +1,145 @@
+"""Watching one job step: its srun process, the ranks' events (read as they grow), the states of
+its nodes; and stopping it.
+
+A step needs stopping when srun ended (every rank gone, or srun's --kill-on-bad-exit ended it),
+when a rank wrote that it failed because a peer did (a lost connection, a collective timeout:
+srun may wait long for a node that is gone; a rank's own error is left to srun, which ends the
+step when that rank exits, with its exit report), when one of its nodes is down or not
+responding, or when no rank reported a training step for the stall timeout after steps had begun
+(a hang the ranks' own collective timeout did not end).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddp_hpc.parsing import to_float, to_int
+from ddp_hpc.runlogs.evidence import consequence_phrase
+from ddp_hpc.runlogs.schema import EVENTS_RE
+from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
+
+__all__ = ["EventTail", "StepEnd", "Watch", "watch_step", "stop_step", "down_nodes"]
+
+#: after a rank wrote that it lost a peer, how long srun gets to end the step by itself
+FAILED_GRACE_S = 5.0
+#: how often the nodes' states are asked (sinfo), seconds
+NODE_EVERY_S = 3.0
+
+
+class EventTail:
+    """New events of run ``restart`` in a log directory's event files, read incrementally."""
+
+    def __init__(self, log_dir: str | Path, restart: int):
+        self.dir, self.restart = Path(log_dir), restart
+        self._pos: dict[Path, int] = {}
+        self._rest: dict[Path, str] = {}
+
+    def poll(self) -> list[dict]:
+        out: list[dict] = []
+        for path in sorted(self.dir.glob("rank*.events.jsonl")):
+            if not EVENTS_RE.match(path.name):
+                continue
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    f.seek(self._pos.get(path, 0))
+                    chunk = f.read()
+                    self._pos[path] = f.tell()
+            except OSError:
+                continue
+            text = self._rest.pop(path, "") + chunk
+            lines = text.split("\n")
+            if lines[-1]:
+                self._rest[path] = lines[-1]
+            for line in lines[:-1]:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict) and to_int(ev.get("restart"), 0) == self.restart:
+                    out.append(ev)
+        return out
+
+
+@dataclass
+class StepEnd:
+    """Why the step ended or was stopped (`plan.TRIGGERS`), srun's exit status, and when."""
+
+    trigger: str
+    returncode: int | None
+    detected_at: float
+    first_bad_at: float | None = None    # the first error event of a rank that lost a peer
+    last_step_at: float | None = None    # the newest step event of any rank
+    down: list[str] = field(default_factory=list)   # nodes sinfo called down / not responding
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What to watch: the step's nodes, the stall timeout (0: off), how often to look."""
+
+    nodes: tuple[str, ...]
+    stall_timeout_s: float = 0.0
+    every_s: float = 1.0
+
+
+def down_nodes(cli: SlurmCLI, nodes) -> list[str]:
+    """The nodes of ``nodes`` that sinfo calls down, failing, drained or not responding."""
+    try:
+        states = cli.node_states(list(nodes))
+    except SlurmError:
+        return []
+    return sorted(n for n, s in states.items() if s.endswith("*") or s.startswith(("down", "fail", "drain")))
+
+
+def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Watch,
+               stopping=lambda: False) -> StepEnd:
+    """Wait until the step ended or needs stopping (`stopping()`: the supervisor was told to end)."""
+    first_bad = last_step = None
+    next_nodes = time.monotonic() + NODE_EVERY_S
+    while True:
+        rc = proc.poll()
+        for ev in tail.poll():
+            t = to_float(ev.get("time"))
+            if ev.get("event") == "step" and t is not None:
+                last_step = max(last_step or t, t)
+            lost_peer = ev.get("event") == "error" and consequence_phrase(ev.get("message"), ev.get("exc_type"))
+            if lost_peer and first_bad is None:
+                first_bad = t or time.time()
+        now = time.time()
+        end = StepEnd("exited", rc, now, first_bad, last_step)
+        if rc is not None or stopping():
+            return end
+        if first_bad is not None and now - first_bad > FAILED_GRACE_S:
+            end.trigger = "rank failed"
+            return end
+        if time.monotonic() >= next_nodes:
+            next_nodes = time.monotonic() + NODE_EVERY_S
+            if down := down_nodes(cli, watch.nodes):
+                end.trigger, end.down = "node down", down
+                return end
+        if watch.stall_timeout_s and last_step is not None and now - last_step > watch.stall_timeout_s:
+            end.trigger = "stalled"
+            return end
+        time.sleep(watch.every_s)
+
+
+def stop_step(proc: subprocess.Popen, timeout: float = 8.0) -> int | None:
+    """End the step: srun's own abort (two SIGINTs within a second: Slurm kills every task), then,
+    if srun still runs after ``timeout`` (it waits KillWait + 2 s for a node that does not answer),
+    SIGKILL for srun."""
+    if proc.poll() is None:
+        for _ in range(2):
+            try:
+                proc.send_signal(signal.SIGINT)
+            except ProcessLookupError:
+                break
+            time.sleep(0.3)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -1,0 +1,138 @@
+"""Restarts inside the allocation (ddp_hpc.supervise) on the real test cluster: the three faults
+(a dead node, a SIGKILLed rank, a SIGSTOPped rank) healed inside one job id, with a spare node and
+without, for ddp_hpc's own loop and for a plain script, which goes on with fewer nodes
+(--min-nodes) and resumes from its own checkpoint. Each test checks the job completed without a
+requeue (Slurm's restart count stays 0), what restarts.jsonl says and what status shows.
+
+Both jobs run in the test cluster's partition ``spare`` (3 nodes of its own), like the node
+failure test: the node they kill runs nothing of the other tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc import records
+from ddp_hpc.runlogs.reader import read_events
+from ddp_hpc.runlogs.restarts import read_restarts
+
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("spare")]
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+FAST = ["data.dataset=tests.cluster.status_helpers:slow_synthetic", "data.kwargs.delay=0.004",
+        "data.kwargs.size=8192", "log.every_n_steps=1", "train.epochs=1", "data.eval_split=0.0",
+        "checkpoint.every_steps=3", "train.collective_timeout_s=20", "schedule.warmup_steps=0"]
+
+
+def _wait_for(what: str, cond, timeout: float, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if got := cond():
+            return got
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _events(log_dir: Path, rank: int, restart: int) -> list[dict]:
+    return [e for e in read_events(log_dir / f"rank{rank}.events.jsonl").events if e.get("restart") == restart]
+
+
+def _stepping(log_dir: Path, restart: int, ranks: int, steps: int = 2) -> dict[int, dict] | None:
+    """Each rank's start event of run ``restart`` once every rank reported ``steps`` steps."""
+    starts = {}
+    for r in range(ranks):
+        evs = _events(log_dir, r, restart)
+        if sum(e["event"] == "step" for e in evs) < steps:
+            return None
+        starts[r] = next(e for e in evs if e["event"] == "start")
+    return starts
+
+
+def _submit(c, d: Path, *args: str) -> tuple[str, Path, dict]:
+    env = dict(c.env, DDP_HPC_HOME=str(d / "home"), PYTHONPATH=str(REPO))
+    p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-p", c.spare_partition, "-t", "10",
+               *args], cwd=str(d), env=env)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()[-1], d, env
+
+
+def _finish(c, job: str, env: dict) -> tuple[str, str, str]:
+    state = c.wait(job, timeout=300)
+    status = c.run([PY, "-m", "ddp_hpc.status", job], cwd="/", env=env, timeout=120).stdout
+    shown = c.run(["scontrol", "show", "job", "-o", job], timeout=30).stdout
+    return state, status, shown
+
+
+def test_dead_node_and_hang_are_healed_in_one_job_on_a_spare(slurm_cluster):
+    c = slurm_cluster
+    d = c.shared_dir / f"restart-spare-{time.monotonic_ns()}"
+    d.mkdir()
+    job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--spare-nodes", "1", "--max-restarts", "2",
+                          "-J", "rs-spare", str(REPO / "jobs" / "demo.yaml"), "--",
+                          f"log.dir={d / 'runs'}", *FAST)
+    log_dir = _wait_for("the log directory", lambda: next((d / "runs").glob("rs-spare-*"), None), 60)
+    starts0 = _wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 4), 180)
+    dead = starts0[2]["host"]
+    t0 = time.time()
+    try:
+        c.fail_node(dead)
+        starts1 = _wait_for("steps after the restart on the spare", lambda: _stepping(log_dir, 1, 4), 120)
+    finally:
+        c.revive_node(dead)
+    t1 = time.time()
+    os.kill(int(starts1[3]["pid"]), signal.SIGSTOP)          # rank 3 hangs; its peers time out
+    starts2 = _wait_for("steps after the hang", lambda: _stepping(log_dir, 2, 4), 150)
+    state, status, shown = _finish(c, job, env)
+    rows = read_restarts(log_dir)
+    print(f"node {dead} killed at {t0:.0f}, rank 3 stopped at {t1:.0f}\n{json.dumps(rows, indent=1)}\n{status}")
+    assert state == "COMPLETED", status
+    assert re.search(r"\bRestarts=0\b", shown), shown                       # no requeue: one job
+    assert [r["restart"] for r in rows] == [1, 2] and {r["job_id"] for r in rows} == {job}
+    assert rows[0]["excluded"] == [dead] and dead not in {s["host"] for s in starts1.values()}
+    assert rows[0]["world_before"] == rows[0]["world_after"] == 4 and rows[0]["node"] == dead
+    assert rows[1]["rank"] == 3 and rows[1]["kind"] in ("stuck", "killed", "lost"), rows[1]
+    assert len({s["host"] for s in starts2.values()}) == 2
+    assert re.search(r"resumed from \S+ckpt-\d+\.pt at step [1-9]", (log_dir / "rank0.log").read_text())
+    assert "Restarts inside the allocation: 2" in status and f"excluded {dead}" in status, status
+    rec = records.load_record(job, environ={"DDP_HPC_HOME": env["DDP_HPC_HOME"]})
+    assert [r["restart"] for r in rec.alloc_restarts] == [1, 2]          # the record keeps them
+
+
+def test_plain_script_killed_rank_then_dead_node_goes_on_with_fewer_nodes(slurm_cluster):
+    c = slurm_cluster
+    d = c.shared_dir / f"restart-script-{time.monotonic_ns()}"
+    d.mkdir()
+    ckpt = d / "ckpt"
+    job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--max-restarts", "2", "--min-nodes", "1", "-J", "rs-script",
+                          str(REPO / "examples" / "preemptible.py"), "--steps", "100", "--sleep", "0.1",
+                          "--ckpt-every", "5", "--ckpt-dir", str(ckpt))
+    log_dir = _wait_for("the log directory", lambda: next((d / "runs").glob("rs-script-*"), None), 60)
+    starts0 = _wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4), 180)
+    os.kill(int(starts0[3]["pid"]), signal.SIGKILL)          # rank 3's script dies
+    starts1 = _wait_for("steps after the first restart", lambda: _stepping(log_dir, 1, 4), 120)
+    dead = starts1[2]["host"]
+    try:
+        c.fail_node(dead)
+        _wait_for("steps on one node", lambda: _stepping(log_dir, 2, 2), 120)
+    finally:
+        c.revive_node(dead)
+    state, status, shown = _finish(c, job, env)
+    rows = read_restarts(log_dir)
+    out0 = (log_dir / "rank0.out").read_text()
+    print(f"{json.dumps(rows, indent=1)}\n{status}\n{out0[-800:]}")
+    assert state == "COMPLETED", status
+    assert re.search(r"\bRestarts=0\b", shown), shown
+    assert [(r["world_before"], r["world_after"]) for r in rows] == [(4, 4), (4, 2)], rows
+    assert rows[0]["rank"] == 3 and rows[0]["kind"] == "killed" and rows[0]["excluded"] == []
+    assert rows[1]["excluded"] == [dead]
+    m = re.search(r"preemptible: 2 ranks, 100 steps \(resumed from step (\d+)\)", out0)
+    assert m and int(m.group(1)) >= 5, out0[-800:]
+    assert "Restarts inside the allocation: 2" in status, status

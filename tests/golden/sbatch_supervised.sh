@@ -1,0 +1,31 @@
+#!/bin/bash
+# ddp_hpc job demo: 2 node(s) x 2 task(s), one task per GPU.
+# Rendered by ddp_hpc.submit (sbatch backend); `sbatch <this file>` submits it again.
+#SBATCH --job-name=demo
+#SBATCH --nodes=3
+#SBATCH --ntasks-per-node=2
+#SBATCH --gpus-per-node=2
+#SBATCH --cpus-per-task=3
+#SBATCH --time=00:30:00
+#SBATCH --signal=USR2@90
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --no-kill
+#SBATCH --output=/work/runs/demo-1/slurm-%j.out
+
+set -eu
+# srun does not inherit --cpus-per-task since Slurm 22.05
+export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-3}"
+cd /work
+ARGS=(/venv/bin/python -m ddp_hpc.run /work/jobs/demo.yaml train.epochs=2)
+LOG_DIR=/work/runs/demo-1
+export DDP_HPC_LOG_DIR="$LOG_DIR"
+mkdir -p "$LOG_DIR"
+echo "ddp_hpc: job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-?}, logs in $LOG_DIR"
+# a restart placed on a node that failed an earlier run requeues itself off it (exit 75)
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  rc=0; /venv/bin/python -m ddp_hpc.recover.avoid "$LOG_DIR" || rc=$?
+  if [ "$rc" = 75 ]; then exit 0; fi
+fi
+# the supervisor starts the ranks with srun and again after a fault (docs/restarts.md)
+exec /venv/bin/python -m ddp_hpc.supervise --nodes 2 --tasks-per-node 2 --max-restarts 3 --spare-nodes 1 --min-nodes 1 --restart-on-error --stall-timeout 35 --srun-arg=--cpu-bind=none --log-dir "$LOG_DIR" -- "${ARGS[@]}"
