@@ -5,13 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-
-from ddp_hpc.runlogs import tboard  # noqa: E402
-from ddp_hpc.runlogs.writer import RunLog  # noqa: E402
+from ddp_hpc.runlogs import tboard
+from ddp_hpc.runlogs.writer import RunLog
 
 
 def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
