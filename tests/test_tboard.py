@@ -67,10 +67,15 @@ def test_restart_continues_one_run(tmp_path, monkeypatch):
     assert len(tboard.event_files(tmp_path)) == 2
 
 
-def test_nothing_heavy_imported_without_events(tmp_path):
-    """A run log that writes no step event imports neither TensorBoard nor torch."""
+def test_nothing_heavy_imported_without_events(tmp_path, monkeypatch):
+    """A run log that writes no step event imports neither TensorBoard nor torch; one that does
+    imports TensorBoard's writer, still not torch."""
+    monkeypatch.delenv(tboard.ENV_SWITCH, raising=False)
     code = ("import sys; from ddp_hpc.runlogs.writer import RunLog; "
-            f"log = RunLog({str(tmp_path)!r}, 0); log.event('start', world_size=1); log.close(); "
+            f"log = RunLog({str(tmp_path)!r}, 0); log.event('start', world_size=1); "
+            "print(sorted(m for m in ('torch', 'tensorboard') if m in sys.modules)); "
+            "log.event('step', step=1, loss=0.5); log.close(); "
             "print(sorted(m for m in ('torch', 'tensorboard') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.split("\n")[:2] == ["[]", "['tensorboard']"]
+    assert read_scalars(tmp_path)["train/loss"] == [(1, 0.5)]
