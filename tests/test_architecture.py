@@ -148,7 +148,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("env", "config"),                                                 # rank and job facts; job config
     ("runlogs", "records", "data", "dist"),                            # run logs, records, data, groups
     ("exec", "launch", "recover", "supervise"),                        # wrapper, local launch, recovery
-    ("train", "report", "checkpoint", "preemption", "run", "instrument"),  # training, the script API
+    ("train", "report", "checkpoint", "preemption", "run", "instrument", "integrations"),  # training, the script API
     ("status", "submit", "testcluster"),                               # the commands' packages
     ("cli", "__main__", "__init__"),                                   # ddp-hpc; the lazy public names
 )

@@ -27,6 +27,7 @@ from typing import Iterator, Sequence
 from ddp_hpc.data.scriptstage import run_staged
 from ddp_hpc.env import DistEnv, EnvError, gpu_index, job_facts, visible_gpus
 from ddp_hpc.env.checks import diagnose
+from ddp_hpc.env.tracking import wandb_environ
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.exec.events import SafeLog
 from ddp_hpc.exec.instrumented import Instrumentation, read_error_file, torch_environ
@@ -113,6 +114,7 @@ def run(cmd: Sequence[str], log_dir: str | os.PathLike | None = None) -> int:
         return _refuse(exc, env, where)
     if where is not None:
         child_env["DDP_HPC_LOG_DIR"] = str(where)
+    child_env.update(wandb_environ(child_env))     # one W&B run per job (docs/scripts.md)
     log = SafeLog(where, env.rank, env.job_id, env.restart_count, who=prog("exec"))
     try:  # submit --stage: node-local copies first, their paths in DDP_HPC_STAGE_<NAME>
         return run_staged(env, child_env, log, lambda: _supervise(cmd, env, child_env, log))

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from tqdm import tqdm
 
 from ddp_hpc.env import job_facts
+from ddp_hpc.runlogs import tboard
 from ddp_hpc.runlogs.schema import EVENT_KEYS, events_file, text_log
 
 
@@ -48,6 +49,7 @@ class RunLog:
         self._events = open(self.dir / events_file(rank), "a", encoding="utf-8")
         self._text = open(self.dir / text_log(rank), "a", encoding="utf-8")
         self.console = (rank == 0) if console is None else console
+        self._tb = tboard.sink_for(self.dir, rank)   # rank 0: step/epoch/eval also to TensorBoard
 
     def event(self, name: str, **fields: Any) -> dict:
         # the keys every event carries, in the order the schema lists them
@@ -56,6 +58,8 @@ class RunLog:
         rec.update(fields)
         self._events.write(json.dumps(rec, default=_jsonable) + "\n")
         self._events.flush()
+        if self._tb is not None:
+            self._tb.write(rec)
         return rec
 
     def info(self, msg: str, *, console: bool = True) -> None:
@@ -72,6 +76,8 @@ class RunLog:
         logging.getLogger("ddp_hpc.train").debug(msg)
 
     def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
         for f in (self._events, self._text):
             try:
                 f.close()

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Callable, Iterable
 
+from ddp_hpc.runlogs import tboard
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
@@ -183,6 +184,8 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
     if st.log_dir:
         out += [f"            {name:<12} {RANK_FILE_ROLES[kind]}"
                 for kind, name in (("log", text_log("{R}")), ("out", rank_out("{R}")))]
+        if tboard.event_files(st.log_dir):
+            out.append(f"TensorBoard: tensorboard --logdir {shlex.quote(st.log_dir)}")
     if st.node_list:
         out.append(f"Nodes:      {st.node_list}")
     return out

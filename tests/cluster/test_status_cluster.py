@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 # One worker under xdist: the last test compares the jobs of the others (JOBS), and it has the
 # cluster alone (it switches accounting off), with the other exclusive tests of the suite.
@@ -230,6 +231,16 @@ def test_requeued_job_shows_restarts_and_both_runs(slurm_cluster, env, elsewhere
         assert len(st["scheduler_history"]) == 2
     text = status(c, env, elsewhere, job).stdout
     assert "restarts: 1" in text and "restart 0:" in text and "restart 1:" in text
+    # TensorBoard: rank 0 of each run wrote an event file into the run dir; the second one goes on
+    # from the checkpoint, and the two read as one run whose global step never goes back
+    files = sorted(Path(st["log_dir"]).glob("events.out.tfevents.*"))
+    assert len(files) == 2 and f"TensorBoard: tensorboard --logdir {st['log_dir']}" in text
+    runs_tb = [EventAccumulator(str(f)) for f in (st["log_dir"], files[1])]
+    for acc in runs_tb:
+        acc.Reload()
+    steps = [e.step for e in runs_tb[0].Scalars("train/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == runs[1]["last_step"], (steps, runs[1])
+    assert runs_tb[1].Scalars("train/loss")[0].step > 1
     JOBS["requeued"] = {"id": job, "state": "COMPLETED"}
 
 
