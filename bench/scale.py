@@ -40,6 +40,7 @@ Goal: linear or better everywhere, and the status of an 8,192-rank job in under 
     python bench/scale.py                  # 8, 64, 512 and 8,192 ranks (a few minutes, ~5 GB of logs)
     python bench/scale.py --quick          # 8 and 64 ranks only: a smoke run
     python bench/scale.py --json out.json --events 2000 --workdir /tmp/scale
+    python bench/scale.py --only table,scheduler   # the job table over many records and Slurm jobs only
 """
 from __future__ import annotations
 
@@ -76,6 +77,9 @@ GROWTH_OK = 2.0
 SCHED_SIZES = (("jobs", 10000, 5), ("jobs", 10000, 50), ("array tasks", 1000, 5))
 QUICK_SCHED = (("jobs", 50, 5), ("array tasks", 40, 5))
 SCHED_GOAL_S = 5.0
+#: the parts `--only` picks: the per-rank sections (env ... status --json), the table over many
+#: records, the table against the stand-in scheduler
+PARTS = ("ranks", "table", "scheduler")
 SECTIONS = ("env", "hostlist expand", "hostlist compress", "groups: node/leader/strided lists",
             "groups: build_plan two_level", "status detail", "status --json", "table (20 newest)",
             "table --limit 0")
@@ -413,9 +417,14 @@ def bench_scheduler(work: Path, n: int, array: bool, reps: int, every: int = 5) 
 
 # --- the report
 def measure(sizes: tuple[int, ...], table_sizes: tuple[int, ...], n_events: int, work: Path,
-            log=print, sched_sizes: tuple[tuple[str, int, int], ...] = ()) -> list[dict]:
-    """One row per (section, size): the units it covered and its seconds."""
+            log=print, sched_sizes: tuple[tuple[str, int, int], ...] = (),
+            only: frozenset[str] = frozenset(PARTS)) -> list[dict]:
+    """One row per (section, size): the units it covered and its seconds; ``only``: which
+    parts run (`PARTS`: ranks, table, scheduler)."""
     rows = []
+    sizes = sizes if "ranks" in only else ()
+    table_sizes = table_sizes if "table" in only else ()
+    sched_sizes = sched_sizes if "scheduler" in only else ()
 
     def add(section: str, size: int, unit: str, units: int, seconds: float, **extra) -> None:
         rows.append({"section": section, "size": size, "unit": unit, "units": units, "seconds": seconds,
@@ -540,9 +549,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"ranks per job, multiples of {PER_NODE} (default {','.join(map(str, SIZES))})")
     p.add_argument("--events", type=int, default=2000, help="events per rank in the status section")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the verdict as JSON")
+    p.add_argument("--only", type=lambda s: frozenset(s.split(",")), default=frozenset(PARTS),
+                   help=f"run only these parts, comma-separated (of {','.join(PARTS)}; default all)")
     p.add_argument("--workdir", help="where the synthetic logs and records go (default: a temporary directory)")
     args = p.parse_args(argv)
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    if args.only - set(PARTS):
+        p.error(f"--only: {','.join(sorted(args.only - set(PARTS)))} is not one of {','.join(PARTS)}")
     if any(n % PER_NODE for n in sizes):
         p.error(f"--sizes: every size must be a multiple of {PER_NODE}")
     table_sizes = tuple(n for n in TABLE_SIZES if n <= 64) if args.quick else TABLE_SIZES
@@ -550,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ddp_hpc_scale-", dir=args.workdir))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        rows = measure(sizes, table_sizes, events, work, log, QUICK_SCHED if args.quick else SCHED_SIZES)
+        rows = measure(sizes, table_sizes, events, work, log, QUICK_SCHED if args.quick else SCHED_SIZES, args.only)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(rows)

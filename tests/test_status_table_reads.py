@@ -13,6 +13,7 @@ import time
 import pytest
 
 from ddp_hpc import fsutil, records
+from ddp_hpc.runlogs import kept
 from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.status import rowcache
 from ddp_hpc.status.collect import collect
@@ -159,3 +160,66 @@ def test_a_batch_that_cannot_be_written_leaves_every_file_as_it_was(tmp_path):
     with pytest.raises(OSError):
         fsutil.atomic_write_texts([(a, "new\n"), (tmp_path / "missing" / "b.json", "new\n")])
     assert a.read_text() == "old\n" and os.listdir(tmp_path) == ["a.json"]
+
+
+class Sacct:
+    """squeue knows no job; sacct says every job asked for ended ``state``."""
+
+    def __init__(self, state="FAILED"):
+        self.state = state
+
+    def cluster_name(self):
+        return "c1"
+
+    def squeue(self, job_ids=None, **kw):
+        return []
+
+    def sacct(self, job_ids, **kw):
+        return [{"JobID": j, "JobIDRaw": j, "State": self.state, "ExitCode": "1:0", "Elapsed": "00:03:21",
+                 "Timelimit": "01:00:00", "NNodes": "1", "NodeList": "n1", "JobName": "train"} for j in job_ids]
+
+
+def rows(cli=None):
+    """The table's rows (``status --limit 0``) as plain data, without the row cache."""
+    if rowcache.cache_path().exists():
+        rowcache.cache_path().unlink()
+    return {s.id: s.to_dict() for s in collect(recent_targets(0), cli, brief=True)}
+
+
+def test_an_ended_jobs_row_comes_from_what_its_record_keeps_of_its_logs(home, tmp_path):
+    """The first table that sees a job end keeps the row's facts of its logs in its final state;
+    later tables (a new row cache) show the same row without reading the logs, also after the log
+    directory is gone, and read them again when they changed or the record has no such facts."""
+    for i in range(2):
+        failed_run(tmp_path / f"j{i}", ranks=3, n_steps=4)
+        record(str(800 + i), tmp_path / f"j{i}")
+    first = rows(Sacct())
+    assert first["800"]["progress"]["step"] == 9 and first["800"]["device"] == "cpu"
+    final = records.load_record("800").final
+    assert final["state"] == "FAILED" and final["logs"]["outcome"] == "failed"
+    assert kept.kept_logs(final["logs"], tmp_path / "j0") is not None
+    assert rows(Sacct()) == first              # from the summary: the same row
+    later = rows()                              # no scheduler: the state from the record too
+    assert later == {k: dict(v, source="record", tried=later[k]["tried"]) for k, v in first.items()}
+    for r in range(3):                          # the logs gone: the kept facts still tell the row
+        (tmp_path / "j0" / f"rank{r}.events.jsonl").unlink()
+    os.rmdir(tmp_path / "j0")
+    gone = rows()["800"]
+    assert (gone["state"], gone["progress"], gone["device"]) == ("FAILED", first["800"]["progress"], "cpu")
+    # a record without the facts (an older ddp_hpc) reads the logs; so does one whose logs changed
+    rec = records.load_record("801")
+    rec.final = {k: v for k, v in rec.final.items() if k != "logs"}
+    records.update_record(rec)
+    assert rows()["801"]["progress"] == first["801"]["progress"]
+    write(tmp_path / "j1", 0, [ev(0, "step", 300, 1, step=77, loss=0.25, total_steps=1000)])
+    assert rows(Sacct())["801"]["progress"]["step"] == 77
+
+
+def test_kept_facts_answer_as_the_table_reads_the_logs(tmp_path):
+    failed_run(tmp_path)
+    logs = RunLogs(tmp_path, ends_only=True)
+    got = kept.kept_logs(kept.summarize(logs), tmp_path)
+    assert (got.outcome(), got.current_run(), got.progress(), got.device(), got.current_restart()) == (
+        logs.outcome(), logs.current_run(), logs.progress(), logs.device(), logs.current_restart())
+    assert kept.summarize(RunLogs(tmp_path)) is None   # a detail view's reading is not kept
+    assert kept.kept_logs(dict(kept.summarize(logs), v=0), tmp_path) is None

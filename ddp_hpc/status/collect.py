@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
-from ddp_hpc.runlogs import flightrec, timing
+from ddp_hpc.runlogs import flightrec, kept, timing
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.reader import Failure, RunLogs, RunProgress
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
-from ddp_hpc.slurm.states import JobState
+from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
@@ -195,16 +195,31 @@ def _state_of(t: StatusTarget, sched: SourceState | None, tried: list[str], logs
     return sched if sched is not None else src.from_logs(logs, tried)
 
 
-def _final(sched: SourceState, srun_codes, now: float) -> dict | None:
-    """What to keep of a terminal state a Slurm source reported (None: not one); ``srun_codes()``
-    gives the per-rank exit codes srun reported (read only for a state to keep)."""
+def _final(sched: SourceState, logs, now: float, old: dict | None) -> dict | None:
+    """What to keep of a terminal state a Slurm source reported (None: not one), with the table's
+    facts of the logs (`kept.summarize`; a detail view's reading keeps those ``old`` had)."""
     if sched.source not in (SQUEUE, SACCT, SACCT_C) or not sched.state.state.terminal:
         return None
-    codes = srun_codes()
-    return {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
-            "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
-            "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
-            "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in codes.items()}}
+    codes = logs.srun_exit_codes()
+    summary = logs.summary if isinstance(logs, kept.KeptLogs) else kept.summarize(logs)
+    final = {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
+             "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
+             "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
+             "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in codes.items()}}
+    if (summary := summary or (old or {}).get("logs")) is not None:
+        final["logs"] = summary
+    return final
+
+
+def _kept_logs(t: StatusTarget, sched: SourceState | None, brief: bool) -> kept.KeptLogs | None:
+    """The table's facts of an ended job's logs as its record keeps them (`ddp_hpc.runlogs.kept`),
+    while they hold; None: read the logs (a detail view, a job that runs, no or stale facts)."""
+    if not brief or (sched is not None and sched.state.state.active):
+        return None
+    final = records.final_of(t.record, _task_id(t))
+    if not final or "logs" not in final or not parse_state(final.get("state")).state.terminal:
+        return None
+    return kept.kept_logs(final["logs"], t.log_dir)
 
 
 def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
@@ -212,7 +227,8 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     rec = t.record
     # a running Slurm job's row needs every rank's recent steps (its stall): not only their ends
     running = brief and not t.local and sched is not None and sched.state.state is JobState.RUNNING
-    logs = RunLogs(t.log_dir, ends_only=brief and not running, window=running)
+    logs = (None if running else _kept_logs(t, sched, brief)) or RunLogs(
+        t.log_dir, ends_only=brief and not running, window=running)
     notes: list[str] = []
     if t.local:
         sched, keep = src.local_state(rec, _task_id(t), logs, notes, now)
@@ -259,7 +275,9 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     if not brief and t.log_dir:   # NCCL's flight recorder dumps of the current run
         since = cur.started if cur is not None else None
         st.flight = flightrec.summary(flightrec.dumps(Path(t.log_dir), since), ranks_text)
-    return st, keep if t.local else _final(sched, logs.srun_exit_codes, now)
+    if keep is not None and (summary := kept.summarize(logs)) is not None:  # a local job status saw end
+        keep["logs"] = summary
+    return st, keep if t.local else _final(sched, logs, now, records.final_of(rec, _task_id(t)))
 
 
 def _read_notes(t: StatusTarget, logs: RunLogs, notes: list[str], sched: SourceState) -> None:

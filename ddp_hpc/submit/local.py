@@ -27,6 +27,8 @@ from ddp_hpc.exits import exit_status_of_signal
 from ddp_hpc.fsutil import atomic_write_json
 from ddp_hpc.launch import start_local
 from ddp_hpc.launch.tree import LaunchError, pretend_node_gpus, start_time
+from ddp_hpc.runlogs import kept
+from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT, rank_out
 from ddp_hpc.submit.spec import JobSpec, SpecError
 from ddp_hpc.text import plural, prog
@@ -116,6 +118,15 @@ def _ending(res, started: float) -> dict:
                                exit_code=f"{rc}:0" if rc >= 0 else f"0:{-rc}")
 
 
+def _summary(log_dir: str) -> dict | None:
+    """What the job table shows of the run's logs, kept in its record (`ddp_hpc.runlogs.kept`)."""
+    try:
+        return kept.summarize(RunLogs(log_dir, ends_only=True))
+    except (OSError, ValueError) as exc:  # the table reads the logs instead; the run's end is still kept
+        print(f"ddp_hpc local: the logs' summary was not kept: {exc}", file=sys.stderr)
+        return None
+
+
 def _run_one(plan: dict, run: dict, env: Mapping[str, str] | None,
              follow: bool) -> tuple[int, bool]:
     """One run of the plan: (exit status, 0 when every rank exited 0; interrupted?)."""
@@ -129,7 +140,7 @@ def _run_one(plan: dict, run: dict, env: Mapping[str, str] | None,
                      job_id=run["job_id"])
     _set_pids(plan, [os.getpid(), *lr.pids])
     res = lr.wait(echo=sys.stdout if follow else None)
-    _set_final(plan, {_task_key(run): _ending(res, started)})
+    _set_final(plan, {_task_key(run): {**_ending(res, started), "logs": _summary(run["log_dir"])}})
     if res.ok:
         print(f"ddp_hpc local: {label} {run['job_id']} completed: "
               f"{'the process' if n * g == 1 else f'all {n * g} ranks'} exited 0", flush=True)

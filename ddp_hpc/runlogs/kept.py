@@ -1,0 +1,121 @@
+"""What the job table shows of an ended job's run logs, kept in its record, so a table over
+thousands of ended jobs reads one record per job and no event files (docs/status.md, "Many jobs").
+
+`summarize` takes, from the table's reading of a log directory (``RunLogs(ends_only=True)``),
+the facts the table's row is made of: how the current run ended, its progress, device, newest
+eval metrics, srun's per-task exit codes, unreadable lines; and a stamp of the directory (its
+modification time, and size and modification time of rank 0's event file). The record keeps it
+in the job's final state (``final["logs"]``: the local driver when a run ends, ``ddp-hpc status``
+when the scheduler reports the end). `kept_logs` answers the table's questions from it, as
+`RunLogs` would, while the directory is unchanged or gone; changed (a resumed run writes to it):
+None, and the logs are read again. Only the table uses it: a detail view reads the logs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from ddp_hpc.runlogs.reader import RankStream, RunLogs, RunProgress, RunSummary
+from ddp_hpc.runlogs.schema import events_file
+
+__all__ = ["summarize", "kept_logs", "KeptLogs", "VERSION"]
+
+#: bumped whenever what a summary holds or how it is worked out changes: older ones are ignored
+VERSION = 1
+
+
+def stamp(log_dir: str | Path | None) -> list | None:
+    """[the directory's mtime, rank 0's event file's size and mtime] (None for a file that is
+    not there); None when the directory cannot be read."""
+    if not log_dir:
+        return None
+    try:
+        d = os.stat(log_dir).st_mtime_ns
+    except OSError:
+        return None
+    try:
+        st = os.stat(os.path.join(log_dir, events_file(0)))
+        return [d, st.st_size, st.st_mtime_ns]
+    except OSError:
+        return [d, None, None]
+
+
+def summarize(logs: RunLogs) -> dict | None:
+    """The table's facts of ``logs`` (read with ``ends_only``) as plain data; None for any
+    other reading (a detail view's facts can differ) or a directory without a known path."""
+    if not logs.ends_only or logs.log_dir is None:
+        return None
+    cur, prog, ev = logs.current_run(), logs.progress(), logs.last_eval()
+    return {"v": VERSION, "stamp": stamp(logs.log_dir), "listed": logs.listed, "exists": logs.exists,
+            "outcome": logs.outcome(), "run": dataclasses.asdict(cur) if cur is not None else None,
+            "restart": logs.current_restart(), "bad_lines": {str(r): s.bad_lines for r, s in logs.ranks.items()},
+            "end_signals": {str(r): e["signal"] for r, e in logs.last_events().items()
+                            if e.get("event") == "end" and e.get("signal")},
+            "progress": dict(vars(prog)) if prog is not None else None, "device": logs.device(),
+            "eval": {"metrics": ev.get("metrics"), "step": ev.get("step")} if ev else None,
+            "srun_codes": {str(r): c for r, c in logs.srun_exit_codes().items()}}
+
+
+def kept_logs(summary: object, log_dir: str | Path | None) -> "KeptLogs | None":
+    """The kept facts of ``log_dir`` while they still hold: the summary is of this version and
+    the directory is gone, unreadable or unchanged since; else None (read the logs)."""
+    if not isinstance(summary, dict) or summary.get("v") != VERSION or not log_dir:
+        return None
+    now = stamp(log_dir)
+    if now is not None and now != summary.get("stamp"):
+        return None
+    try:
+        return KeptLogs(summary, log_dir, there=now is not None)
+    except (TypeError, ValueError, AttributeError):  # damaged: read the logs
+        return None
+
+
+class KeptLogs:
+    """`RunLogs`' answers to the job table's questions (``collect(brief=True)`` of a job that
+    ended), from a summary; the directory is not read."""
+
+    ends_only = True
+
+    def __init__(self, summary: dict, log_dir: str | Path, there: bool = True):
+        self.summary, self.log_dir = summary, Path(log_dir)
+        self.listed, self.exists = bool(summary["listed"]) and there, bool(summary["exists"])
+        self.ranks = {int(r): RankStream(rank=int(r), path=self.log_dir / events_file(int(r)), bad_lines=int(n))
+                      for r, n in (summary.get("bad_lines") or {}).items()}
+        run = summary.get("run")
+        self._run = RunSummary(**run) if run else None
+        self._progress = summary.get("progress")
+        if self._progress:
+            RunProgress(**self._progress)  # a damaged one fails here, not later
+
+    @property
+    def partial(self) -> list[int]:
+        return []
+
+    def current_run(self) -> RunSummary | None:
+        return dataclasses.replace(self._run) if self._run is not None else None
+
+    def current_restart(self) -> int:
+        return int(self.summary.get("restart") or 0)
+
+    def outcome(self) -> str | None:
+        return self.summary.get("outcome")
+
+    def last_events(self) -> dict[int, dict]:
+        """Only the ranks' ``end`` events that name a signal (what the state is told from)."""
+        return {int(r): {"event": "end", "signal": s} for r, s in (self.summary.get("end_signals") or {}).items()}
+
+    def progress(self, now: float | None = None) -> RunProgress | None:
+        return RunProgress(**self._progress) if self._progress else None
+
+    def device(self) -> str | None:
+        return self.summary.get("device")
+
+    def last_eval(self) -> dict | None:
+        return self.summary.get("eval")
+
+    def srun_exit_codes(self) -> dict[int, int]:
+        return {int(r): int(c) for r, c in (self.summary.get("srun_codes") or {}).items()}
+
+    def widen(self) -> None:
+        raise RuntimeError("KeptLogs: a running job's row reads its logs")
