@@ -123,10 +123,11 @@ def test_the_table_reads_an_ended_jobs_logs_once_while_nothing_changed(home, tmp
     read.clear()
     third = {s.id: s for s in collect(recent_targets(0), SlurmCLI(runner=sched), brief=True)}
     assert sorted(read) == sorted([str(done), str(running)]) and third["701"].eval_metrics == {"acc": 0.9}
-    sched.jobs["701"] = "FAILED"            # the scheduler says otherwise: read again
-    read.clear()
+    sched.jobs["701"] = "FAILED"            # the scheduler says otherwise: a new row, its logs'
+    read.clear()                            # facts from the record (runlogs/kept.py), unchanged
     fourth = {s.id: s for s in collect(recent_targets(0), SlurmCLI(runner=sched), brief=True)}
-    assert str(done) in read and fourth["701"].state == "FAILED"
+    assert str(done) not in read and fourth["701"].state == "FAILED"
+    assert fourth["701"].eval_metrics == {"acc": 0.9} and fourth["701"].progress.loss == 0.5
 
 
 def test_a_damaged_cache_is_ignored_and_rewritten(home, tmp_path):

@@ -16,7 +16,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ddp_hpc.runlogs.reader import RankStream, RunLogs, RunProgress, RunSummary
+from ddp_hpc.runlogs.reader import RunLogs, RunProgress, RunSummary
 from ddp_hpc.runlogs.schema import events_file
 
 __all__ = ["summarize", "kept_logs", "KeptLogs", "VERSION"]
@@ -71,6 +71,15 @@ def kept_logs(summary: object, log_dir: str | Path | None) -> "KeptLogs | None":
         return None
 
 
+class _Counted:
+    """A rank's stream as the table asks about it: how many of its lines were unreadable."""
+
+    __slots__ = ("bad_lines",)
+
+    def __init__(self, bad_lines: int):
+        self.bad_lines = bad_lines
+
+
 class KeptLogs:
     """`RunLogs`' answers to the job table's questions (``collect(brief=True)`` of a job that
     ended), from a summary; the directory is not read."""
@@ -80,8 +89,7 @@ class KeptLogs:
     def __init__(self, summary: dict, log_dir: str | Path, there: bool = True):
         self.summary, self.log_dir = summary, Path(log_dir)
         self.listed, self.exists = bool(summary["listed"]) and there, bool(summary["exists"])
-        self.ranks = {int(r): RankStream(rank=int(r), path=self.log_dir / events_file(int(r)), bad_lines=int(n))
-                      for r, n in (summary.get("bad_lines") or {}).items()}
+        self.ranks = {int(r): _Counted(int(n)) for r, n in (summary.get("bad_lines") or {}).items()}
         run = summary.get("run")
         self._run = RunSummary(**run) if run else None
         self._progress = summary.get("progress")

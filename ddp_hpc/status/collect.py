@@ -155,6 +155,8 @@ def _cached_or_one(t: StatusTarget, sched: SourceState | None, tried: list[str],
                    only: str | None, cache: rowcache.RowCache | None) -> tuple[JobStatus, dict | None]:
     """(the job's status, the final state to keep in its record): the table's kept row while
     what it was made from is unchanged, else worked out (and kept when the job ended)."""
+    if cache is not None and (logs := _kept_logs(t, sched)) is not None:  # cheaper than the cache's key
+        return _one(t, sched, tried, now, only, brief=True, logs=logs)
     key = cache.key(t, sched, only) if cache is not None else None
     kept = cache.get(key) if key is not None else None
     if kept is not None:
@@ -211,10 +213,10 @@ def _final(sched: SourceState, logs, now: float, old: dict | None) -> dict | Non
     return final
 
 
-def _kept_logs(t: StatusTarget, sched: SourceState | None, brief: bool) -> kept.KeptLogs | None:
+def _kept_logs(t: StatusTarget, sched: SourceState | None) -> kept.KeptLogs | None:
     """The table's facts of an ended job's logs as its record keeps them (`ddp_hpc.runlogs.kept`),
-    while they hold; None: read the logs (a detail view, a job that runs, no or stale facts)."""
-    if not brief or (sched is not None and sched.state.state.active):
+    while they hold; None: read the logs (a job that runs, no or stale facts)."""
+    if sched is not None and sched.state.state.active:
         return None
     final = records.final_of(t.record, _task_id(t))
     if not final or "logs" not in final or not parse_state(final.get("state")).state.terminal:
@@ -223,12 +225,13 @@ def _kept_logs(t: StatusTarget, sched: SourceState | None, brief: bool) -> kept.
 
 
 def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
-         only: str | None = None, brief: bool = False) -> tuple[JobStatus, dict | None]:
+         only: str | None = None, brief: bool = False, logs=None) -> tuple[JobStatus, dict | None]:
+    """One job's status; ``logs``: the table's facts of an ended job's logs as its record keeps
+    them (`_kept_logs`), else its logs are read."""
     rec = t.record
     # a running Slurm job's row needs every rank's recent steps (its stall): not only their ends
     running = brief and not t.local and sched is not None and sched.state.state is JobState.RUNNING
-    logs = (None if running else _kept_logs(t, sched, brief)) or RunLogs(
-        t.log_dir, ends_only=brief and not running, window=running)
+    logs = logs or RunLogs(t.log_dir, ends_only=brief and not running, window=running)
     notes: list[str] = []
     if t.local:
         sched, keep = src.local_state(rec, _task_id(t), logs, notes, now)
