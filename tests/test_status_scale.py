@@ -113,7 +113,8 @@ def test_the_table_reads_an_ended_jobs_logs_once_while_nothing_changed(home, tmp
     monkeypatch.setattr(collect_mod, "RunLogs", lambda d, **kw: read.append(str(d)) or real(d, **kw))
     sched = CountingSlurm({"701": "COMPLETED", "702": "RUNNING"})
     first = {s.id: s for s in collect(recent_targets(0), SlurmCLI(runner=sched), brief=True)}
-    assert sorted(read) == sorted([str(done), str(running)]) and rowcache.cache_path().is_file()
+    assert sorted(read) == sorted([str(done), str(running)])
+    assert records.load_record("701").final["logs"]["outcome"] == "completed"   # kept with its final state
     read.clear()
     second = {s.id: s for s in collect(recent_targets(0), SlurmCLI(runner=sched), brief=True)}
     assert read == [str(running)]          # the running job is read again, the ended one is not
@@ -136,6 +137,6 @@ def test_a_damaged_cache_is_ignored_and_rewritten(home, tmp_path):
     record(home, "801", d)
     rowcache.cache_path().parent.mkdir(parents=True)
     rowcache.cache_path().write_text("{not json")
-    sched = CountingSlurm({"801": "COMPLETED"})
+    sched = CountingSlurm({})   # the scheduler forgot it: the state from its logs, the row cached
     assert [s.state for s in collect(recent_targets(0), SlurmCLI(runner=sched), brief=True)] == ["COMPLETED"]
     assert "801" in json.loads(rowcache.cache_path().read_text())["rows"]

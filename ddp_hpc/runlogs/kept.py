@@ -41,20 +41,22 @@ def stamp(log_dir: str | Path | None) -> list | None:
         return [d, None, None]
 
 
-def summarize(logs: RunLogs) -> dict | None:
+def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict | None:
     """The table's facts of ``logs`` (read with ``ends_only``) as plain data; None for any
-    other reading (a detail view's facts can differ) or a directory without a known path."""
+    other reading (a detail view's facts can differ) or a directory without a known path.
+    ``srun_codes``: `RunLogs.srun_exit_codes()` when the caller has them."""
     if not logs.ends_only or logs.log_dir is None:
         return None
     cur, prog, ev = logs.current_run(), logs.progress(), logs.last_eval()
     return {"v": VERSION, "stamp": stamp(logs.log_dir), "listed": logs.listed, "exists": logs.exists,
-            "outcome": logs.outcome(), "run": dataclasses.asdict(cur) if cur is not None else None,
+            "outcome": logs.outcome(), "run": dict(vars(cur)) if cur is not None else None,
             "restart": logs.current_restart(), "bad_lines": {str(r): s.bad_lines for r, s in logs.ranks.items()},
             "end_signals": {str(r): e["signal"] for r, e in logs.last_events().items()
                             if e.get("event") == "end" and e.get("signal")},
             "progress": dict(vars(prog)) if prog is not None else None, "device": logs.device(),
             "eval": {"metrics": ev.get("metrics"), "step": ev.get("step")} if ev else None,
-            "srun_codes": {str(r): c for r, c in logs.srun_exit_codes().items()}}
+            "srun_codes": {str(r): c for r, c in (logs.srun_exit_codes() if srun_codes is None
+                                                  else srun_codes).items()}}
 
 
 def kept_logs(summary: object, log_dir: str | Path | None) -> "KeptLogs | None":

@@ -14,6 +14,7 @@ decided by evidence in ``ddp_hpc.runlogs.attribution``; this module reads the fi
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import os
 import re
@@ -244,9 +245,9 @@ class RunLogs:
         rank's) metrics events of the current run (`timing.progress`)."""
         restart = self.current_restart()
         stream = self.ranks.get(0) or next(iter(self.ranks.values()), None)
-        if stream is None:
-            return None
-        return progress(stream.of_restart(restart), stream.events)
+        got = self._cached("progress", lambda: progress(stream.of_restart(restart), stream.events)
+                           if stream is not None else None)
+        return dataclasses.replace(got) if got is not None else None  # a copy: the caller may change it
 
     def last_eval(self) -> dict | None:
         """The newest ``eval`` event (rank 0's, else any rank's) with metrics, of any run."""
@@ -284,24 +285,29 @@ class RunLogs:
     def task_reports(self) -> dict[int, TaskReport]:
         """How srun (``slurm-*.out``), else the local driver (``local-driver.out``), said each
         task ended."""
-        if self.log_dir is None or not self.log_dir.is_dir():
+        if not self.listed:
             return {}
-        found = task_reports(sorted(self.log_dir.glob(BATCH_OUT_GLOB)))
+        found = task_reports(self._batch_outs())
         if not found and (m := re.fullmatch(r"task(\d+)", self.log_dir.name)):  # a local array's task
             found = local_reports(self.log_dir.parent / LOCAL_DRIVER_OUT, int(m.group(1)))
         return found or local_reports(self.log_dir / LOCAL_DRIVER_OUT)
 
     def node_failures(self) -> tuple[bool, list[str]]:
         """(Slurm reported a node failure in the batch output, the nodes it named)."""
-        if self.log_dir is None or not self.log_dir.is_dir():
-            return False, []
-        return node_failures(sorted(self.log_dir.glob(BATCH_OUT_GLOB)))
+        return node_failures(self._batch_outs()) if self.listed else (False, [])
 
     def srun_exit_codes(self) -> dict[int, int]:
         """Per-task exit codes that srun reported in the batch output (``slurm-*.out``)."""
-        if self.log_dir is None or not self.log_dir.is_dir():
-            return {}
-        return srun_exit_codes(sorted(self.log_dir.glob(BATCH_OUT_GLOB)))
+        return srun_exit_codes(self._batch_outs()) if self.listed else {}
+
+    def _batch_outs(self) -> list[Path]:
+        """The batch output files (``slurm-*.out``) there now (os.listdir: Path.glob cost the job
+        table's first view a tenth)."""
+        try:
+            names = sorted(os.listdir(self.log_dir))
+        except OSError:
+            return []
+        return [self.log_dir / n for n in names if fnmatch.fnmatchcase(n, BATCH_OUT_GLOB)]
 
 
 def _summary(restart: int, events) -> RunSummary:

@@ -20,7 +20,7 @@ from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.reader import Failure, RunLogs, RunProgress
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
-from ddp_hpc.slurm.states import JobState, parse_state
+from ddp_hpc.slurm.states import JobState
 from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
@@ -153,15 +153,17 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
 
 def _cached_or_one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
                    only: str | None, cache: rowcache.RowCache | None) -> tuple[JobStatus, dict | None]:
-    """(the job's status, the final state to keep in its record): the table's kept row while
-    what it was made from is unchanged, else worked out (and kept when the job ended)."""
-    if cache is not None and (logs := _kept_logs(t, sched)) is not None:  # cheaper than the cache's key
+    """(the job's status, the final state to keep in its record): the table's row from what an
+    ended job's record keeps of its logs, or kept while what it was made from is unchanged, else
+    worked out (kept when the job ended, unless its record is to keep it)."""
+    if (brief := cache is not None) and (logs := src.kept_logs(t.record, _task_id(t), t.log_dir, sched)):
         return _one(t, sched, tried, now, only, brief=True, logs=logs)
+    if brief and _final_kept(t, sched):  # the next table takes the row from the record
+        cache = None
     key = cache.key(t, sched, only) if cache is not None else None
-    kept = cache.get(key) if key is not None else None
-    if kept is not None:
-        return JobStatus.from_dict(kept), None
-    st, final = _one(t, sched, tried, now, only, brief=cache is not None)
+    if (row := cache.get(key) if key is not None else None) is not None:
+        return JobStatus.from_dict(row), None
+    st, final = _one(t, sched, tried, now, only, brief=brief)
     if key is not None:
         cache.put(key, st.to_dict())
     return st, final
@@ -203,7 +205,7 @@ def _final(sched: SourceState, logs, now: float, old: dict | None) -> dict | Non
     if sched.source not in (SQUEUE, SACCT, SACCT_C) or not sched.state.state.terminal:
         return None
     codes = logs.srun_exit_codes()
-    summary = logs.summary if isinstance(logs, kept.KeptLogs) else kept.summarize(logs)
+    summary = logs.summary if isinstance(logs, kept.KeptLogs) else kept.summarize(logs, codes)
     final = {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
              "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
              "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
@@ -213,21 +215,16 @@ def _final(sched: SourceState, logs, now: float, old: dict | None) -> dict | Non
     return final
 
 
-def _kept_logs(t: StatusTarget, sched: SourceState | None) -> kept.KeptLogs | None:
-    """The table's facts of an ended job's logs as its record keeps them (`ddp_hpc.runlogs.kept`),
-    while they hold; None: read the logs (a job that runs, no or stale facts)."""
-    if sched is not None and sched.state.state.active:
-        return None
-    final = records.final_of(t.record, _task_id(t))
-    if not final or "logs" not in final or not parse_state(final.get("state")).state.terminal:
-        return None
-    return kept.kept_logs(final["logs"], t.log_dir)
+def _final_kept(t: StatusTarget, sched: SourceState | None) -> bool:
+    """The scheduler reports that the job ended: its record is to keep that, and its logs' facts."""
+    return (not t.local and getattr(t.record, "path", None) is not None and sched is not None
+            and sched.source in (SQUEUE, SACCT, SACCT_C) and sched.state.state.terminal)
 
 
 def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
          only: str | None = None, brief: bool = False, logs=None) -> tuple[JobStatus, dict | None]:
     """One job's status; ``logs``: the table's facts of an ended job's logs as its record keeps
-    them (`_kept_logs`), else its logs are read."""
+    them (`sources.kept_logs`), else its logs are read."""
     rec = t.record
     # a running Slurm job's row needs every rank's recent steps (its stall): not only their ends
     running = brief and not t.local and sched is not None and sched.state.state is JobState.RUNNING

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from ddp_hpc import records
 from ddp_hpc.launch.tree import recorded_processes
+from ddp_hpc.runlogs import kept
+from ddp_hpc.runlogs.kept import KeptLogs
 from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
 from ddp_hpc.slurm.query import SUBMIT_SLACK_S, SourceState
@@ -62,6 +64,18 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
     else:
         st = StateInfo(JobState.UNKNOWN, "logs have no end event yet")
     return SourceState(st, source, list(tried), reason=reason)
+
+
+def kept_logs(rec, task_id: str | None, log_dir: str | None, sched: SourceState | None) -> KeptLogs | None:
+    """The table's facts of an ended job's logs as its record keeps them with its final state
+    (`ddp_hpc.runlogs.kept`), while they hold; None: read the logs (a job that runs, no or stale
+    facts)."""
+    if sched is not None and sched.state.state.active:
+        return None
+    final = records.final_of(rec, task_id)
+    if not final or "logs" not in final or not parse_state(final.get("state")).state.terminal:
+        return None
+    return kept.kept_logs(final["logs"], log_dir)
 
 
 def pids_alive(pids, submitted_at: float | None, cluster: str | None,
