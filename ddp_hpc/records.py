@@ -183,13 +183,13 @@ def store_final(rec: JobRecord, finals: Mapping[str | None, dict],
 
 def store_finals(batch: Iterable[tuple[JobRecord, Mapping[str | None, dict]]]) -> int:
     """`store_final` for many records (the table keeps every ended job's), each still atomic but
-    their fsyncs at once (`fsutil.atomic_write_texts`; one by one, 10,000 took minutes). Records
-    without a file are left out. Returns how many it wrote."""
+    their fsyncs at once (`fsutil.atomic_write_texts`; one by one, 10,000 took minutes), one line
+    each (json's C encoder; indented, a third of the time). Returns how many it wrote."""
     writes = []
     for rec, finals in batch:
         base = _with_finals(rec, finals) if rec.path else None
         if base is not None:
-            writes.append((rec.path, json.dumps(base.to_dict(), indent=2, sort_keys=True) + "\n"))
+            writes.append((rec.path, json.dumps(base.to_dict(), sort_keys=True) + "\n"))
     atomic_write_texts(writes)
     return len(writes)
 
