@@ -217,9 +217,13 @@ def test_an_ended_jobs_row_comes_from_what_its_record_keeps_of_its_logs(home, tm
 
 def test_kept_facts_answer_as_the_table_reads_the_logs(tmp_path):
     failed_run(tmp_path)
+    (tmp_path / "slurm-88.out").write_text("srun: error: n1: task 2: Exited with exit code 7\n")
     logs = RunLogs(tmp_path, ends_only=True)
     got = kept.kept_logs(kept.summarize(logs), tmp_path)
     assert (got.outcome(), got.current_run(), got.progress(), got.device(), got.current_restart()) == (
         logs.outcome(), logs.current_run(), logs.progress(), logs.device(), logs.current_restart())
+    # srun's codes: kept when read (a job that did not complete), else read when asked
+    assert got.srun_exit_codes() == logs.srun_exit_codes() == {2: 7}
+    assert kept.summarize(logs, {2: 7})["srun_codes"] == {"2": 7} and kept.summarize(logs)["srun_codes"] is None
     assert kept.summarize(RunLogs(tmp_path)) is None   # a detail view's reading is not kept
     assert kept.kept_logs(dict(kept.summarize(logs), v=0), tmp_path) is None

@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 
 from ddp_hpc.runlogs.reader import RunLogs, RunProgress, RunSummary
-from ddp_hpc.runlogs.schema import events_file
+from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, events_file
+from ddp_hpc.runlogs.srun import srun_exit_codes
 
 __all__ = ["summarize", "kept_logs", "KeptLogs", "VERSION"]
 
@@ -44,7 +45,8 @@ def stamp(log_dir: str | Path | None) -> list | None:
 def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict | None:
     """The table's facts of ``logs`` (read with ``ends_only``) as plain data; None for any
     other reading (a detail view's facts can differ) or a directory without a known path.
-    ``srun_codes``: `RunLogs.srun_exit_codes()` when the caller has them."""
+    ``srun_codes``: `RunLogs.srun_exit_codes()` when the caller read them (None: not read, read
+    when asked; a completed job's are not kept, nor shown)."""
     if not logs.ends_only or logs.log_dir is None:
         return None
     cur, prog, ev = logs.current_run(), logs.progress(), logs.last_eval()
@@ -55,8 +57,7 @@ def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict |
                             if e.get("event") == "end" and e.get("signal")},
             "progress": dict(vars(prog)) if prog is not None else None, "device": logs.device(),
             "eval": {"metrics": ev.get("metrics"), "step": ev.get("step")} if ev else None,
-            "srun_codes": {str(r): c for r, c in (logs.srun_exit_codes() if srun_codes is None
-                                                  else srun_codes).items()}}
+            "srun_codes": {str(r): c for r, c in srun_codes.items()} if srun_codes is not None else None}
 
 
 def kept_logs(summary: object, log_dir: str | Path | None) -> "KeptLogs | None":
@@ -125,7 +126,10 @@ class KeptLogs:
         return self.summary.get("eval")
 
     def srun_exit_codes(self) -> dict[int, int]:
-        return {int(r): int(c) for r, c in (self.summary.get("srun_codes") or {}).items()}
+        codes = self.summary.get("srun_codes")
+        if codes is None:  # not read when the facts were kept: read them now
+            return srun_exit_codes(sorted(self.log_dir.glob(BATCH_OUT_GLOB))) if self.listed else {}
+        return {int(r): int(c) for r, c in codes.items()}
 
     def widen(self) -> None:
         raise RuntimeError("KeptLogs: a running job's row reads its logs")

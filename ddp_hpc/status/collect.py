@@ -204,12 +204,14 @@ def _final(sched: SourceState, logs, now: float, old: dict | None) -> dict | Non
     facts of the logs (`kept.summarize`; a detail view's reading keeps those ``old`` had)."""
     if sched.source not in (SQUEUE, SACCT, SACCT_C) or not sched.state.state.terminal:
         return None
-    codes = logs.srun_exit_codes()
+    # srun's per-task codes are not shown for a completed job (a requeue's appended batch output
+    # keeps an earlier run's): neither read nor kept
+    codes = None if sched.state.state is JobState.COMPLETED else logs.srun_exit_codes()
     summary = logs.summary if isinstance(logs, kept.KeptLogs) else kept.summarize(logs, codes)
     final = {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
              "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
              "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
-             "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in codes.items()}}
+             "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in (codes or {}).items()}}
     if (summary := summary or (old or {}).get("logs")) is not None:
         final["logs"] = summary
     return final
