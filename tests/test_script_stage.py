@@ -293,3 +293,46 @@ def test_a_preempted_script_keeps_its_copy_for_the_requeue_and_a_failed_staging_
     assert status == 1 and seen == {}
     [(name, fields)] = [x for x in logged if isinstance(x, tuple)]
     assert name == "error" and fields["exc_type"] == "StageError" and "gone.lmdb" in fields["message"]
+
+
+KEPT_LOADER = '''
+import sys, weakref
+import torch, torch.distributed as dist
+from ddp_hpc.data import BroadcastLoader
+from ddp_hpc.data.errors import IOConfigError
+
+class Pairs(torch.utils.data.Dataset):
+    def __len__(self): return 12
+    def __getitem__(self, i): return torch.full((3,), float(i)), i % 2
+
+dist.init_process_group("gloo")
+loader = BroadcastLoader(Pairs(), batch_size=2, bucket_mb=0)   # kept to the end, never closed
+for x, y in loader:
+    pass
+unfinished = iter(loader)
+next(unfinished)                                                # an epoch left half-way
+group = weakref.ref(loader.dataset.plan.level1[0])
+dist.destroy_process_group()
+try:
+    iter(loader)
+except IOConfigError:
+    print("closed with the default group", flush=True)
+print("its group freed:", group() is None, flush=True)
+sys.exit(0 if group() is None else 3)
+'''
+
+
+def test_a_loader_kept_alive_through_destroy_process_group_exits_cleanly_every_time(tmp_path):
+    """A script that never closes its BroadcastLoader (one epoch left half-way, its reader thread
+    one bucket ahead): destroy_process_group() closes it and frees its group while the default group
+    still exists, and every rank exits 0 -- 6 worlds of 2 gloo ranks side by side."""
+    script = tmp_path / "kept.py"
+    script.write_text(KEPT_LOADER)
+    runs = [subprocess.Popen([PY, "-m", "ddp_hpc.launch", "--nodes", "1", "--procs-per-node", "2",
+                              "--log-dir", str(tmp_path / f"w{i}"), "--", PY, str(script)],
+                             cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for i in range(6)]
+    outs = [(p.communicate(timeout=240)[0], p.returncode) for p in runs]
+    for out, rc in outs:
+        assert rc == 0 and "OK: all 2 ranks exited 0" in out, out[-2000:]
+        assert "closed with the default group" in out and "its group freed: True" in out, out[-2000:]

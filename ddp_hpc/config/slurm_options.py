@@ -211,10 +211,10 @@ class SlurmOptions:
     restart_on_error: bool = _opt(False, check_flag, "restart after an exception raised by the code "
                                   "(or its non-zero exit) too", flags=("--restart-on-error",),
                                   group=RESTARTS, action="store_true")
-    stage: tuple = _opt((), check_stage, "a script, module or function job: before it starts, copy SRC "
-                        "(a file, an LMDB or a folder) once per node to node-local storage and give every "
-                        "rank the path in $DDP_HPC_STAGE_<NAME> (NAME: SRC's base name, upper-cased); "
-                        "removed when the job ends, kept for a requeue (repeatable; adds to the YAML's)",
+    stage: tuple = _opt((), check_stage, "before the job starts, copy SRC (a file, an LMDB or a folder) "
+                        "once per node to node-local storage and give every rank the path in "
+                        "$DDP_HPC_STAGE_<NAME> (NAME: SRC's base name, upper-cased); removed when the job "
+                        "ends, kept for a requeue (repeatable; flags add to the YAML's list)",
                         flags=("--stage",), group=TOP, action="append", metavar="SRC[=NAME]")
     backend: str = _opt("auto", check_backend, "auto: submitit when Slurm answers, else local",
                         flags=("--backend",), group=TOP, choices=BACKENDS)
