@@ -20,8 +20,9 @@ pair with the members'), as with any DDP loop.
 The loader holds process groups of its own.  ``dist.destroy_process_group()`` (the default group)
 closes every live loader first (:meth:`BroadcastLoader.close`: its unfinished epoch iterators
 stop, their reader threads are joined, its groups are destroyed and dropped), so a script need
-not close or delete it: a group left to interpreter exit after the default one is gone is what
-made gloo abort the process now and then ("terminate called without an active exception").
+not close or delete it, and none of its groups outlives the default one into interpreter exit
+(reported to make gloo abort the process now and then: "terminate called without an active
+exception").
 """
 from __future__ import annotations
 
