@@ -14,6 +14,11 @@ NAME defaults to SRC's base name (a SRC whose name holds ``=`` needs ``=NAME``, 
 and its part before the ``=`` does not); it is upper-cased, and any character other than a letter, a digit
 or ``_`` becomes ``_`` (``/shared/train.lmdb`` -> ``DDP_HPC_STAGE_TRAIN_LMDB``).  A script reads it
 with :func:`staged_path` (or ``os.environ``), so it changes one path, or none.
+
+The same list comes from a job YAML's ``slurm.stage`` (the flags add to it:
+:func:`parse_stage_sources` names both places on a clash) and from ``ddp_hpc.submit(...,
+stage=[...])``.  A config job's ``ddp_hpc.run`` and a function job's rank stage it in their own
+process (:func:`call_staged`) instead of the wrapper.
 """
 from __future__ import annotations
 
