@@ -292,7 +292,7 @@ def _write_events(d: Path, rank: int, events):
 
 
 def test_run_verdict_and_progress_from_run_logs(tmp_path):
-    from ddp_hpc.submit.wait import latest_step, run_verdict
+    from ddp_hpc.submit.wait import latest_step, run_verdict, world_that_ran
     d = tmp_path / "run"
     _write_events(d, 0, [{"event": "start"}, {"event": "step", "step": 5, "total_steps": 9, "loss": 0.5},
                          {"event": "end", "status": "completed", "step": 9}])
@@ -308,6 +308,11 @@ def test_run_verdict_and_progress_from_run_logs(tmp_path):
     assert latest_step([d]) == "step 9/? (completed)"
     _write_events(d, 0, [{"event": "step", "step": 5, "total_steps": 9, "loss": 0.5}])
     assert latest_step([d, tmp_path / "nothing"]) == "run step 5/9 loss 0.5"
+    # a node range MIN-MAX is judged on the world size of rank 0's newest start event
+    assert world_that_ran(d, 8) == 8 and world_that_ran(tmp_path / "nothing", 8) == 8
+    _write_events(d, 0, [{"event": "start", "world_size": 4}, {"event": "start", "world_size": 2},
+                         {"event": "step", "step": 1}])
+    assert world_that_ran(d, 8) == 2
 
 
 def test_overrides_without_double_dash_are_accepted(job, tmp_path):
