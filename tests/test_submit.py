@@ -281,6 +281,14 @@ def test_a_node_range_goes_to_sbatch_and_the_local_backend_runs_max(job, tmp_pat
     opts = merged(load_config(job).slurm, {"nodes": "1-2"})
     assert submit._backend(opts, _Cluster()) == "sbatch"     # auto would pick submitit for a count
     assert submit._backend(merged(opts, {"nodes": 2}), _Cluster()) == "submitit"
+    # the record keeps MAX as its nodes and MIN beside it (status shows the range); the local
+    # backend's runs MAX, no range
+    from ddp_hpc.submit.dispatch import record
+    spec = build_spec(opts, config_path=job, cfg=load_config(job), overrides=[])
+    assert (record(spec, "55", "sbatch", "c").nodes, record(spec, "55", "sbatch", "c").min_nodes) == (2, 1)
+    assert record(spec, "local-x", "local", "c").min_nodes is None
+    assert record(build_spec(merged(opts, {"nodes": 2}), config_path=job, cfg=load_config(job), overrides=[]),
+                  "56", "sbatch", "c").min_nodes is None
 
 
 def _write_events(d: Path, rank: int, events):
