@@ -75,6 +75,22 @@ def test_a_ranks_ending_is_read_back_to_its_newest_step_at_most_END_LINES(tmp_pa
     assert [e["event"] for e in got.events] == ["stack"] * (tails.END_LINES - 1) and got.bad_lines == 1
 
 
+def test_events_since_an_offset_are_only_those_appended_after_it(tmp_path, monkeypatch):
+    from ddp_hpc.runlogs import tails
+    write(tmp_path, 0, [ev(0, "step", s, step=s) for s in range(1, 4)])
+    p = tmp_path / "rank0.events.jsonl"
+    offset = p.stat().st_size
+    assert tails.read_events(p, since=offset).events == []
+    with open(p, "a") as f:
+        f.write("\n".join(json.dumps(ev(0, "step", s, step=s)) for s in range(4, 30)) + '\n{"event": "st')
+    got = tails.read_events(p, since=offset)
+    assert [e["step"] for e in got.events] == list(range(4, 30)) and got.bad_lines == 1
+    monkeypatch.setattr(tails, "TAIL_MAX_BYTES", 1000)   # more than that appended: its end, whole lines
+    got = tails.read_events(p, since=offset)
+    assert [e["step"] for e in got.events] == list(range(30 - len(got.events), 30)) and got.bad_lines == 1
+    assert 4 < len(got.events) < 26
+
+
 class Squeue:
     """squeue lists job 88 RUNNING (rows as SlurmCLI returns them)."""
 

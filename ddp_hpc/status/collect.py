@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
+from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs import flightrec, timing
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.consequences import ranks_text
@@ -42,7 +43,7 @@ class JobStatus:
     state_name: str  # JobState member name
     source: str  # which source gave the state
     tried: list[str]
-    nodes: int | None
+    nodes: int | None  # a node range's: the nodes it runs or ran on (None: not known yet)
     gpus_per_node: int | None
     device: str | None  # "cpu", "cuda", ... as the run's start events tell it; None: not told
     elapsed: str | None
@@ -77,6 +78,7 @@ class JobStatus:
     staging: list[dict] = field(default_factory=list)  # per node leader and source (status/staging.py)
     #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
     alloc_restarts: list[dict] = field(default_factory=list)
+    node_range: str | None = None  # "2-4": submitted with --nodes MIN-MAX
 
     @property
     def job_state(self) -> JobState:
@@ -207,6 +209,20 @@ def _final(sched: SourceState, srun_codes, now: float) -> dict | None:
             "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in codes.items()}}
 
 
+def _nodes(rec, sched: SourceState, logs: RunLogs, cur) -> dict:
+    """``nodes`` and ``node_range`` of the status. A job submitted with ``--nodes MIN-MAX`` (its
+    record keeps MAX and ``min_nodes``) runs on as many nodes as its current run's start event
+    says, else as the scheduler gave it once it started; before that the number is unknown."""
+    nodes, low = getattr(rec, "nodes", None), getattr(rec, "min_nodes", None)
+    if not low or not nodes:
+        return {"nodes": nodes or sched.nodes}
+    events = logs.ranks[0].of_restart(cur.restart) if cur is not None and 0 in logs.ranks else []
+    start = next((e for e in reversed(events) if e.get("event") == "start"), {})
+    used = to_int(start.get("num_nodes"))
+    got_nodes = sched.state.state is not JobState.PENDING and sched.node_list not in (None, "", "None assigned")
+    return {"nodes": used if used is not None or not got_nodes else sched.nodes, "node_range": f"{low}-{nodes}"}
+
+
 def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
          only: str | None = None, brief: bool = False) -> tuple[JobStatus, dict | None]:
     rec = t.record
@@ -241,7 +257,7 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     st = JobStatus(
         id=t.id, name=getattr(rec, "name", None), backend=getattr(rec, "backend", None),
         state=state.label, state_name=state.state.name, source=sched.source, tried=sched.tried,
-        nodes=getattr(rec, "nodes", None) or sched.nodes,
+        **_nodes(rec, sched, logs, cur),
         gpus_per_node=getattr(rec, "gpus_per_node", None), device=logs.device(),
         elapsed=elapsed, time_limit=sched.time_limit or normalize_duration(getattr(rec, "time_limit", None)),
         restarts=restarts, log_dir=t.log_dir, cwd=getattr(rec, "cwd", None),
