@@ -60,7 +60,6 @@ def main() -> None:
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "node": int(os.environ["GROUP_RANK"]), "path": path, "samples": samples,
                    "open_s": t1 - t0, "epoch_s": t2 - t1}, f)
-    del batches   # the broadcast loader's process groups go before the default one
     dist.destroy_process_group()
 
 

@@ -12,10 +12,10 @@ fsync, rename), so a reader never sees half a record.
 
 Fields (docs/architecture.md, "Job records"): id, cluster, name, backend, nodes, gpus_per_node,
 time_limit, log_dir, config, overrides, submitted_at, cwd, array, pids, pid_times, script, command,
-final, restart_base, alloc_restarts (the in-allocation restarts, ``ddp_hpc.supervise``). ``final``
-is written by ``ddp_hpc.status`` once the scheduler reports the job ended (Slurm forgets it
-later; a cluster can go down), by the local driver when a local run ends, and by
-``ddp-hpc cancel``: see :func:`store_final`.
+final, restart_base, alloc_restarts (the in-allocation restarts, ``ddp_hpc.supervise``), min_nodes
+(a node range's MIN). ``final`` is written by ``ddp_hpc.status`` once the scheduler reports the job
+ended (Slurm forgets it later; a cluster can go down), by the local driver when a local run ends,
+and by ``ddp-hpc cancel``: see :func:`store_final`.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class JobRecord:
     #: the in-allocation restarts (ddp_hpc.supervise), one dict each (runlogs.schema.ALLOC_RESTART_KEYS):
     #: when and why, what was excluded, the nodes and world size before and after
     alloc_restarts: list[dict] | None = None
+    min_nodes: int | None = None  #: submitted with --nodes MIN-MAX: MIN (``nodes`` is MAX); else None
     #: keys a newer writer added that this version does not know; kept so a rewrite loses nothing
     extra: dict = dataclasses.field(default_factory=dict)
     #: the file this record was read from or written to (not stored inside the file)
@@ -304,8 +305,7 @@ def record_from_slurm(log_dir: str, config: str | None, overrides: list[str],
         id=facts.key or facts.job_id, cluster=facts.cluster, name=facts.name or "ddp_hpc",
         backend="sbatch-script", nodes=facts.num_nodes, gpus_per_node=facts.gpus_per_node, time_limit=None,
         log_dir=os.path.abspath(log_dir), config=config, overrides=list(overrides),
-        submitted_at=time.time(), cwd=facts.submit_dir or os.getcwd(),
-    )
+        submitted_at=time.time(), cwd=facts.submit_dir or os.getcwd())
 
 
 def register(log_dir: str, config: str | None, overrides: list[str]) -> Path | None:

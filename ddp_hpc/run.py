@@ -18,8 +18,11 @@ import argparse
 import sys
 
 from ddp_hpc.config import ConfigError, JobConfig, load_config, run_key
+from ddp_hpc.data.errors import StageError
+from ddp_hpc.data.scriptstage import EXIT_STAGE_FAILED, call_staged, requested_items
 from ddp_hpc.env import detect, job_facts
 from ddp_hpc.errors import report
+from ddp_hpc.exec.events import SafeLog
 from ddp_hpc.runlogs.reader import run_ending
 from ddp_hpc.runlogs.writer import resolve_log_dir
 from ddp_hpc.text import HelpFormatter, prog
@@ -56,6 +59,35 @@ def already_complete(cfg: JobConfig) -> str | None:
             f"To train it again from the start, {again}")
 
 
+def _train(cfg: JobConfig):
+    """Train ``cfg``; with ``slurm.stage`` (or ``--stage``) items from submit, on this node's copies
+    (``$DDP_HPC_STAGE_<NAME>``), given back after the run unless it was preempted (the requeue
+    reuses them); None when that staging failed (said on stderr and in an ``error`` event)."""
+    from ddp_hpc.train.api import run_job  # torch: imported once the configuration is good
+
+    items = requested_items()
+    if not items:
+        return run_job(cfg)
+    env = detect()
+    log = SafeLog(resolve_log_dir(cfg.log.dir, str(env.job_id) if env.job_id else run_key(cfg)),
+                  env.rank, job_id=env.job_id, restart=env.restart_count, who=prog("run"))
+    started: list[bool] = []
+
+    def body():
+        started.append(True)
+        return run_job(cfg)
+
+    try:
+        return call_staged(env, items, log, body, requeued=lambda result: result.status == "preempted")
+    except (StageError, OSError) as exc:
+        if started:
+            raise
+        report(prog("run"), exc)
+        log.event("error", exc_type=type(exc).__name__, message=str(exc), traceback=None,
+                  exit_code=EXIT_STAGE_FAILED, signal=None)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -65,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
             if detect().rank == 0:
                 print(f"{prog('run')}: {done}", file=sys.stderr, flush=True)
             return EXIT_OK
-        from ddp_hpc.train.api import run_job  # torch: imported once the configuration is good
-        result = run_job(cfg)
+        result = _train(cfg)
     except ConfigError as e:
         report(prog("run"), f"bad configuration: {e}")
         return EXIT_CONFIG
+    if result is None:   # slurm.stage / --stage failed: reported and logged; nothing trained
+        return EXIT_STAGE_FAILED
     if result.status == "preempted" and not result.requeued:
         return cfg.preempt.exit_code
     return EXIT_OK

@@ -7,6 +7,8 @@ start; only the group readers may touch the shared folder.
 """
 from __future__ import annotations
 
+import multiprocessing as mp
+
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
@@ -15,6 +17,10 @@ from ddp_hpc.data import samplers
 
 N_SAMPLES = 29  # not a multiple of 6: DistributedSampler pads
 BATCH = 2
+# forkserver with torch preloaded: the 6 ranks fork from one process that imported torch, instead
+# of 6 spawned interpreters importing it each (tests/test_dist.py; test_launch covers "spawn")
+FAST = "forkserver"
+mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.dist"])
 
 
 class IndexDataset(torch.utils.data.Dataset):
@@ -134,7 +140,7 @@ def results(tmp_path_factory):
     from ddp_hpc.launch import launch_distributed
 
     root = make_images(tmp_path_factory.mktemp("shared") / "imgs", count=23, classes=3, size=8, progress=False)
-    return launch_distributed(_rank_main, 6, args=(root,), nodes=2, timeout=240)
+    return launch_distributed(_rank_main, 6, args=(root,), nodes=2, timeout=240, start_method=FAST)
 
 
 def _expected(rank, epoch, seed=5):

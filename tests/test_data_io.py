@@ -4,12 +4,18 @@ technique yields the same batches as direct reads, staging reads the shared copy
 and bad settings fail with the key named."""
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 
 import pytest
 import torch
 
 from ddp_hpc.config import DataConfig
+
+# forkserver with torch preloaded: the ranks fork from one process that imported torch, instead of
+# spawned interpreters importing it each (tests/test_dist.py; test_launch covers "spawn")
+FAST = "forkserver"
+mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.dist"])
 
 
 def _digest(x: torch.Tensor) -> tuple:
@@ -71,7 +77,8 @@ def results(tmp_path_factory):
     make_images(shared / "imgs", count=26, classes=3, size=8, progress=False)
     pack(shared / "imgs", shared / "imgs.lmdb", progress=False)
     local = tmp_path_factory.mktemp("local")
-    return launch_distributed(_rank_main, 4, args=(str(shared), str(local)), nodes=2, timeout=300), local
+    return launch_distributed(_rank_main, 4, args=(str(shared), str(local)), nodes=2, timeout=300,
+                              start_method=FAST), local
 
 
 @pytest.mark.parametrize("name", ["lmdb", "stage_lmdb", "stage_dir", "broadcast_lmdb"])

@@ -14,6 +14,11 @@ import pytest
 from ddp_hpc.data import fsio
 from ddp_hpc.data.stage import StageError, cleanup_staged, resolve_stage_dir, stage
 
+# forkserver with torch preloaded for the 4-rank launch: the ranks fork from one process that
+# imported torch, instead of spawned interpreters importing it each (tests/test_dist.py)
+FAST = "forkserver"
+mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.dist"])
+
 
 def _big_file(path, mib):
     with open(path, "wb") as f:
@@ -285,7 +290,7 @@ def test_two_node_leaders_sharing_a_stage_folder_copy_once_and_clean_up_once(tmp
     tmp, logs = tmp_path / "tmp", tmp_path / "logs"
     tmp.mkdir()
     out = launch_distributed(_shared_tmp_rank, 4, args=(os.path.dirname(src), str(tmp), str(logs)),
-                             nodes=2, timeout=240)
+                             nodes=2, timeout=240, start_method=FAST)
     assert sum(r["opens"] for r in out) == 1  # one copier for both nodes
     assert {r["n"] for r in out} == {24} and all(r["warnings"] == [] for r in out)
     assert os.listdir(tmp) == []  # the copy, its users file and its lock are gone

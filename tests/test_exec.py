@@ -221,6 +221,22 @@ def test_a_setup_that_would_hang_is_refused_with_an_error_event(tmp_path):
     assert err["event"] == "error" and err["exc_type"] == "EnvError" and err["exit_code"] == 2
 
 
+def test_the_end_events_step_is_the_newest_step_the_child_appended(tmp_path):
+    """outcome.last_step reads only what follows the offset the wrapper took after its start
+    event: an earlier run's steps never count; an epoch event after the step and a torn last
+    line do not hide it."""
+    from ddp_hpc.exec.outcome import last_step
+    p = tmp_path / "rank0.events.jsonl"
+    p.write_text("".join(json.dumps(e) + "\n" for e in [{"event": "step", "step": 40}, {"event": "start"}]))
+    offset = p.stat().st_size
+    assert last_step(p, offset) is None and last_step(None, 0) is None
+    with open(p, "a") as f:
+        for e in [{"event": "step", "step": 3}, {"event": "step", "step": "x"}, {"event": "epoch", "epoch": 1}]:
+            f.write(json.dumps(e) + "\n")
+        f.write('{"event": "step", "st')
+    assert last_step(p, offset) == 3 and last_step(p, 0) == 3
+
+
 def test_usage_errors():
     p = subprocess.run([*EXEC], capture_output=True, text=True, env=clean_env(), timeout=50)
     assert p.returncode == 2 and "no command to run" in p.stderr

@@ -95,13 +95,104 @@ def test_the_batch_script_quotes_the_request_and_sbcasts_files_and_lmdbs(images,
 @pytest.mark.parametrize("args, needle", [
     (["--stage", "nope", FAST], "--stage 'nope': "),
     (["--stage", "x=a-b", FAST], "NAME 'a-b' is not letters"),
-    (["--stage", "imgs", str(ROOT / "jobs" / "images.yaml")], "is for a script or module job"),
 ])
 def test_bad_stage_requests_exit_2_with_a_hint(tmp_path, args, needle):
     (tmp_path / "imgs").mkdir()
     p = _cli(["--dry-run", *args], tmp_path)
     assert p.returncode == 2, p.stderr
     assert needle in p.stderr and "HINT:" in p.stderr and "Traceback" not in p.stderr
+
+
+def _yaml(tmp_path, stage) -> str:
+    """A tiny config job whose dataset factory (``stagecheck:dataset``) records what it was staged."""
+    (tmp_path / "stagecheck.py").write_text(
+        "import json, os\n"
+        "from ddp_hpc.data import ImageFolderDataset, staged_path\n"
+        "def dataset(shared):\n"
+        "    got = {k: v for k, v in os.environ.items() if k.startswith('DDP_HPC_STAGE')}\n"
+        "    if got:\n"
+        "        os.makedirs('seen', exist_ok=True)\n"
+        "        with open(f\"seen/rank{os.environ['RANK']}.json\", 'w') as f:\n"
+        "            json.dump({k: [v, os.path.exists(v)] for k, v in got.items()}, f)\n"
+        "    return ImageFolderDataset(staged_path('IMGS', shared))\n")
+    path = tmp_path / "staged.yaml"
+    path.write_text(json.dumps({  # JSON is YAML
+        "name": "staged", "model": {"name": "ddp_hpc.examples.images:small_cnn",
+                                    "kwargs": {"num_classes": 4, "width": 4}},
+        "data": {"dataset": "stagecheck:dataset", "kwargs": {"shared": "unused"}},
+        "train": {"batch_size": 8, "max_steps": 2, "eval_every_epochs": 0},
+        "log": {"progress": "off"}, "slurm": {"stage": stage}}))
+    return str(path)
+
+
+def test_the_yaml_stage_key_adds_to_the_flags_and_a_clash_or_a_missing_source_is_refused(images, tmp_path):
+    lmdb, folder = images / "imgs.lmdb", images / "imgs"
+    cfg = _yaml(tmp_path, [f"{lmdb}=TRAIN"])
+    p = _cli(["--backend", "sbatch", "--dry-run", "-N", "2", cfg, "--stage", str(folder)], tmp_path)
+    assert p.returncode == 0, p.stderr
+    [export] = [ln for ln in p.stdout.splitlines() if ln.startswith(f"export {SPEC_VAR}=")]
+    shown = subprocess.run(["bash", "-c", f'{export}; printf %s "${SPEC_VAR}"'], capture_output=True,
+                           text=True, check=True).stdout
+    assert [(i.src, i.name) for i in decode_items(shown)] == [(str(lmdb), "TRAIN"), (str(folder), "IMGS")]
+    assert "ddp_hpc.run" in p.stdout and "--stage TRAIN failed" in p.stdout  # the LMDB goes by sbcast
+    clash = _cli(["--dry-run", cfg, "--stage", f"{folder}=train"], tmp_path)
+    assert clash.returncode == 2, clash.stderr
+    assert (f"{cfg}: slurm.stage '{lmdb}=TRAIN' and --stage '{folder}=train' give the same variable "
+            "DDP_HPC_STAGE_TRAIN" in clash.stderr and "HINT:" in clash.stderr), clash.stderr
+    missing = _cli(["--dry-run", _yaml(tmp_path, ["nope"])], tmp_path)
+    assert missing.returncode == 2 and f"{cfg}: slurm.stage 'nope': " in missing.stderr, missing.stderr
+    assert "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    typed = _cli(["--dry-run", _yaml(tmp_path, 5)], tmp_path)
+    assert typed.returncode == 2 and "slurm.stage must be a list" in typed.stderr and cfg in typed.stderr
+
+
+def test_a_config_job_trains_on_what_its_yaml_and_its_flags_staged(images, tmp_path):
+    cfg = _yaml(tmp_path, [f"{images / 'imgs.lmdb'}=TRAIN"])
+    p = _cli(["--backend", "local", "-N", "2", "-G", "1", "--wait", cfg, "--stage", str(images / "imgs"),
+              "log.dir=runs"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    seen = [json.loads(f.read_text()) for f in sorted((tmp_path / "seen").glob("rank*.json"))]
+    assert len(seen) == 2
+    for got in seen:   # both variables, node-local copies that existed while the job trained
+        assert sorted(got) == ["DDP_HPC_STAGE_IMGS", "DDP_HPC_STAGE_TRAIN"]
+        assert all(path.startswith(str(tmp_path / "local")) and there for path, there in got.values())
+    [log_dir] = (tmp_path / "runs").iterdir()
+    by_var = sorted((e["variable"], e["method"]) for e in _stage_events(log_dir))
+    assert by_var == [("DDP_HPC_STAGE_IMGS", "copy"), ("DDP_HPC_STAGE_IMGS", "reused"),
+                      ("DDP_HPC_STAGE_TRAIN", "copy"), ("DDP_HPC_STAGE_TRAIN", "reused")], by_var
+    assert _staged_left(tmp_path) == []   # gone after the job
+
+
+def test_the_python_api_stages_for_a_function_one_copy_per_node(images, tmp_path):
+    (tmp_path / "fns.py").write_text(
+        "import os\n"
+        "import torch.distributed as dist\n"
+        "def where():\n"
+        "    dist.init_process_group('gloo')\n"
+        "    dist.barrier()   # both pretend nodes hold the copy here (they share this machine's disk)\n"
+        "    dist.destroy_process_group()\n"
+        "    path = os.environ['DDP_HPC_STAGE_TRAIN']\n"
+        "    return [path, os.path.isfile(os.path.join(path, 'data.mdb')), os.environ['RANK']]\n")
+    train = f"{images / 'imgs.lmdb'}=train"
+    code = ("import json, ddp_hpc\n"
+            "from fns import where\n"
+            "if __name__ == '__main__':\n"
+            f"    job = ddp_hpc.submit(where, nodes=2, gpus=1, backend='local', stage=[{train!r}])\n"
+            "    print('RESULT', json.dumps(job.result(timeout=120)), job.log_dir)\n"
+            "    try:\n"
+            "        ddp_hpc.submit(where, backend='local', stage=['nope'])\n"
+            "    except ValueError as e:\n"
+            "        print('REFUSED', str(e).splitlines()[0])\n")
+    p = subprocess.run([PY, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    [line] = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    value, log_dir = line[len("RESULT "):].rsplit(" ", 1)
+    path, there, rank = json.loads(value)
+    assert path.startswith(str(tmp_path / "local")) and there and rank == "0"
+    assert sorted(e["method"] for e in _stage_events(Path(log_dir))) == ["copy", "reused"]  # one per node
+    assert _staged_left(tmp_path) == []
+    assert "REFUSED ddp_hpc.submit(stage=...) 'nope': " in p.stdout and "does not exist" in p.stdout
 
 
 def _staged_left(tmp_path) -> list[str]:
@@ -202,3 +293,46 @@ def test_a_preempted_script_keeps_its_copy_for_the_requeue_and_a_failed_staging_
     assert status == 1 and seen == {}
     [(name, fields)] = [x for x in logged if isinstance(x, tuple)]
     assert name == "error" and fields["exc_type"] == "StageError" and "gone.lmdb" in fields["message"]
+
+
+KEPT_LOADER = '''
+import sys, weakref
+import torch, torch.distributed as dist
+from ddp_hpc.data import BroadcastLoader
+from ddp_hpc.data.errors import IOConfigError
+
+class Pairs(torch.utils.data.Dataset):
+    def __len__(self): return 12
+    def __getitem__(self, i): return torch.full((3,), float(i)), i % 2
+
+dist.init_process_group("gloo")
+loader = BroadcastLoader(Pairs(), batch_size=2, bucket_mb=0)   # kept to the end, never closed
+for x, y in loader:
+    pass
+unfinished = iter(loader)
+next(unfinished)                                                # an epoch left half-way
+group = weakref.ref(loader.dataset.plan.level1[0])
+dist.destroy_process_group()
+try:
+    iter(loader)
+except IOConfigError:
+    print("closed with the default group", flush=True)
+print("its group freed:", group() is None, flush=True)
+sys.exit(0 if group() is None else 3)
+'''
+
+
+def test_a_loader_kept_alive_through_destroy_process_group_exits_cleanly_every_time(tmp_path):
+    """A script that never closes its BroadcastLoader (one epoch left half-way, its reader thread
+    one bucket ahead): destroy_process_group() closes it and frees its group while the default group
+    still exists, and every rank exits 0 -- 6 worlds of 2 gloo ranks side by side."""
+    script = tmp_path / "kept.py"
+    script.write_text(KEPT_LOADER)
+    runs = [subprocess.Popen([PY, "-m", "ddp_hpc.launch", "--nodes", "1", "--procs-per-node", "2",
+                              "--log-dir", str(tmp_path / f"w{i}"), "--", PY, str(script)],
+                             cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for i in range(6)]
+    outs = [(p.communicate(timeout=240)[0], p.returncode) for p in runs]
+    for out, rc in outs:
+        assert rc == 0 and "OK: all 2 ranks exited 0" in out, out[-2000:]
+        assert "closed with the default group" in out and "its group freed: True" in out, out[-2000:]

@@ -229,6 +229,13 @@ def test_one_duration_format_and_the_shape_of_a_cpu_run(home):
                             ev(r, 70, "end", status="completed", step=100)])
     record(home, "707", d, time_limit="30")  # sbatch's minutes
     completed_job(home, "708")  # a run whose events do not name the device
+    # --nodes 2-4 (the record keeps MAX and min_nodes): the nodes the run got, else the range
+    for r in range(2):
+        write_events(home / "logs" / "709", r, [{**start(r), "num_nodes": 3}, step(r, 10, 50)])
+    record(home, "709", home / "logs" / "709", nodes=4, min_nodes=2)
+    record(home, "710", home / "logs" / "710", nodes=4, min_nodes=2)
+    assert status(home, "709").stdout.splitlines()[0] == "Job 709 (demo), backend sbatch, 3 of 2-4 nodes x 2 GPUs"
+    assert status(home, "710").stdout.splitlines()[0] == "Job 710 (demo), backend sbatch, 2-4 nodes x 2 GPUs"
     text = status(home, "707").stdout
     assert text.splitlines()[0] == "Job 707 (demo), backend sbatch, 1 node x 2 processes on CPU"
     assert "Elapsed:    00:01:10 / limit 00:30:00" in text
@@ -237,6 +244,7 @@ def test_one_duration_format_and_the_shape_of_a_cpu_run(home):
     rows = {ln.split()[0]: ln.split() for ln in status(home).stdout.splitlines()[1:]}
     assert rows["707"][4:6] == ["1x2cpu", "00:01:10/00:30:00"]
     assert rows["708"][4:6] == ["1x2", "00:00:21/00:10:00"]
+    assert "3x2" in rows["709"] and "2-4x2" in rows["710"]   # their STATE cells hold spaces
     js = json.loads(status(home, "707", "--json").stdout)
     assert (js["device"], js["elapsed"], js["time_limit"]) == ("cpu", "00:01:10", "00:30:00")
 

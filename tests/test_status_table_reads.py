@@ -76,6 +76,22 @@ def test_a_ranks_ending_is_read_back_to_its_newest_step_at_most_END_LINES(tmp_pa
     assert [e["event"] for e in got.events] == ["stack"] * (tails.END_LINES - 1) and got.bad_lines == 1
 
 
+def test_events_since_an_offset_are_only_those_appended_after_it(tmp_path, monkeypatch):
+    from ddp_hpc.runlogs import tails
+    write(tmp_path, 0, [ev(0, "step", s, step=s) for s in range(1, 4)])
+    p = tmp_path / "rank0.events.jsonl"
+    offset = p.stat().st_size
+    assert tails.read_events(p, since=offset).events == []
+    with open(p, "a") as f:
+        f.write("\n".join(json.dumps(ev(0, "step", s, step=s)) for s in range(4, 30)) + '\n{"event": "st')
+    got = tails.read_events(p, since=offset)
+    assert [e["step"] for e in got.events] == list(range(4, 30)) and got.bad_lines == 1
+    monkeypatch.setattr(tails, "TAIL_MAX_BYTES", 1000)   # more than that appended: its end, whole lines
+    got = tails.read_events(p, since=offset)
+    assert [e["step"] for e in got.events] == list(range(30 - len(got.events), 30)) and got.bad_lines == 1
+    assert 4 < len(got.events) < 26
+
+
 class Squeue:
     """squeue lists job 88 RUNNING (rows as SlurmCLI returns them)."""
 
@@ -213,6 +229,17 @@ def test_an_ended_jobs_row_comes_from_what_its_record_keeps_of_its_logs(home, tm
     assert rows()["801"]["progress"] == first["801"]["progress"]
     write(tmp_path / "j1", 0, [ev(0, "step", 300, 1, step=77, loss=0.25, total_steps=1000)])
     assert rows(Sacct())["801"]["progress"]["step"] == 77
+
+
+def test_a_node_range_jobs_row_from_the_kept_facts_shows_the_nodes_its_run_got(home, tmp_path):
+    for r in range(2):
+        write(tmp_path / "j", r, [ev(r, "start", 0, world_size=2, num_nodes=3), ev(r, "end", 5, status="completed")])
+    rec = record("810", tmp_path / "j")
+    rec.nodes, rec.min_nodes = 4, 2
+    records.update_record(rec)
+    first = rows(Sacct("COMPLETED"))["810"]
+    assert records.load_record("810").final["logs"]["num_nodes"] == 3
+    assert rows(Sacct("COMPLETED"))["810"] == first and (first["nodes"], first["node_range"]) == (3, "2-4")
 
 
 def test_kept_facts_answer_as_the_table_reads_the_logs(tmp_path):

@@ -281,6 +281,14 @@ def test_a_node_range_goes_to_sbatch_and_the_local_backend_runs_max(job, tmp_pat
     opts = merged(load_config(job).slurm, {"nodes": "1-2"})
     assert submit._backend(opts, _Cluster()) == "sbatch"     # auto would pick submitit for a count
     assert submit._backend(merged(opts, {"nodes": 2}), _Cluster()) == "submitit"
+    # the record keeps MAX as its nodes and MIN beside it (status shows the range); the local
+    # backend's runs MAX, no range
+    from ddp_hpc.submit.dispatch import record
+    spec = build_spec(opts, config_path=job, cfg=load_config(job), overrides=[])
+    assert (record(spec, "55", "sbatch", "c").nodes, record(spec, "55", "sbatch", "c").min_nodes) == (2, 1)
+    assert record(spec, "local-x", "local", "c").min_nodes is None
+    assert record(build_spec(merged(opts, {"nodes": 2}), config_path=job, cfg=load_config(job), overrides=[]),
+                  "56", "sbatch", "c").min_nodes is None
 
 
 def _write_events(d: Path, rank: int, events):
@@ -292,7 +300,7 @@ def _write_events(d: Path, rank: int, events):
 
 
 def test_run_verdict_and_progress_from_run_logs(tmp_path):
-    from ddp_hpc.submit.wait import latest_step, run_verdict
+    from ddp_hpc.submit.wait import latest_step, run_verdict, world_that_ran
     d = tmp_path / "run"
     _write_events(d, 0, [{"event": "start"}, {"event": "step", "step": 5, "total_steps": 9, "loss": 0.5},
                          {"event": "end", "status": "completed", "step": 9}])
@@ -308,6 +316,11 @@ def test_run_verdict_and_progress_from_run_logs(tmp_path):
     assert latest_step([d]) == "step 9/? (completed)"
     _write_events(d, 0, [{"event": "step", "step": 5, "total_steps": 9, "loss": 0.5}])
     assert latest_step([d, tmp_path / "nothing"]) == "run step 5/9 loss 0.5"
+    # a node range MIN-MAX is judged on the world size of rank 0's newest start event
+    assert world_that_ran(d, 8) == 8 and world_that_ran(tmp_path / "nothing", 8) == 8
+    _write_events(d, 0, [{"event": "start", "world_size": 4}, {"event": "start", "world_size": 2},
+                         {"event": "step", "step": 1}])
+    assert world_that_ran(d, 8) == 2
 
 
 def test_overrides_without_double_dash_are_accepted(job, tmp_path):

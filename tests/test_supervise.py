@@ -24,7 +24,7 @@ from ddp_hpc.submit.slurm import check_container
 from ddp_hpc.submit.spec import JobSpec, SpecError, TaskSpec
 from ddp_hpc.supervise import watch
 from ddp_hpc.supervise.cli import main as supervise_main
-from ddp_hpc.supervise.loop import Settings, step_args
+from ddp_hpc.supervise.loop import Settings, step_args, step_env
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
 from ddp_hpc.supervise.watch import EventTail, Watch
 
@@ -104,6 +104,13 @@ def test_the_step_runs_no_kill_on_the_planned_nodes_with_one_task_per_gpu():
     assert {"--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--nodelist=n[1,3]",
             "--output=/logs/rank%t.out"} <= set(args)
     assert args[-3:] == ["--cpu-bind=none", "python", "t.py"]
+
+
+def test_the_steps_environment_carries_the_restart_budget_unless_the_user_set_it():
+    s = Settings(Policy(nodes=2, tasks_per_node=1, max_restarts=3), "/logs", ("python", "t.py"))
+    env = step_env(s, {"PATH": "/bin", "DDP_HPC_ALLOC_RESTARTS": "9"}, 1)
+    assert env == {"PATH": "/bin", "TORCHELASTIC_MAX_RESTARTS": "3", "DDP_HPC_ALLOC_RESTARTS": "1"}
+    assert step_env(s, {"TORCHELASTIC_MAX_RESTARTS": "0"}, 0)["TORCHELASTIC_MAX_RESTARTS"] == "0"
 
 
 def test_the_supervisor_command_line_refuses_bad_input(capsys):

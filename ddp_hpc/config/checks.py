@@ -14,7 +14,7 @@ from ddp_hpc.slurm.times import duration_seconds
 
 __all__ = ["BACKENDS", "time_to_seconds", "parse_signal", "check_count", "check_flag",
            "check_text", "check_time", "check_signal", "check_backend", "check_nodes", "node_range",
-           "PLAIN"]
+           "check_stage", "PLAIN"]
 
 BACKENDS = ("auto", "submitit", "sbatch", "local")
 
@@ -138,3 +138,22 @@ def check_backend(value: Any, label: str) -> str:
     if value not in BACKENDS:
         raise ConfigError(f"{label} {value!r} is unknown", f"use one of {', '.join(BACKENDS)}")
     return value
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_stage(value: Any, label: str) -> tuple[str, ...]:
+    """What to stage on every node (``--stage`` / ``slurm.stage``): ``SRC`` or ``SRC=NAME`` words,
+    as a list (one word alone counts as a list of one). Only the form is checked here; the
+    sources and names when the job is submitted (``ddp_hpc.data.scriptstage.parse_stage_items``)."""
+    items = [value] if isinstance(value, str) else value
+    if value is None or not isinstance(items, (list, tuple)):
+        raise ConfigError(f"{label} must be a list of SRC or SRC=NAME, got {value!r}",
+                          f"write e.g. {label}: [/shared/train.lmdb, /shared/hf_cache=HF]")
+    for item in items:
+        if not isinstance(item, str) or not item.strip() or _CONTROL.search(item):
+            raise ConfigError(f"{label}: {item!r} is not a path SRC or SRC=NAME",
+                              "give a file, LMDB or folder path, optionally =NAME (letters, digits, _), "
+                              "without control characters")
+    return tuple(items)

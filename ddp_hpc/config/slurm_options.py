@@ -26,6 +26,7 @@ from ddp_hpc.config.checks import (
     check_nodes,
     check_plain,
     check_signal,
+    check_stage,
     check_text,
     check_time,
     node_range,
@@ -210,6 +211,11 @@ class SlurmOptions:
     restart_on_error: bool = _opt(False, check_flag, "restart after an exception raised by the code "
                                   "(or its non-zero exit) too", flags=("--restart-on-error",),
                                   group=RESTARTS, action="store_true")
+    stage: tuple = _opt((), check_stage, "before the job starts, copy SRC (a file, an LMDB or a folder) "
+                        "once per node to node-local storage and give every rank the path in "
+                        "$DDP_HPC_STAGE_<NAME> (NAME: SRC's base name, upper-cased); removed when the job "
+                        "ends, kept for a requeue (repeatable; flags add to the YAML's list)",
+                        flags=("--stage",), group=TOP, action="append", metavar="SRC[=NAME]")
     backend: str = _opt("auto", check_backend, "auto: submitit when Slurm answers, else local",
                         flags=("--backend",), group=TOP, choices=BACKENDS)
 
@@ -279,7 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             meta["group"], parser.add_argument_group(meta["group"]))
         default = None if f.default is dataclasses.MISSING else f.default
         help_text = f"{meta['help']}; YAML slurm.{f.name}" + (
-            f" (default: {default})" if default not in (None, False) else "")
+            f" (default: {default})" if default not in (None, False, ()) else "")
         group.add_argument(*meta["flags"], dest=f.name, default=None, help=help_text,
                            **meta["cli"])
 
@@ -306,12 +312,14 @@ def split_sbatch_args(items: Sequence[str]) -> dict[str, str | bool]:
 
 def merged(base: SlurmOptions, cli: Mapping[str, Any]) -> SlurmOptions:
     """``base`` (the YAML section) with the command-line values on top, each checked under the
-    name of its flag; sbatch_args and srun_args are merged key by key."""
+    name of its flag; sbatch_args and srun_args are merged key by key, stage adds to the list."""
     checked = {name: FIELDS[name].metadata["parse"](value, FIELDS[name].metadata["flags"][0])
                for name, value in cli.items()}
     for name in ("sbatch_args", "srun_args"):
         if name in checked:
             checked[name] = {**getattr(base, name), **checked[name]}
+    if "stage" in checked:   # flags add to the YAML's list (a clash is refused at submit)
+        checked["stage"] = (*base.stage, *checked["stage"])
     return dataclasses.replace(base, **checked)
 
 

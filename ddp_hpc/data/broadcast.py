@@ -33,7 +33,7 @@ from torch.utils.data import default_collate
 from ddp_hpc.data.errors import IOConfigError
 from ddp_hpc.data.samplers import batches_per_rank, epoch_permutation
 from ddp_hpc.data.wire import Channel, bundle_pieces, decode_samples, encode_samples, raw_bundle, unbundle
-from ddp_hpc.dist import gather_layout, new_groups, node_rank_lists, strided_rank_lists
+from ddp_hpc.dist import gather_layout, group_initialized, new_groups, node_rank_lists, strided_rank_lists
 
 __all__ = ["BroadcastDataset", "GroupPlan", "build_plan", "encode_samples", "decode_samples", "MODES"]
 
@@ -119,6 +119,24 @@ class BroadcastDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.inner)
+
+    @property
+    def released(self) -> bool:
+        return self.plan.level1 is None and self.plan.level2 is None
+
+    def release(self) -> None:
+        """Destroy this reader's process groups (while the default group still exists) and drop
+        every reference to them, so their gloo / nccl state goes now, not at interpreter exit.
+        Local (no collective); the dataset cannot deliver batches afterwards."""
+        groups = [lv[0] for lv in (self.plan.level1, self.plan.level2) if lv is not None and lv[0] is not None]
+        self._ch1 = self._ch2 = None
+        self.plan.level1 = self.plan.level2 = None
+        for group in groups:
+            if group is not dist.GroupMember.WORLD and group_initialized():
+                try:
+                    dist.destroy_process_group(group)
+                except ValueError:   # already gone (the default group was destroyed first)
+                    pass
 
     def __getitem__(self, i):
         return self.inner[i]

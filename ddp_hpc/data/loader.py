@@ -16,8 +16,21 @@ rank gets exactly what ``DistributedSampler(dataset, shuffle=True, seed=seed, dr
 with ``set_epoch(epoch)`` would give it, in the same order, collated with torch's
 ``default_collate``.  Every rank must iterate every epoch to its end (the readers' collectives
 pair with the members'), as with any DDP loop.
+
+The loader holds process groups of its own.  ``dist.destroy_process_group()`` (the default group)
+closes every live loader first (:meth:`BroadcastLoader.close`: its unfinished epoch iterators
+stop, their reader threads are joined, its groups are destroyed and dropped), so a script need
+not close or delete it, and none of its groups outlives the default one into interpreter exit
+(reported to make gloo abort the process now and then: "terminate called without an active
+exception").
 """
 from __future__ import annotations
+
+import functools
+import weakref
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from ddp_hpc.data.broadcast import BroadcastDataset, build_plan
 from ddp_hpc.data.errors import IOConfigError
@@ -26,6 +39,26 @@ from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect
 
 __all__ = ["BroadcastLoader"]
+
+_LIVE: "weakref.WeakSet[BroadcastLoader]" = weakref.WeakSet()
+
+
+def _close_before_destroy() -> None:
+    """Make ``torch.distributed.destroy_process_group()`` close every live loader before the
+    default group goes (installed once, by the first loader; any other call passes through)."""
+    if getattr(c10d.destroy_process_group, "_closes_loaders", False):
+        return
+    original = c10d.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(group=None):
+        if group is None or group is dist.GroupMember.WORLD:
+            for loader in list(_LIVE):
+                loader.close()
+        return original(group)
+
+    destroy_process_group._closes_loaders = True   # type: ignore[attr-defined]
+    c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
 
 
 class BroadcastLoader:
@@ -53,6 +86,21 @@ class BroadcastLoader:
         self.dataset = BroadcastDataset(dataset, build_plan(detect(), groups, device),
                                         coalesce_bytes=int(bucket_mb * (1 << 20)))
         self.epoch = 0
+        self._iterators: weakref.WeakSet = weakref.WeakSet()
+        _close_before_destroy()
+        _LIVE.add(self)
+
+    def close(self) -> None:
+        """Stop this loader's unfinished epochs (their reader threads joined) and destroy its
+        process groups; ``dist.destroy_process_group()`` does it for every live loader.  Local
+        (no collective); iterating afterwards is an error."""
+        for it in list(self._iterators):
+            try:
+                it.close()
+            except ValueError:   # running in another thread: it stops at its own end
+                pass
+        self.dataset.release()
+        _LIVE.discard(self)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration delivers (its shuffle)."""
@@ -63,6 +111,11 @@ class BroadcastLoader:
         return batches_per_rank(len(self.dataset), self.dataset.plan.world_size, self.batch_size)
 
     def __iter__(self):
+        if self.dataset.released:
+            raise IOConfigError("BroadcastLoader: iterated after close() or destroy_process_group()",
+                                "make a new BroadcastLoader after init_process_group(...)")
         epoch, self.epoch = self.epoch, self.epoch + 1
-        return self.dataset.batches(batch_size=self.batch_size, seed=self.seed, epoch=epoch,
-                                    num_workers=self.num_workers)
+        it = self.dataset.batches(batch_size=self.batch_size, seed=self.seed, epoch=epoch,
+                                  num_workers=self.num_workers)
+        self._iterators.add(it)
+        return it

@@ -14,6 +14,11 @@ NAME defaults to SRC's base name (a SRC whose name holds ``=`` needs ``=NAME``, 
 and its part before the ``=`` does not); it is upper-cased, and any character other than a letter, a digit
 or ``_`` becomes ``_`` (``/shared/train.lmdb`` -> ``DDP_HPC_STAGE_TRAIN_LMDB``).  A script reads it
 with :func:`staged_path` (or ``os.environ``), so it changes one path, or none.
+
+The same list comes from a job YAML's ``slurm.stage`` (the flags add to it:
+:func:`parse_stage_sources` names both places on a clash) and from ``ddp_hpc.submit(...,
+stage=[...])``.  A config job's ``ddp_hpc.run`` and a function job's rank stage it in their own
+process (:func:`call_staged`) instead of the wrapper.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, MutableMapping, Sequence, TypeVar
 
 from ddp_hpc.data.copy import source_kind
 from ddp_hpc.data.errors import StageError
@@ -30,14 +35,15 @@ from ddp_hpc.data.stage import resolve_stage_dir
 from ddp_hpc.errors import HintError
 from ddp_hpc.exits import EX_TEMPFAIL
 
-__all__ = ["SPEC_VAR", "PREFIX", "StageItem", "parse_stage_items", "encode_items", "decode_items",
-           "run_staged", "staged_path"]
+__all__ = ["SPEC_VAR", "PREFIX", "StageItem", "parse_stage_items", "parse_stage_sources", "encode_items",
+           "decode_items", "run_staged", "requested_items", "call_staged", "staged_path"]
 
 SPEC_VAR = "DDP_HPC_STAGE"        #: the JSON list of what to stage, from submit to the wrapper
 PREFIX = "DDP_HPC_STAGE_"         #: + NAME: the local path each rank's script gets
 _GIVEN_NAME = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 _BAD_PATH = re.compile(r"[\x00-\x1f\x7f]")
 EXIT_STAGE_FAILED = 1
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,31 +82,49 @@ def parse_stage_items(items: Sequence[str], *, where: str = "--stage", workdir: 
     """Check ``SRC[=NAME]`` items (the source must exist here); -> one :class:`StageItem` each.
     A bad name, a missing source, a path with control characters, or two items with one source
     or one name are a :class:`StageError` naming the item."""
-    out: list[StageItem] = []
+    return parse_stage_sources([(where, items)], workdir=workdir)
+
+
+def _item(item: str, where: str, workdir: str) -> StageItem:
+    src, name = _split(str(item), workdir)
+    if _BAD_PATH.search(src):
+        raise StageError(f"{where} {item!r}: the path holds a control character (newline, tab, ...)",
+                         "rename the file or folder, or link it from a plain path")
+    if name is not None and not _GIVEN_NAME.match(name):
+        raise StageError(f"{where} {item!r}: NAME {name!r} is not letters, digits and _ (at most 64)",
+                         f"write e.g. {where} {src}=TRAIN: the script reads $DDP_HPC_STAGE_TRAIN")
+    src = os.path.abspath(os.path.join(workdir, os.path.expanduser(src)))
+    try:
+        kind = source_kind(src)
+    except StageError:
+        raise StageError(f"{where} {item!r}: {src} does not exist",
+                         "give a file, an LMDB folder or a folder that this machine and the nodes see "
+                         "(the shared filesystem)") from None
+    return StageItem(src, (name or _default_name(src)).upper(), kind)
+
+
+def parse_stage_sources(sources: Sequence[tuple[str, Sequence[str]]], *, workdir: str | None = None,
+                        ) -> tuple[StageItem, ...]:
+    """:func:`parse_stage_items` over items from several places, each ``(where, items)`` (e.g.
+    ``("jobs/x.yaml: slurm.stage", [...])`` then ``("--stage", [...])``), in order: one list,
+    and a clash across places names both."""
+    out: list[tuple[StageItem, str, str]] = []
     workdir = workdir or os.getcwd()
-    for item in items:
-        src, name = _split(str(item), workdir)
-        if _BAD_PATH.search(src):
-            raise StageError(f"{where} {item!r}: the path holds a control character (newline, tab, ...)",
-                             "rename the file or folder, or link it from a plain path")
-        if name is not None and not _GIVEN_NAME.match(name):
-            raise StageError(f"{where} {item!r}: NAME {name!r} is not letters, digits and _ (at most 64)",
-                             f"write e.g. {where} {src}=TRAIN: the script reads $DDP_HPC_STAGE_TRAIN")
-        src = os.path.abspath(os.path.join(workdir, os.path.expanduser(src)))
-        try:
-            kind = source_kind(src)
-        except StageError:
-            raise StageError(f"{where} {item!r}: {src} does not exist",
-                             "give a file, an LMDB folder or a folder that this machine and the nodes see "
-                             "(the shared filesystem)") from None
-        new = StageItem(src, (name or _default_name(src)).upper(), kind)
-        for old in out:
-            if old.src == new.src or old.name == new.name:
+    for where, items in sources:
+        for item in items:
+            new = _item(item, where, workdir)
+            for old, old_where, old_item in out:
+                if old.src != new.src and old.name != new.name:
+                    continue
                 same = "source" if old.src == new.src else f"variable {new.variable}"
-                raise StageError(f"{where}: {old.src} and {item!r} give the same {same}",
-                                 "stage each source once, each under its own NAME (SRC=NAME)")
-        out.append(new)
-    return tuple(out)
+                if old_where == where:
+                    problem = f"{where}: {old.src} and {item!r} give the same {same}"
+                else:
+                    problem = f"{old_where} {old_item!r} and {where} {item!r} give the same {same}"
+                raise StageError(problem, "stage each source once, each under its own NAME (SRC=NAME); "
+                                 "--stage flags add to the YAML's slurm.stage list, they do not replace it")
+            out.append((new, where, str(item)))
+    return tuple(new for new, _, _ in out)
 
 
 def encode_items(items: Sequence[StageItem]) -> str:
@@ -134,6 +158,26 @@ def staged_path(name: str, default: str | None = None, environ: Mapping[str, str
     return path
 
 
+def _stage_all(env, items: Sequence[StageItem], child_env: dict, log) -> list[str]:
+    """Stage ``items`` on this node, each path into ``child_env``; -> the copies held.  A failure
+    gives back what was staged and raises."""
+    held: list[str] = []
+    try:
+        dest = resolve_stage_dir("auto", child_env)
+        for item in items:
+            res = stage_on_node(item.src, dest, env)
+            held.append(res.path)
+            child_env[item.variable] = res.path
+            if env.local_rank == 0:
+                line, fields = stage_log_entry(res, node_user(env), item.variable)
+                log.info(line)
+                log.event("stage", **fields)
+    except BaseException:
+        _release(held, env, log)
+        raise
+    return held
+
+
 def run_staged(env, child_env: dict, log, supervise: Callable[[], int]) -> int:
     """Stage what ``child_env[$DDP_HPC_STAGE]`` lists for this rank, put each path in
     ``child_env``, run ``supervise()`` (the script) and give the copies back unless it exited 75.
@@ -144,19 +188,9 @@ def run_staged(env, child_env: dict, log, supervise: Callable[[], int]) -> int:
     spec = child_env.pop(SPEC_VAR, "")
     if not spec:
         return supervise()
-    held: list[str] = []
     try:
-        dest = resolve_stage_dir("auto", child_env)
-        for item in decode_items(spec):
-            res = stage_on_node(item.src, dest, env)
-            held.append(res.path)
-            child_env[item.variable] = res.path
-            if env.local_rank == 0:
-                line, fields = stage_log_entry(res, node_user(env), item.variable)
-                log.info(line)
-                log.event("stage", **fields)
+        held = _stage_all(env, decode_items(spec), child_env, log)
     except (HintError, OSError) as exc:
-        _release(held, env, log)
         log.warning(f"staging failed: {exc}")
         log.event("error", exc_type=type(exc).__name__, message=str(exc), traceback=None,
                   exit_code=EXIT_STAGE_FAILED, signal=None)
@@ -165,6 +199,37 @@ def run_staged(env, child_env: dict, log, supervise: Callable[[], int]) -> int:
     if status != EX_TEMPFAIL:
         _release(held, env, log)
     return status
+
+
+def requested_items(environ: MutableMapping[str, str] | None = None) -> tuple[StageItem, ...]:
+    """What submit asked this rank to stage (``$DDP_HPC_STAGE``, taken out of ``environ``, by
+    default ``os.environ``); empty when nothing."""
+    environ = os.environ if environ is None else environ
+    spec = environ.pop(SPEC_VAR, "")
+    return decode_items(spec) if spec else ()
+
+
+def call_staged(env, items: Sequence[StageItem], log, body: Callable[[], T], *,
+                environ: MutableMapping[str, str] | None = None,
+                requeued: Callable[[T], bool] = lambda _value: False) -> T:
+    """In this process (a function job's rank, a config job's ``ddp_hpc.run``): stage ``items``,
+    set each ``DDP_HPC_STAGE_<NAME>`` in ``environ`` (``os.environ``), return ``body()`` and give
+    the copies back, unless it ended in a requeue (``SystemExit(75)``, or ``requeued(value)``):
+    the requeued job reuses them.  A staging failure raises before ``body`` runs."""
+    environ = os.environ if environ is None else environ
+    held = _stage_all(env, items, environ, log)   # type: ignore[arg-type]
+    try:
+        value = body()
+    except SystemExit as exc:
+        if exc.code != EX_TEMPFAIL:
+            _release(held, env, log)
+        raise
+    except BaseException:
+        _release(held, env, log)
+        raise
+    if not requeued(value):
+        _release(held, env, log)
+    return value
 
 
 def _release(paths: Sequence[str], env, log) -> None:

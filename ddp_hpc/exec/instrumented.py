@@ -2,7 +2,8 @@
 reads back when the child ends (docs/scripts.md, "What status sees without changes").
 
 - torchrun's other variables, where the user has not set them: ``TORCHELASTIC_RESTART_COUNT``
-  (this run's restart number), ``TORCHELASTIC_MAX_RESTARTS`` (0), ``TORCHELASTIC_ERROR_FILE``
+  (this run's restart number), ``TORCHELASTIC_MAX_RESTARTS`` (0; under the
+  in-allocation supervisor its ``--max-restarts``, which it sets for the step), ``TORCHELASTIC_ERROR_FILE``
   (``rank<R>.error.json`` in the run directory: what ``torch.distributed.elastic``'s ``@record``
   writes; read back as the rank's error) and ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (1, as torchrun);
 - PyTorch's flight recorder where NCCL can be used (the rank sees a GPU) and the user has not

@@ -21,7 +21,6 @@ The rules (docs/scripts.md, "Events"):
 from __future__ import annotations
 
 import dataclasses
-import json
 import signal
 import tempfile
 from dataclasses import dataclass
@@ -30,9 +29,10 @@ from typing import Sequence
 
 from ddp_hpc.exits import EX_TEMPFAIL, exit_status_of_signal, signal_name, signal_of_exit_status
 from ddp_hpc.runlogs.srun import exception_of, traceback_in
+from ddp_hpc.runlogs.tails import read_events
 
 TRACEBACK_MARK = b"Traceback (most recent call last):"
-TAIL_BYTES = 1 << 20     # how much of the end of a file is read for a traceback or the last step
+TAIL_BYTES = 1 << 20     # how much of the end of the output is read for a traceback
 
 
 @dataclass(frozen=True)
@@ -124,12 +124,7 @@ def last_step(events_path: Path | None, start: int) -> int | None:
     (what the child reported through ``ddp_hpc.report``), or None."""
     if events_path is None:
         return None
-    tail = _tail(events_path, start)
-    for line in reversed(tail.splitlines()):
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and event.get("event") == "step" and isinstance(event.get("step"), int):
+    for event in reversed(read_events(events_path, since=start).events):
+        if event.get("event") == "step" and isinstance(event.get("step"), int):
             return event["step"]
     return None

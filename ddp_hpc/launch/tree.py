@@ -100,29 +100,6 @@ def limit_threads() -> None:
         torch.set_num_threads(int(n))
 
 
-def kill_tree(pids: Sequence[int], grace: float = KILL_GRACE_S) -> None:
-    """SIGTERM the processes and their descendants, SIGKILL whatever is left after ``grace``."""
-    procs: list[psutil.Process] = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            procs += [p] + p.children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
-
-
 #: how far a process's start time may lie from the one recorded for its pid (clock rounding)
 PID_TIME_SLACK_S = 1.0
 

@@ -16,11 +16,12 @@ import dataclasses
 import os
 from pathlib import Path
 
+from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.reader import RunLogs, RunProgress, RunSummary
 from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, events_file
 from ddp_hpc.runlogs.srun import srun_exit_codes
 
-__all__ = ["summarize", "kept_logs", "KeptLogs", "VERSION"]
+__all__ = ["summarize", "kept_logs", "KeptLogs", "start_nodes", "VERSION"]
 
 #: bumped whenever what a summary holds or how it is worked out changes: older ones are ignored
 VERSION = 1
@@ -52,12 +53,23 @@ def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict |
     cur, prog, ev = logs.current_run(), logs.progress(), logs.last_eval()
     return {"v": VERSION, "stamp": stamp(logs.log_dir), "listed": logs.listed, "exists": logs.exists,
             "outcome": logs.outcome(), "run": dict(vars(cur)) if cur is not None else None,
+            "num_nodes": start_nodes(logs, cur),
             "restart": logs.current_restart(), "bad_lines": {str(r): s.bad_lines for r, s in logs.ranks.items()},
             "end_signals": {str(r): e["signal"] for r, e in logs.last_events().items()
                             if e.get("event") == "end" and e.get("signal")},
             "progress": dict(vars(prog)) if prog is not None else None, "device": logs.device(),
             "eval": {"metrics": ev.get("metrics"), "step": ev.get("step")} if ev else None,
             "srun_codes": {str(r): c for r, c in srun_codes.items()} if srun_codes is not None else None}
+
+
+def start_nodes(logs: "RunLogs | KeptLogs", cur: RunSummary | None) -> int | None:
+    """How many nodes the current run (``cur``) runs on as rank 0's newest start event of it says
+    (``num_nodes``); None: not told."""
+    if isinstance(logs, KeptLogs):
+        return logs.summary.get("num_nodes")
+    events = logs.ranks[0].of_restart(cur.restart) if cur is not None and 0 in logs.ranks else []
+    start = next((e for e in reversed(events) if e.get("event") == "start"), {})
+    return to_int(start.get("num_nodes"))
 
 
 def kept_logs(summary: object, log_dir: str | Path | None) -> "KeptLogs | None":

@@ -146,18 +146,19 @@ def tail_lines(text: str, n: int) -> list[str]:
     return lines[-n:] if n > 0 else []
 
 
-def tail_file(path: Path, n: int, max_bytes: int = 1 << 20) -> list[str]:
-    """The last n lines of a file without reading more than ``max_bytes`` of it."""
+def tail_file(path: Path, n: int, max_bytes: int = 1 << 20, since: int = 0) -> list[str]:
+    """The last n lines of a file (of what follows byte offset ``since``) without reading more
+    than ``max_bytes`` of it."""
     try:
         with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
+            size = f.seek(0, 2)
+            start = max(since, size - max_bytes)
+            f.seek(start)
             data = f.read()
     except OSError:
         return []
     lines = data.decode("utf-8", errors="replace").splitlines()
-    if size > max_bytes and lines:
+    if start > since and lines:
         lines = lines[1:]  # first line is probably cut
     return lines[-n:] if n > 0 else []
 

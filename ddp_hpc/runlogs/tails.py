@@ -99,11 +99,12 @@ class RunFiles(Protocol):
     def node_failures(self) -> tuple[bool, list[str]]: ...
 
 
-def read_events(path: Path, window: bool = False, ends: bool = False) -> RankStream:
+def read_events(path: Path, window: bool = False, ends: bool = False, since: int | None = None) -> RankStream:
     """Parse one ``rank{R}.events.jsonl``; malformed lines are skipped and counted. ``window``:
     only its first `HEAD_BYTES` and its last `TAIL_LINES` lines (`skipped` says how many bytes
     between them were not read). ``ends``: only its ending (`END_LINES`: the events after its
-    newest step, epoch or start event, and that one), decoded from the last line backwards."""
+    newest step, epoch or start event, and that one), decoded from the last line backwards.
+    ``since``: only what was appended after that byte offset (of its last `TAIL_MAX_BYTES`)."""
     m = EVENTS_RE.match(path.name)
     stream = RankStream(rank=int(m.group(1)) if m else -1, path=path)
     if ends:
@@ -111,13 +112,15 @@ def read_events(path: Path, window: bool = False, ends: bool = False) -> RankStr
     if window:
         head, tail, stream.skipped = read_window(path, HEAD_BYTES, TAIL_LINES, TAIL_BYTES, TAIL_MAX_BYTES)
         text = head + "\n".join(tail.splitlines()[-TAIL_LINES:])
+    elif since is not None:
+        text = "\n".join(tail_file(path, sys.maxsize, TAIL_MAX_BYTES, since))
     else:
         try:
             text = path.read_text(encoding="utf-8", errors="replace")
         except OSError:
             return stream
     lines = [line for line in text.splitlines() if line.strip()]
-    for ev in _parse_lines(lines):
+    for ev in _decoded(lines):
         if isinstance(ev, dict) and "event" in ev:
             stream.events.append(ev)
         else:
@@ -166,16 +169,11 @@ def _file_end(path: Path, nbytes: int, min_lines: int) -> tuple[str, int, int]:
         os.close(fd)
 
 
-def _parse_lines(lines: list[str]) -> list:
-    """Each line's JSON value as ``json.loads`` gives it, None for one that is not JSON. A line
-    that is one value from its first character to its last (the writer's lines) is decoded by
-    ``raw_decode`` without ``json.loads``'s wrappers, a quarter faster (the job table's first view
-    parses hundreds of thousands of lines); any other is left to ``json.loads``."""
-    return list(_decoded(lines))
-
-
 def _decoded(lines: list[str]):
-    """`_parse_lines` one line at a time, as they are asked for."""
+    """Each line's JSON value as ``json.loads`` gives it, None for one that is not JSON, as they
+    are asked for. A line that is one value from its first character to its last (the writer's
+    lines) is decoded by ``raw_decode`` without ``json.loads``'s wrappers, a quarter faster (the job
+    table's first view parses hundreds of thousands of lines); any other is left to ``json.loads``."""
     for line in lines:
         try:
             value, end = _RAW_DECODE(line)

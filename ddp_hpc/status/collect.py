@@ -19,7 +19,7 @@ from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.reader import Failure, RunLogs, RunProgress
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
-from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState, cluster_or_reason, query_slurm
+from ddp_hpc.slurm.query import SourceState, cluster_or_reason, query_slurm
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.slurm.times import format_duration, normalize_duration
 from ddp_hpc.status import rowcache
@@ -42,7 +42,7 @@ class JobStatus:
     state_name: str  # JobState member name
     source: str  # which source gave the state
     tried: list[str]
-    nodes: int | None
+    nodes: int | None  # a node range's: the nodes it runs or ran on (None: not known yet)
     gpus_per_node: int | None
     device: str | None  # "cpu", "cuda", ... as the run's start events tell it; None: not told
     elapsed: str | None
@@ -77,6 +77,7 @@ class JobStatus:
     staging: list[dict] = field(default_factory=list)  # per node leader and source (status/staging.py)
     #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
     alloc_restarts: list[dict] = field(default_factory=list)
+    node_range: str | None = None  # "2-4": submitted with --nodes MIN-MAX
 
     @property
     def job_state(self) -> JobState:
@@ -158,7 +159,7 @@ def _cached_or_one(t: StatusTarget, sched: SourceState | None, tried: list[str],
     worked out (kept when the job ended, unless its record is to keep it)."""
     if (brief := cache is not None) and (logs := src.kept_logs(t.record, _task_id(t), t.log_dir, sched)):
         return _one(t, sched, tried, now, only, brief=True, logs=logs)
-    if brief and _final_kept(t, sched):  # the next table takes the row from the record
+    if brief and src.keeps_final(t, sched):  # the next table takes the row from the record
         cache = None
     key = cache.key(t, sched, only) if cache is not None else None
     if (row := cache.get(key) if key is not None else None) is not None:
@@ -199,28 +200,16 @@ def _state_of(t: StatusTarget, sched: SourceState | None, tried: list[str], logs
     return sched if sched is not None else src.from_logs(logs, tried)
 
 
-def _final(sched: SourceState, logs, now: float, old: dict | None) -> dict | None:
-    """What to keep of a terminal state a Slurm source reported (None: not one), with the table's
-    facts of the logs (`kept.summarize`; a detail view's reading keeps those ``old`` had)."""
-    if sched.source not in (SQUEUE, SACCT, SACCT_C) or not sched.state.state.terminal:
-        return None
-    # srun's per-task codes are not shown for a completed job (a requeue's appended batch output
-    # keeps an earlier run's): neither read nor kept
-    codes = None if sched.state.state is JobState.COMPLETED else logs.srun_exit_codes()
-    summary = logs.summary if isinstance(logs, kept.KeptLogs) else kept.summarize(logs, codes)
-    final = {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
-             "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
-             "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
-             "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in (codes or {}).items()}}
-    if (summary := summary or (old or {}).get("logs")) is not None:
-        final["logs"] = summary
-    return final
-
-
-def _final_kept(t: StatusTarget, sched: SourceState | None) -> bool:
-    """The scheduler reports that the job ended: its record is to keep that, and its logs' facts."""
-    return (not t.local and getattr(t.record, "path", None) is not None and sched is not None
-            and sched.source in (SQUEUE, SACCT, SACCT_C) and sched.state.state.terminal)
+def _nodes(rec, sched: SourceState, logs: RunLogs, cur) -> dict:
+    """``nodes`` and ``node_range`` of the status. A job submitted with ``--nodes MIN-MAX`` (its
+    record keeps MAX and ``min_nodes``) runs on as many nodes as its current run's start event
+    says, else as the scheduler gave it once it started; before that the number is unknown."""
+    nodes, low = getattr(rec, "nodes", None), getattr(rec, "min_nodes", None)
+    if not low or not nodes:
+        return {"nodes": nodes or sched.nodes}
+    used = kept.start_nodes(logs, cur)
+    got_nodes = sched.state.state is not JobState.PENDING and sched.node_list not in (None, "", "None assigned")
+    return {"nodes": used if used is not None or not got_nodes else sched.nodes, "node_range": f"{low}-{nodes}"}
 
 
 def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: float,
@@ -259,7 +248,7 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     st = JobStatus(
         id=t.id, name=getattr(rec, "name", None), backend=getattr(rec, "backend", None),
         state=state.label, state_name=state.state.name, source=sched.source, tried=sched.tried,
-        nodes=getattr(rec, "nodes", None) or sched.nodes,
+        **_nodes(rec, sched, logs, cur),
         gpus_per_node=getattr(rec, "gpus_per_node", None), device=logs.device(),
         elapsed=elapsed, time_limit=sched.time_limit or normalize_duration(getattr(rec, "time_limit", None)),
         restarts=restarts, log_dir=t.log_dir, cwd=getattr(rec, "cwd", None),
@@ -279,7 +268,7 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
         st.flight = flightrec.summary(flightrec.dumps(Path(t.log_dir), since), ranks_text)
     if keep is not None and (summary := kept.summarize(logs)) is not None:  # a local job status saw end
         keep["logs"] = summary
-    return st, keep if t.local else _final(sched, logs, now, records.final_of(rec, _task_id(t)))
+    return st, keep if t.local else src.final_to_keep(sched, logs, now, records.final_of(rec, _task_id(t)))
 
 
 def _read_notes(t: StatusTarget, logs: RunLogs, notes: list[str], sched: SourceState) -> None:

@@ -17,7 +17,7 @@ from ddp_hpc.runlogs import kept
 from ddp_hpc.runlogs.kept import KeptLogs
 from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
-from ddp_hpc.slurm.query import SUBMIT_SLACK_S, SourceState
+from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SUBMIT_SLACK_S, SourceState
 from ddp_hpc.slurm.states import JobState, StateInfo, parse_state
 from ddp_hpc.slurm.times import format_duration
 
@@ -76,6 +76,30 @@ def kept_logs(rec, task_id: str | None, log_dir: str | None, sched: SourceState 
     if not final or "logs" not in final or not parse_state(final.get("state")).state.terminal:
         return None
     return kept.kept_logs(final["logs"], log_dir)
+
+
+def final_to_keep(sched: SourceState, logs, now: float, old: dict | None) -> dict | None:
+    """What to keep of a terminal state a Slurm source reported (None: not one), with the table's
+    facts of the logs (`kept.summarize`; a detail view's reading keeps those ``old`` had)."""
+    if sched.source not in (SQUEUE, SACCT, SACCT_C) or not sched.state.state.terminal:
+        return None
+    # srun's per-task codes are not shown for a completed job (a requeue's appended batch output
+    # keeps an earlier run's): neither read nor kept
+    codes = None if sched.state.state is JobState.COMPLETED else logs.srun_exit_codes()
+    summary = logs.summary if isinstance(logs, KeptLogs) else kept.summarize(logs, codes)
+    final = {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
+             "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
+             "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
+             "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in (codes or {}).items()}}
+    if (summary := summary or (old or {}).get("logs")) is not None:
+        final["logs"] = summary
+    return final
+
+
+def keeps_final(t, sched: SourceState | None) -> bool:
+    """The scheduler reports that the job ended: its record is to keep that, and its logs' facts."""
+    return (not t.local and getattr(t.record, "path", None) is not None and sched is not None
+            and sched.source in (SQUEUE, SACCT, SACCT_C) and sched.state.state.terminal)
 
 
 def pids_alive(pids, submitted_at: float | None, cluster: str | None,

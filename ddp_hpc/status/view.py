@@ -42,11 +42,14 @@ def _num(v, fmt: str) -> str:
 
 
 def shape_text(st: JobStatus) -> str:
-    """``2 nodes x 4 GPUs``, or ``1 node x 2 processes on CPU`` when the run says it used the CPU."""
+    """``2 nodes x 4 GPUs``, or ``1 node x 2 processes on CPU`` when the run says it used the CPU;
+    a node range: ``3 of 2-4 nodes x 4 GPUs`` (``2-4 nodes`` while the number is not known)."""
     per = st.gpus_per_node
+    nodes = plural(st.nodes, "node") if not st.node_range else (
+        f"{st.nodes} of {st.node_range} nodes" if st.nodes else f"{st.node_range} nodes")
     if st.device == "cpu":
-        return f"{plural(st.nodes, 'node')} x {plural(per, 'process')} on CPU"
-    return f"{plural(st.nodes, 'node')} x {plural(per, 'GPU')}"
+        return f"{nodes} x {plural(per, 'process')} on CPU"
+    return f"{nodes} x {plural(per, 'GPU')}"
 
 
 def progress_text(st: JobStatus) -> str:
@@ -90,7 +93,7 @@ def table_row(st: JobStatus, optional: tuple[str, ...] = ()) -> list[str]:
     extra = {"EVAL": eval_text, "OVERRIDES": overrides_text}
     return [
         st.id, st.name or "-", st.backend or "-", state_text(st),
-        f"{st.nodes or '-'}x{per}" + ("cpu" if st.device == "cpu" else ""),
+        f"{st.nodes or st.node_range or '-'}x{per}" + ("cpu" if st.device == "cpu" else ""),
         f"{st.elapsed or '-'}/{st.time_limit or '-'}",
         str(st.restarts), progress_text(st),
         _num(p.loss if p else None, ".4g"), _num(p.samples_per_s if p else None, ".1f"),

@@ -18,6 +18,7 @@ way; every job leaves a record, so ``ddp-hpc status`` lists it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import pickle
@@ -29,6 +30,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ddp_hpc.config import SlurmOptions
 from ddp_hpc.config.slurm_options import merged
+from ddp_hpc.data.errors import StageError
+from ddp_hpc.data.scriptstage import encode_items, parse_stage_items
 from ddp_hpc.launch import RankFailedError
 from ddp_hpc.launch.tree import start_time
 from ddp_hpc.runlogs.reader import RunLogs
@@ -179,6 +182,9 @@ def submit(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
     ``job.backend_reason``. ``log_dir``: where the run directory goes. The other keywords are
     Slurm options, the fields of ``ddp_hpc.config.SlurmOptions`` (``time``, ``partition``,
     ``account``, ``qos``, ``mem``, ``cpus_per_task``, ``signal``, ``sbatch_args``, ...).
+    ``stage=["/shared/train.lmdb", "/shared/hf=HF"]`` (``SRC`` or ``SRC=NAME``, as ``--stage``):
+    copied once per node before the function or command starts; every rank finds the copy in
+    ``$DDP_HPC_STAGE_<NAME>`` (``ddp_hpc.data.staged_path(NAME)``); removed after the job.
 
         job = ddp_hpc.submit(train, args=(cfg,), nodes=2, gpus=4, time="02:00:00")
         job.backend, job.job_id, job.state(), job.result()
@@ -186,6 +192,10 @@ def submit(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
     from ddp_hpc.submit.cli import choose_backend
 
     opts = _options(nodes, gpus, backend, slurm)
+    try:   # before the backend is chosen, as the CLI's --stage
+        stage = parse_stage_items(opts.stage, where="ddp_hpc.submit(stage=...)")
+    except StageError as exc:
+        raise SpecError(exc.problem, exc.hint) from None
     cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0])
     chosen, why = choose_backend(opts.backend, cli)
     submit_dispatch.say(f"backend {chosen}: {why}")
@@ -194,13 +204,14 @@ def submit(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
     if not callable(target):
         command, default_name = _command(target)
         spec = build_command_spec(opts, command=command, name=name or default_name, log_root=log_dir)
-        submit_dispatch.dispatch(spec, ns, chosen, cli, None)
+        submit_dispatch.dispatch(dataclasses.replace(spec, stage=stage), ns, chosen, cli, None)
         return _chosen(Job(ns.record), why)
     if chosen == "sbatch":
         raise SpecError("a Python function cannot go through backend='sbatch' (a batch script "
                         "cannot carry it)", "use backend='submitit' or 'auto' (or submit a script)")
     spec = build_command_spec(opts, command=[f"<function {describe(target)}>"],
                               name=name or getattr(target, "__name__", "function"), log_root=log_dir)
+    spec = dataclasses.replace(spec, stage=stage)
     submit_slurm.check_container(spec, chosen)
     if chosen == "local":
         return _chosen(_local_function(spec, target, tuple(args), dict(kwargs or {})), why)
@@ -221,7 +232,7 @@ def _local_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> J
     recv, send = ctx.Pipe(duplex=False)
     driver = ctx.Process(target=local_driver, name=f"ddp_hpc-{job_id}",
                          args=(fn, args, kwargs, spec.log_dir, spec.nodes, spec.gpus_per_node,
-                               send))
+                               send, encode_items(spec.stage) if spec.stage else ""))
     try:
         driver.start()
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -241,7 +252,8 @@ def _submitit_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict, c
     ex = submitit.SlurmExecutor(folder=submit_slurm.submitit_folder(spec), max_num_timeout=1000)
     ex.update_parameters(**submit_slurm.submitit_parameters(spec))
     with submit_slurm.cleaned_environ():
-        sjob = ex.submit(rank_entry, fn, args, kwargs, spec.log_dir)
+        sjob = ex.submit(rank_entry, fn, args, kwargs, spec.log_dir,
+                         encode_items(spec.stage) if spec.stage else "")
     try:
         cluster = cli.cluster_name()
     except Exception:  # noqa: BLE001 - the record falls back to this host's name

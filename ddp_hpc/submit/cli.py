@@ -36,7 +36,7 @@ from typing import Sequence
 from ddp_hpc.config import ConfigError, JobConfig, load_config, slurm_options
 from ddp_hpc.config.validate import validate_job
 from ddp_hpc.data.errors import StageError
-from ddp_hpc.data.scriptstage import parse_stage_items
+from ddp_hpc.data.scriptstage import parse_stage_sources
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.submit import slurm as submit_slurm
@@ -82,11 +82,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                     help="one job array over the product of all --sweep values (repeatable); "
                          "for a script, each task gets --KEY=V as extra arguments")
-    ap.add_argument("--stage", action="append", default=[], metavar="SRC[=NAME]",
-                    help="a script or module job: before it starts, copy SRC (a file, an LMDB or a "
-                         "folder) once per node to node-local storage and give every rank the path "
-                         "in $DDP_HPC_STAGE_<NAME> (NAME: SRC's base name, upper-cased); removed "
-                         "when the job ends, kept for a requeue (repeatable)")
     ap.add_argument("--log-dir", metavar="DIR",
                     help="where run directories go (default: runs for a script or module, "
                          "log.dir for a config)")
@@ -168,12 +163,16 @@ def _backend(opts, cli: SlurmCLI) -> str:
     return backend
 
 
+def _stage_items(sources) -> tuple:
+    """``slurm.stage`` of the YAML, then ``--stage`` (they add up), checked: a missing source or a
+    clash is a SpecError naming the item and where it came from."""
+    try:
+        return parse_stage_sources(sources)
+    except StageError as exc:
+        raise SpecError(exc.problem, exc.hint) from None
+
+
 def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) -> int:
-    if args.stage:
-        raise SpecError(f"--stage {args.stage[0]} is for a script or module job; {config} is a config "
-                        "for ddp_hpc's own loop",
-                        "stage a config job's data with data.io=stage data.lmdb_path=... (docs/io.md), "
-                        "or submit your script: ddp-hpc submit --stage SRC train.py")
     sweeps = parse_sweeps(args.sweep)
     check_overrides(overrides)
     cfg, task_cfgs = _load(config, overrides, sweep_tasks(sweeps))
@@ -182,6 +181,8 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     backend = _backend(opts, cli)
     spec = build_spec(dataclasses.replace(opts, backend=backend), config_path=config, cfg=cfg,
                       overrides=overrides, sweeps=sweeps)
+    spec = dataclasses.replace(spec, stage=_stage_items([(f"{config}: slurm.stage", cfg.slurm.stage),
+                                                         ("--stage", args.stage or ())]))
     spec = resume_or_new(spec, backend, task_cfgs, fresh=args.fresh, cli=cli, say=say)
     for task_cfg in task_cfgs:   # factories, data paths, precision, log.dir: before it queues
         validate_job(task_cfg, backend=backend, workdir=spec.workdir, create_log_dir=False)
@@ -199,10 +200,7 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
     sweeps = script_sweeps(args.sweep)
     if args.no_instrument:   # every backend's ranks inherit this environment
         os.environ["DDP_HPC_INSTRUMENT"] = "0"
-    try:   # before the backend is chosen: a bad --stage fails first
-        stage = parse_stage_items(args.stage)
-    except StageError as exc:
-        raise SpecError(exc.problem, exc.hint) from None
+    stage = _stage_items([("--stage", args.stage or ())])   # before the backend is chosen
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
     cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)

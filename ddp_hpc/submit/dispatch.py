@@ -75,7 +75,8 @@ def record(spec: JobSpec, job_id: str, backend: str, cluster: str, *, script: st
         gpus_per_node=spec.gpus_per_node, time_limit=spec.time if backend != "local" else None,
         log_dir=spec.log_dir, config=spec.config, overrides=list(spec.overrides),
         submitted_at=time.time(), cwd=spec.workdir, array=array, pids=pids, script=script,
-        command=list(spec.command) if spec.is_command else None, restart_base=spec.restart_base)
+        command=list(spec.command) if spec.is_command else None, restart_base=spec.restart_base,
+        min_nodes=spec.options.node_range[0] if isinstance(spec.options.nodes, str) and backend != "local" else None)
     records.write_record(rec)
     return rec
 

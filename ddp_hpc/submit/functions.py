@@ -20,6 +20,7 @@ import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
 
+from ddp_hpc.data.scriptstage import SPEC_VAR, call_staged, decode_items
 from ddp_hpc.env import detect, host_gpus
 from ddp_hpc.launch.tree import pretend_node_gpus
 from ddp_hpc.runlogs.writer import RunLog
@@ -32,9 +33,14 @@ def describe(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def rank_entry(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any], log_dir: str) -> Any:
-    """One rank: export the torchrun variables, run ``fn``, record how it ended; re-raises."""
+def rank_entry(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any], log_dir: str,
+               stage: str = "") -> Any:
+    """One rank: export the torchrun variables, run ``fn``, record how it ended; re-raises.
+    ``stage``: ``stage=[...]`` of ``ddp_hpc.submit`` (``$DDP_HPC_STAGE``'s JSON): staged on this
+    node first, each path in ``$DDP_HPC_STAGE_<NAME>``, given back after ``fn`` (not after a
+    requeue, ``SystemExit(75)``)."""
     os.environ["DDP_HPC_LOG_DIR"] = log_dir
+    os.environ.pop(SPEC_VAR, None)   # the batch script's copy of `stage`: staged here, not by fn
     env = detect()
     env.export()
     log = RunLog(log_dir, env.rank, job_id=env.job_id, restart=env.restart_count, console=False)
@@ -44,7 +50,10 @@ def rank_entry(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any], log
     log.info(f"running {describe(fn)} as rank {env.rank} of {env.world_size}", console=False)
     started = time.time()
     try:
-        result = fn(*args, **dict(kwargs))
+        if stage:
+            result = call_staged(env, decode_items(stage), log, lambda: fn(*args, **dict(kwargs)))
+        else:
+            result = fn(*args, **dict(kwargs))
     except BaseException as exc:
         failed = not (isinstance(exc, SystemExit) and exc.code in (0, None))
         if failed:
@@ -61,13 +70,13 @@ def rank_entry(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any], log
 
 
 def local_rank_entry(rank: int, world_size: int, fn: Callable, args: Sequence[Any],
-                     kwargs: Mapping[str, Any], log_dir: str) -> Any:
+                     kwargs: Mapping[str, Any], log_dir: str, stage: str = "") -> Any:
     """``launch_distributed``'s calling convention around ``rank_entry``."""
-    return rank_entry(fn, args, kwargs, log_dir)
+    return rank_entry(fn, args, kwargs, log_dir, stage)
 
 
 def local_driver(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any], log_dir: str,
-                 nodes: int, gpus_per_node: int, conn) -> None:
+                 nodes: int, gpus_per_node: int, conn, stage: str = "") -> None:
     """The body of a local function job's driver process: run every rank, send back
     ``("ok", pickled rank 0 result)`` or ``("err", RankFailedError)``."""
     from ddp_hpc.launch import RankFailedError, launch_distributed
@@ -75,7 +84,7 @@ def local_driver(fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any], l
     try:
         gpus = pretend_node_gpus([gpus_per_node] * nodes, host_gpus(os.environ))
         results = launch_distributed(local_rank_entry, nodes * gpus_per_node,
-                                     (fn, tuple(args), dict(kwargs), log_dir), nodes=nodes,
+                                     (fn, tuple(args), dict(kwargs), log_dir, stage), nodes=nodes,
                                      gpus=gpus)
         msg: tuple = ("ok", pickle.dumps(results[0]))
     except RankFailedError as exc:

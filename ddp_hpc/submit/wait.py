@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ddp_hpc.runlogs.schema import events_file
+from ddp_hpc.runlogs.tails import read_events
 from ddp_hpc.slurm.states import parse_state
 
 __all__ = ["wait_for_jobs", "latest_step", "run_verdict", "wait_and_judge"]
@@ -84,17 +85,8 @@ def run_verdict(log_dir: str | os.PathLike, world_size: int) -> tuple[bool, str]
     d = Path(log_dir)
     ends: dict[int, str] = {}
     for r in range(world_size):
-        p = d / events_file(r)
-        try:
-            lines = p.read_text(errors="replace").splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(ev, dict) and ev.get("event") == "end":
+        for ev in read_events(d / events_file(r)).events:
+            if ev.get("event") == "end":
                 ends[r] = str(ev.get("status"))
     done = [r for r, s in ends.items() if s == "completed"]
     if len(done) == world_size:
@@ -112,16 +104,8 @@ def run_verdict(log_dir: str | os.PathLike, world_size: int) -> tuple[bool, str]
 def world_that_ran(log_dir: str | os.PathLike, default: int) -> int:
     """The world size in rank 0's newest ``start`` event (a job with a node range MIN-MAX runs
     with the nodes it got), else ``default``."""
-    try:
-        lines = (Path(log_dir) / events_file(0)).read_text(errors="replace").splitlines()
-    except OSError:
-        return default
-    for line in reversed(lines):
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(ev, dict) and ev.get("event") == "start" and isinstance(ev.get("world_size"), int):
+    for ev in reversed(read_events(Path(log_dir) / events_file(0)).events):
+        if ev.get("event") == "start" and isinstance(ev.get("world_size"), int):
             return ev["world_size"]
     return default
 

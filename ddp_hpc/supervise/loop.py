@@ -3,7 +3,8 @@ a fault stop every rank, judge what failed from the run logs (the evidence ``ddp
 uses: ``ddp_hpc.runlogs.attribution``), exclude what failed and start the ranks again, up to
 ``--max-restarts`` times. Every restart is appended to ``restarts.jsonl`` in the log directory and
 to the job's record, and each new step gets ``DDP_HPC_ALLOC_RESTARTS`` (so its ranks' restart
-number, ``job_facts().restart_count``, is a new one).
+number, ``job_facts().restart_count``, is a new one); every step gets ``TORCHELASTIC_MAX_RESTARTS``
+(``--max-restarts``, as torchrun's agent would set it) unless the user set it.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from ddp_hpc.slurm.hostlist import compress, expand
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
 from ddp_hpc.supervise.watch import EventTail, StepEnd, Watch, down_nodes, stop_step, watch_step
 
-__all__ = ["Settings", "supervise"]
+__all__ = ["Settings", "supervise", "step_env", "step_args"]
 
 PREFIX = "ddp_hpc supervise:"
 
@@ -42,6 +43,12 @@ class Settings:
 
 def _say(text: str) -> None:
     print(f"{PREFIX} {text}", file=sys.stderr, flush=True)
+
+
+def step_env(s: Settings, environ: Mapping[str, str], restarts: int) -> dict[str, str]:
+    """The step's environment: the batch step's, with ``DDP_HPC_ALLOC_RESTARTS`` (the restarts so
+    far) and torchrun's ``TORCHELASTIC_MAX_RESTARTS`` (``--max-restarts``) unless the user set it."""
+    return {"TORCHELASTIC_MAX_RESTARTS": str(s.policy.max_restarts), **environ, ALLOC_RESTARTS_VAR: str(restarts)}
 
 
 def step_args(s: Settings, nodes: list[str], again: bool = False) -> list[str]:
@@ -84,8 +91,7 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
     before = len(read_restarts(s.log_dir, key))   # earlier runs' restarts (a requeued job)
     done, restart = 0, facts.restart_count + before
     while True:
-        env = {**environ, ALLOC_RESTARTS_VAR: str(before + done)}
-        proc = cli.start_step(step_args(s, plan.active, again=done > 0), env)
+        proc = cli.start_step(step_args(s, plan.active, again=done > 0), step_env(s, environ, before + done))
         end = watch_step(proc, EventTail(s.log_dir, restart), cli,
                          Watch(tuple(plan.active), s.stall_timeout_s), lambda: stop.asked)
         if stop.asked:

@@ -1,8 +1,10 @@
 """Functions the Python API test submits (``ddp_hpc.submit(fn, ...)``): importable on every node
-of the test cluster through PYTHONPATH, as a user's own module would be."""
+of the test cluster through PYTHONPATH, as a user's own module would be. Also ``wait_for``, the
+cluster tests' one polling loop."""
 
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,3 +27,16 @@ def fail_on(rank: int) -> None:
     if dist.get_rank() == rank:
         raise ValueError(f"rank {rank} refuses")
     dist.barrier()
+
+
+def wait_for(what: str, cond, timeout: float, every: float = 0.5):
+    """Poll ``cond()`` every ``every`` seconds until it returns something true, and return that;
+    fail the test naming ``what`` after ``timeout`` seconds."""
+    import pytest  # here, not at the top: the job scripts import this module on the nodes
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if got := cond():
+            return got
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")

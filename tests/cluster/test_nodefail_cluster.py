@@ -23,6 +23,8 @@ from ddp_hpc.runlogs.reader import read_events
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import expand
 
+from .script_helpers import wait_for
+
 # with the tests that use the spare partition's GPUs, one after the other on one worker
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("spare")]
 
@@ -36,15 +38,6 @@ SLOW = ["data.dataset=tests.cluster.status_helpers:slow_synthetic", "data.kwargs
 def _job_row(cli: SlurmCLI, job: str) -> dict:
     rows = cli.squeue([job])
     return rows[0] if rows else {}
-
-
-def _wait_for(what: str, cond, timeout: float, every: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if got := cond():
-            return got
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _steps(log_dir: Path, restart: int) -> dict[int, int]:
@@ -76,18 +69,18 @@ def test_a_dead_node_is_named_the_job_resumes_elsewhere_and_later_avoids_it(slur
     assert p.returncode == 0, p.stderr
     job = p.stdout.split()[-1]
     log_dir = next((d / "runs").glob("nodefail-*"))
-    _wait_for("6 steps on every rank", lambda: min(_steps(log_dir, 0).values()) >= 6, 180, 0.5)
+    wait_for("6 steps on every rank", lambda: min(_steps(log_dir, 0).values()) >= 6, 180, 0.5)
     dead = next(e for e in read_events(log_dir / "rank2.events.jsonl").events if e["event"] == "start")["host"]
     t0 = time.monotonic()
     try:
         c.fail_node(dead)
-        nodes1 = _wait_for("the restart after NODE_FAIL", lambda: _running_on(cli, job, 1), 180)
+        nodes1 = wait_for("the restart after NODE_FAIL", lambda: _running_on(cli, job, 1), 180, 1.0)
         t_restart = time.monotonic() - t0
         assert dead not in nodes1
         status1 = c.run([PY, "-m", "ddp_hpc.status", job], cwd="/", env=env, timeout=120).stdout
     finally:
         c.revive_node(dead)
-    _wait_for("restart 1 under way", lambda: min(_steps(log_dir, 1).values()) >= 2, 180, 0.5)
+    wait_for("restart 1 under way", lambda: min(_steps(log_dir, 1).values()) >= 2, 180, 0.5)
     # the node is back in service; a requeue from outside lets Slurm place the job on it again
     c.run(["scontrol", "requeue", job], timeout=30)
     state = c.wait(job, timeout=400)

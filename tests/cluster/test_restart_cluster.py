@@ -23,6 +23,8 @@ from ddp_hpc import records
 from ddp_hpc.runlogs.reader import read_events
 from ddp_hpc.runlogs.restarts import read_restarts
 
+from .script_helpers import wait_for
+
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("spare")]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,15 +32,6 @@ PY = sys.executable
 FAST = ["data.dataset=tests.cluster.status_helpers:slow_synthetic", "data.kwargs.delay=0.004",
         "data.kwargs.size=8192", "log.every_n_steps=1", "train.epochs=1", "data.eval_split=0.0",
         "checkpoint.every_steps=3", "train.collective_timeout_s=20", "schedule.warmup_steps=0"]
-
-
-def _wait_for(what: str, cond, timeout: float, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if got := cond():
-            return got
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _events(log_dir: Path, rank: int, restart: int) -> list[dict]:
@@ -78,18 +71,18 @@ def test_dead_node_and_hang_are_healed_in_one_job_on_a_spare(slurm_cluster):
     job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--spare-nodes", "1", "--max-restarts", "2",
                           "-J", "rs-spare", str(REPO / "jobs" / "demo.yaml"), "--",
                           f"log.dir={d / 'runs'}", *FAST)
-    log_dir = _wait_for("the log directory", lambda: next((d / "runs").glob("rs-spare-*"), None), 60)
-    starts0 = _wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 4), 180)
+    log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("rs-spare-*"), None), 60)
+    starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 4), 180)
     dead = starts0[2]["host"]
     t0 = time.time()
     try:
         c.fail_node(dead)
-        starts1 = _wait_for("steps after the restart on the spare", lambda: _stepping(log_dir, 1, 4), 120)
+        starts1 = wait_for("steps after the restart on the spare", lambda: _stepping(log_dir, 1, 4), 120)
     finally:
         c.revive_node(dead)
     t1 = time.time()
     os.kill(int(starts1[3]["pid"]), signal.SIGSTOP)          # rank 3 hangs; its peers time out
-    starts2 = _wait_for("steps after the hang", lambda: _stepping(log_dir, 2, 4), 150)
+    starts2 = wait_for("steps after the hang", lambda: _stepping(log_dir, 2, 4), 150)
     state, status, shown = _finish(c, job, env)
     rows = read_restarts(log_dir)
     print(f"node {dead} killed at {t0:.0f}, rank 3 stopped at {t1:.0f}\n{json.dumps(rows, indent=1)}\n{status}")
@@ -114,14 +107,14 @@ def test_plain_script_killed_rank_then_dead_node_goes_on_with_fewer_nodes(slurm_
     job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--max-restarts", "2", "--min-nodes", "1", "-J", "rs-script",
                           str(REPO / "examples" / "preemptible.py"), "--steps", "100", "--sleep", "0.1",
                           "--ckpt-every", "5", "--ckpt-dir", str(ckpt))
-    log_dir = _wait_for("the log directory", lambda: next((d / "runs").glob("rs-script-*"), None), 60)
-    starts0 = _wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4), 180)
+    log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("rs-script-*"), None), 60)
+    starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4), 180)
     os.kill(int(starts0[3]["pid"]), signal.SIGKILL)          # rank 3's script dies
-    starts1 = _wait_for("steps after the first restart", lambda: _stepping(log_dir, 1, 4), 120)
+    starts1 = wait_for("steps after the first restart", lambda: _stepping(log_dir, 1, 4), 120)
     dead = starts1[2]["host"]
     try:
         c.fail_node(dead)
-        _wait_for("steps on one node", lambda: _stepping(log_dir, 2, 2), 120)
+        wait_for("steps on one node", lambda: _stepping(log_dir, 2, 2), 120)
     finally:
         c.revive_node(dead)
     state, status, shown = _finish(c, job, env)
