@@ -16,7 +16,9 @@ one process, and times ddp_hpc's code on real-shaped inputs:
                 their peer), ``rank<R>.out`` and the batch output with srun's reports;
 - ``table``:    ``python -m ddp_hpc.status`` (the table of the 20 newest jobs) and ``--limit 0``
                 (every job) over 8 ... 10,000 job records: a refresh, and the first view (before
-                the table's cache of ended jobs, ``ddp_hpc.status.rowcache``, holds their rows);
+                the table's cache of ended jobs, ``ddp_hpc.status.rowcache``, holds their rows),
+                over records without and with the table's facts of the logs kept in their final
+                state (``ddp_hpc.runlogs.kept``);
 - ``scheduler``: ``status --limit 0`` over 10,000 Slurm jobs and over one array of 1,000 tasks,
                 with a stand-in scheduler (`ddp_hpc.slurm.cli.SlurmCLI` with a runner that answers
                 squeue / sacct / scontrol as Slurm does: one job in 5 (or in 50) running, the rest
