@@ -7,7 +7,7 @@ Nothing in it is ddp_hpc's own loop: ``torch.distributed`` with env://, a ``Data
 ``DistributedSampler`` (or ``ddp_hpc.data.BroadcastLoader``), and the dataset from ``ddp_hpc.data``
 at ``$DDP_HPC_STAGE_TRAIN`` (set by ``--stage``) or ``--data``.  Every rank reads and decodes one
 epoch, as bench/peers.py's cells do, and writes ``RESULTS/rank<R>.json``: samples, the dataset's
-open time and the epoch's time.
+open time and the epoch's time, in wall-clock and in CPU seconds of the rank's process.
 """
 import argparse
 import io
@@ -45,7 +45,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     warm_decoder()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     path = staged_path("TRAIN", args.data)
     lmdb = os.path.isfile(os.path.join(path, "data.mdb"))
     ds = LMDBDataset(path) if lmdb else ImageFolderDataset(path)
@@ -53,13 +53,14 @@ def main() -> None:
         batches = BroadcastLoader(ds, args.batch, num_workers=args.workers)
     else:
         batches = DataLoader(ds, batch_size=args.batch, sampler=DistributedSampler(ds, seed=0))
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     samples = sum(len(y) for _, y in batches)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     rank = dist.get_rank()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "node": int(os.environ["GROUP_RANK"]), "path": path, "samples": samples,
-                   "open_s": t1 - t0, "epoch_s": t2 - t1}, f)
+                   "open_s": t1 - t0, "epoch_s": t2 - t1,
+                   "open_cpu_s": c1 - c0, "epoch_cpu_s": c2 - c1}, f)
     dist.destroy_process_group()
 
 

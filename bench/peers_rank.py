@@ -59,17 +59,18 @@ def _cell(label, scenario, delay_s, ctx, a) -> dict:
     if ours:  # ddp_hpc's readers: counted and slowed by fsio, as in bench/io.py
         fsio.watch(a["shared"], delay_s)
     peers_fs.watch(a["shared"], 0.0 if ours else delay_s)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loader = make(label, ctx, a, f"{scenario}-{label.replace(' ', '_')}")
     t1 = time.perf_counter()
     batches = [(x, y) for x, y in loader.epoch()]
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     counted, by_fsio = peers_fs.snapshot(), fsio.snapshot()
     peers_fs.unwatch()
     fsio.unwatch()
     loader.close()
     return {"scenario": scenario, "technique": label, "samples": sum(len(x) for x, _ in batches),
-            "open_s": t1 - t0, "epoch_s": t2 - t1, "opens_hook": counted["opens"], "bytes_wrapped": counted["bytes"],
+            "open_s": t1 - t0, "epoch_s": t2 - t1, "cpu_s": c2 - c0,
+            "opens_hook": counted["opens"], "bytes_wrapped": counted["bytes"],
             "opens_fsio": by_fsio["opens"] if ours else None, "bytes_fsio": by_fsio["bytes"] if ours else None,
             "hashes": _hashes(batches)}
 

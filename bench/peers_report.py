@@ -27,6 +27,8 @@ def summarise(per_rank: list[dict], a: dict) -> list[dict]:
                 "samples_per_s_rank": sps[best_round], "samples_per_s_rank_rounds": sps,
                 "samples_per_s_rank_median": sorted(sps)[len(sps) // 2],
                 "samples_per_s_rank_epoch_only": sum(c["samples"] / c["epoch_s"] for c in cells) / ranks,
+                "samples_per_cpu_s_rank": max(sum(c["samples"] / c["cpu_s"] for c in cs) / ranks
+                                              for cs in by_round) if ours and "cpu_s" in cells[0] else None,
                 "samples": sum(c["samples"] for c in cells),
                 "opens": max(sum((c["opens_fsio"] if ours else c["opens_hook"]) for c in cs) for cs in by_round),
                 "opens_by": "ddp_hpc.data.fsio" if ours else "audit hook",
