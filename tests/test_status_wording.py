@@ -98,3 +98,14 @@ def test_logs_of_a_script_job_show_its_own_output(home):
     assert "--all-files" in p.stderr
     both = status(home, "901", "--logs", "--all-files").stdout
     assert "[rank 0] exec: started python train.py" in both and "[rank 0 out] bad config" in both
+
+
+def test_a_restart_line_names_the_rank_once():
+    from ddp_hpc.status.restarts import restart_lines
+    row = {"restart": 1, "detected_at": time.time(), "trigger": "exited", "rank": 3, "node": "n2",
+           "why": "rank 3 on n2 killed by signal 9 (SIGKILL)", "basis": "error event", "world_before": 4,
+           "world_after": 4, "nodes_after": ["n1", "n2"]}
+    line = restart_lines([row])[1]
+    assert line.endswith("(exited): rank 3 on n2 killed by signal 9 (SIGKILL)"), line
+    other = restart_lines([dict(row, why="stalled past the collective timeout")])[1]
+    assert other.endswith("(exited): rank 3 on n2: stalled past the collective timeout"), other

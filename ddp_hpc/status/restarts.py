@@ -39,8 +39,9 @@ def restart_lines(rows: list[dict]) -> list[str]:
         excluded = f"excluded {', '.join(r['excluded'])}" if r.get("excluded") else "nothing excluded"
         lost = f"{r['lost_s']:.1f} s from the fault to the next step" if r.get("lost_s") is not None \
             else "no step since"
-        out.append(f"  restart {r.get('restart')} at {_when(r.get('detected_at'))} ({r.get('trigger')}): "
-                   f"{who}{where}: {r.get('why') or '-'}")
+        why = r.get("why") or "-"
+        said = why if why.startswith(f"{who}{where}") else f"{who}{where}: {why}"  # no "rank 3 on n2" twice
+        out.append(f"  restart {r.get('restart')} at {_when(r.get('detected_at'))} ({r.get('trigger')}): {said}")
         out.append(f"    how we know: {r.get('basis') or '-'}; {excluded}; world size "
                    f"{r.get('world_before')} -> {r.get('world_after')} on "
                    f"{', '.join(r.get('nodes_after') or []) or '-'}; {lost}")
