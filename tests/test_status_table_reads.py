@@ -254,3 +254,37 @@ def test_kept_facts_answer_as_the_table_reads_the_logs(tmp_path):
     assert kept.summarize(logs, {2: 7})["srun_codes"] == {"2": 7} and kept.summarize(logs)["srun_codes"] is None
     assert kept.summarize(RunLogs(tmp_path)) is None   # a detail view's reading is not kept
     assert kept.kept_logs(dict(kept.summarize(logs), v=0), tmp_path) is None
+
+
+def completed_run(d, ranks=3):
+    """Every rank stepped to 100 and ended completed; rank 0 evaluated; the other ranks' files
+    end in a damaged line."""
+    for r in range(ranks):
+        evs = [ev(r, "start", 0, world_size=ranks, total_steps=100, device="cpu")]
+        evs += [ev(r, "step", s, step=s * 10, loss=1.0 / s, total_steps=100) for s in range(1, 11)]
+        evs += [ev(0, "eval", 11, step=100, metrics={"acc": 0.9})] if r == 0 else []
+        write(d, r, evs + [ev(r, "end", 12, status="completed", step=100)])
+        with open(d / f"rank{r}.events.jsonl", "a") as f:
+            f.write("" if r == 0 else "not an event\n")
+
+
+def test_a_completed_jobs_row_reads_rank_0s_events_alone(home, tmp_path):
+    """The scheduler (or the final state the record keeps) says the job completed: its row comes
+    from rank 0's events (progress, eval, device) and the other ranks' files are not read (their
+    damaged lines are not seen); a job that did not complete reads every rank's ending."""
+    for name in ("j0", "j1", "j2"):
+        completed_run(tmp_path / name)
+    record("820", tmp_path / "j0")
+    row = rows(Sacct("COMPLETED"))["820"]
+    assert (row["state"], row["progress"]["step"], row["progress"]["percent"], row["device"]) == (
+        "COMPLETED", 100, 100.0, "cpu")
+    assert row["eval_metrics"] == {"acc": 0.9} and not [n for n in row["notes"] if "unreadable" in n]
+    facts = records.load_record("820").final["logs"]
+    assert facts["rank0_only"] is True and facts["bad_lines"] == {"0": 0}
+    record("821", tmp_path / "j1", final={"state": "COMPLETED", "state_name": "COMPLETED", "seen_at": 1.0,
+                                           "elapsed": "00:00:12"})   # an older record: no facts kept
+    assert not [n for n in rows()["821"]["notes"] if "unreadable" in n]
+    record("822", tmp_path / "j2")
+    failed = rows(Sacct("FAILED"))["822"]
+    assert "2 unreadable lines in the event streams skipped" in failed["notes"]
+    assert records.load_record("822").final["logs"]["rank0_only"] is False

@@ -99,11 +99,12 @@ class RunLogs:
     ``ends_only``: of the other ranks' event files only how their current run ended (their last
     events back to the newest step: `tails.END_LINES`), rank 0's whole: enough for the state and
     progress a job table shows; `widen` reads them as a detail view does beyond the read budget,
-    and so does ``window`` from the start (a running job's row: its stall)."""
+    and so does ``window`` from the start (a running job's row: its stall). ``rank0_only`` (with
+    ``ends_only``; a job that completed): of the event files rank 0's alone, where there is one."""
 
-    def __init__(self, log_dir: str | Path | None, ends_only: bool = False, window: bool = False):
-        self.log_dir = Path(log_dir) if log_dir else None
-        self.ends_only = ends_only
+    def __init__(self, log_dir: str | Path | None, ends_only: bool = False, window: bool = False,
+                 rank0_only: bool = False):
+        self.log_dir, self.ends_only, self.rank0_only = Path(log_dir) if log_dir else None, ends_only, False
         self.ranks: dict[int, RankStream] = {}
         self._names: dict[str, dict[int, str]] = {"out": {}, "log": {}}  # rank -> file name
         self._outs_read: dict[int, tuple[list[str] | None, list[str]]] = {}
@@ -122,6 +123,8 @@ class RunLogs:
                 self._names["out"][int(m.group(1))] = name
             elif m := LOG_RE.match(name):
                 self._names["log"][int(m.group(1))] = name
+        if rank0_only and ends_only and any(r == 0 for r, _ in events):
+            events, self.rank0_only = [(r, p) for r, p in events if r == 0], True
         window = ends_only or window or over_budget([p for _, p in events])
         for rank, p in events:
             big = rank != 0 or file_size(p) > FULL_READ_BYTES
@@ -301,8 +304,7 @@ class RunLogs:
         return srun_exit_codes(self._batch_outs()) if self.listed else {}
 
     def _batch_outs(self) -> list[Path]:
-        """The batch output files (``slurm-*.out``) there now (os.listdir: Path.glob cost the job
-        table's first view a tenth)."""
+        """The batch output files (``slurm-*.out``) there now (os.listdir: Path.glob was slower)."""
         try:
             names = sorted(os.listdir(self.log_dir))
         except OSError:
