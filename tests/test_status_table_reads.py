@@ -51,8 +51,9 @@ def failed_run(d, ranks=3, n_steps=60):
 def test_the_table_reads_the_other_ranks_endings_and_judges_the_same(tmp_path):
     failed_run(tmp_path)
     full, ends = RunLogs(tmp_path), RunLogs(tmp_path, ends_only=True)
-    # rank 0 whole; the others from their newest step on (not the first KiB and last 24 lines)
-    assert len(ends.ranks[0].events) == len(full.ranks[0].events)
+    # rank 0's newest run whole and its earlier start events; the others from their newest step
+    # on (not the first KiB and last 24 lines)
+    assert ends.ranks[0].events == full.ranks[0].events[:1] + full.ranks[0].of_restart(1)
     assert [e["event"] for e in ends.ranks[1].events] == ["step", "error", "end"]
     assert ends.ranks[1].events[0]["step"] == 65 and ends.ranks[2].skipped > 0
     assert ends.outcome() == full.outcome() == "failed"
@@ -63,6 +64,7 @@ def test_the_table_reads_the_other_ranks_endings_and_judges_the_same(tmp_path):
     assert [r.restart for r in full.runs()] == [0, 1]
     ends.widen()   # a running job: read as the read budget allows, as before
     assert len(ends.ranks[1].events) > 20 and not ends.ends_only
+    assert ends.ranks[0].events == full.ranks[0].events
 
 
 def test_a_ranks_ending_is_read_back_to_its_newest_step_at_most_END_LINES(tmp_path):
@@ -288,3 +290,20 @@ def test_a_completed_jobs_row_reads_rank_0s_events_alone(home, tmp_path):
     failed = rows(Sacct("FAILED"))["822"]
     assert "2 unreadable lines in the event streams skipped" in failed["notes"]
     assert records.load_record("822").final["logs"]["rank0_only"] is False
+
+
+def test_rank_0s_earlier_runs_are_decoded_only_where_the_newest_run_cannot_tell(tmp_path):
+    """The table decodes rank 0's newest run and its earlier start and eval events; its whole
+    file where the newest run has no step with total_steps, or another rank ran a newer run."""
+    write(tmp_path / "a", 0, [ev(0, "start", 0, world_size=1), ev(0, "step", 1, step=1, total_steps=9),
+                              ev(0, "eval", 2, metrics={"acc": 0.5}), ev(0, "start", 5, 1, world_size=1),
+                              ev(0, "step", 6, 1, step=2, total_steps=9)])
+    got = RunLogs(tmp_path / "a", ends_only=True)
+    assert [e["event"] for e in got.ranks[0].events] == ["start", "eval", "start", "step"]
+    assert got.last_eval()["metrics"] == {"acc": 0.5} and got.progress() == RunLogs(tmp_path / "a").progress()
+    write(tmp_path / "b", 0, [ev(0, "start", 0), ev(0, "step", 1, step=1, total_steps=9), ev(0, "start", 5, 1)])
+    assert len(RunLogs(tmp_path / "b", ends_only=True).ranks[0].events) == 3   # no total_steps since
+    write(tmp_path / "c", 0, [ev(0, "start", 0), ev(0, "step", 1, step=1, total_steps=9)])
+    write(tmp_path / "c", 0, [ev(0, "start", 5, 1), ev(0, "step", 6, 1, step=2, total_steps=9)])
+    write(tmp_path / "c", 1, [ev(1, "start", 9, 2)])
+    assert len(RunLogs(tmp_path / "c", ends_only=True).ranks[0].events) == 4   # rank 1's run 2
