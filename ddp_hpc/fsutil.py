@@ -68,38 +68,52 @@ def atomic_write_json(path: str | os.PathLike, data: Any, *, indent: int | None 
 
 
 def atomic_write_texts(items: list[tuple[str | os.PathLike, str]], *, mode: int = 0o644,
-                       workers: int = 16) -> None:
+                       workers: int = 16, chunk: int = 256) -> None:
     """`atomic_write_text` for many files at once, each still all old or all new: every text is
     written to a temporary file beside its file, the temporary files are fsynced concurrently (a
     journaling file system commits concurrent fsyncs together: thousands of files cost a few
-    commits, not one each), then renamed over their files, and each directory is fsynced once.
-    On an error the temporary files not yet renamed are removed and it is raised."""
-    tmps: list[tuple[str, Path]] = []
+    commits, not one each), by the descriptors that wrote them (``chunk`` open at a time: no
+    second open, no chmod by path), then all renamed over their files, and each directory is
+    fsynced once. On an error the temporary files are removed (none was renamed yet if the error
+    came before the renames) and it is raised."""
+    tmps: list[tuple[str, str]] = []
+    fds: list[int] = []
     try:
-        for path, text in items:
-            path = Path(path)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            tmps.append((tmp, path))
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.chmod(tmp, mode)
-        if tmps:
-            with ThreadPoolExecutor(max_workers=min(workers, len(tmps))) as pool:
-                list(pool.map(_fsync_file, [tmp for tmp, _ in tmps]))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for path, text in items:
+                head, name = os.path.split(os.fspath(path))
+                fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=head or ".")
+                fds.append(fd)
+                tmps.append((tmp, os.fspath(path)))
+                data = memoryview(text.encode())
+                while data:
+                    data = data[os.write(fd, data):]
+                os.fchmod(fd, mode)
+                if len(fds) >= chunk:
+                    _sync_close(pool, fds)
+            _sync_close(pool, fds)
         for tmp, path in tmps:
             os.replace(tmp, path)
     except BaseException:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         for tmp, _ in tmps:
             with contextlib.suppress(OSError):  # renamed already, or never made
                 os.unlink(tmp)
         raise
-    for directory in {path.parent for _, path in tmps}:
+    for directory in {os.path.dirname(path) or "." for _, path in tmps}:
         fsync_dir(directory)
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _sync_close(pool: ThreadPoolExecutor, fds: list[int]) -> None:
+    """fsync the open temporary files concurrently, then close them (``fds`` is emptied)."""
     try:
-        os.fsync(fd)
+        list(pool.map(_fsync_file, fds))
     finally:
-        os.close(fd)
+        while fds:
+            os.close(fds.pop())
+
+
+def _fsync_file(fd: int) -> None:
+    os.fsync(fd)

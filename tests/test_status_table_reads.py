@@ -51,8 +51,9 @@ def failed_run(d, ranks=3, n_steps=60):
 def test_the_table_reads_the_other_ranks_endings_and_judges_the_same(tmp_path):
     failed_run(tmp_path)
     full, ends = RunLogs(tmp_path), RunLogs(tmp_path, ends_only=True)
-    # rank 0 whole; the others from their newest step on (not the first KiB and last 24 lines)
-    assert len(ends.ranks[0].events) == len(full.ranks[0].events)
+    # rank 0's newest run whole and its earlier start events; the others from their newest step
+    # on (not the first KiB and last 24 lines)
+    assert ends.ranks[0].events == full.ranks[0].events[:1] + full.ranks[0].of_restart(1)
     assert [e["event"] for e in ends.ranks[1].events] == ["step", "error", "end"]
     assert ends.ranks[1].events[0]["step"] == 65 and ends.ranks[2].skipped > 0
     assert ends.outcome() == full.outcome() == "failed"
@@ -63,6 +64,7 @@ def test_the_table_reads_the_other_ranks_endings_and_judges_the_same(tmp_path):
     assert [r.restart for r in full.runs()] == [0, 1]
     ends.widen()   # a running job: read as the read budget allows, as before
     assert len(ends.ranks[1].events) > 20 and not ends.ends_only
+    assert ends.ranks[0].events == full.ranks[0].events
 
 
 def test_a_ranks_ending_is_read_back_to_its_newest_step_at_most_END_LINES(tmp_path):
@@ -254,3 +256,54 @@ def test_kept_facts_answer_as_the_table_reads_the_logs(tmp_path):
     assert kept.summarize(logs, {2: 7})["srun_codes"] == {"2": 7} and kept.summarize(logs)["srun_codes"] is None
     assert kept.summarize(RunLogs(tmp_path)) is None   # a detail view's reading is not kept
     assert kept.kept_logs(dict(kept.summarize(logs), v=0), tmp_path) is None
+
+
+def completed_run(d, ranks=3):
+    """Every rank stepped to 100 and ended completed; rank 0 evaluated; the other ranks' files
+    end in a damaged line."""
+    for r in range(ranks):
+        evs = [ev(r, "start", 0, world_size=ranks, total_steps=100, device="cpu")]
+        evs += [ev(r, "step", s, step=s * 10, loss=1.0 / s, total_steps=100) for s in range(1, 11)]
+        evs += [ev(0, "eval", 11, step=100, metrics={"acc": 0.9})] if r == 0 else []
+        write(d, r, evs + [ev(r, "end", 12, status="completed", step=100)])
+        with open(d / f"rank{r}.events.jsonl", "a") as f:
+            f.write("" if r == 0 else "not an event\n")
+
+
+def test_a_completed_jobs_row_reads_rank_0s_events_alone(home, tmp_path):
+    """The scheduler (or the final state the record keeps) says the job completed: its row comes
+    from rank 0's events (progress, eval, device) and the other ranks' files are not read (their
+    damaged lines are not seen); a job that did not complete reads every rank's ending."""
+    for name in ("j0", "j1", "j2"):
+        completed_run(tmp_path / name)
+    record("820", tmp_path / "j0")
+    row = rows(Sacct("COMPLETED"))["820"]
+    assert (row["state"], row["progress"]["step"], row["progress"]["percent"], row["device"]) == (
+        "COMPLETED", 100, 100.0, "cpu")
+    assert row["eval_metrics"] == {"acc": 0.9} and not [n for n in row["notes"] if "unreadable" in n]
+    facts = records.load_record("820").final["logs"]
+    assert facts["rank0_only"] is True and facts["bad_lines"] == {"0": 0}
+    record("821", tmp_path / "j1", final={"state": "COMPLETED", "state_name": "COMPLETED", "seen_at": 1.0,
+                                           "elapsed": "00:00:12"})   # an older record: no facts kept
+    assert not [n for n in rows()["821"]["notes"] if "unreadable" in n]
+    record("822", tmp_path / "j2")
+    failed = rows(Sacct("FAILED"))["822"]
+    assert "2 unreadable lines in the event streams skipped" in failed["notes"]
+    assert records.load_record("822").final["logs"]["rank0_only"] is False
+
+
+def test_rank_0s_earlier_runs_are_decoded_only_where_the_newest_run_cannot_tell(tmp_path):
+    """The table decodes rank 0's newest run and its earlier start and eval events; its whole
+    file where the newest run has no step with total_steps, or another rank ran a newer run."""
+    write(tmp_path / "a", 0, [ev(0, "start", 0, world_size=1), ev(0, "step", 1, step=1, total_steps=9),
+                              ev(0, "eval", 2, metrics={"acc": 0.5}), ev(0, "start", 5, 1, world_size=1),
+                              ev(0, "step", 6, 1, step=2, total_steps=9)])
+    got = RunLogs(tmp_path / "a", ends_only=True)
+    assert [e["event"] for e in got.ranks[0].events] == ["start", "eval", "start", "step"]
+    assert got.last_eval()["metrics"] == {"acc": 0.5} and got.progress() == RunLogs(tmp_path / "a").progress()
+    write(tmp_path / "b", 0, [ev(0, "start", 0), ev(0, "step", 1, step=1, total_steps=9), ev(0, "start", 5, 1)])
+    assert len(RunLogs(tmp_path / "b", ends_only=True).ranks[0].events) == 3   # no total_steps since
+    write(tmp_path / "c", 0, [ev(0, "start", 0), ev(0, "step", 1, step=1, total_steps=9)])
+    write(tmp_path / "c", 0, [ev(0, "start", 5, 1), ev(0, "step", 6, 1, step=2, total_steps=9)])
+    write(tmp_path / "c", 1, [ev(1, "start", 9, 2)])
+    assert len(RunLogs(tmp_path / "c", ends_only=True).ranks[0].events) == 4   # rank 1's run 2

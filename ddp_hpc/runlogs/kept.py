@@ -3,7 +3,8 @@ thousands of ended jobs reads one record per job and no event files (docs/status
 
 `summarize` takes, from the table's reading of a log directory (``RunLogs(ends_only=True)``),
 the facts the table's row is made of: how the current run ended, its progress, device, newest
-eval metrics, srun's per-task exit codes, unreadable lines; and a stamp of the directory (its
+eval metrics, srun's per-task exit codes, unreadable lines (of rank 0's file alone where the job
+completed: ``rank0_only``, `RunLogs`); and a stamp of the directory (its
 modification time, and size and modification time of rank 0's event file). The record keeps it
 in the job's final state (``final["logs"]``: the local driver when a run ends, ``ddp-hpc status``
 when the scheduler reports the end). `kept_logs` answers the table's questions from it, as
@@ -59,7 +60,8 @@ def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict |
                             if e.get("event") == "end" and e.get("signal")},
             "progress": dict(vars(prog)) if prog is not None else None, "device": logs.device(),
             "eval": {"metrics": ev.get("metrics"), "step": ev.get("step")} if ev else None,
-            "srun_codes": {str(r): c for r, c in srun_codes.items()} if srun_codes is not None else None}
+            "srun_codes": {str(r): c for r, c in srun_codes.items()} if srun_codes is not None else None,
+            "rank0_only": getattr(logs, "rank0_only", False)}
 
 
 def start_nodes(logs: "RunLogs | KeptLogs", cur: RunSummary | None) -> int | None:

@@ -18,11 +18,11 @@ import fnmatch
 import functools
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute
+from ddp_hpc.runlogs.newest import read_newest_run
 from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE, events_file
 from ddp_hpc.runlogs.srun import (
     TaskReport,
@@ -48,7 +48,7 @@ OUT_TAIL_BYTES = 1 << 16
 OUT_TAIL_LINES = 200
 
 
-@dataclass
+@dataclasses.dataclass
 class RunSummary:
     """One run of the job (restart 0 is the first; a requeue starts the next)."""
 
@@ -63,7 +63,7 @@ class RunSummary:
     errors: int
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RunEnding:
     """How the newest run in a log directory ended, as rank 0's events tell it: ``status`` of
     its last ``end`` event (None when no end follows its last ``start``: still running, or
@@ -94,21 +94,20 @@ def run_ending(log_dir: str | Path) -> RunEnding:
 
 
 class RunLogs:
-    """All the rank files of one log directory, read once; methods derive the facts. A missing
-    directory (or None: a job whose log directory is not known) reads as one without files.
-    ``ends_only``: of the other ranks' event files only how their current run ended (their last
-    events back to the newest step: `tails.END_LINES`), rank 0's whole: enough for the state and
-    progress a job table shows; `widen` reads them as a detail view does beyond the read budget,
-    and so does ``window`` from the start (a running job's row: its stall)."""
+    """All the rank files of one log directory, read once; methods derive the facts; no directory
+    (or None: not known) reads as one without files. ``ends_only``: of the other ranks' event files
+    only how their current run ended (their last events back to the newest step: `tails.END_LINES`),
+    of rank 0's its newest run whole and the earlier start and eval events (`runlogs.newest`): what
+    a job table shows; `widen` reads them as a detail view does beyond the read budget, and so does
+    ``window`` from the start (a running job's row: its stall). ``rank0_only`` (with ``ends_only``;
+    a job that completed): of the event files rank 0's alone, where there is one."""
 
-    def __init__(self, log_dir: str | Path | None, ends_only: bool = False, window: bool = False):
-        self.log_dir = Path(log_dir) if log_dir else None
-        self.ends_only = ends_only
+    def __init__(self, log_dir: str | Path | None, ends_only=False, window=False, rank0_only=False):
+        self.log_dir, self.ends_only, self.rank0_only = Path(log_dir) if log_dir else None, ends_only, False
         self.ranks: dict[int, RankStream] = {}
         self._names: dict[str, dict[int, str]] = {"out": {}, "log": {}}  # rank -> file name
         self._outs_read: dict[int, tuple[list[str] | None, list[str]]] = {}
-        self._memo: dict[str, tuple] = {}
-        self.listed = False  # the directory was there to list
+        self._memo, self.listed = {}, False  # see _cached; listed: the directory was there to list
         try:  # names, not Paths: a Path per file was a tenth of the job table's first view
             names = sorted(os.listdir(self.log_dir)) if self.log_dir is not None else []
         except OSError:  # no such directory (yet), or not one
@@ -122,10 +121,15 @@ class RunLogs:
                 self._names["out"][int(m.group(1))] = name
             elif m := LOG_RE.match(name):
                 self._names["log"][int(m.group(1))] = name
+        if rank0_only and ends_only and any(r == 0 for r, _ in events):
+            events, self.rank0_only = [(r, p) for r, p in events if r == 0], True
         window = ends_only or window or over_budget([p for _, p in events])
         for rank, p in events:
             big = rank != 0 or file_size(p) > FULL_READ_BYTES
-            self.ranks[rank] = read_events(p, window and big, ends=ends_only and rank != 0)
+            self.ranks[rank] = read_newest_run(p) if ends_only and not big else read_events(
+                p, window and big, ends=ends_only and rank != 0)
+        if (s := self.ranks.get(0)) and s.newest_only and max(self.restarts()) > max(s.restart_numbers()):
+            self.ranks[0] = read_events(s.path)  # another rank ran a newer run than rank 0's newest
 
     @functools.cached_property
     def outs(self) -> dict[int, Path]:
@@ -138,15 +142,14 @@ class RunLogs:
         return {r: self.log_dir / name for r, name in self._names["log"].items()}
 
     def widen(self) -> None:
-        """Read the event files that ``ends_only`` read at their ends as the read budget allows
-        (the other ranks' first KiB and last lines): a running job's stall is judged from the
-        intervals between every rank's recent step events."""
+        """Read the event files that ``ends_only`` read in part as the read budget allows: a running
+        job's stall is judged from the intervals between every rank's recent step events."""
         if not self.ends_only:
             return
         self.ends_only = False
         for rank, stream in self.ranks.items():
-            if rank != 0:
-                self.ranks[rank] = read_events(stream.path, True)
+            if rank != 0 or stream.newest_only:
+                self.ranks[rank] = read_events(stream.path, rank != 0)
         self._memo.clear()  # keyed by the streams' ids: a new list may take a freed one's
 
     @property
@@ -301,8 +304,7 @@ class RunLogs:
         return srun_exit_codes(self._batch_outs()) if self.listed else {}
 
     def _batch_outs(self) -> list[Path]:
-        """The batch output files (``slurm-*.out``) there now (os.listdir: Path.glob cost the job
-        table's first view a tenth)."""
+        """The batch output files (``slurm-*.out``) there now (os.listdir: Path.glob was slower)."""
         try:
             names = sorted(os.listdir(self.log_dir))
         except OSError:

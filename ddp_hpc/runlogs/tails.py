@@ -53,6 +53,7 @@ class RankStream:
     events: list[dict] = field(default_factory=list)
     bad_lines: int = 0
     skipped: int = 0  # bytes between the head and the tail not read (the read budget above)
+    newest_only: bool = False  # rank 0's newest run and earlier start and eval events (runlogs.newest)
     #: the events grouped by restart number, and the (list, length) it was built from: status
     #: asks for one run's events many times per rank, and a scan per question made it quadratic
     _by_restart: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -69,7 +70,7 @@ class RankStream:
             for e in self.events:
                 restart = e.get("restart")
                 if type(restart) is not int:  # the writer's ints skip the conversion
-                    restart = _restart_of(e)
+                    restart = restart_of(e)
                 runs.setdefault(restart, []).append(e)
             self._by_restart = (key, runs)
         return self._by_restart[1]
@@ -120,7 +121,7 @@ def read_events(path: Path, window: bool = False, ends: bool = False, since: int
         except OSError:
             return stream
     lines = [line for line in text.splitlines() if line.strip()]
-    for ev in _decoded(lines):
+    for ev in decoded(lines):
         if isinstance(ev, dict) and "event" in ev:
             stream.events.append(ev)
         else:
@@ -140,7 +141,7 @@ def _read_ending(stream: RankStream) -> RankStream:
         text = text[text.find("\n") + 1:]
     lines = [line for line in text.rsplit("\n", END_LINES + 1)[-END_LINES - 1:] if line.strip()]
     taken = 0
-    for ev in _decoded(lines[:-END_LINES - 1:-1]):
+    for ev in decoded(lines[:-END_LINES - 1:-1]):
         taken += 1
         if isinstance(ev, dict) and "event" in ev:
             stream.events.append(ev)
@@ -169,7 +170,7 @@ def _file_end(path: Path, nbytes: int, min_lines: int) -> tuple[str, int, int]:
         os.close(fd)
 
 
-def _decoded(lines: list[str]):
+def decoded(lines: list[str]):
     """Each line's JSON value as ``json.loads`` gives it, None for one that is not JSON, as they
     are asked for. A line that is one value from its first character to its last (the writer's
     lines) is decoded by ``raw_decode`` without ``json.loads``'s wrappers, a quarter faster (the job
@@ -188,7 +189,7 @@ def _decoded(lines: list[str]):
             yield None
 
 
-def _restart_of(e: dict) -> int:
+def restart_of(e: dict) -> int:
     return to_int(e.get("restart"), 0)
 
 

@@ -219,7 +219,8 @@ def _one(t: StatusTarget, sched: SourceState | None, tried: list[str], now: floa
     rec = t.record
     # a running Slurm job's row needs every rank's recent steps (its stall): not only their ends
     running = brief and not t.local and sched is not None and sched.state.state is JobState.RUNNING
-    logs = logs or RunLogs(t.log_dir, ends_only=brief and not running, window=running)
+    logs = logs or RunLogs(t.log_dir, ends_only=brief and not running, window=running,
+                           rank0_only=brief and src.ended_clean(t.local, rec, _task_id(t), sched, only))
     notes: list[str] = []
     if t.local:
         sched, keep = src.local_state(rec, _task_id(t), logs, notes, now)

@@ -96,6 +96,17 @@ def final_to_keep(sched: SourceState, logs, now: float, old: dict | None) -> dic
     return final
 
 
+def ended_clean(local: bool, rec, task_id: str | None, sched: SourceState | None, only: str | None) -> bool:
+    """The job's state is COMPLETED with its elapsed time told, by the scheduler or else by the
+    final state its record keeps (as `collect` takes the state): the table's row of it needs rank
+    0's events only (`RunLogs(rank0_only=True)`), the others' endings tell nothing it shows."""
+    if not local and sched is not None and sched.state.state is not JobState.UNKNOWN:
+        return sched.state.state is JobState.COMPLETED and bool(sched.elapsed)
+    final = records.final_of(rec, task_id) if local or only is None else None
+    return (bool(final) and parse_state(final.get("state")).state is JobState.COMPLETED
+            and bool(final.get("elapsed")))
+
+
 def keeps_final(t, sched: SourceState | None) -> bool:
     """The scheduler reports that the job ended: its record is to keep that, and its logs' facts."""
     return (not t.local and getattr(t.record, "path", None) is not None and sched is not None
