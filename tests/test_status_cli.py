@@ -119,6 +119,8 @@ def test_table_newest_first_with_progress_from_any_directory(home, sleeper):
     assert "s30/100 30%" in lines[1] and str(home / "logs" / "local-run") in lines[1]
     assert lines[2].split()[:4] == ["101", "demo", "sbatch", "COMPLETED"]
     assert "/00:10:00" in lines[2]
+    assert lines[2].split()[-2] == "-", lines[2]  # an ended job has no ETA (not 00:00:00)
+    assert "ETA" not in status(home, "101").stdout
 
 
 def test_limit(home):

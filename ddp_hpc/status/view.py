@@ -97,7 +97,7 @@ def table_row(st: JobStatus, optional: tuple[str, ...] = ()) -> list[str]:
         f"{st.elapsed or '-'}/{st.time_limit or '-'}",
         str(st.restarts), progress_text(st),
         _num(p.loss if p else None, ".4g"), _num(p.samples_per_s if p else None, ".1f"),
-        (format_duration(p.eta_s) if p and p.eta_s is not None else "-"),
+        (format_duration(p.eta_s) if p and p.eta_s is not None and not st.job_state.terminal else "-"),
     ] + [extra[c](st) for c in optional] + [st.log_dir or "-"]
 
 
@@ -172,7 +172,7 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
             bits.append(f"{p.samples_per_s:.1f} samples/s")
         if p.steps_per_s is not None:
             bits.append(f"{p.steps_per_s:.3g} steps/s")
-        if p.eta_s is not None:
+        if p.eta_s is not None and not st.job_state.terminal:  # an ended job has none left
             bits.append(f"ETA {format_duration(p.eta_s)}")
         bits.append(f"updated {_ago(p.updated, now)}")
         out.append("Progress:   " + ", ".join(bits))
