@@ -138,3 +138,13 @@ def test_python_api_runs_a_function_locally_and_names_a_failing_rank(tmp_path):
                         capture_output=True, text=True, timeout=120)
     jobs = json.loads(st.stdout)
     assert sorted(j["state_name"] for j in jobs) == ["COMPLETED", "FAILED"], st.stdout
+
+
+@pytest.mark.parametrize("kw, needle", [({"stage": 5}, "ddp_hpc.submit(stage=...) must be a list"),
+                                        ({"time": 5.5}, "ddp_hpc.submit(time=...) '5.5' is not a Slurm time"),
+                                        ({"gpus": 0}, "ddp_hpc.submit(gpus=...) 0 is too few")])
+def test_the_python_api_names_its_own_keyword_in_an_error(kw, needle):
+    import ddp_hpc
+    with pytest.raises(ValueError) as e:  # ddp_hpc.config.ConfigError
+        ddp_hpc.submit(["true"], backend="local", **kw)
+    assert needle in str(e.value) and "--" not in str(e.value).splitlines()[0]

@@ -310,11 +310,12 @@ def split_sbatch_args(items: Sequence[str]) -> dict[str, str | bool]:
     return out
 
 
-def merged(base: SlurmOptions, cli: Mapping[str, Any]) -> SlurmOptions:
+def merged(base: SlurmOptions, cli: Mapping[str, Any], label=None) -> SlurmOptions:
     """``base`` (the YAML section) with the command-line values on top, each checked under the
-    name of its flag; sbatch_args and srun_args are merged key by key, stage adds to the list."""
-    checked = {name: FIELDS[name].metadata["parse"](value, FIELDS[name].metadata["flags"][0])
-               for name, value in cli.items()}
+    name of its flag (``label(field)`` instead: the Python API's keyword); sbatch_args and
+    srun_args are merged key by key, stage adds to the list."""
+    name_of = label or (lambda name: FIELDS[name].metadata["flags"][0])
+    checked = {name: FIELDS[name].metadata["parse"](value, name_of(name)) for name, value in cli.items()}
     for name in ("sbatch_args", "srun_args"):
         if name in checked:
             checked[name] = {**getattr(base, name), **checked[name]}

@@ -156,8 +156,8 @@ def _options(nodes: int, gpus: int, backend: str, slurm: Mapping[str, Any]) -> S
     if unknown:
         raise SpecError(f"ddp_hpc.submit() got unknown keywords {unknown}",
                         f"use the SlurmOptions fields: {', '.join(SlurmOptions.__dataclass_fields__)}")
-    return merged(SlurmOptions(), {"nodes": nodes, "gpus_per_node": gpus, "backend": backend,
-                                   **slurm})
+    return merged(SlurmOptions(), {"nodes": nodes, "gpus_per_node": gpus, "backend": backend, **slurm},
+                  label=lambda name: f"ddp_hpc.submit({'gpus' if name == 'gpus_per_node' else name}=...)")
 
 
 def _command(target: str | Sequence[str]) -> tuple[tuple[str, ...], str]:
