@@ -23,7 +23,8 @@ def home(tmp_path, monkeypatch):
 
 
 def env_for(home):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    # no COLUMNS: pytest-xdist's workers set COLUMNS=80, which would fit the table to 80 columns
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "COLUMNS"}
     env["DDP_HPC_HOME"] = str(home / "home")
     # no Slurm here: only the venv's bin on PATH, so no sbatch/squeue (a missing or dead
     # controller makes Slurm's own tools retry for up to a minute)
