@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.reader import RunLogs, RunProgress, RunSummary
-from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, events_file
+from ddp_hpc.runlogs.schema import batch_outputs, events_file
 from ddp_hpc.runlogs.srun import srun_exit_codes
 
 __all__ = ["summarize", "kept_logs", "KeptLogs", "start_nodes", "VERSION"]
@@ -142,7 +142,7 @@ class KeptLogs:
     def srun_exit_codes(self) -> dict[int, int]:
         codes = self.summary.get("srun_codes")
         if codes is None:  # not read when the facts were kept: read them now
-            return srun_exit_codes(sorted(self.log_dir.glob(BATCH_OUT_GLOB))) if self.listed else {}
+            return srun_exit_codes(batch_outputs(self.log_dir)) if self.listed else {}
         return {int(r): int(c) for r, c in codes.items()}
 
     def widen(self) -> None:

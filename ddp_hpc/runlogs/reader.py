@@ -14,7 +14,6 @@ decided by evidence in ``ddp_hpc.runlogs.attribution``; this module reads the fi
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import os
 import re
@@ -23,7 +22,7 @@ from pathlib import Path
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.runlogs.newest import read_newest_run
-from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE, events_file
+from ddp_hpc.runlogs.schema import EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE, batch_outputs, events_file
 from ddp_hpc.runlogs.srun import (
     TaskReport,
     exception_of,
@@ -304,12 +303,8 @@ class RunLogs:
         return srun_exit_codes(self._batch_outs()) if self.listed else {}
 
     def _batch_outs(self) -> list[Path]:
-        """The batch output files (``slurm-*.out``) there now (os.listdir: Path.glob was slower)."""
-        try:
-            names = sorted(os.listdir(self.log_dir))
-        except OSError:
-            return []
-        return [self.log_dir / n for n in names if fnmatch.fnmatchcase(n, BATCH_OUT_GLOB)]
+        """The batch output files (``slurm-*.out``) there now (Slurm appends it as the job goes)."""
+        return batch_outputs(self.log_dir)
 
 
 def _summary(restart: int, events) -> RunSummary:

@@ -21,7 +21,10 @@ Files in a run's log directory, per rank R:
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import re
+from pathlib import Path
 
 #: keys present in every event
 EVENT_KEYS = ("time", "event", "rank", "job_id", "restart", "host")
@@ -98,3 +101,13 @@ def flight_prefix() -> str:
 def batch_out(job_pattern: str = "%j") -> str:
     """The batch script's output file name; ``"%A_%a"`` inside an array."""
     return f"slurm-{job_pattern}.out"
+
+
+def batch_outputs(log_dir: Path) -> list[Path]:
+    """The batch output files (`BATCH_OUT_GLOB`) in ``log_dir`` now, in name order (os.listdir:
+    Path.glob was slower); none when it cannot be listed."""
+    try:
+        names = os.listdir(log_dir)
+    except OSError:
+        return []
+    return [log_dir / n for n in sorted(names) if fnmatch.fnmatchcase(n, BATCH_OUT_GLOB)]
