@@ -81,7 +81,7 @@ def kept_logs(rec, task_id: str | None, log_dir: str | None, sched: SourceState 
 def final_to_keep(sched: SourceState, logs, now: float, old: dict | None) -> dict | None:
     """What to keep of a terminal state a Slurm source reported (None: not one), with the table's
     facts of the logs (`kept.summarize`; a detail view's reading keeps those ``old`` had)."""
-    if sched.source not in (SQUEUE, SACCT, SACCT_C) or not sched.state.state.terminal:
+    if not scheduler_ended(sched):
         return None
     # srun's per-task codes are not shown for a completed job (a requeue's appended batch output
     # keeps an earlier run's): neither read nor kept
@@ -107,10 +107,14 @@ def ended_clean(local: bool, rec, task_id: str | None, sched: SourceState | None
             and bool(final.get("elapsed")))
 
 
+def scheduler_ended(sched: SourceState | None) -> bool:
+    """A Slurm source (squeue, sacct) reports that the job ended."""
+    return sched is not None and sched.source in (SQUEUE, SACCT, SACCT_C) and sched.state.state.terminal
+
+
 def keeps_final(t, sched: SourceState | None) -> bool:
     """The scheduler reports that the job ended: its record is to keep that, and its logs' facts."""
-    return (not t.local and getattr(t.record, "path", None) is not None and sched is not None
-            and sched.source in (SQUEUE, SACCT, SACCT_C) and sched.state.state.terminal)
+    return not t.local and getattr(t.record, "path", None) is not None and scheduler_ended(sched)
 
 
 def pids_alive(pids, submitted_at: float | None, cluster: str | None,
