@@ -128,8 +128,8 @@ def parse_stage_sources(sources: Sequence[tuple[str, Sequence[str]]], *, workdir
 
 
 def encode_items(items: Sequence[StageItem]) -> str:
-    """The value of ``$DDP_HPC_STAGE`` for ``items``."""
-    return json.dumps([{"src": i.src, "name": i.name, "kind": i.kind} for i in items])
+    """The value of ``$DDP_HPC_STAGE`` for ``items``; "" for none (nothing to stage)."""
+    return json.dumps([{"src": i.src, "name": i.name, "kind": i.kind} for i in items]) if items else ""
 
 
 def decode_items(text: str) -> tuple[StageItem, ...]:

@@ -30,8 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ddp_hpc.config import SlurmOptions
 from ddp_hpc.config.slurm_options import merged
-from ddp_hpc.data.errors import StageError
-from ddp_hpc.data.scriptstage import encode_items, parse_stage_items
+from ddp_hpc.data.scriptstage import encode_items
 from ddp_hpc.launch import RankFailedError
 from ddp_hpc.launch.tree import start_time
 from ddp_hpc.runlogs.reader import RunLogs
@@ -189,13 +188,10 @@ def submit(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
         job = ddp_hpc.submit(train, args=(cfg,), nodes=2, gpus=4, time="02:00:00")
         job.backend, job.job_id, job.state(), job.result()
     """
-    from ddp_hpc.submit.cli import choose_backend
+    from ddp_hpc.submit.cli import choose_backend, stage_items
 
     opts = _options(nodes, gpus, backend, slurm)
-    try:   # before the backend is chosen, as the CLI's --stage
-        stage = parse_stage_items(opts.stage, where="ddp_hpc.submit(stage=...)")
-    except StageError as exc:
-        raise SpecError(exc.problem, exc.hint) from None
+    stage = stage_items([("ddp_hpc.submit(stage=...)", opts.stage)])   # before the backend is chosen, as --stage
     cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0])
     chosen, why = choose_backend(opts.backend, cli)
     submit_dispatch.say(f"backend {chosen}: {why}")
@@ -232,7 +228,7 @@ def _local_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> J
     recv, send = ctx.Pipe(duplex=False)
     driver = ctx.Process(target=local_driver, name=f"ddp_hpc-{job_id}",
                          args=(fn, args, kwargs, spec.log_dir, spec.nodes, spec.gpus_per_node,
-                               send, encode_items(spec.stage) if spec.stage else ""))
+                               send, encode_items(spec.stage)))
     try:
         driver.start()
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -253,7 +249,7 @@ def _submitit_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict, c
     ex.update_parameters(**submit_slurm.submitit_parameters(spec))
     with submit_slurm.cleaned_environ():
         sjob = ex.submit(rank_entry, fn, args, kwargs, spec.log_dir,
-                         encode_items(spec.stage) if spec.stage else "")
+                         encode_items(spec.stage))
     try:
         cluster = cli.cluster_name()
     except Exception:  # noqa: BLE001 - the record falls back to this host's name

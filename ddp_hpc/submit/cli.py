@@ -55,7 +55,7 @@ from ddp_hpc.submit.spec import (
 from ddp_hpc.submit.target import SubmitTarget, module_command, script_command, split_argv
 from ddp_hpc.text import HelpFormatter, prog
 
-__all__ = ["main", "choose_backend", "parse_args", "parse"]
+__all__ = ["main", "choose_backend", "stage_items", "parse_args", "parse"]
 
 DEFAULT_CONFIG = "jobs/demo.yaml"
 
@@ -163,7 +163,7 @@ def _backend(opts, cli: SlurmCLI) -> str:
     return backend
 
 
-def _stage_items(sources) -> tuple:
+def stage_items(sources) -> tuple:
     """``slurm.stage`` of the YAML, then ``--stage`` (they add up), checked: a missing source or a
     clash is a SpecError naming the item and where it came from."""
     try:
@@ -181,7 +181,7 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     backend = _backend(opts, cli)
     spec = build_spec(dataclasses.replace(opts, backend=backend), config_path=config, cfg=cfg,
                       overrides=overrides, sweeps=sweeps)
-    spec = dataclasses.replace(spec, stage=_stage_items([(f"{config}: slurm.stage", cfg.slurm.stage),
+    spec = dataclasses.replace(spec, stage=stage_items([(f"{config}: slurm.stage", cfg.slurm.stage),
                                                          ("--stage", args.stage or ())]))
     spec = resume_or_new(spec, backend, task_cfgs, fresh=args.fresh, cli=cli, say=say)
     for task_cfg in task_cfgs:   # factories, data paths, precision, log.dir: before it queues
@@ -200,7 +200,7 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
     sweeps = script_sweeps(args.sweep)
     if args.no_instrument:   # every backend's ranks inherit this environment
         os.environ["DDP_HPC_INSTRUMENT"] = "0"
-    stage = _stage_items([("--stage", args.stage or ())])   # before the backend is chosen
+    stage = stage_items([("--stage", args.stage or ())])   # before the backend is chosen
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
     cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)
