@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddp_hpc.runlogs.reader import read_events  # noqa: E402
-from ddp_hpc.runlogs.restarts import read_restarts  # noqa: E402
+from ddp_hpc.judge.reader import read_events  # noqa: E402
+from ddp_hpc.judge.restarts import read_restarts  # noqa: E402
 from ddp_hpc.testcluster.nodefail import fail_node, revive_node  # noqa: E402
 from ddp_hpc.testcluster.spec import DEFAULT_STATE_DIR  # noqa: E402
 

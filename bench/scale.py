@@ -18,7 +18,7 @@ one process, and times ddp_hpc's code on real-shaped inputs:
                 (every job) over 8 ... 10,000 job records: a refresh, and the first view (before
                 the table's cache of ended jobs, ``ddp_hpc.status.rowcache``, holds their rows),
                 over records without and with the table's facts of the logs kept in their final
-                state (``ddp_hpc.runlogs.kept``);
+                state (``ddp_hpc.judge.kept``);
 - ``scheduler``: ``status --limit 0`` over 10,000 Slurm jobs and over one array of 1,000 tasks,
                 with a stand-in scheduler (`ddp_hpc.slurm.cli.SlurmCLI` with a runner that answers
                 squeue / sacct / scontrol as Slurm does: one job in 5 (or in 50) running, the rest
@@ -337,8 +337,8 @@ def bench_table(work: Path, n_records: int, reps: int) -> tuple[float, float, fl
     ``status --limit 0``: no row kept yet, and its wall-clock seconds; the same first view over
     records that keep what the table shows of the logs, CPU and wall) over ``n_records`` records
     of 16 small jobs' logs."""
-    from ddp_hpc.runlogs import kept
-    from ddp_hpc.runlogs.reader import RunLogs
+    from ddp_hpc.judge import kept
+    from ddp_hpc.judge.reader import RunLogs
     from ddp_hpc.status import rowcache
     home = work / f"table-{n_records}"
     dirs = small_dirs(work)

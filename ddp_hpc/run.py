@@ -23,7 +23,7 @@ from ddp_hpc.data.scriptstage import EXIT_STAGE_FAILED, call_staged, requested_i
 from ddp_hpc.env import detect, job_facts
 from ddp_hpc.errors import report
 from ddp_hpc.exec.events import SafeLog
-from ddp_hpc.runlogs.reader import run_ending
+from ddp_hpc.judge.reader import run_ending
 from ddp_hpc.runlogs.writer import resolve_log_dir
 from ddp_hpc.text import HelpFormatter, prog
 

@@ -146,7 +146,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "fsutil", "text", "parsing", "exits"),                  # leaves: no ddp_hpc imports
     ("slurm", "examples"),                                             # Slurm commands; the demo
     ("env", "config"),                                                 # rank and job facts; job config
-    ("runlogs", "records", "data", "dist"),                            # run logs, records, data, groups
+    ("runlogs", "judge", "records", "data", "dist"),                   # run logs written, judged; records, data, groups
     ("exec", "launch", "recover", "supervise"),                        # wrapper, local launch, recovery
     ("train", "report", "checkpoint", "preemption", "run", "instrument", "integrations"),  # training, the script API
     ("status", "submit", "testcluster"),                               # the commands' packages

@@ -40,7 +40,7 @@ def test_quick_run_prints_every_section(tmp_path, capsys):
 def test_big_event_files_are_read_in_windows_with_the_same_verdict(tmp_path, monkeypatch):
     """Beyond the read budget status reads rank 0 whole and the others' first KiB and last lines:
     the failing rank, every rank's last event and both runs stay what a full read gives."""
-    from ddp_hpc.runlogs import reader, tails
+    from ddp_hpc.judge import reader, tails
     scale = _load_bench()
     bad = scale.write_logs(tmp_path / "logs", 16, 300)
     full = reader.RunLogs(tmp_path / "logs")
@@ -59,7 +59,7 @@ def test_big_event_files_are_read_in_windows_with_the_same_verdict(tmp_path, mon
 
 
 def test_read_window_reads_a_small_file_whole_and_a_big_one_at_its_ends(tmp_path):
-    from ddp_hpc.runlogs.tails import read_window
+    from ddp_hpc.judge.tails import read_window
     p = tmp_path / "f.txt"
     p.write_text("".join(f"line {i}\n" for i in range(1000)))
     assert read_window(p, 1 << 20, 10, 64, 1 << 10) == (p.read_text(), "", 0)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc.judge.reader import RunLogs, read_events
 from ddp_hpc.launch import run_local, start_local
-from ddp_hpc.runlogs.reader import RunLogs, read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 EXEC = [sys.executable, "-m", "ddp_hpc.exec"]

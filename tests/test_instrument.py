@@ -15,7 +15,7 @@ import pytest
 
 from ddp_hpc.instrument.hooks import when_imported
 from ddp_hpc.instrument.steps import StepCounter
-from ddp_hpc.runlogs.reader import RunLogs, read_events
+from ddp_hpc.judge.reader import RunLogs, read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "plain_ddp.py"
@@ -262,8 +262,8 @@ else:
 @pytest.mark.timeout(120)
 def test_a_flight_recorder_dump_names_the_rank_missing_from_the_last_collective(tmp_path):
     from ddp_hpc.exec.instrumented import torch_environ
-    from ddp_hpc.runlogs import flightrec
-    from ddp_hpc.runlogs.consequences import ranks_text
+    from ddp_hpc.judge import flightrec
+    from ddp_hpc.judge.consequences import ranks_text
     log_dir = tmp_path / "logs"
     fr = torch_environ(log_dir, 0, 0, gpus=True)     # what exec sets where a GPU is seen
     assert fr["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and fr["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
@@ -292,8 +292,8 @@ def _dump(*frames: tuple[str, int, str]) -> str:
 
 
 def test_the_hang_line_names_the_ranks_outside_a_collective():
-    from ddp_hpc.runlogs.consequences import ranks_text
-    from ddp_hpc.runlogs.stacks import hang_line
+    from ddp_hpc.judge.consequences import ranks_text
+    from ddp_hpc.judge.stacks import hang_line
     c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
     barrier = _dump((c10d, 4000, "barrier"), ("/venv/lib/python3.11/site-packages/torch/distributed/"
                                               "c10d_logger.py", 83, "wrapper"), ("/w/train.py", 30, "<module>"))

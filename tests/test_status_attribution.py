@@ -7,8 +7,8 @@ from a scheduler that answers like Slurm (a duck-typed SlurmCLI), the rest from 
 """
 import json
 
-from ddp_hpc.runlogs.reader import RunLogs
-from ddp_hpc.runlogs.stacks import stack_excerpt, stack_summary
+from ddp_hpc.judge.reader import RunLogs
+from ddp_hpc.judge.stacks import stack_excerpt, stack_summary
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.status.view import render_detail

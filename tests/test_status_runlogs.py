@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ddp_hpc.runlogs.reader import RunLogs, read_events, traceback_in
+from ddp_hpc.judge.reader import RunLogs, read_events, traceback_in
 
 T0 = 1_800_000_000.0
 
@@ -205,15 +205,15 @@ def test_device_of_the_newest_run(tmp_path):
 
 
 def test_the_package_re_exports_the_reader():
-    import ddp_hpc.runlogs as runlogs
-    from ddp_hpc.runlogs import reader
-    assert set(reader.__all__) <= set(runlogs.__all__)
-    assert all(getattr(runlogs, n) is getattr(reader, n) for n in reader.__all__)
+    import ddp_hpc.judge as judge
+    from ddp_hpc.judge import reader
+    assert set(reader.__all__) <= set(judge.__all__)
+    assert all(getattr(judge, n) is getattr(reader, n) for n in reader.__all__)
 
 
 def test_traceback_with_torch_rank_prefixes_is_read(tmp_path):
     """torch.distributed prefixes an uncaught exception's lines with "[rank3]: "."""
-    from ddp_hpc.runlogs.srun import exception_of, traceback_in
+    from ddp_hpc.judge.srun import exception_of, traceback_in
     p = tmp_path / "rank3.out"
     p.write_text("starting\n[rank3]: Traceback (most recent call last):\n"
                  '[rank3]:   File "/x/train.py", line 24, in <module>\n'

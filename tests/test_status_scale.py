@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.runlogs import reader
+from ddp_hpc.judge import reader
 from ddp_hpc.slurm.cli import SACCT_FIELDS, SEP, SQUEUE_FIELDS, SlurmCLI
 from ddp_hpc.status import collect as collect_mod
 from ddp_hpc.status import rowcache
@@ -125,7 +125,7 @@ def test_the_table_reads_an_ended_jobs_logs_once_while_nothing_changed(home, tmp
     third = {s.id: s for s in collect(recent_targets(0), SlurmCLI(runner=sched), brief=True)}
     assert sorted(read) == sorted([str(done), str(running)]) and third["701"].eval_metrics == {"acc": 0.9}
     sched.jobs["701"] = "FAILED"            # the scheduler says otherwise: a new row, its logs'
-    read.clear()                            # facts from the record (runlogs/kept.py), unchanged
+    read.clear()                            # facts from the record (judge/kept.py), unchanged
     fourth = {s.id: s for s in collect(recent_targets(0), SlurmCLI(runner=sched), brief=True)}
     assert str(done) not in read and fourth["701"].state == "FAILED"
     assert fourth["701"].eval_metrics == {"acc": 0.9} and fourth["701"].progress.loss == 0.5

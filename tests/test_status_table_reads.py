@@ -13,8 +13,8 @@ import time
 import pytest
 
 from ddp_hpc import fsutil, records
-from ddp_hpc.runlogs import kept
-from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.judge import kept
+from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.status import rowcache
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.targets import StatusTarget, recent_targets
@@ -68,7 +68,7 @@ def test_the_table_reads_the_other_ranks_endings_and_judges_the_same(tmp_path):
 
 
 def test_a_ranks_ending_is_read_back_to_its_newest_step_at_most_END_LINES(tmp_path):
-    from ddp_hpc.runlogs import tails
+    from ddp_hpc.judge import tails
     events = [ev(1, "step", s, step=s) for s in range(1, 4)]
     events += [ev(1, "stack", 10 + i, stack="x" * 3000) for i in range(tails.END_LINES + 3)]
     write(tmp_path, 1, events)
@@ -79,7 +79,7 @@ def test_a_ranks_ending_is_read_back_to_its_newest_step_at_most_END_LINES(tmp_pa
 
 
 def test_events_since_an_offset_are_only_those_appended_after_it(tmp_path, monkeypatch):
-    from ddp_hpc.runlogs import tails
+    from ddp_hpc.judge import tails
     write(tmp_path, 0, [ev(0, "step", s, step=s) for s in range(1, 4)])
     p = tmp_path / "rank0.events.jsonl"
     offset = p.stat().st_size

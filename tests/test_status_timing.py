@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ddp_hpc.runlogs import timing
+from ddp_hpc.judge import timing
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.status.view import render_detail, render_table
@@ -187,7 +187,7 @@ def _data_events(rank, host, data_s, n=8, step_s=0.5):
 def test_the_training_cores_own_data_wait_names_a_slow_loader():
     """Training-core step events are written after a collective (same times on every rank);
     their data_s tells the rank with the slow loader apart."""
-    from ddp_hpc.runlogs.timing import stragglers
+    from ddp_hpc.judge.timing import stragglers
     per_rank = {0: _data_events(0, "n1", 0.01), 1: _data_events(1, "n1", 0.012),
                 2: _data_events(2, "n2", 0.011), 3: _data_events(3, "n2", 0.2)}
     out = stragglers(per_rank, {0: "n1", 1: "n1", 2: "n2", 3: "n2"})
@@ -197,7 +197,7 @@ def test_the_training_cores_own_data_wait_names_a_slow_loader():
 
 
 def test_a_tiny_data_wait_is_not_a_straggler_however_large_the_ratio():
-    from ddp_hpc.runlogs.timing import stragglers
+    from ddp_hpc.judge.timing import stragglers
     per_rank = {r: _data_events(r, "n1", 0.0001) for r in range(3)}
     per_rank[3] = _data_events(3, "n1", 0.0009)   # 9x, but 0.8 ms of a 0.5 s step
     out = stragglers(per_rank, {r: "n1" for r in range(4)})

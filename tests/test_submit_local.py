@@ -14,7 +14,7 @@ import yaml
 
 from ddp_hpc import records
 from ddp_hpc.config import load_config
-from ddp_hpc.runlogs import kept
+from ddp_hpc.judge import kept
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def test_local_sweep_runs_each_task_with_its_overrides(tmp_path):
         assert start["total_steps"] == steps and start["job_id"] == f"{rec.id}_{task['task_id']}"
         assert _events(d, 1)[-1]["status"] == "completed"
         # the driver kept what the job table shows of the task's logs when it ended: the table
-        # takes the row from the record (ddp_hpc.runlogs.kept), the logs unchanged since
+        # takes the row from the record (ddp_hpc.judge.kept), the logs unchanged since
         final = records.final_of(rec, task["task_id"])
         assert final["state"] == "COMPLETED" and final["logs"]["progress"]["step"] == steps
         assert kept.kept_logs(final["logs"], d) is not None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.runlogs.reader import read_events
+from ddp_hpc.judge.reader import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,8 @@ from ddp_hpc.config import ConfigError, SlurmOptions
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.env import job_facts
 from ddp_hpc.env.checks import detect
-from ddp_hpc.runlogs.restarts import append_restart, read_restarts, sched_index
+from ddp_hpc.judge.restarts import read_restarts, sched_index
+from ddp_hpc.runlogs.restarts import append_restart
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.query import _view_from_rows  # the rows -> state step of query_slurm
 from ddp_hpc.submit.render import render

@@ -8,7 +8,7 @@ reads back when the child ends (docs/scripts.md, "What status sees without chang
   writes; read back as the rank's error) and ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (1, as torchrun);
 - PyTorch's flight recorder where NCCL can be used (the rank sees a GPU) and the user has not
   chosen: a trace buffer, a dump on a collective timeout, the dump files in the run directory
-  (``ddp_hpc.runlogs.flightrec`` reads them);
+  (``ddp_hpc.judge.flightrec`` reads them);
 - for a Python command, unless turned off (``DDP_HPC_INSTRUMENT=0``, ``submit --no-instrument``):
   ``ddp_hpc/instrument/site`` first on PYTHONPATH and ``DDP_HPC_INSTRUMENT_BOOT`` (the exit-record
   pipe, the faulthandler file), so the script's interpreter starts ``ddp_hpc.instrument``.
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ddp_hpc.judge.stacks import stack_excerpt
 from ddp_hpc.runlogs.schema import error_file, fault_file, flight_prefix
-from ddp_hpc.runlogs.stacks import stack_excerpt
 
 #: the opt-out: DDP_HPC_INSTRUMENT=0 (or false / no / off)
 INSTRUMENT_VAR = "DDP_HPC_INSTRUMENT"

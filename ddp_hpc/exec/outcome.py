@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ddp_hpc.exits import EX_TEMPFAIL, exit_status_of_signal, signal_name, signal_of_exit_status
-from ddp_hpc.runlogs.srun import exception_of, traceback_in
-from ddp_hpc.runlogs.tails import read_events
+from ddp_hpc.judge.srun import exception_of, traceback_in
+from ddp_hpc.judge.tails import read_events
 
 TRACEBACK_MARK = b"Traceback (most recent call last):"
 TAIL_BYTES = 1 << 20     # how much of the end of the output is read for a traceback

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from ddp_hpc.env import job_facts
 from ddp_hpc.exits import EX_TEMPFAIL
-from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
-from ddp_hpc.runlogs.reader import RunLogs
-from ddp_hpc.runlogs.restarts import read_restarts, sched_index
+from ddp_hpc.judge.attribution import SchedulerFacts, attribute
+from ddp_hpc.judge.reader import RunLogs
+from ddp_hpc.judge.restarts import read_restarts, sched_index
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import expand
 from ddp_hpc.slurm.query import query_slurm

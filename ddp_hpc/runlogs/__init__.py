@@ -1,22 +1,7 @@
-"""Run logs: per-rank text logs and JSONL events, written on the nodes and read by status.
+"""Run logs, the writing side: what runs inside a rank (or the batch step) and writes a run's logs.
 
-``schema`` spells the file names, event names and keys; ``writer`` writes them during training;
-``reader`` (re-exported here) turns a log directory into facts; ``srun`` reads plain-text output.
+``schema`` spells the file names, event names and keys (the one format, read by
+``ddp_hpc.judge``); ``writer`` writes a rank's text log and events; ``tboard`` its TensorBoard
+scalars; ``watchdog`` the stack dumps before a collective timeout; ``restarts`` the supervisor's
+restarts.jsonl.
 """
-from ddp_hpc.runlogs.reader import (
-                                    Failure,
-                                    RankStream,
-                                    RunEnding,
-                                    RunLogs,
-                                    RunProgress,
-                                    RunSummary,
-                                    exception_of,
-                                    read_events,
-                                    run_ending,
-                                    tail_file,
-                                    tail_lines,
-                                    traceback_in,
-)
-
-__all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "RunEnding", "read_events",
-           "run_ending", "traceback_in", "exception_of", "tail_file", "tail_lines"]

@@ -36,7 +36,7 @@ __all__ = ["STACK_SIGNAL", "HangWatch", "format_stacks", "dump_after"]
 STACK_SIGNAL = signal.SIGURG
 POLL_S = 1.0
 #: the first dump of a silence comes when status would call the job stalled (the same rule as
-#: ``runlogs.timing``: max(10 x the usual step interval, 60 s)), so a running, stalled job shows
+#: ``judge.timing``: max(10 x the usual step interval, 60 s)), so a running, stalled job shows
 #: where its ranks are; the second before the collective timeout (`dump_after`)
 STALL_FACTOR, STALL_MIN_S = 10.0, 60.0
 

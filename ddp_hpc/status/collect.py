@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
-from ddp_hpc.runlogs import flightrec, kept, timing
-from ddp_hpc.runlogs.consequences import compress as compress_ranks
-from ddp_hpc.runlogs.consequences import ranks_text
-from ddp_hpc.runlogs.reader import Failure, RunLogs, RunProgress
-from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
+from ddp_hpc.judge import flightrec, kept, timing
+from ddp_hpc.judge.consequences import compress as compress_ranks
+from ddp_hpc.judge.consequences import ranks_text
+from ddp_hpc.judge.reader import Failure, RunLogs, RunProgress
+from ddp_hpc.judge.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SourceState, cluster_or_reason, query_slurm
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.slurm.times import format_duration, normalize_duration

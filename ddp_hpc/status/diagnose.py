@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddp_hpc.runlogs.attribution import SchedulerFacts, attribute
-from ddp_hpc.runlogs.reader import RunLogs
-from ddp_hpc.runlogs.restarts import sched_index
+from ddp_hpc.judge.attribution import SchedulerFacts, attribute
+from ddp_hpc.judge.reader import RunLogs
+from ddp_hpc.judge.restarts import sched_index
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.status.stopped import STOPPED, stall_before_stop

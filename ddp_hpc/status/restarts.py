@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
+from ddp_hpc.judge.reader import RunLogs
+from ddp_hpc.judge.restarts import read_restarts, time_lost
 from ddp_hpc.parsing import to_float
-from ddp_hpc.runlogs.reader import RunLogs
-from ddp_hpc.runlogs.restarts import read_restarts, time_lost
 
 __all__ = ["alloc_restarts", "restart_lines"]
 

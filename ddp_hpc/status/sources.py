@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 from ddp_hpc import records
+from ddp_hpc.judge import kept
+from ddp_hpc.judge.kept import KeptLogs
+from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch.tree import recorded_processes
-from ddp_hpc.runlogs import kept
-from ddp_hpc.runlogs.kept import KeptLogs
-from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SUBMIT_SLACK_S, SourceState
 from ddp_hpc.slurm.states import JobState, StateInfo, parse_state

@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import time
 
-from ddp_hpc.runlogs.consequences import ranks_text
-from ddp_hpc.runlogs.reader import RunLogs
-from ddp_hpc.runlogs.stacks import hang_line, stack_summary
+from ddp_hpc.judge.consequences import ranks_text
+from ddp_hpc.judge.reader import RunLogs
+from ddp_hpc.judge.stacks import hang_line, stack_summary
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.status.targets import StatusError
 

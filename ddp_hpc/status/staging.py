@@ -3,7 +3,7 @@
 MB/s and how (copy | sbcast | reused)."""
 from __future__ import annotations
 
-from ddp_hpc.runlogs.reader import RunLogs
+from ddp_hpc.judge.reader import RunLogs
 
 __all__ = ["stage_rows", "stage_lines"]
 

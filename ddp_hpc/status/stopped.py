@@ -1,7 +1,7 @@
 """What a job stopped from outside (cancelled, interrupted, out of time) still tells: which rank
 had stalled before the stop.
 
-While a job runs, status names its silent ranks (``ddp_hpc.runlogs.timing.stall``: "rank 1
+While a job runs, status names its silent ranks (``ddp_hpc.judge.timing.stall``: "rank 1
 stopped first"). A user who sees that cancels the job, and the stop makes every rank write an
 ``end`` event: the stall is gone from the ranks' newest events. So the stall is judged again as
 it stood at the moment of the stop, from the events written before it, and becomes the job's
@@ -9,10 +9,10 @@ First failure.
 """
 from __future__ import annotations
 
+from ddp_hpc.judge import timing
+from ddp_hpc.judge.attribution import Failure
+from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.parsing import to_float
-from ddp_hpc.runlogs import timing
-from ddp_hpc.runlogs.attribution import Failure
-from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.text import plural

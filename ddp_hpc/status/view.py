@@ -13,12 +13,12 @@ import sys
 import time
 from typing import Callable, Iterable
 
+from ddp_hpc.judge.consequences import compress as compress_ranks
+from ddp_hpc.judge.consequences import ranks_text
+from ddp_hpc.judge.tails import follow_logs, log_line, logs_tail, rank_files, render_logs
+from ddp_hpc.judge.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.runlogs import tboard
-from ddp_hpc.runlogs.consequences import compress as compress_ranks
-from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
-from ddp_hpc.runlogs.tails import follow_logs, log_line, logs_tail, rank_files, render_logs
-from ddp_hpc.runlogs.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.status.collect import JobStatus
 from ddp_hpc.status.restarts import restart_lines

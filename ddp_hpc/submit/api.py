@@ -31,9 +31,9 @@ from typing import Any, Callable, Mapping, Sequence
 from ddp_hpc.config import SlurmOptions
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.data.scriptstage import encode_items
+from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch import RankFailedError
 from ddp_hpc.launch.tree import start_time
-from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.submit import dispatch as submit_dispatch

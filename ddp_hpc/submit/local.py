@@ -25,10 +25,10 @@ from ddp_hpc import records
 from ddp_hpc.env import host_gpus
 from ddp_hpc.exits import exit_status_of_signal
 from ddp_hpc.fsutil import atomic_write_json
+from ddp_hpc.judge import kept
+from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch import start_local
 from ddp_hpc.launch.tree import LaunchError, pretend_node_gpus, start_time
-from ddp_hpc.runlogs import kept
-from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT, rank_out
 from ddp_hpc.submit.spec import JobSpec, SpecError
 from ddp_hpc.text import plural, prog
@@ -119,7 +119,7 @@ def _ending(res, started: float) -> dict:
 
 
 def _summary(log_dir: str) -> dict | None:
-    """What the job table shows of the run's logs, kept in its record (`ddp_hpc.runlogs.kept`)."""
+    """What the job table shows of the run's logs, kept in its record (`ddp_hpc.judge.kept`)."""
     try:
         return kept.summarize(RunLogs(log_dir, ends_only=True))
     except (OSError, ValueError) as exc:  # the table reads the logs instead; the run's end is still kept

@@ -31,7 +31,7 @@ import yaml
 
 from ddp_hpc import records
 from ddp_hpc.config import JobConfig, config_to_dict
-from ddp_hpc.runlogs.reader import RunEnding, RunLogs, run_ending
+from ddp_hpc.judge.reader import RunEnding, RunLogs, run_ending
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.states import parse_state

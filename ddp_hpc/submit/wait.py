@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ddp_hpc.judge.tails import read_events
 from ddp_hpc.runlogs.schema import events_file
-from ddp_hpc.runlogs.tails import read_events
 from ddp_hpc.slurm.states import parse_state
 
 __all__ = ["wait_for_jobs", "latest_step", "run_verdict", "wait_and_judge"]

@@ -1,6 +1,6 @@
 """The supervisor's loop in the batch step: start the ranks as one srun step, watch it, and after
 a fault stop every rank, judge what failed from the run logs (the evidence ``ddp-hpc status``
-uses: ``ddp_hpc.runlogs.attribution``), exclude what failed and start the ranks again, up to
+uses: ``ddp_hpc.judge.attribution``), exclude what failed and start the ranks again, up to
 ``--max-restarts`` times. Every restart is appended to ``restarts.jsonl`` in the log directory and
 to the job's record, and each new step gets ``DDP_HPC_ALLOC_RESTARTS`` (so its ranks' restart
 number, ``job_facts().restart_count``, is a new one); every step gets ``TORCHELASTIC_MAX_RESTARTS``
@@ -18,9 +18,10 @@ from typing import Mapping
 from ddp_hpc import records
 from ddp_hpc.env.job import ALLOC_RESTARTS_VAR, job_facts
 from ddp_hpc.exits import EX_TEMPFAIL
-from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute
-from ddp_hpc.runlogs.reader import RunLogs
-from ddp_hpc.runlogs.restarts import append_restart, read_restarts
+from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
+from ddp_hpc.judge.reader import RunLogs
+from ddp_hpc.judge.restarts import read_restarts
+from ddp_hpc.runlogs.restarts import append_restart
 from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import compress, expand

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["Policy", "Verdict", "NodePlan", "verdict", "next_nodes", "USER_KINDS", "FAULT_KINDS"]
 
-#: failure kinds (ddp_hpc.runlogs.attribution) that the user's own code caused
+#: failure kinds (ddp_hpc.judge.attribution) that the user's own code caused
 USER_KINDS = frozenset({"raised", "exited"})
 #: failure kinds of a fault around the code: a node, a signal, a hang
 FAULT_KINDS = frozenset({"killed", "vanished", "stuck", "lost", "consequence"})

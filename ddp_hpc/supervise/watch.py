@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddp_hpc.judge.evidence import consequence_phrase
 from ddp_hpc.parsing import to_float, to_int
-from ddp_hpc.runlogs.evidence import consequence_phrase
 from ddp_hpc.runlogs.schema import EVENTS_RE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 

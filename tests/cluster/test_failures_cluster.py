@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.runlogs.reader import read_events
+from ddp_hpc.judge.reader import read_events
 
 pytestmark = pytest.mark.cluster
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.runlogs.reader import read_events
+from ddp_hpc.judge.reader import read_events
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import expand
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.runlogs.reader import read_events
-from ddp_hpc.runlogs.restarts import read_restarts
+from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.restarts import read_restarts
 
 from .script_helpers import wait_for
 

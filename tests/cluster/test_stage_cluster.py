@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.runlogs.reader import read_events
+from ddp_hpc.judge.reader import read_events
 
 pytestmark = pytest.mark.cluster
 

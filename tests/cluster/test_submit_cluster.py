@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.runlogs.reader import read_events
+from ddp_hpc.judge.reader import read_events
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 
 pytestmark = pytest.mark.cluster

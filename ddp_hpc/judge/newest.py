@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_hpc.runlogs.tails import RankStream, decoded, read_events, restart_of
+from ddp_hpc.judge.tails import RankStream, decoded, read_events, restart_of
 
 __all__ = ["read_newest_run", "METRIC_EVENTS"]
 

@@ -17,10 +17,10 @@ import dataclasses
 import os
 from pathlib import Path
 
+from ddp_hpc.judge.reader import RunLogs, RunProgress, RunSummary
+from ddp_hpc.judge.srun import srun_exit_codes
 from ddp_hpc.parsing import to_int
-from ddp_hpc.runlogs.reader import RunLogs, RunProgress, RunSummary
 from ddp_hpc.runlogs.schema import batch_outputs, events_file
-from ddp_hpc.runlogs.srun import srun_exit_codes
 
 __all__ = ["summarize", "kept_logs", "KeptLogs", "start_nodes", "VERSION"]
 

@@ -9,7 +9,7 @@ non-JSON line is skipped and counted.
 Why so much care about *which* rank failed first: when one rank raises, srun's kill-on-bad-exit and
 collective timeouts make every other rank die too, often with errors of their own ("connection
 reset by peer"), and a rank that was killed or hangs writes nothing at all. Who is to blame is
-decided by evidence in ``ddp_hpc.runlogs.attribution``; this module reads the files it weighs.
+decided by evidence in ``ddp_hpc.judge.attribution``; this module reads the files it weighs.
 """
 from __future__ import annotations
 
@@ -19,11 +19,9 @@ import os
 import re
 from pathlib import Path
 
-from ddp_hpc.parsing import to_float, to_int
-from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute
-from ddp_hpc.runlogs.newest import read_newest_run
-from ddp_hpc.runlogs.schema import EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE, batch_outputs, events_file
-from ddp_hpc.runlogs.srun import (
+from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
+from ddp_hpc.judge.newest import read_newest_run
+from ddp_hpc.judge.srun import (
     TaskReport,
     exception_of,
     local_reports,
@@ -35,8 +33,10 @@ from ddp_hpc.runlogs.srun import (
     traceback_in,
     traceback_in_lines,
 )
-from ddp_hpc.runlogs.tails import FULL_READ_BYTES, RankStream, file_size, over_budget, read_events
-from ddp_hpc.runlogs.timing import RunProgress, progress
+from ddp_hpc.judge.tails import FULL_READ_BYTES, RankStream, file_size, over_budget, read_events
+from ddp_hpc.judge.timing import RunProgress, progress
+from ddp_hpc.parsing import to_float, to_int
+from ddp_hpc.runlogs.schema import EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE, batch_outputs, events_file
 
 __all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "RunEnding", "read_events",
            "run_ending", "traceback_in", "exception_of", "tail_file", "tail_lines"]
@@ -96,7 +96,7 @@ class RunLogs:
     """All the rank files of one log directory, read once; methods derive the facts; no directory
     (or None: not known) reads as one without files. ``ends_only``: of the other ranks' event files
     only how their current run ended (their last events back to the newest step: `tails.END_LINES`),
-    of rank 0's its newest run whole and the earlier start and eval events (`runlogs.newest`): what
+    of rank 0's its newest run whole and the earlier start and eval events (`judge.newest`): what
     a job table shows; `widen` reads them as a detail view does beyond the read budget, and so does
     ``window`` from the start (a running job's row: its stall). ``rank0_only`` (with ``ends_only``;
     a job that completed): of the event files rank 0's alone, where there is one."""
@@ -262,7 +262,7 @@ class RunLogs:
     def first_failure(self, assume_failed: bool = False, evidence_only: bool = False,
                       sched: SchedulerFacts | None = None) -> Failure | None:
         """The primary cause of the current run's failure, by evidence rather than by the first
-        timestamp (``ddp_hpc.runlogs.attribution``): a raised error, a killed rank, a lost node, a
+        timestamp (``ddp_hpc.judge.attribution``): a raised error, a killed rank, a lost node, a
         rank stuck while the others timed out; else, when the job failed (``assume_failed``:
         the scheduler says so) or some ranks ended while others did not, the rank whose events
         stopped first. ``evidence_only`` (the job still runs, or was stopped from outside) counts

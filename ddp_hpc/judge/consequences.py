@@ -1,16 +1,16 @@
 """The words of an attribution: the first failure line, what followed from it ("ranks 0-2: lost
 their peer rank 3 (Connection reset by peer)"), and the stacks the ranks wrote.
 
-`ddp_hpc.runlogs.attribution` decides who is to blame; this module only relabels the ranks whose
+`ddp_hpc.judge.attribution` decides who is to blame; this module only relabels the ranks whose
 failure followed the blamed one and puts the result in words, so the status views and JSON show
 the same sentences.
 """
 from __future__ import annotations
 
 from ddp_hpc.exits import signal_name
-from ddp_hpc.runlogs.evidence import TIMEOUT_RE, RankEnding
-from ddp_hpc.runlogs.stacks import stack_excerpt, stack_summary
-from ddp_hpc.runlogs.tails import RunFiles
+from ddp_hpc.judge.evidence import TIMEOUT_RE, RankEnding
+from ddp_hpc.judge.stacks import stack_excerpt, stack_summary
+from ddp_hpc.judge.tails import RunFiles
 
 #: kinds that are shown neither as blamed nor as a consequence
 _QUIET = ("completed", "preempted", "running")

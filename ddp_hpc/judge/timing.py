@@ -28,9 +28,9 @@ import bisect
 import statistics
 from dataclasses import dataclass
 
+from ddp_hpc.judge.consequences import ranks_text
+from ddp_hpc.judge.stacks import hang_line, stack_summary
 from ddp_hpc.parsing import to_float, to_int
-from ddp_hpc.runlogs.consequences import ranks_text
-from ddp_hpc.runlogs.stacks import hang_line, stack_summary
 
 #: with data_s, a rank's extra wait must also be at least this share of the median step time
 OWN_MIN_SHARE = 0.1
@@ -153,7 +153,7 @@ def silent_texts(per_rank: dict[int, list[dict]], ranks: list[int]) -> dict[int,
 
 
 def hang(per_rank: dict[int, list[dict]], ranks: list[int]) -> str | None:
-    """The silent ranks' hang in one line (`ddp_hpc.runlogs.stacks.hang_line`): which rank is
+    """The silent ranks' hang in one line (`ddp_hpc.judge.stacks.hang_line`): which rank is
     not inside a collective while the others wait in one; None when the stacks do not say."""
     return hang_line(silent_texts(per_rank, ranks), ranks_text)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from ddp_hpc.judge.srun import TaskReport, tail_file
 from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.schema import EVENTS_RE, LOG_RE, OUT_RE
-from ddp_hpc.runlogs.srun import TaskReport, tail_file
 
 __all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs", "read_window", "RankStream",
            "read_events", "over_budget", "file_size", "RunFiles"]
@@ -53,7 +53,7 @@ class RankStream:
     events: list[dict] = field(default_factory=list)
     bad_lines: int = 0
     skipped: int = 0  # bytes between the head and the tail not read (the read budget above)
-    newest_only: bool = False  # rank 0's newest run and earlier start and eval events (runlogs.newest)
+    newest_only: bool = False  # rank 0's newest run and earlier start and eval events (judge.newest)
     #: the events grouped by restart number, and the (list, length) it was built from: status
     #: asks for one run's events many times per rank, and a scan per question made it quadratic
     _by_restart: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -83,7 +83,7 @@ class RankStream:
 
 
 class RunFiles(Protocol):
-    """What attribution reads of a run's log directory (`ddp_hpc.runlogs.reader.RunLogs` is the
+    """What attribution reads of a run's log directory (`ddp_hpc.judge.reader.RunLogs` is the
     one implementation): the event streams, each rank's ``rank{R}.out``, srun's reports."""
 
     ranks: dict[int, RankStream]

@@ -1,7 +1,7 @@
 """How one rank's run ended, from its own evidence: its ``error`` / ``end`` events, its
 ``rank{R}.out`` and srun's (or the local driver's) report of its exit.
 
-`own_ending` gives each rank a first classification; `ddp_hpc.runlogs.attribution` then weighs
+`own_ending` gives each rank a first classification; `ddp_hpc.judge.attribution` then weighs
 the ranks against each other (a node lost, a rank stuck while the others timed out) and names
 the primary cause. The kinds (docs/status.md, "Who broke the job"):
 
@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass, fields
 
 from ddp_hpc.exits import signal_name, signal_number, signal_text
+from ddp_hpc.judge.srun import TaskReport, exception_of
 from ddp_hpc.parsing import to_float
-from ddp_hpc.runlogs.srun import TaskReport, exception_of
 
 #: failures caused by a peer that died, hung or vanished, most telling first; the match is what
 #: status shows

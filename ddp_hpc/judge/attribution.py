@@ -4,7 +4,7 @@ the ranks that only failed because of it (docs/status.md, "Who broke the job").
 Why not the earliest ``error`` event: when rank 3 is killed (the OOM killer's SIGKILL), it
 writes nothing, and the survivors' "Connection reset by peer" errors are the only events; when
 rank 3 hangs, the others' collective timeouts are. So each rank is first classified by its own
-evidence (`ddp_hpc.runlogs.evidence`), then in context:
+evidence (`ddp_hpc.judge.evidence`), then in context:
 
 1. a node failed (the scheduler says NODE_FAIL, srun says "Node failure on n2", or every rank
    of one host went silent while ranks elsewhere wrote how they failed): its silent ranks
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddp_hpc.runlogs import consequences as conseq
-from ddp_hpc.runlogs.evidence import TIMEOUT_RE, RankEnding, own_ending
+from ddp_hpc.judge import consequences as conseq
+from ddp_hpc.judge.evidence import TIMEOUT_RE, RankEnding, own_ending
+from ddp_hpc.judge.srun import signal_text, tail_lines
+from ddp_hpc.judge.tails import RunFiles
 from ddp_hpc.runlogs.schema import rank_out
-from ddp_hpc.runlogs.srun import signal_text, tail_lines
-from ddp_hpc.runlogs.tails import RunFiles
 
 #: how much older than the others' collective timeouts a silent rank's last event must be to
 #: call it stuck (a collective timeout is at least tens of seconds)

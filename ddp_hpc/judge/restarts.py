@@ -1,0 +1,61 @@
+"""In-allocation restarts as the run logs keep them, read back: ``restarts.jsonl`` in the run's log
+directory, one JSON object per restart (`schema.ALLOC_RESTART_KEYS`), appended by the supervisor in
+the batch step (``ddp_hpc.runlogs.restarts``), read here for status and for the supervisor of a
+requeued run (which numbers its restarts on from the earlier runs').
+
+The scheduler's runs of a job (sacct's rows) and the logs' restart numbers: an in-allocation
+restart takes a restart number of its own but is no run of the scheduler's, so the scheduler's run
+of restart number R is ``R - base - (in-allocation restarts numbered <= R)`` (`sched_index`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ddp_hpc.parsing import to_float, to_int
+from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE
+
+__all__ = ["read_restarts", "sched_index", "first_step_at", "time_lost"]
+
+
+def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
+    """The restarts recorded in ``log_dir`` (of job ``job_id`` only, when given), in order;
+    unreadable lines are skipped."""
+    if not log_dir:
+        return []
+    try:
+        lines = Path(log_dir, ALLOC_RESTARTS_FILE).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and to_int(rec.get("restart"), None) is not None and (
+                job_id is None or str(rec.get("job_id")) == str(job_id)):
+            out.append(rec)
+    return out
+
+
+def sched_index(restart: int, base: int, entries: list[dict]) -> int:
+    """The index in the scheduler's history of the run with restart number ``restart``: the
+    in-allocation restarts numbered ``base..restart`` are no runs of the scheduler's."""
+    inside = sum(1 for e in entries if base <= to_int(e.get("restart"), -1) <= restart)
+    return restart - base - inside
+
+
+def first_step_at(logs, restart: int) -> float | None:
+    """When the first rank of run ``restart`` reported a training step (a ``RunLogs``)."""
+    times = [to_float(e.get("time")) for s in logs.ranks.values() for e in s.of_restart(restart)
+             if e.get("event") == "step"]
+    times = [t for t in times if t is not None]
+    return min(times) if times else None
+
+
+def time_lost(entry: dict, logs) -> float | None:
+    """Seconds from the fault to the first training step after the restart (None: no step yet)."""
+    first = first_step_at(logs, to_int(entry.get("restart"), -1))
+    fault = to_float(entry.get("fault_at")) or to_float(entry.get("detected_at"))
+    return None if first is None or fault is None else round(first - fault, 1)
