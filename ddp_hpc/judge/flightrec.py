@@ -35,14 +35,15 @@ def read_dump(path: Path) -> dict | None:
     try:
         data = path.read_bytes()[:MAX_BYTES]
         dump = json.loads(data) if data.lstrip()[:1] == b"{" else _PlainUnpickler(io.BytesIO(data)).load()
-    except (OSError, ValueError, pickle.UnpicklingError, EOFError):
-        return None
+    except Exception:  # bytes from disk: a truncated or crafted pickle can make the unpickler raise
+        return None    # nearly anything (TypeError, AttributeError, RecursionError, MemoryError, ...)
     return dump if isinstance(dump, dict) and isinstance(dump.get("entries"), list) else None
 
 
-def dumps(log_dir: Path, since: float | None = None) -> dict[int, dict]:
-    """rank -> its dump in ``log_dir`` (only files written at or after ``since``)."""
-    out: dict[int, dict] = {}
+def dumps(log_dir: Path, since: float | None = None) -> dict[int, dict | None]:
+    """rank -> its dump in ``log_dir`` (only files written at or after ``since``); None for a file
+    that is there but no readable dump (truncated, or not PyTorch's format)."""
+    out: dict[int, dict | None] = {}
     prefix = flight_prefix()
     for path in sorted(Path(log_dir).glob(prefix + "*")):
         rank = path.name[len(prefix):]
@@ -51,8 +52,7 @@ def dumps(log_dir: Path, since: float | None = None) -> dict[int, dict]:
                 continue
         except OSError:
             continue
-        if (dump := read_dump(path)) is not None:
-            out[int(rank)] = dump
+        out[int(rank)] = read_dump(path)
     return out
 
 
@@ -73,11 +73,12 @@ def _op(e: dict) -> str:
     return f"{str(e.get('profiling_name') or '?').split(':')[-1]} #{e['collective_seq_id']}"
 
 
-def summary(per_rank: dict[int, dict], ranks_text: Callable[[list[int]], str]) -> list[str]:
+def summary(per_rank: dict[int, dict | None], ranks_text: Callable[[list[int]], str]) -> list[str]:
     """Lines for status: per process group, the last collective the ranks entered, and the ranks
-    missing from the newest (behind it: the ranks the others wait for)."""
+    missing from the newest (behind it: the ranks the others wait for); then the ranks whose dump
+    could not be read."""
     lines = []
-    lasts = {r: _last_collectives(d) for r, d in sorted(per_rank.items())}
+    lasts = {r: _last_collectives(d) for r, d in sorted(per_rank.items()) if d is not None}
     for pg in sorted({pg for by_pg in lasts.values() for pg in by_pg}):
         entered = {r: by_pg[pg] for r, by_pg in lasts.items() if pg in by_pg}
         newest = max(e["collective_seq_id"] for e in entered.values())
@@ -89,4 +90,7 @@ def summary(per_rank: dict[int, dict], ranks_text: Callable[[list[int]], str]) -
         if behind:
             said += f": {ranks_text(behind)} missing from #{newest}"
         lines.append(f"{pg}: {said}")
+    if unreadable := sorted(r for r, d in per_rank.items() if d is None):
+        names = ", ".join(f"{flight_prefix()}{r}" for r in unreadable)
+        lines.append(f"unreadable: {names} (cut short, or not PyTorch's dump format)")
     return lines
