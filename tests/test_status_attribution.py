@@ -412,3 +412,59 @@ def test_a_stopped_rank_woken_by_slurm_is_still_the_stuck_one(tmp_path):
         "First failure: rank 3 on n2 stuck after step 40: it wrote no stack before the others' "
         "collective timeout while they did")
     assert any("timed out waiting for rank 3" in ln for ln in lines)
+
+
+PAIR_CLOSURE = "Application timeout caused pair closure"
+
+
+def test_a_stopped_rank_is_blamed_when_gloo_says_pair_closure(tmp_path):
+    """Issue 30 item 4 as the test cluster showed it: SIGSTOP on rank 3, a 150 s collective timeout.
+    Rank 2's DDP all-reduce failed with gloo's "Application timeout caused pair closure" (an
+    asynchronous all-reduce started before it timed out first and closed the group), ranks 0-1
+    saw the closed connections, and rank 3, woken by Slurm's SIGCONT, lost its peers too. The
+    rank that went silent while the others waited is the culprit, not rank 2."""
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 40) + [
+            ev(r, 100, "stack", reason="stalled: no step for 60 s", stack=STACK_PEER, step=40),
+            ev(r, 160, "stack", reason="collective timeout: no step for 120 s", stack=STACK_PEER, step=40)]
+            + peer_error(r, 190.2 + r / 10, PAIR_CLOSURE if r == 2 else CLOSED))
+    write(tmp_path, 3, run_until(3, 40) + peer_error(3, 191.0, CLOSED))
+    st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))
+    assert first_failure(lines)[0].startswith(
+        "First failure: rank 3 on n2 stuck after step 40: it wrote no stack before the others' "
+        "collective timeout while they did"), lines
+    assert f"    rank 2: timed out waiting for rank 3 ({PAIR_CLOSURE})" in lines
+    assert st.to_dict()["rank_classification"]["2"]["kind"] == "consequence"
+
+
+def test_the_stall_wins_over_words_the_patterns_do_not_know(tmp_path):
+    """Ranks whose watchdog stacks showed them waiting in a collective, and that failed there with
+    no step since, are victims whatever their error says; the rank that wrote no stack is stuck."""
+    odd = "[gloo] a collective failed for a reason these patterns have never seen"
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 40) + [
+            ev(r, 66, "stack", reason="collective timeout: no step for 24 s", stack=STACK_PEER, step=40)]
+            + peer_error(r, 70.1 + r / 10, odd))
+    write(tmp_path, 3, run_until(3, 40))
+    st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))
+    assert first_failure(lines)[0] == (
+        "First failure: rank 3 on n2 stuck: its last event (step 40) is 30 s older than the others'"), lines
+    kinds = {r: c["kind"] for r, c in st.to_dict()["rank_classification"].items()}
+    assert kinds == {"0": "consequence", "1": "consequence", "2": "consequence", "3": "stuck"}
+    assert st.to_dict()["rank_classification"]["0"]["waited"] == "all_reduce"
+
+
+def test_an_error_outside_a_collective_or_after_a_step_stays_the_ranks_own(tmp_path):
+    """The stall evidence holds only for a rank still waiting in a collective: rank 1's stack was
+    in its own loader, rank 2 stepped on after its stack; both raised their own errors."""
+    write(tmp_path, 0, run_until(0, 40) + [ev(0, 80, "end", status="completed", step=40)])
+    write(tmp_path, 1, run_until(1, 40) + [
+        ev(1, 66, "stack", reason="collective timeout: no step for 24 s", stack=STACK_BUSY, step=40)]
+        + peer_error(1, 70.1, "odd loader failure"))
+    write(tmp_path, 2, run_until(2, 40) + [
+        ev(2, 60, "stack", reason="on request", stack=STACK_PEER, step=40),
+        ev(2, 61, "step", epoch=0, step=41, total_steps=100)] + peer_error(2, 75, "odd step failure"))
+    write(tmp_path, 3, run_until(3, 40) + [ev(3, 80, "end", status="completed", step=40)])
+    kinds = {r: c["kind"] for r, c in detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))[0].to_dict()[
+        "rank_classification"].items()}
+    assert kinds["1"] == "raised" and kinds["2"] == "raised"

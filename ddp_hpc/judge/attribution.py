@@ -24,9 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ddp_hpc.judge import consequences as conseq
-from ddp_hpc.judge.evidence import TIMEOUT_RE, RankEnding, own_ending
+from ddp_hpc.judge.evidence import RankEnding, own_ending
 from ddp_hpc.judge.srun import signal_text, tail_lines
+from ddp_hpc.judge.stacks import collective
 from ddp_hpc.judge.tails import RunFiles
+from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import rank_out
 
 #: how much older than the others' collective timeouts a silent rank's last event must be to
@@ -90,6 +92,7 @@ def classify(logs: RunFiles, restart: int | None = None, sched: SchedulerFacts |
         out[rank] = own_ending(rank, [], logs.out_traceback(rank), logs.out_tail(rank),
                                reports.get(rank), rank_out(rank))
     if ended:
+        _waited(out, logs, restart)
         _in_context(out, logs, sched or SchedulerFacts(), files)
         _frozen(out, logs, restart)
     else:
@@ -103,6 +106,32 @@ def _silent(e: RankEnding) -> bool:
     return not e.spoke and e.kind in ("silent", "killed", "stopped", "exited")
 
 
+def _waited(endings: dict[int, RankEnding], logs: RunFiles, restart: int) -> None:
+    """A rank that raised after its watchdog stack showed it waiting in a collective, with no step
+    since, is a victim: the collective failed under it while it waited for a peer, whatever words
+    the backend chose. The stall the ranks wrote while the job ran wins over those words."""
+    for rank, e in endings.items():
+        if e.kind != "raised" or e.time is None or rank not in logs.ranks:
+            continue
+        waited, step = None, None
+        for ev in logs.ranks[rank].of_restart(restart):
+            t = to_float(ev.get("time"))
+            if t is None or t > e.time:
+                break
+            if ev.get("event") == "stack":
+                waited, step = collective(str(ev.get("stack") or "")), to_int(ev.get("step"), None)
+            elif waited and ev.get("event") == "step":
+                now = to_int(ev.get("step"), None)
+                waited = None if step is None or now is None or now > step else waited  # it stepped on
+        if waited:
+            e.kind, e.waited, e.phrase = "consequence", waited, e.phrase or _words(e.text)
+            e.basis = f"{e.basis}; its stack: waiting in {waited}"
+
+
+def _words(text: str, most: int = 80) -> str:
+    return text if len(text) <= most else text[:most - 3].rstrip() + "..."
+
+
 def _in_context(endings: dict[int, RankEnding], logs: RunFiles, sched: SchedulerFacts,
                 files: bool) -> None:
     node_fail, named = (logs.node_failures() if files else (False, []))
@@ -114,7 +143,7 @@ def _in_context(endings: dict[int, RankEnding], logs: RunFiles, sched: Scheduler
                 e.kind, e.text = "vanished", f"vanished with node {node}"
                 e.basis = why if node_fail or sched.state == "NODE_FAIL" else (
                     "every rank of the node went silent while the others failed")
-    timed = [e for e in endings.values() if e.kind == "consequence" and TIMEOUT_RE.search(e.phrase or "")]
+    timed = [e for e in endings.values() if e.timed_out]
     if timed:
         times = [t for e in timed if (t := e.time or e.last_time) is not None]
         ref = min(times) if times else None
@@ -140,8 +169,7 @@ def _frozen(endings: dict[int, RankEnding], logs: RunFiles, restart: int) -> Non
     """A rank that wrote no watchdog stack before the others' collective timeouts, while they
     did, was frozen (SIGSTOP, a hang outside Python): ``stuck``, even when it wrote events later
     (Slurm sends SIGCONT before it ends a step, so a stopped rank wakes and fails too)."""
-    timed = [e.time for e in endings.values() if e.kind == "consequence" and e.time is not None
-             and TIMEOUT_RE.search(e.phrase or "")]
+    timed = [e.time for e in endings.values() if e.timed_out and e.time is not None]
     if not timed or any(e.kind in ("vanished", "stuck") for e in endings.values()):
         return
     ref = min(timed)
@@ -178,7 +206,7 @@ def _lost_nodes(endings: dict[int, RankEnding], node_fail: bool, named: list[str
         return [min(cands, key=lambda e: (e.last_time, e.rank)).host] if cands else []
     # the others' failures must include more than timeouts: ranks that only timed out waited
     # for ranks that hung (stuck), not for ranks that are gone
-    gone = [e for e in spoke if not (e.kind == "consequence" and TIMEOUT_RE.search(e.phrase or ""))]
+    gone = [e for e in spoke if not e.timed_out]
     if len(hosts) < 2 or not gone or any(e.kind in CAUSES for e in spoke):
         return []  # a rank elsewhere failed on its own: the silent ones were stopped after it
     return [h for h in silent if len(hosts[h]) >= 2]

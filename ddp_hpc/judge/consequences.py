@@ -8,7 +8,7 @@ the same sentences.
 from __future__ import annotations
 
 from ddp_hpc.exits import signal_name
-from ddp_hpc.judge.evidence import TIMEOUT_RE, RankEnding
+from ddp_hpc.judge.evidence import RankEnding
 from ddp_hpc.judge.stacks import stack_excerpt, stack_summary
 from ddp_hpc.judge.tails import RunFiles
 
@@ -84,7 +84,7 @@ def _followed(e: RankEnding, p: RankEnding) -> tuple[str, str]:
         why = f" ({e.phrase})" if e.phrase else ""
         if p.kind == "consequence":
             return f"lost a peer too{why}", f"lost a peer too{why}"
-        if p.kind == "stuck" and TIMEOUT_RE.search(e.phrase or ""):
+        if p.kind == "stuck" and e.timed_out:
             return f"timed out waiting for {peer}{why}", f"timed out waiting for {peer}{why}"
         if p.kind == "vanished":
             return f"lost its peers on {p.host}{why}", f"lost their peers on {p.host}{why}"

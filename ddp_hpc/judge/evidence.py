@@ -27,10 +27,13 @@ from ddp_hpc.judge.srun import TaskReport, exception_of
 from ddp_hpc.parsing import to_float
 
 #: failures caused by a peer that died, hung or vanished, most telling first; the match is what
-#: status shows
+#: status shows. gloo's "Application timeout caused pair closure" fails a collective when another
+#: of the rank's collectives (an asynchronous one started earlier) timed out waiting for a peer:
+#: gloo then closes every connection of the group.
 CONSEQUENCES = tuple(re.compile(p, re.IGNORECASE) for p in (
     r"Connection (?:reset|closed) by peer", r"Broken pipe",
-    r"Timed out waiting \d+\s*ms for \w+", r"Watchdog caught collective operation timeout",
+    r"Timed out waiting \d+\s*ms for \w+", r"Application timeout caused pair closure",
+    r"Watchdog caught collective operation timeout",
     r"Some NCCL operations have failed or timed out", r"NCCL communicator was aborted",
     r"remote process exited or there was a network error", r"Timed out waiting[^.\n\[]{0,40}",
     r"NCCL watchdog[^.\n]{0,40}", r"ProcessGroupNCCL[^\n]{0,60}?time(?:d)? ?out", r"Socket Timeout",
@@ -69,11 +72,18 @@ class RankEnding:
     report_order: int | None = None
     after_abort: bool = False
     gap_s: float | None = None      # stuck: how much older its last event is than the others'
+    waited: str | None = None       # the collective its watchdog stack showed it waiting in, before it failed
 
     def to_dict(self) -> dict:
         """Every field but the traceback (all plain values: no deep copy, which cost seconds over
         8,192 ranks in bench/scale.py)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "traceback"}
+
+    @property
+    def timed_out(self) -> bool:
+        """It failed in a collective that timed out waiting for a peer: its words say so, or its
+        stack showed it waiting in the collective before it failed."""
+        return self.kind == "consequence" and bool(self.waited or TIMEOUT_RE.search(self.phrase or ""))
 
     @property
     def spoke(self) -> bool:
