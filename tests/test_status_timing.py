@@ -202,3 +202,44 @@ def test_a_tiny_data_wait_is_not_a_straggler_however_large_the_ratio():
     per_rank[3] = _data_events(3, "n1", 0.0009)   # 9x, but 0.8 ms of a 0.5 s step
     out = stragglers(per_rank, {r: "n1" for r in range(4)})
     assert out["slow_ranks"] == [] and out["lines"] == []
+
+
+C10D_WAIT = ('Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):\n'
+             '  File "/venv/lib/python3.11/site-packages/torch/autograd/graph.py", line 979 in _engine_run_backward\n'
+             '  File "/w/hang.py", line 28 in main\n')
+OWN_SLEEP = ('Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):\n'
+             '  File "/w/hang.py", line 31 in main\n')
+
+
+def _stack(rank, t, step, text):
+    return {"time": t, "event": "stack", "rank": rank, "job_id": "88", "restart": 0, "host": f"n{rank // 2 + 1}",
+            "step": step, "reason": "stalled: no step for 60 s", "stack": text}
+
+
+def test_the_stall_line_agrees_with_the_stacks_and_progress_shows_the_newest_step(tmp_path):
+    """Issue 30 item 14: rank 3 of a plain script sleeps at step 100. Step events are throttled to
+    one a second, so ranks 1-2's last step event says 91 and the others' 92; every rank's stack
+    event says step 100, rank 3 in its own code, ranks 0-2 in DDP's all-reduce. No rank that
+    waits in a collective "stopped first", and progress is step 100."""
+    last = {0: 92, 1: 91, 2: 91, 3: 92}
+    for r in range(4):
+        write(tmp_path, r, steps(r, last[r], first=last[r] - 10)
+              + [_stack(r, T0 + 160, 100, OWN_SLEEP if r == 3 else C10D_WAIT)])
+    st, lines = status(tmp_path, now=T0 + 92 + 74)
+    assert lines[2] == "Stalled:    ranks 0-3 silent for 00:01:14", lines
+    assert "            hang: rank 3 in main (hang.py:31); ranks 0-2 wait in DDP's all-reduce (backward)" in lines
+    assert st.stall["behind"] == [] and st.stall["last_steps"] == {"0": 100, "1": 100, "2": 100, "3": 100}
+    assert st.progress.step == 100
+    assert not any("stopped first" in ln for ln in lines)
+
+
+def test_a_rank_waiting_in_a_collective_never_stopped_first(tmp_path):
+    """Whatever its step numbers say, a rank whose stack of the silence waits in a collective was
+    held up by another: only the ranks outside a collective can have stopped first."""
+    for r in range(4):
+        write(tmp_path, r, steps(r, 40 if r in (1, 3) else 41)
+              + [_stack(r, T0 + 110, None, OWN_SLEEP if r == 3 else C10D_WAIT)])
+    st, lines = status(tmp_path, now=T0 + 41 + 130)
+    assert st.stall["behind"] == [3]
+    assert lines[2] == ("Stalled:    ranks 0-3 silent for 00:02:10; rank 3 stopped first (last step 40, "
+                        "the others' 41)"), lines

@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass
 
 from ddp_hpc.judge.consequences import ranks_text
-from ddp_hpc.judge.stacks import hang_line, stack_summary
+from ddp_hpc.judge.stacks import collective, hang_line, stack_summary
 from ddp_hpc.parsing import to_float, to_int
 
 #: with data_s, a rank's extra wait must also be at least this share of the median step time
@@ -95,7 +95,9 @@ def stall(per_rank: dict[int, list[dict]], now: float) -> dict | None:
     are not silent: they ended. Returns ``ranks`` (silent), ``silent_for_s`` (since the newest
     event of a silent rank), ``others_last_s`` (since the newest event of the others; None when
     every rank is silent), ``threshold_s``, ``median_interval_s``, ``behind`` (silent ranks whose
-    last step is behind the others': the ones that stopped first) and ``last_steps``."""
+    last step is behind the others': the ones that stopped first; never a rank whose stack of the
+    silence shows it waiting in a collective) and ``last_steps`` (the newest step any of the
+    rank's events reports: step events are throttled, a stack event carries the step it hung at)."""
     live = {r: evs for r, evs in per_rank.items()
             if evs and not any(e.get("event") in ("end", "error") for e in evs)}
     medians = {r: statistics.median(iv) for r, evs in live.items() if (iv := event_intervals(evs))}
@@ -108,16 +110,22 @@ def stall(per_rank: dict[int, list[dict]], now: float) -> dict | None:
     if not silent:
         return None
     others = [last[r] for r in live if r not in silent and last[r] is not None]
-    steps = {r: max((e["step"] for e in _steps(live[r]) if isinstance(e.get("step"), int)),
-                    default=None) for r in silent}
+    steps = {r: newest_step(live[r]) for r in silent}
     known = [s for s in steps.values() if s is not None]
-    behind = [r for r in silent if steps[r] is not None and known and steps[r] < max(known)]
+    waiting = {r for r, text in silent_texts(live, silent).items() if collective(text)}
+    behind = [r for r in silent if steps[r] is not None and known and steps[r] < max(known)
+              and r not in waiting]   # a rank its stack shows waiting in a collective stopped no one
     newest = max(last[r] for r in silent)
     return {"ranks": silent, "silent_for_s": round(now - newest, 3),
             "others_last_s": round(now - max(others), 3) if others else None,
             "threshold_s": round(max(limits[r] for r in silent), 3),
             "median_interval_s": round(overall, 3), "behind": behind,
             "last_steps": {str(r): steps[r] for r in silent}}
+
+
+def newest_step(events: list[dict]) -> int | None:
+    """The largest step any event reports (``step``, ``stack``, ``checkpoint``, ``end`` ...)."""
+    return max((s for e in events if (s := to_int(e.get("step"), None)) is not None), default=None)
 
 
 def silent_stacks(per_rank: dict[int, list[dict]], ranks: list[int], now: float | None = None,
@@ -251,8 +259,9 @@ def progress(evs: list[dict], all_events: list[dict]) -> RunProgress | None:
     for e in metrics:
         if e.get("epoch") is not None:
             p.epoch = to_int(e.get("epoch"), p.epoch)
-        if e.get("step") is not None:  # steps only grow within a run: keep the largest
-            p.step = max(to_int(e.get("step"), 0), p.step or 0)
+    # steps only grow within a run: the largest any event reports (a stack event's too: step
+    # events are throttled to one a second, the watchdog's stack names the step a rank hung at)
+    p.step = newest_step(evs if any(e.get("event") in kinds for e in evs) else metrics)
     # the newest step's loss and throughput (epoch events carry epoch means: a fallback)
     for kind in ("epoch", "step"):
         for e in (x for x in metrics if x.get("event") == kind):
