@@ -155,7 +155,8 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
         fwd.attach(proc)
         log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,
                   local_rank=env.local_rank, pid=proc.pid, total_steps=None, epochs=None,
-                  launcher=f"exec/{env.launcher}", device=None, command=cmd)
+                  launcher=f"exec/{env.launcher}", device=None, command=cmd,
+                  instrumented=inst.read_fd is not None)
         log.info(f"exec: started {cmd[0]} as pid {proc.pid} (rank {env.rank} of {env.world_size}, "
                  f"node {env.node_rank} of {env.num_nodes})")
         events = log.dir / events_file(env.rank) if log.dir else None

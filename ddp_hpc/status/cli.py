@@ -30,7 +30,7 @@ from ddp_hpc.runlogs.schema import rank_out, text_log
 from ddp_hpc.slurm.query import current_cluster, slurm_cli
 from ddp_hpc.status import view
 from ddp_hpc.status.collect import collect
-from ddp_hpc.status.stacks import ask_stacks, render_stacks
+from ddp_hpc.status.stacks import ask_stacks, render_stacks, silence_causes
 from ddp_hpc.status.targets import StatusError, is_slurm_id, job_targets, recent_targets
 from ddp_hpc.text import HelpFormatter, prog
 
@@ -150,9 +150,11 @@ def _stacks(args, targets, cli) -> int:
     found = []
     for t in targets:
         how, answers, silent = ask_stacks(t, cli)
-        found.append({"id": t.id, "asked_with": how, "stacks": answers, "silent_ranks": silent})
+        causes = silence_causes(t.log_dir, silent)
+        found.append({"id": t.id, "asked_with": how, "stacks": answers, "silent_ranks": silent,
+                      "silent_causes": {str(r): c for r, c in causes.items()}})
         if not args.json:
-            sys.stdout.write(render_stacks(t.id, how, answers, silent))
+            sys.stdout.write(render_stacks(t.id, how, answers, silent, causes))
     if args.json:
         sys.stdout.write(view.to_json(found[0] if len(found) == 1 else found))
     return 0

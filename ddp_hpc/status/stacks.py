@@ -8,16 +8,20 @@ watchdog thread (``ddp_hpc.runlogs.watchdog``; the training core starts one, and
 a ``stack`` event, which this command waits for. SIGURG is ignored by default, so a process
 without a watchdog is unharmed.
 A rank that answers nothing is frozen (SIGSTOP, a kernel hang), gone, or does not run ddp_hpc's
-watchdog; its silence is reported as such.
+watchdog (yet); `silence_causes` names, per rank, only the causes its run logs leave open: a rank
+that wrote a step or a stack before runs a watchdog, the training core starts one with its loop,
+and a script's exec wrapper writes in its ``start`` event whether it instrumented the script.
 """
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 from ddp_hpc.judge.consequences import ranks_text
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.stacks import hang_line, stack_summary
+from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.status.targets import StatusError
 
@@ -74,7 +78,56 @@ def ask_stacks(target, cli, wait_s: float = WAIT_S) -> tuple[str, dict[int, dict
     return how, answers, [r for r in ranks if r not in answers]
 
 
-def render_stacks(job_id: str, how: str, answers: dict[int, dict], silent: list[int]) -> str:
+#: how much of the start of rank<R>.out is read for the start-up hook's words
+OUT_HEAD_BYTES = 16 << 10
+#: what the script's start-up hook prints on its stderr when the instrumentation could not start
+_BOOT_FAILED = ("ddp_hpc: no instrumentation in", "ddp_hpc: instrumentation failed to start")
+FROZEN = "frozen (stopped, a hang in the kernel) or gone"
+
+
+def silence_causes(log_dir: str | None, ranks: list[int]) -> dict[int, str]:
+    """rank -> why it may not have answered, from what its events of the current run say."""
+    logs = RunLogs(log_dir) if log_dir else None
+    restart = logs.current_restart() if logs is not None else 0
+    out = {}
+    for r in ranks:
+        stream = logs.ranks.get(r) if logs is not None else None
+        evs = stream.of_restart(restart) if stream is not None else []
+        out[r] = _cause(r, evs, _out_lines(log_dir, r))
+    return out
+
+
+def _out_lines(log_dir: str | None, rank: int) -> list[str]:
+    """The start of ``rank<R>.out`` (where a script's start-up hook says it could not start)."""
+    try:
+        with open(Path(log_dir or "", rank_out(rank)), "rb") as f:
+            return f.read(OUT_HEAD_BYTES).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+
+
+def _cause(rank: int, evs: list[dict], out_lines: list[str]) -> str:
+    kinds = {e.get("event") for e in evs}
+    if kinds & {"end", "error"}:
+        return "ended"
+    if kinds & {"step", "stack"}:      # its watchdog ran: the training core's, report's or exec's
+        return FROZEN
+    start = next((e for e in reversed(evs) if e.get("event") == "start"), {})
+    if not str(start.get("launcher") or "").startswith("exec/"):
+        return f"{FROZEN}, or its training loop has not started (its watchdog starts with the loop)"
+    if start.get("instrumented") is False:
+        return (f"{FROZEN}, or its command runs without ddp_hpc's watchdog: the exec wrapper did not "
+                "instrument it (DDP_HPC_INSTRUMENT=0 / submit --no-instrument, or not a Python command)")
+    said = next((ln.strip() for ln in out_lines if ln.strip().startswith(_BOOT_FAILED)), None)
+    if said:
+        return f"{FROZEN}, or no watchdog: {rank_out(rank)} says {said!r}"
+    return (f"{FROZEN}, or its script has not imported torch nor taken a step yet (the watchdog of "
+            "ddp_hpc's instrumentation starts then)"
+            + ("" if start.get("instrumented") else ", or it runs uninstrumented (--no-instrument)"))
+
+
+def render_stacks(job_id: str, how: str, answers: dict[int, dict], silent: list[int],
+                  causes: dict[int, str] | None = None) -> str:
     out = [f"Stacks of job {job_id} (asked with {how}):"]
     if line := hang_line({r: str(ev.get("stack") or "") for r, ev in answers.items()}, ranks_text):
         out.append(f"hang: {line}")
@@ -84,9 +137,8 @@ def render_stacks(job_id: str, how: str, answers: dict[int, dict], silent: list[
                    + (f" (step {ev['step']})" if ev.get("step") is not None else ""))
         lines = str(ev.get("stack") or "").rstrip().splitlines()
         out += [f"    {ln}" for ln in lines[:TAIL]] + (["    ..."] if len(lines) > TAIL else [])
-    if silent:
-        out.append(f"no answer from rank{'s' if len(silent) > 1 else ''} "
-                   f"{', '.join(map(str, silent))}: frozen (stopped, a hang in the kernel), ended, "
-                   "or not running ddp_hpc's watchdog (a script run with --no-instrument, or one that has not "
-                   "imported torch yet)")
+    groups: dict[str, list[int]] = {}
+    for r in silent:
+        groups.setdefault((causes or {}).get(r) or FROZEN + ", ended, or without ddp_hpc's watchdog", []).append(r)
+    out += [f"no answer from {ranks_text(rs)}: {why}" for why, rs in groups.items()]
     return "\n".join(out) + "\n"
