@@ -116,8 +116,10 @@ def _waited(endings: dict[int, RankEnding], logs: RunFiles, restart: int) -> Non
         waited, step = None, None
         for ev in logs.ranks[rank].of_restart(restart):
             t = to_float(ev.get("time"))
-            if t is None or t > e.time:
+            if t is not None and t > e.time:
                 break
+            if t is None:
+                continue
             if ev.get("event") == "stack":
                 waited, step = collective(str(ev.get("stack") or "")), to_int(ev.get("step"), None)
             elif waited and ev.get("event") == "step":
