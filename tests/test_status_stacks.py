@@ -44,7 +44,10 @@ def test_each_silent_rank_gets_only_the_causes_its_logs_leave_open(tmp_path):
           out="ddp_hpc: no instrumentation in /usr/bin/python3: No module named 'ddp_hpc'\nhello\n")
     write(tmp_path, 5, [start(5, "exec/slurm", command=python, instrumented=True),
                         ev(5, 9, "end", status="completed", step=3)])
-    why = silence_causes(str(tmp_path), list(range(6)))
+    write(tmp_path, 6, [start(6, "function/local")])                                # ddp_hpc.submit(fn)
+    why = silence_causes(str(tmp_path), list(range(7)))
+    assert why[6] == (f"{FROZEN}, or its function has not called ddp_hpc.report nor ddp_hpc.fit yet (the "
+                      "watchdog starts then)")
     assert why[0] == FROZEN
     assert why[1] == f"{FROZEN}, or its training loop has not started (its watchdog starts with the loop)"
     assert why[2] == (f"{FROZEN}, or its script has not imported torch nor taken a step yet (the watchdog of "

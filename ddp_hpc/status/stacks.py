@@ -113,7 +113,11 @@ def _cause(rank: int, evs: list[dict], out_lines: list[str]) -> str:
     if kinds & {"step", "stack"}:      # its watchdog ran: the training core's, report's or exec's
         return FROZEN
     start = next((e for e in reversed(evs) if e.get("event") == "start"), {})
-    if not str(start.get("launcher") or "").startswith("exec/"):
+    launcher = str(start.get("launcher") or "")
+    if launcher.startswith("function/"):
+        return (f"{FROZEN}, or its function has not called ddp_hpc.report nor ddp_hpc.fit yet (the "
+                "watchdog starts then)")
+    if not launcher.startswith("exec/"):
         return f"{FROZEN}, or its training loop has not started (its watchdog starts with the loop)"
     if start.get("instrumented") is False:
         return (f"{FROZEN}, or its command runs without ddp_hpc's watchdog: the exec wrapper did not "
