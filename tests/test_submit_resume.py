@@ -21,6 +21,7 @@ from ddp_hpc.config import config_to_dict, load_config
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.submit import render
+from ddp_hpc.submit.backends import get
 from ddp_hpc.submit.resume import next_restart, resume_or_new
 from ddp_hpc.submit.slurm import submitit_parameters
 from ddp_hpc.submit.spec import SpecError, build_spec
@@ -149,7 +150,7 @@ def test_a_slurm_submission_resumes_into_the_run_dir_its_record_names(tmp_path, 
     monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
     new, cfg, run_dir = _earlier(tmp_path, backend, status=None, ckpt=True)   # killed: no end event
     said: list[str] = []
-    spec = resume_or_new(new, backend, [cfg], fresh=False, cli=_Queue(None), say=said.append)
+    spec = resume_or_new(new, get(backend), [cfg], fresh=False, cli=_Queue(None), say=said.append)
     assert spec.log_dir == str(run_dir) and spec.tasks[0].log_dir == str(run_dir)
     assert said == [f"resuming run {run_dir.name} from its checkpoint at step 40; --fresh starts over"]
     assert spec.restart_base == 1 and new.restart_base == 0     # restarts after the earlier run's 0
@@ -160,11 +161,11 @@ def test_a_slurm_submission_resumes_into_the_run_dir_its_record_names(tmp_path, 
     else:
         assert "export DDP_HPC_RESTART_BASE=1" in submitit_parameters(spec)["setup"]
         assert not any("RESTART_BASE" in line for line in submitit_parameters(new)["setup"])
-    other = resume_or_new(new, "sbatch" if backend == "submitit" else "submitit", [cfg], fresh=False,
+    other = resume_or_new(new, get("sbatch" if backend == "submitit" else "submitit"), [cfg], fresh=False,
                           cli=_Queue(None), say=said.append)
     assert other.log_dir == new.log_dir != str(run_dir)          # another backend: another run
     changed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=9))
-    assert resume_or_new(new, backend, [changed], fresh=False, cli=_Queue(None),
+    assert resume_or_new(new, get(backend), [changed], fresh=False, cli=_Queue(None),
                          say=said.append).log_dir == new.log_dir
     assert said[-1] == f"the config file changed since the earlier run {run_dir.name}; starting a new run"
 
@@ -186,13 +187,13 @@ def test_a_completed_or_checkpointless_or_queued_earlier_run_is_not_resumed(tmp_
     monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
     new, cfg, run_dir = _earlier(tmp_path, "sbatch", status="completed", ckpt=True)
     said: list[str] = []
-    assert resume_or_new(new, "sbatch", [cfg], fresh=False, cli=_Queue(None),
+    assert resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue(None),
                          say=said.append).log_dir == new.log_dir
     assert said == [f"the earlier run {run_dir.name} of this config completed (step 40, {run_dir}); "
                     f"starting a new run"]
     (run_dir / "checkpoints" / "ckpt-000000040.pt").unlink()
     (run_dir / "rank0.events.jsonl").write_text('{"event": "start"}\n{"event": "end", "status": "failed"}\n')
-    assert resume_or_new(new, "sbatch", [cfg], fresh=False, cli=_Queue(None),
+    assert resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue(None),
                          say=said.append).log_dir == new.log_dir
     assert said[-1] == f"the earlier run {run_dir.name} stopped before its first checkpoint; starting a new run"
 
@@ -201,8 +202,8 @@ def test_an_earlier_run_still_in_the_queue_is_not_submitted_twice(tmp_path, monk
     monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
     new, cfg, _ = _earlier(tmp_path, "sbatch", status="preempted", ckpt=True, final=False)
     with pytest.raises(SpecError) as exc:
-        resume_or_new(new, "sbatch", [cfg], fresh=False, cli=_Queue("PENDING"), say=print)
+        resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue("PENDING"), say=print)
     assert "job 4242" in exc.value.problem and "still queued or running" in exc.value.problem
     assert "--fresh" in exc.value.hint
-    spec = resume_or_new(new, "sbatch", [cfg], fresh=True, cli=_Queue("PENDING"), say=print)
+    spec = resume_or_new(new, get("sbatch"), [cfg], fresh=True, cli=_Queue("PENDING"), say=print)
     assert spec.log_dir == new.log_dir

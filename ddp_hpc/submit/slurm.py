@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import shutil
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -28,7 +27,7 @@ from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.submit import render
 from ddp_hpc.submit.spec import JobSpec, SpecError
 
-__all__ = ["clean_slurm_env", "cleaned_environ", "check_against_cluster", "check_container", "submitit_parameters",
+__all__ = ["clean_slurm_env", "cleaned_environ", "check_against_cluster", "submitit_parameters",
            "submitit_folder", "submit_submitit", "submit_sbatch", "run_task", "run_command_task",
            "submitit_calls", "SCRIPT_NAME"]
 
@@ -98,37 +97,6 @@ def check_against_cluster(spec: JobSpec, partitions: Sequence[Mapping[str, Any]]
             f"{asked} is more than partition {part['name']!r} has "
             f"({part.get('nodes')} nodes, from sinfo)", f"ask for {part.get('nodes')} nodes or fewer")
     return part["name"]
-
-
-CONTAINER_RUNTIMES = ("apptainer", "singularity")
-
-
-def check_container(spec: JobSpec, backend: str, path: str | None = None) -> None:
-    """``--container IMAGE`` goes through the sbatch backend and needs apptainer or singularity;
-    this machine's PATH is checked here (the batch script checks the node's again). The options of
-    restarts inside the allocation are the sbatch backend's too."""
-    _check_restart_options(spec, backend)
-    image = spec.options.container
-    if not image:
-        return
-    pyxis = f"with the pyxis plugin, --srun-arg container-image={image} works on every Slurm backend"
-    if backend != "sbatch":
-        raise SpecError(f"--container {image} runs through the sbatch backend, not {backend}",
-                        f"add --backend sbatch; {pyxis}")
-    if not any(shutil.which(rt, path=path) for rt in CONTAINER_RUNTIMES):
-        raise SpecError(f"--container {image} needs apptainer or singularity, and neither is on "
-                        "PATH here", "load or install one (e.g. `module load apptainer`) where "
-                        f"you submit and on the nodes; {pyxis}")
-
-
-def _check_restart_options(spec: JobSpec, backend: str) -> None:
-    o = spec.options
-    given = [w for w, on in (("--spare-nodes", o.spare_nodes), ("--min-nodes", o.min_nodes is not None),
-                             ("--restart-on-error", o.restart_on_error)) if on]
-    if given and backend != "sbatch":
-        raise SpecError(f"{' and '.join(given)} restart the ranks inside the allocation, which only the "
-                        f"sbatch backend does, not {backend}",
-                        "add --backend sbatch (docs/restarts.md says why submitit cannot)")
 
 
 # ----------------------------------------------------------------------------- submitit
