@@ -186,7 +186,7 @@ def test_job_cancel_from_python(home, monkeypatch):
 
     monkeypatch.chdir(home / "work")
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
-    job = api.submit(["job.py"], nodes=2, gpus=1, backend="local", log_dir=str(home / "runs"))
+    job = api.submit_job(["job.py"], nodes=2, gpus=1, backend="local", log_dir=str(home / "runs"))
     rec = wait_steps(job.job_id)
     procs = job_processes(rec)
     job.cancel(grace=5)

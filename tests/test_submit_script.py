@@ -106,17 +106,17 @@ def test_bad_script_requests_fail_with_a_hint(tmp_path, args, needle):
 
 
 def test_python_api_runs_a_function_locally_and_names_a_failing_rank(tmp_path):
-    """ddp_hpc.submit(fn, ...) on the local backend: rank 0's value back; a raising rank named."""
+    """ddp_hpc.submit_job(fn, ...) on the local backend: rank 0's value back; a raising rank named."""
     (tmp_path / "fns.py").write_text(
         (ROOT / "tests" / "cluster" / "script_helpers.py").read_text())
     code = ("import json, ddp_hpc\n"
             "from fns import allsum, fail_on\n"
             "from ddp_hpc.launch import RankFailedError\n"
             "if __name__ == '__main__':\n"
-            "    job = ddp_hpc.submit(allsum, args=(0.5,), nodes=2, gpus=2)\n"
+            "    job = ddp_hpc.submit_job(allsum, args=(0.5,), nodes=2, gpus=2)\n"
             "    print('CHOSE', job.backend, job.backend_reason)\n"
             "    print(job.backend, json.dumps(job.result(timeout=120)), job.state())\n"
-            "    bad = ddp_hpc.submit(fail_on, args=(1,), nodes=1, gpus=2)\n"
+            "    bad = ddp_hpc.submit_job(fail_on, args=(1,), nodes=1, gpus=2)\n"
             "    try:\n"
             "        bad.result(timeout=120)\n"
             "    except RankFailedError as e:\n"
@@ -140,11 +140,11 @@ def test_python_api_runs_a_function_locally_and_names_a_failing_rank(tmp_path):
     assert sorted(j["state_name"] for j in jobs) == ["COMPLETED", "FAILED"], st.stdout
 
 
-@pytest.mark.parametrize("kw, needle", [({"stage": 5}, "ddp_hpc.submit(stage=...) must be a list"),
-                                        ({"time": 5.5}, "ddp_hpc.submit(time=...) '5.5' is not a Slurm time"),
-                                        ({"gpus": 0}, "ddp_hpc.submit(gpus=...) 0 is too few")])
+@pytest.mark.parametrize("kw, needle", [({"stage": 5}, "ddp_hpc.submit_job(stage=...) must be a list"),
+                                        ({"time": 5.5}, "ddp_hpc.submit_job(time=...) '5.5' is not a Slurm time"),
+                                        ({"gpus": 0}, "ddp_hpc.submit_job(gpus=...) 0 is too few")])
 def test_the_python_api_names_its_own_keyword_in_an_error(kw, needle):
     import ddp_hpc
     with pytest.raises(ValueError) as e:  # ddp_hpc.config.ConfigError
-        ddp_hpc.submit(["true"], backend="local", **kw)
+        ddp_hpc.submit_job(["true"], backend="local", **kw)
     assert needle in str(e.value) and "--" not in str(e.value).splitlines()[0]

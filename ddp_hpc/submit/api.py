@@ -71,7 +71,7 @@ class Job:
                 code = self._driver.exitcode if self._driver is not None else None
                 self._message = ("err", RankFailedError(
                     -1, "DriverDied", f"the local driver process ended (exit code {code}) without "
-                    "a result; when a script calls ddp_hpc.submit() at module level, put the call "
+                    "a result; when a script calls ddp_hpc.submit_job() at module level, put the call "
                     "under `if __name__ == '__main__':` (the new processes import that script "
                     "again)", exitcode=code))
         return self._message

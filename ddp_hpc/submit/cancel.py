@@ -30,7 +30,7 @@ from ddp_hpc.submit import backends
 from ddp_hpc.submit.backends.base import GRACE_S, CancelError
 from ddp_hpc.submit.backends.onslurm import scancel
 from ddp_hpc.submit.slurm import clean_slurm_env
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 __all__ = ["cancel", "main", "CancelError"]
 
@@ -91,7 +91,7 @@ def _settled_state(job_id: str, rec, cli: SlurmCLI) -> str | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog("cancel"), formatter_class=HelpFormatter,
         description="Stop jobs: a local job's every process (SIGTERM, then SIGKILL after --grace "
                     "seconds), a Slurm job or array task with scancel. Status then says CANCELLED.")

@@ -54,7 +54,7 @@ from ddp_hpc.submit.spec import (
     sweep_tasks,
 )
 from ddp_hpc.submit.target import SubmitTarget, module_command, script_command, split_argv
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 __all__ = ["main", "parse_args", "parse"]
 
@@ -62,7 +62,7 @@ DEFAULT_CONFIG = "jobs/demo.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog=prog("submit"), formatter_class=HelpFormatter,
         usage="%(prog)s [options] [CONFIG] [KEY=VALUE ...] [-- KEY=VALUE ...]\n"
               "       %(prog)s [options] SCRIPT.py [ARGS ...]\n"
