@@ -60,7 +60,7 @@ class Job:
         self._cancelled = False
 
     def __repr__(self) -> str:
-        return f"Job({self.job_id!r}, backend={self.backend!r}, log_dir={self.log_dir!r})"
+        return f"Job({self.job_id!r}, backend={self.backend.name!r}, log_dir={self.log_dir!r})"
 
     def _received(self) -> tuple | None:
         """The local driver's message, once it sent one."""
