@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from ddp_hpc import records
 from ddp_hpc.config import config_to_dict, load_config
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.runlogs.schema import CONFIG_FILE
+from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.submit import render
 from ddp_hpc.submit.backends import get
 from ddp_hpc.submit.resume import next_restart, resume_or_new
@@ -207,3 +209,43 @@ def test_an_earlier_run_still_in_the_queue_is_not_submitted_twice(tmp_path, monk
     assert "--fresh" in exc.value.hint
     spec = resume_or_new(new, get("sbatch"), [cfg], fresh=True, cli=_Queue("PENDING"), say=print)
     assert spec.log_dir == new.log_dir
+
+
+def test_a_stale_kept_final_state_does_not_hide_a_job_squeue_still_runs(tmp_path, monkeypatch):
+    """The record keeps CANCELLED (say status kept a PREEMPTED before a requeue), but squeue lists
+    the job running again: refused, not resumed into its run directory."""
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    new, cfg, _ = _earlier(tmp_path, "sbatch", status="preempted", ckpt=True, final=True)
+    with pytest.raises(SpecError) as exc:
+        resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue("RUNNING"), say=print)
+    assert "job 4242" in exc.value.problem and "still queued or running" in exc.value.problem
+
+
+def test_an_unanswered_squeue_refuses_to_resume_with_a_hint(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    new, cfg, run_dir = _earlier(tmp_path, "sbatch", status="preempted", ckpt=True, final=False)
+    no_slurm = SlurmCLI(env={"PATH": str(tmp_path / "nowhere")})   # squeue cannot start
+    with pytest.raises(SpecError) as exc:
+        resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=no_slurm, say=print)
+    assert exc.value.problem == (f"cannot tell whether the earlier run of this config, job 4242 "
+                                 f"({run_dir}), still runs (squeue did not answer), so it is not resumed")
+    assert "--fresh" in exc.value.hint and "ddp-hpc cancel 4242" in exc.value.hint
+    assert resume_or_new(new, get("sbatch"), [cfg], fresh=True, cli=no_slurm, say=print).log_dir == new.log_dir
+
+
+def test_a_local_run_recorded_on_another_host_is_not_resumed_into(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    new, cfg, run_dir = _earlier(tmp_path, "local", status=None, ckpt=True, final=False)
+    rec = records.list_records()[-1]
+    rec.cluster, rec.pids, rec.pid_times = "another-host", [os.getpid()], [time.time()]
+    records.update_record(rec)
+    with pytest.raises(SpecError) as exc:
+        resume_or_new(new, get("local"), [cfg], fresh=False, cli=None, say=print)
+    assert "its processes were recorded on another-host, not here" in exc.value.problem
+    assert "--fresh" in exc.value.hint
+    rec.cluster, rec.pids = socket.gethostname(), []         # here, and the driver said it ended
+    records.update_record(rec)
+    said: list[str] = []
+    assert resume_or_new(new, get("local"), [cfg], fresh=False, cli=None,
+                         say=said.append).log_dir == str(run_dir)
+    assert said[-1].startswith(f"resuming run {run_dir.name}")
