@@ -83,6 +83,23 @@ def test_dry_run_sbatch_renders_the_script_job(tmp_path):
     assert "0) LOG_DIR=" in text and "ARGS+=(--lr=0.1)" in text and "ARGS+=(--lr=0.01)" in text
 
 
+def test_a_missing_absolute_script_is_not_said_to_be_relative(tmp_path):
+    missing = tmp_path / "nowhere" / "train.py"
+    p = _cli(["--dry-run", str(missing)], tmp_path)
+    assert p.returncode == 2 and f"script {str(missing)!r} does not exist\nHINT:" in p.stderr, p.stderr
+    assert "relative to" not in p.stderr
+    p = _cli(["--dry-run", "train.py"], tmp_path)
+    assert f"script 'train.py' does not exist (relative to {tmp_path})" in p.stderr
+
+
+def test_a_typo_in_a_flag_gets_the_nearest_flag(tmp_path):
+    p = _cli(["--dry-run", "--wiat", SCRIPT], tmp_path)
+    assert p.returncode == 2
+    assert "error: unrecognized arguments: --wiat (did you mean `--wait`?)" in p.stderr, p.stderr
+    p = _cli(["--dry-run", "--wiat", "--frsh", "--zzzzzz", SCRIPT], tmp_path)
+    assert "(did you mean `--wait` for --wiat, `--fresh` for --frsh?)" in p.stderr, p.stderr
+
+
 def test_dry_run_submitit_calls_the_command_task(tmp_path):
     p = _cli(["--backend", "submitit", "--dry-run", "-m", "json.tool", "--sort-keys"], tmp_path)
     assert p.returncode == 0, p.stderr
