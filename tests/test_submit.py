@@ -17,7 +17,8 @@ from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.submit import backends
 from ddp_hpc.submit import cli as submit
-from ddp_hpc.submit.slurm import check_against_cluster, clean_slurm_env, submitit_parameters
+from ddp_hpc.submit.backends.base import clean_slurm_env
+from ddp_hpc.submit.slurm import check_against_cluster, submitit_parameters
 from ddp_hpc.submit.spec import SpecError, build_spec, parse_sweeps, sweep_tasks
 
 PY = sys.executable

@@ -32,9 +32,7 @@ from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.submit import backends
-from ddp_hpc.submit import slurm as submit_slurm
-from ddp_hpc.submit.backends.base import GRACE_S, Backend, SubmitOptions, say
-from ddp_hpc.submit.dispatch import dispatch
+from ddp_hpc.submit.backends.base import GRACE_S, Backend, SubmitOptions, clean_slurm_env, say
 from ddp_hpc.submit.functions import describe
 from ddp_hpc.submit.spec import SpecError, build_command_spec, stage_items
 from ddp_hpc.submit.target import script_command
@@ -140,7 +138,7 @@ class Job:
         ``grace`` seconds); its record and ``ddp-hpc status`` then say CANCELLED."""
         self._cancelled = True
         self.backend.cancel(self.record, self.job_id, grace,
-                            SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0]))
+                            SlurmCLI(env=clean_slurm_env(os.environ)[0]))
         if self._driver is not None:
             self._driver.join(timeout=10)
 
@@ -185,14 +183,14 @@ def submit_job(target: Callable | str | Sequence[str], *, args: Sequence[Any] = 
     """
     opts = _options(nodes, gpus, backend, slurm)
     stage = stage_items([("ddp_hpc.submit_job(stage=...)", opts.stage)])   # before the backend is chosen, as --stage
-    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0])
+    cli = SlurmCLI(env=clean_slurm_env(os.environ)[0])
     chosen, why = backends.choose(opts, cli)
     say(f"backend {chosen.name}: {why}")
     opts = merged(opts, {"backend": chosen.name})
     if not callable(target):
         command, default_name = _command(target)
         spec = build_command_spec(opts, command=command, name=name or default_name, log_root=log_dir)
-        done = dispatch(dataclasses.replace(spec, stage=stage), chosen, cli, SubmitOptions(quiet=True))
+        done = backends.dispatch(dataclasses.replace(spec, stage=stage), chosen, cli, SubmitOptions(quiet=True))
         return Job(done.record, backend=chosen, backend_reason=why)
     if not chosen.takes_functions:
         able = [n for n in backends.names() if backends.get(n).takes_functions]

@@ -27,9 +27,8 @@ from ddp_hpc.slurm.states import JobState
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.targets import StatusTarget, is_slurm_id, job_targets
 from ddp_hpc.submit import backends
-from ddp_hpc.submit.backends.base import GRACE_S, CancelError
+from ddp_hpc.submit.backends.base import GRACE_S, CancelError, clean_slurm_env
 from ddp_hpc.submit.backends.onslurm import scancel
-from ddp_hpc.submit.slurm import clean_slurm_env
 from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 __all__ = ["cancel", "main", "CancelError"]

@@ -38,9 +38,7 @@ from ddp_hpc.config.validate import validate_job
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.submit import backends
-from ddp_hpc.submit import slurm as submit_slurm
-from ddp_hpc.submit.backends.base import Backend, SubmitOptions, say
-from ddp_hpc.submit.dispatch import dispatch
+from ddp_hpc.submit.backends.base import Backend, SubmitOptions, clean_slurm_env, say
 from ddp_hpc.submit.resume import resume_or_new
 from ddp_hpc.submit.spec import (
     SpecError,
@@ -155,7 +153,7 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     check_overrides(overrides)
     cfg, task_cfgs = _load(config, overrides, sweep_tasks(sweeps))
     opts = slurm_options.merged(cfg.slurm, slurm_options.given(args))
-    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
+    cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)
     spec = build_spec(dataclasses.replace(opts, backend=backend.name), config_path=config, cfg=cfg,
                       overrides=overrides, sweeps=sweeps)
@@ -164,7 +162,7 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     spec = resume_or_new(spec, backend, task_cfgs, fresh=args.fresh, cli=cli, say=say)
     for task_cfg in task_cfgs:   # factories, data paths, precision, log.dir: before it queues
         validate_job(task_cfg, backend=backend.name, workdir=spec.workdir, create_log_dir=False)
-    return dispatch(spec, backend, cli, _options(args), task_cfgs).exit_code
+    return backends.dispatch(spec, backend, cli, _options(args), task_cfgs).exit_code
 
 
 def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
@@ -180,11 +178,11 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
         os.environ["DDP_HPC_INSTRUMENT"] = "0"
     stage = stage_items([("--stage", args.stage or ())])   # before the backend is chosen
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
-    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
+    cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)
     spec = build_command_spec(dataclasses.replace(opts, backend=backend.name), command=command,
                               name=name, log_root=args.log_dir or "runs", sweeps=sweeps)
-    return dispatch(dataclasses.replace(spec, stage=stage), backend, cli, _options(args)).exit_code
+    return backends.dispatch(dataclasses.replace(spec, stage=stage), backend, cli, _options(args)).exit_code
 
 
 def _submit(args: argparse.Namespace, target: SubmitTarget) -> int:

@@ -1,7 +1,9 @@
-"""The backends, by name: the one place a backend's name is looked up.
+"""The backends, by name: the one place a backend's name is looked up, and the one place a
+checked spec is handed to a backend (``dispatch``).
 
     from ddp_hpc.submit import backends
     backend, why = backends.choose(opts, cli)      # --backend NAME, or auto: which and why
+    done = backends.dispatch(spec, backend, cli, SubmitOptions(wait=True))   # -> Submitted
     backends.get("sbatch"); backends.of_record(rec)
 
 Each backend is one class of the ``Backend`` protocol (``base``): ``local`` (N x G processes
@@ -14,19 +16,21 @@ asks it, never compares names. A new backend is a class and one ``register(...)`
 from __future__ import annotations
 
 import shutil
-from typing import Any
+import sys
+from typing import Any, Sequence
 
+from ddp_hpc.config import JobConfig
 from ddp_hpc.config.checks import BACKENDS
 from ddp_hpc.config.slurm_options import SlurmOptions
 from ddp_hpc.slurm.cli import SlurmError
-from ddp_hpc.submit.backends.base import Backend, say
+from ddp_hpc.submit.backends.base import Backend, SubmitOptions, Submitted, say
 from ddp_hpc.submit.backends.local import LocalBackend
 from ddp_hpc.submit.backends.sbatch import SbatchBackend
 from ddp_hpc.submit.backends.submitit import SubmititBackend
 from ddp_hpc.submit.spec import JobSpec, SpecError
 
 __all__ = ["Backend", "register", "unregister", "get", "of_record", "names", "choose",
-           "check_options"]
+           "check_options", "dispatch"]
 
 #: name -> backend, in the order `names` lists them
 REGISTRY: dict[str, Backend] = {}
@@ -140,6 +144,24 @@ def check_options(spec: JobSpec, backend: Backend, dry_run: bool = False,
         return
     raise SpecError(problem, "load or install one (e.g. `module load apptainer`) where "
                     f"you submit and on the nodes; {pyxis}")
+
+
+def dispatch(spec: JobSpec, backend: Backend, cli, opts: SubmitOptions | None = None,
+             task_cfgs: Sequence[JobConfig] | None = None) -> Submitted:
+    """Run or submit a checked ``spec`` on ``backend`` (``cli``: the SlurmCLI it may ask):
+    check what the backend takes, plan, then print the plan (a dry run: a batch script,
+    submitit's parameters, the launcher commands; nothing written, no record) or submit it.
+    ``task_cfgs``: each task's config, copied into its run directory (None for a script,
+    module or function job)."""
+    opts = opts or SubmitOptions()
+    check_options(spec, backend, opts.dry_run)
+    backend.check(spec, cli, opts.dry_run)
+    plan = backend.plan(spec, task_cfgs)
+    if opts.dry_run:
+        sys.stdout.write(plan.text)
+        sys.stdout.flush()
+        return Submitted(None)
+    return backend.submit(plan, cli, opts)
 
 
 _LOCAL, _SBATCH, _SUBMITIT = LocalBackend(), SbatchBackend(), SubmititBackend()

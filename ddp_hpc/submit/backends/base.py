@@ -20,24 +20,27 @@ machine (``runs_here``) or a scheduler's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import yaml
 
 from ddp_hpc import records
 from ddp_hpc.config import JobConfig, config_to_dict
+from ddp_hpc.env.job import RESTART_BASE_VAR
 from ddp_hpc.errors import HintError
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.submit.spec import JobSpec, SpecError
 
-__all__ = ["GRACE_S", "Backend", "Plan", "SubmitOptions", "Submitted", "CancelError", "say", "record",
-           "make_run_dirs"]
+__all__ = ["GRACE_S", "clean_slurm_env", "cleaned_environ", "Backend", "Plan", "SubmitOptions",
+           "Submitted", "CancelError", "say", "record", "make_run_dirs", "removed_note"]
 
 
 #: seconds between SIGTERM and SIGKILL when a local job is cancelled
@@ -107,6 +110,37 @@ class Backend(Protocol):
     def active(self, rec: records.JobRecord, cli: Any) -> bool | None: ...
 
     def cancel(self, rec: records.JobRecord, job_id: str, grace: float, cli: Any) -> str: ...
+
+
+#: the one SLURM_* variable a submission keeps: which cluster Slurm's commands talk to
+KEEP_SLURM = frozenset({"SLURM_CONF"})
+
+
+def clean_slurm_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The environment a submission runs with, whatever the backend. A submission made from
+    inside another job (an salloc shell, a batch script that chains jobs) inherits that job's
+    SLURM_* variables, and sbatch/srun read many of them as defaults (SLURM_MEM_PER_NODE,
+    SLURM_NTASKS, SLURM_CPUS_PER_TASK...), silently changing the new job; only SLURM_CONF (which
+    cluster to talk to) is kept. Returns a copy without an enclosing job's SLURM_* / SRUN_*
+    variables, and their names. An enclosing job's DDP_HPC_RESTART_BASE goes too (unnamed): a
+    job sets its own."""
+    removed = sorted(k for k in environ
+                     if (k.startswith("SLURM_") and k not in KEEP_SLURM) or k.startswith("SRUN_"))
+    return {k: v for k, v in environ.items() if k not in removed and k != RESTART_BASE_VAR}, removed
+
+
+@contextlib.contextmanager
+def cleaned_environ() -> Iterator[list[str]]:
+    """Remove SLURM_* from os.environ while submitit runs sbatch (it inherits this process's
+    environment), and put them back afterwards."""
+    clean, removed = clean_slurm_env(os.environ)
+    saved = {k: v for k, v in os.environ.items() if k not in clean}
+    for k in saved:
+        del os.environ[k]
+    try:
+        yield removed
+    finally:
+        os.environ.update(saved)
 
 
 def say(msg: str) -> None:

@@ -12,29 +12,36 @@ import os
 import pickle
 import shlex
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ddp_hpc import records
 from ddp_hpc.config import JobConfig
 from ddp_hpc.data.scriptstage import encode_items
+from ddp_hpc.env import host_gpus
 from ddp_hpc.env.job import RESTART_BASE_VAR
+from ddp_hpc.fsutil import atomic_write_json
 from ddp_hpc.launch.tree import (
+    LaunchError,
+    pretend_node_gpus,
     recorded_alive,
     recorded_processes,
     start_time,
     stop_processes,
     unrecorded_pids,
 )
+from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.submit import local as driver
-from ddp_hpc.submit import slurm as submit_slurm
 from ddp_hpc.submit.backends.base import (
     CancelError,
     Plan,
     SubmitOptions,
     Submitted,
+    clean_slurm_env,
     make_run_dirs,
     record,
     removed_note,
@@ -44,7 +51,9 @@ from ddp_hpc.submit.functions import describe, local_driver
 from ddp_hpc.submit.spec import JobSpec, SpecError
 from ddp_hpc.text import plural, prog
 
-__all__ = ["LocalBackend", "CANCEL"]
+__all__ = ["LocalBackend", "CANCEL", "check_gpus", "write_plan", "start_detached"]
+
+PLAN_NAME = "local-plan.json"
 
 #: the ``source`` of the final states `cancel` keeps in the record
 CANCEL = "ddp-hpc cancel"
@@ -72,10 +81,10 @@ class LocalBackend:
         if isinstance(spec.options.nodes, str):
             say(f"--nodes {spec.options.nodes}: the local backend runs the most, "
                 f"{plural(spec.nodes, 'pretend node')}")
-        driver.check_gpus(spec, submit_slurm.clean_slurm_env(os.environ)[0])
+        check_gpus(spec, clean_slurm_env(os.environ)[0])
 
     def plan(self, spec: JobSpec, task_cfgs: Sequence[JobConfig] | None) -> Plan:
-        env, removed = submit_slurm.clean_slurm_env(os.environ)
+        env, removed = clean_slurm_env(os.environ)
         if spec.is_command:
             env["DDP_HPC_PREEMPT_SIGNAL"] = spec.signal
         env.update(spec.stage_environ())   # --stage: what each pretend node copies first
@@ -90,7 +99,7 @@ class LocalBackend:
             say(removed_note(plan.removed))
         make_run_dirs(spec, plan.task_cfgs)
         rec = record(spec, job_id, self, socket.gethostname())
-        path = driver.write_plan(spec, job_id, record_id=job_id,
+        path = write_plan(spec, job_id, record_id=job_id,
                                  ddp_hpc_home=os.environ.get("DDP_HPC_HOME"))
         say(f"job {job_id}: {plural(spec.world_size, 'process')} "
             f"({plural(spec.nodes, 'pretend node')} x {spec.gpus_per_node}), logs in {spec.log_dir}")
@@ -98,7 +107,7 @@ class LocalBackend:
             rc = driver.run_plan(path, follow=True, env=plan.env)
             say(f"job {job_id} {driver.ending_words(rc)}")
             return Submitted(rec, rc)
-        rec.pids = [driver.start_detached(path, plan.env, spec.python)]
+        rec.pids = [start_detached(path, plan.env, spec.python)]
         rec.pid_times = [start_time(rec.pids[0])]
         records.update_record(rec)
         say(f"started in the background (driver pid {rec.pids[0]}); follow it with "
@@ -157,6 +166,54 @@ class LocalBackend:
         how = (f", {plural(len(killed), 'process')} SIGKILLed after {grace:g} s" if killed
                else " (SIGTERM)")
         return f"job {rec.id}: CANCELLED, stopped {plural(len(procs), 'process')}{how}{left}"
+
+
+def check_gpus(spec: JobSpec, environ: Mapping[str, str]) -> None:
+    """Refuse a layout this machine's GPUs cannot hold, before anything starts: each pretend node
+    takes ``--gpus`` GPUs of its own (``ddp_hpc.launch.tree.pretend_node_gpus``), so N x G must
+    fit. A machine without a GPU runs any layout on the CPU (gloo)."""
+    host = host_gpus(environ)
+    try:
+        pretend_node_gpus([spec.gpus_per_node] * spec.nodes, host)
+    except LaunchError:
+        n = len(host.ids)
+        layout = f"--nodes {spec.nodes} --gpus {spec.gpus_per_node}"
+        raise SpecError(
+            f"{layout} asks the local backend for {spec.world_size} GPUs (one per rank), but this "
+            f"machine has {plural(n, 'GPU')} ({host.source})",
+            f"use --nodes 1 --gpus {n}" + (f" (or --nodes {n} --gpus 1: each pretend node takes "
+                                           "GPUs of its own)" if n > 1 else "")
+            + "; or run every rank on the CPU (gloo), any layout: CUDA_VISIBLE_DEVICES= "
+              f"{prog('submit')} {layout} ...") from None
+
+
+def write_plan(spec: JobSpec, job_id: str, record_id: str | None = None,
+               ddp_hpc_home: str | None = None) -> Path:
+    """One entry per run: argv, log dir, DDP_HPC_JOB_ID. Written atomically. The environment is
+    not stored (it may hold secrets): the driver passes its own on to the ranks."""
+    runs = []
+    for task in spec.tasks:
+        runs.append({
+            "argv": spec.task_argv(task),
+            "log_dir": task.log_dir,
+            "job_id": job_id if task.task_id is None else f"{job_id}_{task.task_id}",
+            "task_id": task.task_id,
+        })
+    plan = {"nodes": spec.nodes, "procs_per_node": spec.gpus_per_node, "runs": runs,
+            "record_id": record_id, "workdir": spec.workdir, "ddp_hpc_home": ddp_hpc_home}
+    path = Path(spec.log_dir) / PLAN_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_json(path, plan, indent=1)
+
+
+def start_detached(plan_path: Path, env: Mapping[str, str], python: str = sys.executable) -> int:
+    """Start the driver in its own session (it outlives this command); returns its pid."""
+    out = Path(plan_path).parent / LOCAL_DRIVER_OUT
+    with open(out, "ab") as f:
+        proc = subprocess.Popen([python, "-m", "ddp_hpc.submit.local", str(plan_path)],
+                                env=dict(env), stdin=subprocess.DEVNULL, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc.pid
 
 
 def _launcher_lines(spec: JobSpec) -> str:

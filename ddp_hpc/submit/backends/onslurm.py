@@ -18,6 +18,7 @@ from ddp_hpc.submit.backends.base import (
     Plan,
     SubmitOptions,
     Submitted,
+    clean_slurm_env,
     make_run_dirs,
     record,
     removed_note,
@@ -87,7 +88,7 @@ class SlurmBackend:
         preflight(spec, self.name, cli, dry_run)
 
     def plan(self, spec: JobSpec, task_cfgs: Sequence[JobConfig] | None) -> Plan:
-        env, removed = submit_slurm.clean_slurm_env(os.environ)
+        env, removed = clean_slurm_env(os.environ)
         return Plan(spec, self.dry_run_text(spec), env, tuple(removed),
                     None if task_cfgs is None else tuple(task_cfgs))
 

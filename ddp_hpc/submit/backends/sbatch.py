@@ -4,14 +4,18 @@ container and the restarts inside the allocation (``ddp_hpc.supervise`` runs in 
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.submit import render
-from ddp_hpc.submit import slurm as submit_slurm
 from ddp_hpc.submit.backends.base import Plan
 from ddp_hpc.submit.backends.onslurm import SlurmBackend
 from ddp_hpc.submit.spec import JobSpec
 
-__all__ = ["SbatchBackend"]
+__all__ = ["SbatchBackend", "SCRIPT_NAME"]
+
+SCRIPT_NAME = "job.sbatch"        # the rendered script, kept in the log directory
 
 
 class SbatchBackend(SlurmBackend):
@@ -24,5 +28,7 @@ class SbatchBackend(SlurmBackend):
         return render.render(spec)
 
     def queue(self, plan: Plan) -> tuple[str, str | None]:
-        job_id, path = submit_slurm.submit_sbatch(plan.spec, plan.text, SlurmCLI(env=dict(plan.env)))
-        return job_id, str(path)
+        """Write the script into the log directory (kept for the record) and submit it."""
+        path = Path(plan.spec.log_dir) / SCRIPT_NAME
+        atomic_write_text(path, plan.text)
+        return SlurmCLI(env=dict(plan.env)).sbatch(plan.text, cwd=plan.spec.workdir), str(path)

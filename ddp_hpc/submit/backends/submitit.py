@@ -10,7 +10,7 @@ from typing import Any, Callable
 from ddp_hpc.data.scriptstage import encode_items
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.submit import slurm as submit_slurm
-from ddp_hpc.submit.backends.base import Plan, Submitted, make_run_dirs, record
+from ddp_hpc.submit.backends.base import Plan, Submitted, cleaned_environ, make_run_dirs, record
 from ddp_hpc.submit.backends.onslurm import SlurmBackend, cluster_of
 from ddp_hpc.submit.functions import rank_entry
 from ddp_hpc.submit.spec import JobSpec
@@ -31,8 +31,23 @@ class SubmititBackend(SlurmBackend):
                           indent=2) + "\n"
 
     def queue(self, plan: Plan) -> tuple[str, str | None]:
-        job_id = submit_slurm.submit_submitit(plan.spec)[0].split("_")[0]
-        return job_id, submit_slurm.submitit_script(plan.spec, job_id)
+        """Submit through submitit's executor (an array for a sweep: ids ``123_0``, ``123_1``
+        ...); the job id and the batch script submitit wrote."""
+        import submitit
+
+        spec = plan.spec
+        ex = submitit.SlurmExecutor(folder=submit_slurm.submitit_folder(spec), max_num_timeout=1000)
+        ex.update_parameters(**submit_slurm.submitit_parameters(spec))
+        calls = submit_slurm.submitit_calls(spec)
+        fn = calls[0][0]
+        with cleaned_environ():
+            if spec.is_array:
+                ex.update_parameters(array_parallelism=len(spec.tasks))
+                jobs = ex.map_array(fn, *(list(col) for col in zip(*(args for _, args in calls))))
+            else:
+                jobs = [ex.submit(fn, *calls[0][1])]
+        job_id = str(jobs[0].job_id).split("_")[0]
+        return job_id, submit_slurm.submitit_script(spec, job_id)
 
     def submit_function(self, spec: JobSpec, fn: Callable, args: tuple, kwargs: dict,
                         cli: SlurmCLI) -> Submitted:
@@ -42,7 +57,7 @@ class SubmititBackend(SlurmBackend):
         make_run_dirs(spec, None)
         ex = submitit.SlurmExecutor(folder=submit_slurm.submitit_folder(spec), max_num_timeout=1000)
         ex.update_parameters(**submit_slurm.submitit_parameters(spec))
-        with submit_slurm.cleaned_environ():
+        with cleaned_environ():
             sjob: Any = ex.submit(rank_entry, fn, args, kwargs, spec.log_dir, encode_items(spec.stage))
         rec = record(spec, str(sjob.job_id), self, cluster_of(cli),
                      script=submit_slurm.submitit_script(spec, str(sjob.job_id)))
