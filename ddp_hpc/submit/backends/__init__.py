@@ -48,12 +48,14 @@ def register(backend: Backend) -> None:
 
 
 def unregister(name: str) -> None:
+    """Forget a backend `register` added (a built-in name stays an option name)."""
     REGISTRY.pop(name, None)
     if name in BACKENDS and name not in _BUILT_IN:
         BACKENDS.remove(name)
 
 
 def names() -> list[str]:
+    """The registered backends' names, built-in first."""
     return list(REGISTRY)
 
 
