@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 
-__all__ = ["prog", "plural", "HelpFormatter"]
+__all__ = ["prog", "plural", "HelpFormatter", "ArgumentParser"]
 
 
 def prog(name: str) -> str:
@@ -39,6 +40,30 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
                 or action.option_strings == [] or isinstance(action, argparse._HelpAction)):
             return text
         return f"{text} (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser that answers an unknown flag with the nearest known one:
+    ``unrecognized arguments: --wiat (did you mean `--wait`?)``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        super().error(message + did_you_mean(message, list(self._option_string_actions)))
+
+
+def did_you_mean(message: str, flags: list[str]) -> str:
+    """`` (did you mean `--wait`?)`` for an unknown flag argparse names in ``message`` that is
+    close to one of ``flags`` (with several unknown words: which guess is for which); "" when
+    none is close."""
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    words = message.split(":", 1)[1].split()
+    pairs = [(w, near[0]) for w in words if w.startswith("-")
+             for near in [difflib.get_close_matches(w.split("=", 1)[0], flags, n=1, cutoff=0.7)] if near]
+    if not pairs:
+        return ""
+    if len(words) == 1:
+        return f" (did you mean `{pairs[0][1]}`?)"
+    return " (did you mean " + ", ".join(f"`{near}` for {w}" for w, near in pairs) + "?)"
 
 
 def cut_middle(text: str, width: int) -> str:

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from ddp_hpc import records
+from ddp_hpc.launch.tree import recorded_alive
 
 #: each rank starts a grandchild (it must die with the job), then reports a step every 0.1 s
 SCRIPT = """\
@@ -120,6 +121,32 @@ def test_cancel_leaves_alone_a_process_that_took_a_recorded_pid(home, tmp_path):
         other.wait()
 
 
+def test_cancel_never_signals_a_pid_recorded_without_a_start_time(home, tmp_path):
+    """A rank that had ended when its pids were recorded has no start time beside its pid; a
+    process started later under that pid (after the submission) is a stranger: left alone, and
+    the answer says so."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(other.pid).create_time()
+        records.write_record(dict(
+            id="local-old-2", cluster=os.uname().nodename, name="old", backend="local", nodes=1,
+            gpus_per_node=1, time_limit=None, log_dir=str(tmp_path / "gone"), config=None, overrides=[],
+            cwd=str(tmp_path), submitted_at=started - 200, pids=[other.pid], pid_times=[None]))
+        p = ddp_hpc(home, "cancel", "local-old-2")
+        assert "no process of it runs any more" in p.stdout
+        assert (f"left alone 1 pid recorded without a start time ({other.pid}): whatever runs there "
+                "now is not the job's") in p.stdout
+        assert other.poll() is None
+        # the same one check tells status what still runs (ddp_hpc.launch.tree)
+        here = os.uname().nodename
+        assert recorded_alive([other.pid], [None], here) is False
+        assert recorded_alive([other.pid], [started], here) is True
+        assert recorded_alive([other.pid], [started], "another-host") is None
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_cancel_of_an_unknown_id_says_so(home):
     p = ddp_hpc(home, "cancel", "local-nope-1", check=False)
     assert p.returncode == 2
@@ -186,7 +213,7 @@ def test_job_cancel_from_python(home, monkeypatch):
 
     monkeypatch.chdir(home / "work")
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
-    job = api.submit(["job.py"], nodes=2, gpus=1, backend="local", log_dir=str(home / "runs"))
+    job = api.submit_job(["job.py"], nodes=2, gpus=1, backend="local", log_dir=str(home / "runs"))
     rec = wait_steps(job.job_id)
     procs = job_processes(rec)
     job.cancel(grace=5)

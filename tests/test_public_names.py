@@ -1,5 +1,7 @@
 """The public names of ``ddp_hpc`` are imported on first use, yet ``help()`` and
-``inspect.signature`` see the functions users call, before and after their modules load."""
+``inspect.signature`` see the functions users call, before and after their modules load.
+``ddp_hpc.submit`` is a plain package (``python -m ddp_hpc.submit``); the Python call that
+submits is ``ddp_hpc.submit_job``."""
 
 from __future__ import annotations
 
@@ -10,22 +12,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CODE = r'''
-import inspect, pydoc, sys
+import inspect, pydoc, sys, types
 import ddp_hpc
 assert "torch" not in sys.modules and "ddp_hpc.submit" not in sys.modules, "import ddp_hpc is cheap"
+assert "step" in inspect.signature(ddp_hpc.report).parameters
 for loaded in (False, True):
     if loaded:
         import ddp_hpc.submit.cli as cli, ddp_hpc.report   # bind the modules of the same names
         assert ddp_hpc.submit.cli is cli and callable(ddp_hpc.submit.cli.main)
-    sig = inspect.signature(ddp_hpc.submit)
+        assert isinstance(ddp_hpc.submit, types.ModuleType)
+        assert callable(ddp_hpc.report)                      # still callable as the function
+    sig = inspect.signature(ddp_hpc.submit_job)
     assert list(sig.parameters)[:4] == ["target", "args", "kwargs", "nodes"], sig
-    assert "step" in inspect.signature(ddp_hpc.report).parameters
-    text = pydoc.render_doc(ddp_hpc.submit, renderer=pydoc.plaintext)
-    assert "submit(target: " in text and "nodes: 'int' = 1" in text, text[:600]
+    text = pydoc.render_doc(ddp_hpc.submit_job, renderer=pydoc.plaintext)
+    assert "submit_job(target: " in text and "nodes: 'int' = 1" in text, text[:600]
     assert "Submit ``target``" in text and "job.backend" in text, text[:2000]
     assert "PACKAGE CONTENTS" not in text
-    from ddp_hpc import submit
-    assert submit is ddp_hpc.submit and repr(submit).startswith("<function submit at ")
+    from ddp_hpc import submit_job
+    assert submit_job is ddp_hpc.submit_job and repr(submit_job).startswith("<function submit_job at ")
 print("ok")
 '''
 

@@ -177,10 +177,10 @@ def test_the_python_api_stages_for_a_function_one_copy_per_node(images, tmp_path
     code = ("import json, ddp_hpc\n"
             "from fns import where\n"
             "if __name__ == '__main__':\n"
-            f"    job = ddp_hpc.submit(where, nodes=2, gpus=1, backend='local', stage=[{train!r}])\n"
+            f"    job = ddp_hpc.submit_job(where, nodes=2, gpus=1, backend='local', stage=[{train!r}])\n"
             "    print('RESULT', json.dumps(job.result(timeout=120)), job.log_dir)\n"
             "    try:\n"
-            "        ddp_hpc.submit(where, backend='local', stage=['nope'])\n"
+            "        ddp_hpc.submit_job(where, backend='local', stage=['nope'])\n"
             "    except ValueError as e:\n"
             "        print('REFUSED', str(e).splitlines()[0])\n")
     p = subprocess.run([PY, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
@@ -192,7 +192,7 @@ def test_the_python_api_stages_for_a_function_one_copy_per_node(images, tmp_path
     assert path.startswith(str(tmp_path / "local")) and there and rank == "0"
     assert sorted(e["method"] for e in _stage_events(Path(log_dir))) == ["copy", "reused"]  # one per node
     assert _staged_left(tmp_path) == []
-    assert "REFUSED ddp_hpc.submit(stage=...) 'nope': " in p.stdout and "does not exist" in p.stdout
+    assert "REFUSED ddp_hpc.submit_job(stage=...) 'nope': " in p.stdout and "does not exist" in p.stdout
 
 
 def _staged_left(tmp_path) -> list[str]:

@@ -10,7 +10,8 @@ import pytest
 
 from ddp_hpc.config import ConfigError, SlurmOptions
 from ddp_hpc.config import slurm_options as so
-from ddp_hpc.submit.slurm import check_container, submitit_parameters
+from ddp_hpc.submit.backends import check_options, get
+from ddp_hpc.submit.slurm import submitit_parameters
 from ddp_hpc.submit.spec import JobSpec, SpecError, TaskSpec
 
 
@@ -55,13 +56,13 @@ def test_submitit_gets_the_srun_args_after_its_own():
 
 def test_container_needs_the_sbatch_backend_and_a_runtime_here(tmp_path):
     spec = _spec(container="/images/torch.sif")
-    check_container(dataclasses.replace(spec, options=SlurmOptions()), "submitit")   # no container
+    check_options(dataclasses.replace(spec, options=SlurmOptions()), get("submitit"))   # no container
     with pytest.raises(SpecError, match="runs through the sbatch backend, not submitit") as err:
-        check_container(spec, "submitit")
+        check_options(spec, get("submitit"))
     assert "--srun-arg container-image=/images/torch.sif" in str(err.value)
     with pytest.raises(SpecError, match="needs apptainer or singularity, and neither is on PATH here"):
-        check_container(spec, "sbatch", path=str(tmp_path))
+        check_options(spec, get("sbatch"), path=str(tmp_path))
     rt = tmp_path / "singularity"
     rt.write_text("#!/bin/sh\n")
     rt.chmod(0o755)
-    check_container(spec, "sbatch", path=str(tmp_path))
+    check_options(spec, get("sbatch"), path=str(tmp_path))

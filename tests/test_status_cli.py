@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
+from ddp_hpc.launch.tree import start_time
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,7 +97,7 @@ def running_local_job(home, pid, job_id="local-run"):
     for r in range(2):
         write_events(d, r, [start(r), step(r, 10, 10), step(r, 30, 30)])
         (d / f"rank{r}.log").write_text(f"r{r} started\n")
-    record(home, job_id, d, backend="local", pids=[pid], time_limit=None)
+    record(home, job_id, d, backend="local", pids=[pid], pid_times=[start_time(pid)], time_limit=None)
     return d
 
 

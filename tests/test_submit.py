@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.config import ConfigError, load_config, parse_signal, time_to_seconds
+from ddp_hpc.config import ConfigError, SlurmOptions, load_config, parse_signal, time_to_seconds
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.cli import SlurmCLI
+from ddp_hpc.submit import backends
 from ddp_hpc.submit import cli as submit
-from ddp_hpc.submit.slurm import check_against_cluster, clean_slurm_env, submitit_parameters
+from ddp_hpc.submit.backends.base import clean_slurm_env
+from ddp_hpc.submit.slurm import check_against_cluster, submitit_parameters
 from ddp_hpc.submit.spec import SpecError, build_spec, parse_sweeps, sweep_tasks
 
 PY = sys.executable
@@ -201,12 +203,13 @@ class _NoCluster(SlurmCLI):
 
 
 def test_auto_backend_says_why(tmp_path):
-    assert submit.choose_backend("sbatch", None) == ("sbatch", "asked for with --backend")
-    b, why = submit.choose_backend("auto", _NoCluster(False))
-    assert b == "local" and "no `sbatch` on PATH" in why
+    assert backends.choose(SlurmOptions(backend="sbatch"), None) == (backends.get("sbatch"),
+                                                                     "asked for with --backend")
+    b, why = backends.choose(SlurmOptions(), _NoCluster(False))
+    assert b.name == "local" and "no `sbatch` on PATH" in why
     # sbatch "installed" but the controller cannot be asked (sinfo is not found here)
-    b, why = submit.choose_backend("auto", _NoCluster(True))
-    assert b == "local" and "controller does not answer" in why
+    b, why = backends.choose(SlurmOptions(), _NoCluster(True))
+    assert b.name == "local" and "controller does not answer" in why
 
 
 def _cli(args, cwd, env=None, **kw):
@@ -279,16 +282,17 @@ def test_a_node_range_goes_to_sbatch_and_the_local_backend_runs_max(job, tmp_pat
     assert "--nodes 1-2 is a range, which the submitit backend cannot take" in err
     assert "HINT: use --backend sbatch (or auto)" in err
     opts = merged(load_config(job).slurm, {"nodes": "1-2"})
-    assert submit._backend(opts, _Cluster()) == "sbatch"     # auto would pick submitit for a count
-    assert submit._backend(merged(opts, {"nodes": 2}), _Cluster()) == "submitit"
+    assert submit._backend(opts, _Cluster()).name == "sbatch"     # auto would pick submitit for a count
+    assert submit._backend(merged(opts, {"nodes": 2}), _Cluster()).name == "submitit"
     # the record keeps MAX as its nodes and MIN beside it (status shows the range); the local
     # backend's runs MAX, no range
-    from ddp_hpc.submit.dispatch import record
+    from ddp_hpc.submit.backends.base import record
+    sbatch, local = backends.get("sbatch"), backends.get("local")
     spec = build_spec(opts, config_path=job, cfg=load_config(job), overrides=[])
-    assert (record(spec, "55", "sbatch", "c").nodes, record(spec, "55", "sbatch", "c").min_nodes) == (2, 1)
-    assert record(spec, "local-x", "local", "c").min_nodes is None
+    assert (record(spec, "55", sbatch, "c").nodes, record(spec, "55", sbatch, "c").min_nodes) == (2, 1)
+    assert record(spec, "local-x", local, "c").min_nodes is None
     assert record(build_spec(merged(opts, {"nodes": 2}), config_path=job, cfg=load_config(job), overrides=[]),
-                  "56", "sbatch", "c").min_nodes is None
+                  "56", sbatch, "c").min_nodes is None
 
 
 def _write_events(d: Path, rank: int, events):

@@ -83,6 +83,23 @@ def test_dry_run_sbatch_renders_the_script_job(tmp_path):
     assert "0) LOG_DIR=" in text and "ARGS+=(--lr=0.1)" in text and "ARGS+=(--lr=0.01)" in text
 
 
+def test_a_missing_absolute_script_is_not_said_to_be_relative(tmp_path):
+    missing = tmp_path / "nowhere" / "train.py"
+    p = _cli(["--dry-run", str(missing)], tmp_path)
+    assert p.returncode == 2 and f"script {str(missing)!r} does not exist\nHINT:" in p.stderr, p.stderr
+    assert "relative to" not in p.stderr
+    p = _cli(["--dry-run", "train.py"], tmp_path)
+    assert f"script 'train.py' does not exist (relative to {tmp_path})" in p.stderr
+
+
+def test_a_typo_in_a_flag_gets_the_nearest_flag(tmp_path):
+    p = _cli(["--dry-run", "--wiat", SCRIPT], tmp_path)
+    assert p.returncode == 2
+    assert "error: unrecognized arguments: --wiat (did you mean `--wait`?)" in p.stderr, p.stderr
+    p = _cli(["--dry-run", "--wiat", "--frsh", "--zzzzzz", SCRIPT], tmp_path)
+    assert "(did you mean `--wait` for --wiat, `--fresh` for --frsh?)" in p.stderr, p.stderr
+
+
 def test_dry_run_submitit_calls_the_command_task(tmp_path):
     p = _cli(["--backend", "submitit", "--dry-run", "-m", "json.tool", "--sort-keys"], tmp_path)
     assert p.returncode == 0, p.stderr
@@ -106,17 +123,17 @@ def test_bad_script_requests_fail_with_a_hint(tmp_path, args, needle):
 
 
 def test_python_api_runs_a_function_locally_and_names_a_failing_rank(tmp_path):
-    """ddp_hpc.submit(fn, ...) on the local backend: rank 0's value back; a raising rank named."""
+    """ddp_hpc.submit_job(fn, ...) on the local backend: rank 0's value back; a raising rank named."""
     (tmp_path / "fns.py").write_text(
         (ROOT / "tests" / "cluster" / "script_helpers.py").read_text())
     code = ("import json, ddp_hpc\n"
             "from fns import allsum, fail_on\n"
             "from ddp_hpc.launch import RankFailedError\n"
             "if __name__ == '__main__':\n"
-            "    job = ddp_hpc.submit(allsum, args=(0.5,), nodes=2, gpus=2)\n"
+            "    job = ddp_hpc.submit_job(allsum, args=(0.5,), nodes=2, gpus=2)\n"
             "    print('CHOSE', job.backend, job.backend_reason)\n"
             "    print(job.backend, json.dumps(job.result(timeout=120)), job.state())\n"
-            "    bad = ddp_hpc.submit(fail_on, args=(1,), nodes=1, gpus=2)\n"
+            "    bad = ddp_hpc.submit_job(fail_on, args=(1,), nodes=1, gpus=2)\n"
             "    try:\n"
             "        bad.result(timeout=120)\n"
             "    except RankFailedError as e:\n"
@@ -140,11 +157,11 @@ def test_python_api_runs_a_function_locally_and_names_a_failing_rank(tmp_path):
     assert sorted(j["state_name"] for j in jobs) == ["COMPLETED", "FAILED"], st.stdout
 
 
-@pytest.mark.parametrize("kw, needle", [({"stage": 5}, "ddp_hpc.submit(stage=...) must be a list"),
-                                        ({"time": 5.5}, "ddp_hpc.submit(time=...) '5.5' is not a Slurm time"),
-                                        ({"gpus": 0}, "ddp_hpc.submit(gpus=...) 0 is too few")])
+@pytest.mark.parametrize("kw, needle", [({"stage": 5}, "ddp_hpc.submit_job(stage=...) must be a list"),
+                                        ({"time": 5.5}, "ddp_hpc.submit_job(time=...) '5.5' is not a Slurm time"),
+                                        ({"gpus": 0}, "ddp_hpc.submit_job(gpus=...) 0 is too few")])
 def test_the_python_api_names_its_own_keyword_in_an_error(kw, needle):
     import ddp_hpc
     with pytest.raises(ValueError) as e:  # ddp_hpc.config.ConfigError
-        ddp_hpc.submit(["true"], backend="local", **kw)
+        ddp_hpc.submit_job(["true"], backend="local", **kw)
     assert needle in str(e.value) and "--" not in str(e.value).splitlines()[0]

@@ -20,8 +20,8 @@ from ddp_hpc.judge.restarts import read_restarts, sched_index
 from ddp_hpc.runlogs.restarts import append_restart
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.query import _view_from_rows  # the rows -> state step of query_slurm
+from ddp_hpc.submit.backends import check_options, get
 from ddp_hpc.submit.render import render
-from ddp_hpc.submit.slurm import check_container
 from ddp_hpc.submit.spec import JobSpec, SpecError, TaskSpec
 from ddp_hpc.supervise import watch
 from ddp_hpc.supervise.cli import main as supervise_main
@@ -94,8 +94,8 @@ def test_the_options_reach_the_script_and_other_backends_refuse_them():
     plain = render(_spec(max_restarts=0))
     assert "supervise" not in plain and "--no-kill" not in plain and "exec srun" in plain
     with pytest.raises(SpecError, match="only the sbatch backend does, not submitit"):
-        check_container(_spec(max_restarts=2, spare_nodes=1), "submitit")
-    check_container(_spec(max_restarts=2), "submitit")      # the default alone is no request
+        check_options(_spec(max_restarts=2, spare_nodes=1), get("submitit"))
+    check_options(_spec(max_restarts=2), get("submitit"))      # the default alone is no request
 
 
 def test_the_step_runs_no_kill_on_the_planned_nodes_with_one_task_per_gpu():

@@ -16,7 +16,9 @@ __all__ = ["BACKENDS", "time_to_seconds", "parse_signal", "check_count", "check_
            "check_text", "check_time", "check_signal", "check_backend", "check_nodes", "node_range",
            "check_stage", "PLAIN"]
 
-BACKENDS = ("auto", "submitit", "sbatch", "local")
+#: the names --backend / slurm.backend take: auto and the built-in backends; a backend registered
+#: later (``ddp_hpc.submit.backends.register``) adds its name here (one list: argparse's choices too)
+BACKENDS: list[str] = ["auto", "submitit", "sbatch", "local"]
 
 #: what may stand in an #SBATCH line: no blanks, quotes, $, #, ; or backslashes
 PLAIN = re.compile(r"^[A-Za-z0-9_.:@%+=,/&|*!()\[\]-]+$")

@@ -16,7 +16,7 @@ or ``_`` becomes ``_`` (``/shared/train.lmdb`` -> ``DDP_HPC_STAGE_TRAIN_LMDB``).
 with :func:`staged_path` (or ``os.environ``), so it changes one path, or none.
 
 The same list comes from a job YAML's ``slurm.stage`` (the flags add to it:
-:func:`parse_stage_sources` names both places on a clash) and from ``ddp_hpc.submit(...,
+:func:`parse_stage_sources` names both places on a clash) and from ``ddp_hpc.submit_job(...,
 stage=[...])``.  A config job's ``ddp_hpc.run`` and a function job's rank stage it in their own
 process (:func:`call_staged`) instead of the wrapper.
 """

@@ -22,10 +22,10 @@ from ddp_hpc.exits import signal_name
 from ddp_hpc.launch.tree import (
     KILL_GRACE_S,
     limit_threads,
+    live_processes,
     local_rank_env,
     new_job_id,
     node_layout,
-    recorded_processes,
     stop_processes,
     thread_env,
 )
@@ -92,7 +92,7 @@ def launch_distributed(fn: Callable, world_size: int, args: tuple = (), *,
     finally:
         live = [p.pid for p in procs if p.is_alive()]
         if live:
-            stop_processes(recorded_processes(live))   # and their descendants; SIGKILL after a grace
+            stop_processes(live_processes(live))   # and their descendants; SIGKILL after a grace
         for p in procs:
             p.join(timeout=KILL_GRACE_S)
         for c in conns:

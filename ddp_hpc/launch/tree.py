@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -113,30 +114,61 @@ def start_time(pid: int) -> float | None:
         return None
 
 
-def recorded_processes(pids: Sequence[int], times: Sequence[float | None] | None = None,
-                       not_before: float | None = None, not_after: float | None = None) -> list[psutil.Process]:
-    """The live processes among ``pids`` that are still the ones recorded: started at the time
-    recorded for them (``times``, same order), else (no time kept) within ``not_before`` ..
-    ``not_after``. Zombies and pids another process took since are left out."""
+def live_processes(pids: Sequence[int]) -> list[psutil.Process]:
+    """The live processes among ``pids`` (zombies left out): for this process's own children,
+    whose pids no other process can take before they are reaped."""
     out = []
-    times = list(times or [])
-    for i, pid in enumerate(pids):
+    for pid in pids:
         try:
             p = psutil.Process(int(pid))
-            started = p.create_time()
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
         except (psutil.Error, ValueError, TypeError):
             continue
-        known = times[i] if i < len(times) else None
-        if known is not None:
-            if abs(started - float(known)) > PID_TIME_SLACK_S:
-                continue
-        elif (not_before is not None and started < not_before - PID_TIME_SLACK_S) or (
-                not_after is not None and started > not_after):
-            continue
-        out.append(p)
     return out
+
+
+def recorded_processes(pids: Sequence[int], times: Sequence[float | None] | None) -> list[psutil.Process]:
+    """The live processes among a job record's ``pids`` that are still the ones recorded: each
+    started at the time recorded beside its pid (``times``, same order). A pid with no time
+    recorded (its process had ended when the record was written, or an old record) is never
+    taken: whatever runs under that pid now is another process. The one check of "is this pid
+    still the job's", for ``ddp-hpc cancel`` (what it signals) and status (what runs)."""
+    times = list(times or [])
+    out = []
+    for i, pid in enumerate(pids):
+        known = times[i] if i < len(times) else None
+        if known is None:
+            continue
+        for p in live_processes([pid]):
+            try:
+                if abs(p.create_time() - float(known)) <= PID_TIME_SLACK_S:
+                    out.append(p)
+            except psutil.Error:
+                continue
+    return out
+
+
+def recorded_alive(pids: Sequence[int] | None, times: Sequence[float | None] | None,
+                   host: str | None) -> bool | None:
+    """Whether a job record's processes still run: True when any of them does
+    (`recorded_processes`), False when none does or the list is empty (the local driver's word
+    that it finished), None when this machine cannot tell: no pids were recorded, or they were
+    recorded on another ``host``."""
+    if pids is not None and len(pids) == 0:
+        return False
+    if not pids:
+        return None
+    if host and host not in (socket.gethostname(), socket.getfqdn(), "localhost"):
+        return None
+    return bool(recorded_processes(pids, times))
+
+
+def unrecorded_pids(pids: Sequence[int], times: Sequence[float | None] | None) -> list[int]:
+    """The pids of ``pids`` with no start time recorded beside them (`recorded_processes` never
+    takes them): what ``ddp-hpc cancel`` names as left alone."""
+    times = list(times or [])
+    return [int(pid) for i, pid in enumerate(pids) if (times[i] if i < len(times) else None) is None]
 
 
 def stop_processes(procs: Sequence[psutil.Process], grace: float = KILL_GRACE_S,

@@ -7,7 +7,6 @@ the source that answered, so a user can judge how fresh the answer is.
 """
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -15,9 +14,9 @@ from ddp_hpc import records
 from ddp_hpc.judge import kept
 from ddp_hpc.judge.kept import KeptLogs
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.launch.tree import recorded_processes
+from ddp_hpc.launch.tree import recorded_alive
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
-from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SUBMIT_SLACK_S, SourceState
+from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState
 from ddp_hpc.slurm.states import JobState, StateInfo, parse_state
 from ddp_hpc.slurm.times import format_duration
 
@@ -68,7 +67,7 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
 
 def kept_logs(rec, task_id: str | None, log_dir: str | None, sched: SourceState | None) -> KeptLogs | None:
     """The table's facts of an ended job's logs as its record keeps them with its final state
-    (`ddp_hpc.runlogs.kept`), while they hold; None: read the logs (a job that runs, no or stale
+    (`ddp_hpc.judge.kept`), while they hold; None: read the logs (a job that runs, no or stale
     facts)."""
     if sched is not None and sched.state.state.active:
         return None
@@ -121,16 +120,9 @@ def pids_alive(pids, submitted_at: float | None, cluster: str | None,
                pid_times=None) -> bool | None:
     """True when any of the local job's processes still runs; None when this machine cannot tell
     (the record was written on another host). A pid that another process took since does not
-    count (its start time differs from the one recorded; without one: it started before the
-    submission or long after). An empty list is the local driver's word that it finished."""
-    if pids is not None and len(pids) == 0:
-        return False
-    if not pids:
-        return None
-    if cluster and cluster not in (socket.gethostname(), socket.getfqdn(), "localhost"):
-        return None
-    late = float(submitted_at) + SUBMIT_SLACK_S if submitted_at else None
-    return bool(recorded_processes(pids, pid_times, not_before=submitted_at, not_after=late))
+    count (`ddp_hpc.launch.tree.recorded_processes`: its start time differs from the one recorded,
+    or none was recorded). An empty list is the local driver's word that it finished."""
+    return recorded_alive(pids, pid_times, cluster)
 
 
 def from_final(final: dict, tried: list[str]) -> SourceState:

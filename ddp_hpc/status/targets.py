@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ddp_hpc import records
 from ddp_hpc.errors import HintError
+from ddp_hpc.submit import backends
 
 _SLURM_ID = re.compile(r"^\d+(_\d+)?$")
 
@@ -28,8 +29,11 @@ class StatusTarget:
 
     @property
     def local(self) -> bool:
-        backend = getattr(self.record, "backend", None)
-        return backend == "local" or self.id.startswith("local-")
+        """The job's processes run on this machine (its backend's ``runs_here``), not a
+        scheduler's."""
+        if self.record is None:
+            return self.id.startswith("local-")
+        return backends.of_record(self.record).runs_here
 
 
 def is_slurm_id(job_id: str) -> bool:

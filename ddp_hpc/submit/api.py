@@ -1,15 +1,15 @@
-"""``ddp_hpc.submit(...)`` from Python, submitit-like: submit a function or a command as a DDP job
-and get a handle back.
+"""``ddp_hpc.submit_job(...)`` from Python, submitit-like: submit a function or a command as a DDP
+job and get a handle back.
 
     import ddp_hpc
-    job = ddp_hpc.submit(train, args=(cfg,), nodes=2, gpus=4, time="02:00:00", partition="gpu")
+    job = ddp_hpc.submit_job(train, args=(cfg,), nodes=2, gpus=4, time="02:00:00", partition="gpu")
     job.job_id, job.state()        # "PENDING", "RUNNING", "COMPLETED", "FAILED", ...
     value = job.result()           # rank 0's return value; the first failing rank's error raised
-    job = ddp_hpc.submit(["train.py", "--lr", "0.1"], nodes=2, gpus=4)   # a script, as the CLI
+    job = ddp_hpc.submit_job(["train.py", "--lr", "0.1"], nodes=2, gpus=4)   # a script, as the CLI
 
 A function runs on every rank with torchrun's variables set (``ddp_hpc.submit.functions``),
-through submitit's executor on Slurm or in local processes here; a command goes the way
-``ddp-hpc submit`` sends it (all three backends). Backend ``auto`` picks as the CLI does. The
+through a backend that takes functions (submitit on Slurm, local processes here); a command goes
+the way ``ddp-hpc submit`` sends it (``dispatch``, any backend). Backend ``auto`` picks as the CLI does. The
 Slurm keywords are the fields of ``ddp_hpc.config.SlurmOptions`` (``time``, ``partition``,
 ``account``, ``qos``, ``mem``, ``cpus_per_task``, ``signal``, ``sbatch_args``, ...), checked the same
 way; every job leaves a record, so ``ddp-hpc status`` lists it.
@@ -17,53 +17,48 @@ way; every job leaves a record, so ``ddp-hpc status`` lists it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import multiprocessing as mp
 import os
 import pickle
 import shlex
-import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ddp_hpc.config import SlurmOptions
 from ddp_hpc.config.slurm_options import merged
-from ddp_hpc.data.scriptstage import encode_items
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch import RankFailedError
-from ddp_hpc.launch.tree import start_time
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.states import JobState
-from ddp_hpc.submit import dispatch as submit_dispatch
-from ddp_hpc.submit import local as submit_local
-from ddp_hpc.submit import slurm as submit_slurm
-from ddp_hpc.submit.cancel import GRACE_S, cancel_record
-from ddp_hpc.submit.functions import describe, local_driver, rank_entry
-from ddp_hpc.submit.spec import JobSpec, SpecError, build_command_spec
+from ddp_hpc.submit import backends
+from ddp_hpc.submit.backends.base import GRACE_S, Backend, SubmitOptions, clean_slurm_env, say
+from ddp_hpc.submit.functions import describe
+from ddp_hpc.submit.spec import SpecError, build_command_spec, stage_items
 from ddp_hpc.submit.target import script_command
 
-__all__ = ["submit", "Job"]
+__all__ = ["submit_job", "Job"]
 
 
 class Job:
-    """A submitted job: ``job_id``, ``log_dir``, ``backend`` (local, submitit or sbatch) and
+    """A submitted job: ``job_id``, ``log_dir``, ``backend`` (the ``Backend``; ``str()`` is its
+    name: local, submitit or sbatch) and
     ``backend_reason`` (why: asked for, or what ``auto`` found), ``record``; ``state()``,
     ``done()``, ``wait()``, ``result()``, ``cancel()``."""
 
-    def __init__(self, record, *, submitit_job=None, driver=None, conn=None) -> None:
+    def __init__(self, record, *, submitit_job=None, driver=None, conn=None,
+                 backend: Backend | None = None, backend_reason: str = "") -> None:
         self.record = record
         self.job_id: str = str(record.id)
         self.log_dir: str = record.log_dir
-        self.backend: str = record.backend
-        self.backend_reason: str = ""
+        self.backend: Backend = backend or backends.of_record(record)
+        self.backend_reason: str = backend_reason
         self._submitit, self._driver, self._conn = submitit_job, driver, conn
         self._message: tuple | None = None
         self._cancelled = False
 
     def __repr__(self) -> str:
-        return f"Job({self.job_id!r}, backend={self.backend!r}, log_dir={self.log_dir!r})"
+        return f"Job({self.job_id!r}, backend={self.backend.name!r}, log_dir={self.log_dir!r})"
 
     def _received(self) -> tuple | None:
         """The local driver's message, once it sent one."""
@@ -74,7 +69,7 @@ class Job:
                 code = self._driver.exitcode if self._driver is not None else None
                 self._message = ("err", RankFailedError(
                     -1, "DriverDied", f"the local driver process ended (exit code {code}) without "
-                    "a result; when a script calls ddp_hpc.submit() at module level, put the call "
+                    "a result; when a script calls ddp_hpc.submit_job() at module level, put the call "
                     "under `if __name__ == '__main__':` (the new processes import that script "
                     "again)", exitcode=code))
         return self._message
@@ -94,7 +89,7 @@ class Job:
         from ddp_hpc.status.targets import targets_from_records
 
         targets = targets_from_records([self.record])
-        cli = None if self.backend == "local" else slurm_cli()[0]
+        cli = None if self.backend.runs_here else slurm_cli()[0]
         return collect(targets, cli)[0].state_name
 
     def done(self) -> bool:
@@ -142,36 +137,34 @@ class Job:
         """Stop the job: scancel a Slurm job, or every local process (SIGTERM, SIGKILL after
         ``grace`` seconds); its record and ``ddp-hpc status`` then say CANCELLED."""
         self._cancelled = True
-        if self.backend == "local":
-            cancel_record(self.record, grace)
-            if self._driver is not None:
-                self._driver.join(timeout=10)
-        else:
-            SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0]).cancel(self.job_id)
+        self.backend.cancel(self.record, self.job_id, grace,
+                            SlurmCLI(env=clean_slurm_env(os.environ)[0]))
+        if self._driver is not None:
+            self._driver.join(timeout=10)
 
 
 def _options(nodes: int, gpus: int, backend: str, slurm: Mapping[str, Any]) -> SlurmOptions:
     unknown = sorted(set(slurm) - set(SlurmOptions.__dataclass_fields__))
     if unknown:
-        raise SpecError(f"ddp_hpc.submit() got unknown keywords {unknown}",
+        raise SpecError(f"ddp_hpc.submit_job() got unknown keywords {unknown}",
                         f"use the SlurmOptions fields: {', '.join(SlurmOptions.__dataclass_fields__)}")
     return merged(SlurmOptions(), {"nodes": nodes, "gpus_per_node": gpus, "backend": backend, **slurm},
-                  label=lambda name: f"ddp_hpc.submit({'gpus' if name == 'gpus_per_node' else name}=...)")
+                  label=lambda name: f"ddp_hpc.submit_job({'gpus' if name == 'gpus_per_node' else name}=...)")
 
 
 def _command(target: str | Sequence[str]) -> tuple[tuple[str, ...], str]:
     words = shlex.split(target) if isinstance(target, str) else [str(w) for w in target]
     if not words:
-        raise SpecError("ddp_hpc.submit() got an empty command", "give e.g. ['train.py', '--lr', '0.1']")
+        raise SpecError("ddp_hpc.submit_job() got an empty command", "give e.g. ['train.py', '--lr', '0.1']")
     if words[0].endswith(".py"):
         return script_command(words[0], words[1:]), Path(words[0]).stem
     return tuple(words), Path(words[-1] if words[0].startswith("python") else words[0]).stem
 
 
-def submit(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
-           kwargs: Mapping[str, Any] | None = None, nodes: int = 1, gpus: int = 1,
-           backend: str = "auto", name: str | None = None, log_dir: str = "runs",
-           **slurm: Any) -> Job:
+def submit_job(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
+               kwargs: Mapping[str, Any] | None = None, nodes: int = 1, gpus: int = 1,
+               backend: str = "auto", name: str | None = None, log_dir: str = "runs",
+               **slurm: Any) -> Job:
     """Submit ``target`` (a function, or a command as a string or a list of words) as a DDP job of
     ``nodes`` x ``gpus`` ranks; returns a :class:`Job`. ``args``/``kwargs`` go to the function.
 
@@ -185,75 +178,28 @@ def submit(target: Callable | str | Sequence[str], *, args: Sequence[Any] = (),
     copied once per node before the function or command starts; every rank finds the copy in
     ``$DDP_HPC_STAGE_<NAME>`` (``ddp_hpc.data.staged_path(NAME)``); removed after the job.
 
-        job = ddp_hpc.submit(train, args=(cfg,), nodes=2, gpus=4, time="02:00:00")
+        job = ddp_hpc.submit_job(train, args=(cfg,), nodes=2, gpus=4, time="02:00:00")
         job.backend, job.job_id, job.state(), job.result()
     """
-    from ddp_hpc.submit.cli import choose_backend, stage_items
-
     opts = _options(nodes, gpus, backend, slurm)
-    stage = stage_items([("ddp_hpc.submit(stage=...)", opts.stage)])   # before the backend is chosen, as --stage
-    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0])
-    chosen, why = choose_backend(opts.backend, cli)
-    submit_dispatch.say(f"backend {chosen}: {why}")
-    opts = merged(opts, {"backend": chosen})
-    ns = argparse.Namespace(dry_run=False, wait=False, wait_timeout=None, quiet=True)
+    stage = stage_items([("ddp_hpc.submit_job(stage=...)", opts.stage)])   # before the backend is chosen, as --stage
+    cli = SlurmCLI(env=clean_slurm_env(os.environ)[0])
+    chosen, why = backends.choose(opts, cli)
+    say(f"backend {chosen.name}: {why}")
+    opts = merged(opts, {"backend": chosen.name})
     if not callable(target):
         command, default_name = _command(target)
         spec = build_command_spec(opts, command=command, name=name or default_name, log_root=log_dir)
-        submit_dispatch.dispatch(dataclasses.replace(spec, stage=stage), ns, chosen, cli, None)
-        return _chosen(Job(ns.record), why)
-    if chosen == "sbatch":
-        raise SpecError("a Python function cannot go through backend='sbatch' (a batch script "
-                        "cannot carry it)", "use backend='submitit' or 'auto' (or submit a script)")
+        done = backends.dispatch(dataclasses.replace(spec, stage=stage), chosen, cli, SubmitOptions(quiet=True))
+        return Job(done.record, backend=chosen, backend_reason=why)
+    if not chosen.takes_functions:
+        able = [n for n in backends.names() if backends.get(n).takes_functions]
+        raise SpecError(f"a Python function cannot go through backend={chosen.name!r} (it cannot "
+                        "carry a function)", f"use backend={' or '.join(map(repr, able))} or 'auto' "
+                        "(or submit a script)")
     spec = build_command_spec(opts, command=[f"<function {describe(target)}>"],
                               name=name or getattr(target, "__name__", "function"), log_root=log_dir)
     spec = dataclasses.replace(spec, stage=stage)
-    submit_slurm.check_container(spec, chosen)
-    if chosen == "local":
-        return _chosen(_local_function(spec, target, tuple(args), dict(kwargs or {})), why)
-    return _chosen(_submitit_function(spec, target, tuple(args), dict(kwargs or {}), cli), why)
-
-
-def _chosen(job: Job, why: str) -> Job:
-    job.backend_reason = why
-    return job
-
-
-def _local_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> Job:
-    submit_local.check_gpus(spec, os.environ)
-    submit_dispatch.make_run_dirs(spec, None)
-    job_id = f"local-{Path(spec.log_dir).name}"
-    rec = submit_dispatch.record(spec, job_id, "local", socket.gethostname())
-    ctx = mp.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    driver = ctx.Process(target=local_driver, name=f"ddp_hpc-{job_id}",
-                         args=(fn, args, kwargs, spec.log_dir, spec.nodes, spec.gpus_per_node,
-                               send, encode_items(spec.stage)))
-    try:
-        driver.start()
-    except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        raise SpecError(f"cannot send {describe(fn)} or its arguments to a new process: {exc}",
-                        "submit a function defined at module level, with picklable arguments") from exc
-    send.close()
-    rec.pids, rec.pid_times = [driver.pid], [start_time(driver.pid)]
-    submit_dispatch.records.update_record(rec)
-    return Job(rec, driver=driver, conn=recv)
-
-
-def _submitit_function(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict, cli) -> Job:
-    import submitit
-
-    submit_dispatch.preflight(spec, spec.options.backend, cli, False)
-    submit_dispatch.make_run_dirs(spec, None)
-    ex = submitit.SlurmExecutor(folder=submit_slurm.submitit_folder(spec), max_num_timeout=1000)
-    ex.update_parameters(**submit_slurm.submitit_parameters(spec))
-    with submit_slurm.cleaned_environ():
-        sjob = ex.submit(rank_entry, fn, args, kwargs, spec.log_dir,
-                         encode_items(spec.stage))
-    try:
-        cluster = cli.cluster_name()
-    except Exception:  # noqa: BLE001 - the record falls back to this host's name
-        cluster = socket.gethostname()
-    rec = submit_dispatch.record(spec, str(sjob.job_id), "submitit", cluster,
-                                 script=submit_slurm.submitit_script(spec, str(sjob.job_id)))
-    return Job(rec, submitit_job=sjob)
+    backends.check_options(spec, chosen)
+    done = chosen.submit_function(spec, target, tuple(args), dict(kwargs or {}), cli)
+    return Job(done.record, backend=chosen, backend_reason=why, **done.handles)

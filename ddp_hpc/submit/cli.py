@@ -35,12 +35,10 @@ from typing import Sequence
 
 from ddp_hpc.config import ConfigError, JobConfig, load_config, slurm_options
 from ddp_hpc.config.validate import validate_job
-from ddp_hpc.data.errors import StageError
-from ddp_hpc.data.scriptstage import parse_stage_sources
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
-from ddp_hpc.submit import slurm as submit_slurm
-from ddp_hpc.submit.dispatch import dispatch, say
+from ddp_hpc.submit import backends
+from ddp_hpc.submit.backends.base import Backend, SubmitOptions, clean_slurm_env, say
 from ddp_hpc.submit.resume import resume_or_new
 from ddp_hpc.submit.spec import (
     SpecError,
@@ -50,18 +48,19 @@ from ddp_hpc.submit.spec import (
     is_override,
     parse_sweeps,
     script_sweeps,
+    stage_items,
     sweep_tasks,
 )
 from ddp_hpc.submit.target import SubmitTarget, module_command, script_command, split_argv
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
-__all__ = ["main", "choose_backend", "stage_items", "parse_args", "parse"]
+__all__ = ["main", "parse_args", "parse"]
 
 DEFAULT_CONFIG = "jobs/demo.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog=prog("submit"), formatter_class=HelpFormatter,
         usage="%(prog)s [options] [CONFIG] [KEY=VALUE ...] [-- KEY=VALUE ...]\n"
               "       %(prog)s [options] SCRIPT.py [ARGS ...]\n"
@@ -132,22 +131,6 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, SubmitTarget]:
     return _parser().parse_intermixed_args(target.ours), target
 
 
-def choose_backend(requested: str, cli) -> tuple[str, str]:
-    """(backend, why). ``auto`` needs both an sbatch on PATH and a controller that answers
-    sinfo: Slurm's client tools are often installed where no cluster is configured."""
-    if requested != "auto":
-        return requested, "asked for with --backend" if requested else "default"
-    if not cli.available():
-        return "local", "no `sbatch` on PATH, so this machine is not a Slurm login node"
-    try:
-        parts = cli.sinfo_partitions()
-    except SlurmError as exc:
-        first = str(exc).splitlines()[0]
-        return "local", f"`sbatch` is installed but the Slurm controller does not answer ({first})"
-    return "submitit", (f"`sbatch` is on PATH and the controller answers (partitions: "
-                        f"{', '.join(p['name'] for p in parts) or 'none'})")
-
-
 def _load(config: str, overrides: Sequence[str], tasks: Sequence[Sequence[str]]) -> tuple[JobConfig, list]:
     """(the job's config, each task's config in the order of `sweep_tasks`; just the job's without
     a sweep). Loading every task's here makes a bad key or value in any sweep value fail early."""
@@ -155,21 +138,14 @@ def _load(config: str, overrides: Sequence[str], tasks: Sequence[Sequence[str]])
     return cfg, [load_config(config, [*overrides, *extra]) for extra in tasks] or [cfg]
 
 
-def _backend(opts, cli: SlurmCLI) -> str:
-    backend, why = choose_backend(opts.backend, cli)
-    if backend == "submitit" and opts.backend == "auto" and isinstance(opts.nodes, str):
-        backend, why = "sbatch", f"{why}; --nodes {opts.nodes} is a range, which only sbatch takes"
-    say(f"backend {backend}: {why}")
+def _backend(opts, cli: SlurmCLI) -> Backend:
+    backend, why = backends.choose(opts, cli)
+    say(f"backend {backend.name}: {why}")
     return backend
 
 
-def stage_items(sources) -> tuple:
-    """``slurm.stage`` of the YAML, then ``--stage`` (they add up), checked: a missing source or a
-    clash is a SpecError naming the item and where it came from."""
-    try:
-        return parse_stage_sources(sources)
-    except StageError as exc:
-        raise SpecError(exc.problem, exc.hint) from None
+def _options(args: argparse.Namespace) -> SubmitOptions:
+    return SubmitOptions(dry_run=args.dry_run, wait=args.wait, wait_timeout=args.wait_timeout)
 
 
 def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) -> int:
@@ -177,16 +153,16 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     check_overrides(overrides)
     cfg, task_cfgs = _load(config, overrides, sweep_tasks(sweeps))
     opts = slurm_options.merged(cfg.slurm, slurm_options.given(args))
-    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
+    cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)
-    spec = build_spec(dataclasses.replace(opts, backend=backend), config_path=config, cfg=cfg,
+    spec = build_spec(dataclasses.replace(opts, backend=backend.name), config_path=config, cfg=cfg,
                       overrides=overrides, sweeps=sweeps)
     spec = dataclasses.replace(spec, stage=stage_items([(f"{config}: slurm.stage", cfg.slurm.stage),
                                                          ("--stage", args.stage or ())]))
     spec = resume_or_new(spec, backend, task_cfgs, fresh=args.fresh, cli=cli, say=say)
     for task_cfg in task_cfgs:   # factories, data paths, precision, log.dir: before it queues
-        validate_job(task_cfg, backend=backend, workdir=spec.workdir, create_log_dir=False)
-    return dispatch(spec, args, backend, cli, task_cfgs)
+        validate_job(task_cfg, backend=backend.name, workdir=spec.workdir, create_log_dir=False)
+    return backends.dispatch(spec, backend, cli, _options(args), task_cfgs).exit_code
 
 
 def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
@@ -202,11 +178,11 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
         os.environ["DDP_HPC_INSTRUMENT"] = "0"
     stage = stage_items([("--stage", args.stage or ())])   # before the backend is chosen
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
-    cli = SlurmCLI(env=submit_slurm.clean_slurm_env(os.environ)[0], slow_note=say)
+    cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)
-    spec = build_command_spec(dataclasses.replace(opts, backend=backend), command=command,
+    spec = build_command_spec(dataclasses.replace(opts, backend=backend.name), command=command,
                               name=name, log_root=args.log_dir or "runs", sweeps=sweeps)
-    return dispatch(dataclasses.replace(spec, stage=stage), args, backend, cli, None)
+    return backends.dispatch(dataclasses.replace(spec, stage=stage), backend, cli, _options(args)).exit_code
 
 
 def _submit(args: argparse.Namespace, target: SubmitTarget) -> int:

@@ -1,12 +1,13 @@
-"""The ``local`` backend: the same job on this machine, N x G processes laid out as N pretend
-nodes (gloo on CPU), through ``ddp_hpc.launch.run_local``.
+"""The local driver: the process that runs a local job's plan, N x G processes laid out as N
+pretend nodes (gloo on CPU), through ``ddp_hpc.launch.start_local``.
 
 Why a driver process: a sweep is several runs one after another, and without ``--wait`` the
-submit command must return at once while the runs go on. So the submitter writes a small plan
-(``local-plan.json`` in the job's log directory) and runs this module's driver on it, in the
-foreground with ``--wait`` (rank 0's output, its progress lines included, copied to the
-terminal as it is written) or detached in its own
-session otherwise (``python -m ddp_hpc.submit.local PLAN``). The driver keeps the job record's
+submit command must return at once while the runs go on. So the local backend
+(``ddp_hpc.submit.backends.local``) writes a small plan (``local-plan.json`` in the job's log
+directory: nodes, procs_per_node, runs of argv / log_dir / job_id / task_id, record_id, workdir,
+ddp_hpc_home) and runs this module's driver on it, in the foreground with ``--wait`` (rank 0's
+output, its progress lines included, copied to the terminal as it is written) or detached in its
+own session otherwise (``python -m ddp_hpc.submit.local PLAN``). The driver keeps the job record's
 ``pids`` current, so ``ddp_hpc.status`` can tell a running local job from a dead one.
 """
 
@@ -15,67 +16,24 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from ddp_hpc import records
-from ddp_hpc.env import host_gpus
 from ddp_hpc.exits import exit_status_of_signal
-from ddp_hpc.fsutil import atomic_write_json
 from ddp_hpc.judge import kept
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch import start_local
-from ddp_hpc.launch.tree import LaunchError, pretend_node_gpus, start_time
-from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT, rank_out
-from ddp_hpc.submit.spec import JobSpec, SpecError
-from ddp_hpc.text import plural, prog
+from ddp_hpc.launch.tree import start_time
+from ddp_hpc.runlogs.schema import rank_out
+from ddp_hpc.text import plural
 
-__all__ = ["check_gpus", "write_plan", "run_plan", "start_detached", "ending_words", "main"]
+__all__ = ["run_plan", "ending_words", "main"]
 
-PLAN_NAME = "local-plan.json"
 #: the ``source`` of the final states the driver keeps in the record
 DRIVER = "the local driver"
-
-
-def check_gpus(spec: JobSpec, environ: Mapping[str, str]) -> None:
-    """Refuse a layout this machine's GPUs cannot hold, before anything starts: each pretend node
-    takes ``--gpus`` GPUs of its own (``ddp_hpc.launch.tree.pretend_node_gpus``), so N x G must
-    fit. A machine without a GPU runs any layout on the CPU (gloo)."""
-    host = host_gpus(environ)
-    try:
-        pretend_node_gpus([spec.gpus_per_node] * spec.nodes, host)
-    except LaunchError:
-        n = len(host.ids)
-        layout = f"--nodes {spec.nodes} --gpus {spec.gpus_per_node}"
-        raise SpecError(
-            f"{layout} asks the local backend for {spec.world_size} GPUs (one per rank), but this "
-            f"machine has {plural(n, 'GPU')} ({host.source})",
-            f"use --nodes 1 --gpus {n}" + (f" (or --nodes {n} --gpus 1: each pretend node takes "
-                                           "GPUs of its own)" if n > 1 else "")
-            + "; or run every rank on the CPU (gloo), any layout: CUDA_VISIBLE_DEVICES= "
-              f"{prog('submit')} {layout} ...") from None
-
-
-def write_plan(spec: JobSpec, job_id: str, record_id: str | None = None,
-               ddp_hpc_home: str | None = None) -> Path:
-    """One entry per run: argv, log dir, DDP_HPC_JOB_ID. Written atomically. The environment is
-    not stored (it may hold secrets): the driver passes its own on to the ranks."""
-    runs = []
-    for task in spec.tasks:
-        runs.append({
-            "argv": spec.task_argv(task),
-            "log_dir": task.log_dir,
-            "job_id": job_id if task.task_id is None else f"{job_id}_{task.task_id}",
-            "task_id": task.task_id,
-        })
-    plan = {"nodes": spec.nodes, "procs_per_node": spec.gpus_per_node, "runs": runs,
-            "record_id": record_id, "workdir": spec.workdir, "ddp_hpc_home": ddp_hpc_home}
-    path = Path(spec.log_dir) / PLAN_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write_json(path, plan, indent=1)
 
 
 def _set_pids(plan: dict, pids: list[int]) -> None:
@@ -189,16 +147,6 @@ def ending_words(rc: int) -> str:
 
 def _task_key(run: dict) -> str | None:
     return None if run["task_id"] is None else str(run["task_id"])
-
-
-def start_detached(plan_path: Path, env: Mapping[str, str], python: str = sys.executable) -> int:
-    """Start the driver in its own session (it outlives this command); returns its pid."""
-    out = Path(plan_path).parent / LOCAL_DRIVER_OUT
-    with open(out, "ab") as f:
-        proc = subprocess.Popen([python, "-m", "ddp_hpc.submit.local", str(plan_path)],
-                                env=dict(env), stdin=subprocess.DEVNULL, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    return proc.pid
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,9 @@ directory, where the training core resumes from the newest checkpoint.
 - interrupted, preempted, cancelled or failed with a checkpoint: resumed (one line says so);
 - completed: a new run (one line says so); ``ddp-hpc run`` in a completed directory trains nothing;
 - stopped before its first checkpoint: a new run;
-- still queued or running: refused (wait, cancel it, or ``--fresh``);
+- still queued or running, or this machine cannot tell (squeue does not answer, the processes
+  were recorded on another host): refused (wait, cancel it, or ``--fresh``); a final state the
+  record keeps is not trusted for a Slurm job (a requeued job runs again after it was kept);
 - ``--fresh``: always a new run directory; the earlier one is never removed.
 
 A resumed run's restart numbers follow the earlier run's (``JobSpec.restart_base``: one past the
@@ -33,9 +35,8 @@ from ddp_hpc import records
 from ddp_hpc.config import JobConfig, config_to_dict
 from ddp_hpc.judge.reader import RunEnding, RunLogs, run_ending
 from ddp_hpc.runlogs.schema import CONFIG_FILE
-from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
-from ddp_hpc.slurm.states import parse_state
-from ddp_hpc.status.sources import pids_alive
+from ddp_hpc.slurm.cli import SlurmCLI
+from ddp_hpc.submit.backends.base import Backend
 from ddp_hpc.submit.spec import JobSpec, SpecError
 
 __all__ = ["earlier_run", "next_restart", "resume_or_new"]
@@ -68,11 +69,11 @@ def _same_training(rec: records.JobRecord, task_cfgs: Sequence[JobConfig]) -> bo
     return True
 
 
-def earlier_run(spec: JobSpec, backend: str) -> records.JobRecord | None:
+def earlier_run(spec: JobSpec, backend: Backend) -> records.JobRecord | None:
     """The newest record of a submission of the same config job (see the module's docstring)."""
     root = str(Path(spec.log_dir).parent)
     for rec in reversed(records.list_records()):
-        if (rec.backend == backend and rec.config == spec.config and rec.command is None
+        if (rec.backend == backend.name and rec.config == spec.config and rec.command is None
                 and list(rec.overrides) == list(spec.overrides)
                 and ([list(t.get("overrides", ())) for t in rec.array] if rec.array else None)
                 == _task_overrides(spec)
@@ -81,17 +82,23 @@ def earlier_run(spec: JobSpec, backend: str) -> records.JobRecord | None:
     return None
 
 
-def _still_active(rec: records.JobRecord, cli: SlurmCLI) -> bool:
-    """The earlier job still queued or running (as far as this machine can tell)."""
-    if rec.backend == "local":
-        return bool(pids_alive(rec.pids, rec.submitted_at, rec.cluster))
-    if records.final_of(rec) is not None:
-        return False
-    try:
-        rows = cli.squeue([rec.id])
-    except SlurmError:
-        return False
-    return any(parse_state(r.get("State")).state.active for r in rows)
+def _refuse_if_live(rec: records.JobRecord, backend: Backend, cli: SlurmCLI) -> None:
+    """Refuse to resume into the earlier run's directory while its job may still run: queued or
+    running, or when this machine cannot tell (squeue did not answer, its processes were
+    recorded on another host): two jobs must never write into one run directory."""
+    live = backend.active(rec, cli)
+    if live is False:
+        return
+    hint = (f"wait for it (ddp-hpc status {rec.id}), cancel it (ddp-hpc cancel {rec.id}), or pass "
+            "--fresh for a separate new run")
+    if live:
+        raise SpecError(f"the earlier run of this config, job {rec.id} ({rec.log_dir}), is still "
+                        f"queued or running", hint)
+    where = ("squeue did not answer" if not backend.runs_here
+             else f"its processes were recorded on {rec.cluster}, not here" if rec.pids
+             else "its record keeps no processes")
+    raise SpecError(f"cannot tell whether the earlier run of this config, job {rec.id} "
+                    f"({rec.log_dir}), still runs ({where}), so it is not resumed", hint)
 
 
 def _steps(ends: Sequence[RunEnding]) -> str:
@@ -100,7 +107,7 @@ def _steps(ends: Sequence[RunEnding]) -> str:
     return "steps " + ", ".join("-" if e.checkpoint is None else str(e.checkpoint_step) for e in ends)
 
 
-def resume_or_new(spec: JobSpec, backend: str, task_cfgs: Sequence[JobConfig], *, fresh: bool,
+def resume_or_new(spec: JobSpec, backend: Backend, task_cfgs: Sequence[JobConfig], *, fresh: bool,
                   cli: SlurmCLI, say: Callable[[str], None]) -> JobSpec:
     """``spec`` itself (a new run directory), or ``spec`` moved into the run directory of the
     earlier run it resumes; says which in one line whenever an earlier run exists."""
@@ -111,11 +118,7 @@ def resume_or_new(spec: JobSpec, backend: str, task_cfgs: Sequence[JobConfig], *
     if fresh:
         say(f"starting a new run (--fresh); the earlier run {name} stays in {rec.log_dir}")
         return spec
-    if _still_active(rec, cli):
-        raise SpecError(f"the earlier run of this config, job {rec.id} ({rec.log_dir}), is still "
-                        f"queued or running",
-                        f"wait for it (ddp-hpc status {rec.id}), stop it, or pass --fresh for "
-                        f"a separate new run")
+    _refuse_if_live(rec, backend, cli)
     ends = [run_ending(d) for d in _task_dirs(rec)]
     if all(e.status == "completed" for e in ends):
         say(f"the earlier run {name} of this config completed (step {ends[0].step}, "

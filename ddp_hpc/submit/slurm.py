@@ -1,62 +1,30 @@
-"""The Slurm backends (submitit, rendered sbatch) and the checks that run before anything is
-submitted. (Waiting for a submitted job: ``ddp_hpc.submit.wait``.)
+"""The Slurm side of the sbatch and submitit backends (``ddp_hpc.submit.backends``): submitit's
+parameters and what each of its tasks calls, the sbatch script file, and the checks against sinfo
+that run before anything is submitted. (Waiting for a submitted job: ``ddp_hpc.submit.wait``.)
 
 Why checks here and not left to sbatch: sbatch's own refusals ("Requested node configuration is
 not available", "invalid partition specified") do not say which value was wrong or what would
 work; sinfo does, so the request is compared against it first and the error names the fix.
-
-Why clean SLURM_* first: a submission made from inside another job (an salloc shell, a batch
-script that chains jobs) inherits that job's SLURM_* variables, and sbatch/srun read many of them
-as defaults (SLURM_MEM_PER_NODE, SLURM_NTASKS, SLURM_CPUS_PER_TASK...), silently changing the new
-job. Only SLURM_CONF (which cluster to talk to) is kept.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
-import shutil
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ddp_hpc.config.slurm_options import sbatch_items
 from ddp_hpc.env.job import RESTART_BASE_VAR
 from ddp_hpc.exits import EX_TEMPFAIL
-from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.submit import render
 from ddp_hpc.submit.spec import JobSpec, SpecError
 
-__all__ = ["clean_slurm_env", "cleaned_environ", "check_against_cluster", "check_container", "submitit_parameters",
-           "submitit_folder", "submit_submitit", "submit_sbatch", "run_task", "run_command_task",
-           "submitit_calls", "SCRIPT_NAME"]
+__all__ = ["check_against_cluster", "submitit_parameters",
+           "submitit_folder", "submitit_script", "run_task", "run_command_task", "submitit_calls"]
 
-KEEP_SLURM = frozenset({"SLURM_CONF"})
-SCRIPT_NAME = "job.sbatch"        # the rendered script, kept in the log directory
 SUBMITIT_DIR = "submitit"         # submitit's own files (*.pkl, its logs), under the log directory
-
-
-def clean_slurm_env(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """A copy without an enclosing job's SLURM_* / SRUN_* variables; also returns their names.
-    An enclosing job's DDP_HPC_RESTART_BASE goes too (unnamed): a job sets its own."""
-    removed = sorted(k for k in environ
-                     if (k.startswith("SLURM_") and k not in KEEP_SLURM) or k.startswith("SRUN_"))
-    return {k: v for k, v in environ.items() if k not in removed and k != RESTART_BASE_VAR}, removed
-
-
-@contextlib.contextmanager
-def cleaned_environ() -> Iterator[list[str]]:
-    """Remove SLURM_* from os.environ while submitit runs sbatch (it inherits this process's
-    environment), and put them back afterwards."""
-    clean, removed = clean_slurm_env(os.environ)
-    saved = {k: v for k, v in os.environ.items() if k not in clean}
-    for k in saved:
-        del os.environ[k]
-    try:
-        yield removed
-    finally:
-        os.environ.update(saved)
 
 
 def _partition(spec: JobSpec, partitions: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -98,37 +66,6 @@ def check_against_cluster(spec: JobSpec, partitions: Sequence[Mapping[str, Any]]
             f"{asked} is more than partition {part['name']!r} has "
             f"({part.get('nodes')} nodes, from sinfo)", f"ask for {part.get('nodes')} nodes or fewer")
     return part["name"]
-
-
-CONTAINER_RUNTIMES = ("apptainer", "singularity")
-
-
-def check_container(spec: JobSpec, backend: str, path: str | None = None) -> None:
-    """``--container IMAGE`` goes through the sbatch backend and needs apptainer or singularity;
-    this machine's PATH is checked here (the batch script checks the node's again). The options of
-    restarts inside the allocation are the sbatch backend's too."""
-    _check_restart_options(spec, backend)
-    image = spec.options.container
-    if not image:
-        return
-    pyxis = f"with the pyxis plugin, --srun-arg container-image={image} works on every Slurm backend"
-    if backend != "sbatch":
-        raise SpecError(f"--container {image} runs through the sbatch backend, not {backend}",
-                        f"add --backend sbatch; {pyxis}")
-    if not any(shutil.which(rt, path=path) for rt in CONTAINER_RUNTIMES):
-        raise SpecError(f"--container {image} needs apptainer or singularity, and neither is on "
-                        "PATH here", "load or install one (e.g. `module load apptainer`) where "
-                        f"you submit and on the nodes; {pyxis}")
-
-
-def _check_restart_options(spec: JobSpec, backend: str) -> None:
-    o = spec.options
-    given = [w for w, on in (("--spare-nodes", o.spare_nodes), ("--min-nodes", o.min_nodes is not None),
-                             ("--restart-on-error", o.restart_on_error)) if on]
-    if given and backend != "sbatch":
-        raise SpecError(f"{' and '.join(given)} restart the ranks inside the allocation, which only the "
-                        f"sbatch backend does, not {backend}",
-                        "add --backend sbatch (docs/restarts.md says why submitit cannot)")
 
 
 # ----------------------------------------------------------------------------- submitit
@@ -203,33 +140,7 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
     return params
 
 
-def submit_submitit(spec: JobSpec) -> list[str]:
-    """Submit through submitit; returns the job ids (``123`` or ``123_0``, ``123_1`` ...)."""
-    import submitit
-
-    ex = submitit.SlurmExecutor(folder=submitit_folder(spec), max_num_timeout=1000)
-    ex.update_parameters(**submitit_parameters(spec))
-    calls = submitit_calls(spec)
-    fn = calls[0][0]
-    with cleaned_environ():
-        if spec.is_array:
-            ex.update_parameters(array_parallelism=len(spec.tasks))
-            jobs = ex.map_array(fn, *(list(col) for col in zip(*(args for _, args in calls))))
-        else:
-            jobs = [ex.submit(fn, *calls[0][1])]
-    return [str(j.job_id) for j in jobs]
-
-
 def submitit_script(spec: JobSpec, job_id: str) -> str | None:
     """The batch script submitit wrote for ``job_id``, if it is there."""
     path = submitit_folder(spec) / f"{job_id}_submission.sh"
     return str(path) if path.exists() else None
-
-
-# ----------------------------------------------------------------------------- sbatch
-def submit_sbatch(spec: JobSpec, script_text: str, cli) -> tuple[str, Path]:
-    """Write the script into the log directory (kept for the record) and submit it."""
-    path = Path(spec.log_dir) / SCRIPT_NAME
-    atomic_write_text(path, script_text)
-    job_id = cli.sbatch(script_text, cwd=spec.workdir)
-    return job_id, path

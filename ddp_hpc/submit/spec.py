@@ -22,11 +22,12 @@ from typing import Any, Iterable, Sequence
 
 from ddp_hpc.config import SlurmOptions, parse_signal, time_to_seconds
 from ddp_hpc.config.checks import check_plain
-from ddp_hpc.data.scriptstage import SPEC_VAR, StageItem, encode_items
+from ddp_hpc.data.errors import StageError
+from ddp_hpc.data.scriptstage import SPEC_VAR, StageItem, encode_items, parse_stage_sources
 from ddp_hpc.errors import HintError
 
 __all__ = ["SpecError", "TaskSpec", "JobSpec", "parse_sweeps", "sweep_tasks", "check_overrides",
-           "is_override", "build_spec", "build_command_spec", "new_run_id", "script_sweeps"]
+           "is_override", "build_spec", "build_command_spec", "new_run_id", "script_sweeps", "stage_items"]
 
 
 class SpecError(HintError, ValueError):
@@ -70,6 +71,16 @@ def sweep_tasks(sweeps: Sequence[tuple[str, Sequence[str]]]) -> list[tuple[str, 
     keys = [k for k, _ in sweeps]
     return [tuple(f"{k}={v}" for k, v in zip(keys, combo))
             for combo in itertools.product(*(vals for _, vals in sweeps))]
+
+
+def stage_items(sources) -> tuple:
+    """``slurm.stage`` of the YAML, then ``--stage`` (they add up), or ``stage=`` of the Python
+    API, checked: a missing source or a clash is a SpecError naming the item and where it came
+    from (``sources``: (where, items) pairs)."""
+    try:
+        return parse_stage_sources(sources)
+    except StageError as exc:
+        raise SpecError(exc.problem, exc.hint) from None
 
 
 def check_overrides(overrides: Iterable[str]) -> tuple[str, ...]:

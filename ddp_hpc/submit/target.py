@@ -96,7 +96,8 @@ def script_command(path: str, args: Sequence[str], python: str | None = None) ->
     the script must exist now: the job runs it from the same directory."""
     p = Path(path)
     if not p.is_file():
-        raise SpecError(f"script {path!r} does not exist (relative to {os.getcwd()})",
+        where = "" if p.is_absolute() else f" (relative to {os.getcwd()})"
+        raise SpecError(f"script {path!r} does not exist{where}",
                         "give the path of your training script, e.g. ddp-hpc submit -N 2 train.py")
     args = tuple(_check_arg(a, f"argument of {path}") for a in args)
     if path.endswith(".py"):

@@ -1,4 +1,4 @@
-"""Functions the Python API test submits (``ddp_hpc.submit(fn, ...)``): importable on every node
+"""Functions the Python API test submits (``ddp_hpc.submit_job(fn, ...)``): importable on every node
 of the test cluster through PYTHONPATH, as a user's own module would be. Also ``wait_for``, the
 cluster tests' one polling loop."""
 

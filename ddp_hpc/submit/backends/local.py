@@ -1,0 +1,263 @@
+"""The ``local`` backend: the job as N pretend nodes x G processes on this machine (gloo on the
+CPU, or one GPU per rank). A command or config job goes to the local driver
+(``ddp_hpc.submit.local``: in the foreground with ``--wait``, else detached), a Python function to
+``ddp_hpc.submit.functions.local_driver`` in a child process with a pipe back to its handle. Its
+jobs' processes are in the record (``pids``, ``pid_times``): whether the job still runs and how it
+is cancelled are read from them."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from ddp_hpc import records
+from ddp_hpc.config import JobConfig
+from ddp_hpc.data.scriptstage import encode_items
+from ddp_hpc.env import host_gpus
+from ddp_hpc.env.job import RESTART_BASE_VAR
+from ddp_hpc.fsutil import atomic_write_json
+from ddp_hpc.launch.tree import (
+    LaunchError,
+    pretend_node_gpus,
+    recorded_alive,
+    recorded_processes,
+    start_time,
+    stop_processes,
+    unrecorded_pids,
+)
+from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
+from ddp_hpc.slurm.states import JobState, parse_state
+from ddp_hpc.submit import local as driver
+from ddp_hpc.submit.backends.base import (
+    CancelError,
+    Plan,
+    SubmitOptions,
+    Submitted,
+    clean_slurm_env,
+    make_run_dirs,
+    record,
+    removed_note,
+    say,
+)
+from ddp_hpc.submit.functions import describe, local_driver
+from ddp_hpc.submit.spec import JobSpec, SpecError
+from ddp_hpc.text import plural, prog
+
+__all__ = ["LocalBackend", "CANCEL", "check_gpus", "write_plan", "start_detached"]
+
+PLAN_NAME = "local-plan.json"
+
+#: the ``source`` of the final states `cancel` keeps in the record
+CANCEL = "ddp-hpc cancel"
+
+
+def _job_id(spec: JobSpec) -> str:
+    return f"local-{Path(spec.log_dir).name}"
+
+
+class LocalBackend:
+    name = "local"
+    runs_here = True
+    takes_functions = True
+    takes_node_range = True       # runs the most of the range
+    takes_container = False
+    restarts_in_allocation = False
+
+    def __repr__(self) -> str:
+        return "<local backend>"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def check(self, spec: JobSpec, cli: Any, dry_run: bool) -> None:
+        if isinstance(spec.options.nodes, str):
+            say(f"--nodes {spec.options.nodes}: the local backend runs the most, "
+                f"{plural(spec.nodes, 'pretend node')}")
+        check_gpus(spec, clean_slurm_env(os.environ)[0])
+
+    def plan(self, spec: JobSpec, task_cfgs: Sequence[JobConfig] | None) -> Plan:
+        env, removed = clean_slurm_env(os.environ)
+        if spec.is_command:
+            env["DDP_HPC_PREEMPT_SIGNAL"] = spec.signal
+        env.update(spec.stage_environ())   # --stage: what each pretend node copies first
+        if spec.restart_base:   # resumes a stopped run: its restart numbers follow that run's
+            env[RESTART_BASE_VAR] = str(spec.restart_base)
+        return Plan(spec, _launcher_lines(spec), env, tuple(removed),
+                    None if task_cfgs is None else tuple(task_cfgs))
+
+    def submit(self, plan: Plan, cli: Any, opts: SubmitOptions) -> Submitted:
+        spec, job_id = plan.spec, _job_id(plan.spec)
+        if plan.removed:
+            say(removed_note(plan.removed))
+        make_run_dirs(spec, plan.task_cfgs)
+        rec = record(spec, job_id, self, socket.gethostname())
+        path = write_plan(spec, job_id, record_id=job_id,
+                                 ddp_hpc_home=os.environ.get("DDP_HPC_HOME"))
+        say(f"job {job_id}: {plural(spec.world_size, 'process')} "
+            f"({plural(spec.nodes, 'pretend node')} x {spec.gpus_per_node}), logs in {spec.log_dir}")
+        if opts.wait:
+            rc = driver.run_plan(path, follow=True, env=plan.env)
+            say(f"job {job_id} {driver.ending_words(rc)}")
+            return Submitted(rec, rc)
+        rec.pids = [start_detached(path, plan.env, spec.python)]
+        rec.pid_times = [start_time(rec.pids[0])]
+        records.update_record(rec)
+        say(f"started in the background (driver pid {rec.pids[0]}); follow it with "
+            f"`{prog('status')} {job_id}`")
+        if not opts.quiet:
+            print(job_id, flush=True)
+        return Submitted(rec)
+
+    def submit_function(self, spec: JobSpec, fn: Callable, args: tuple, kwargs: dict,
+                        cli: Any) -> Submitted:
+        self.check(spec, cli, False)
+        make_run_dirs(spec, None)
+        job_id = _job_id(spec)
+        rec = record(spec, job_id, self, socket.gethostname())
+        ctx = mp.get_context("spawn")
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=local_driver, name=f"ddp_hpc-{job_id}",
+                           args=(fn, args, kwargs, spec.log_dir, spec.nodes, spec.gpus_per_node,
+                                 send, encode_items(spec.stage)))
+        try:
+            proc.start()
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise SpecError(f"cannot send {describe(fn)} or its arguments to a new process: {exc}",
+                            "submit a function defined at module level, with picklable arguments") from exc
+        send.close()
+        rec.pids, rec.pid_times = [proc.pid], [start_time(proc.pid)]
+        records.update_record(rec)
+        return Submitted(rec, handles={"driver": proc, "conn": recv})
+
+    def active(self, rec: records.JobRecord, cli: Any) -> bool | None:
+        """From the recorded processes (`ddp_hpc.launch.tree.recorded_alive`): None when they
+        were recorded on another host, or none were recorded."""
+        return recorded_alive(rec.pids, rec.pid_times, rec.cluster)
+
+    def cancel(self, rec: records.JobRecord, job_id: str, grace: float, cli: Any) -> str:
+        """Stop every process of the record that is still the one recorded (SIGTERM, SIGKILL
+        after ``grace`` seconds) and keep CANCELLED as the final state of each run that had not
+        ended. A pid recorded without a start time is never signalled."""
+        if rec.id != job_id:
+            raise CancelError(f"{job_id!r} names one task of the local job {rec.id}; the tasks of a "
+                              "local sweep run one after another under one driver.",
+                              f"cancel the whole job: `{prog('cancel')} {rec.id}`.")
+        pids = [int(p) for p in rec.pids or []]
+        procs = recorded_processes(pids, rec.pid_times)
+        unknown = unrecorded_pids(pids, rec.pid_times)
+        left = (f"; left alone {plural(len(unknown), 'pid')} recorded without a start time "
+                f"({', '.join(map(str, unknown))}): whatever runs there now is not the job's"
+                if unknown else "")
+        if not procs:
+            ended = _ended_state(rec)
+            return (f"job {rec.id}: no process of it runs any more"
+                    + (f" ({ended}); nothing to stop" if ended else "; nothing to stop") + left)
+        ranks = [p.pid for p in procs if p.pid != pids[0]]
+        killed = stop_processes(procs, grace, groups=ranks)
+        _keep_cancelled(rec)
+        how = (f", {plural(len(killed), 'process')} SIGKILLed after {grace:g} s" if killed
+               else " (SIGTERM)")
+        return f"job {rec.id}: CANCELLED, stopped {plural(len(procs), 'process')}{how}{left}"
+
+
+def check_gpus(spec: JobSpec, environ: Mapping[str, str]) -> None:
+    """Refuse a layout this machine's GPUs cannot hold, before anything starts: each pretend node
+    takes ``--gpus`` GPUs of its own (``ddp_hpc.launch.tree.pretend_node_gpus``), so N x G must
+    fit. A machine without a GPU runs any layout on the CPU (gloo)."""
+    host = host_gpus(environ)
+    try:
+        pretend_node_gpus([spec.gpus_per_node] * spec.nodes, host)
+    except LaunchError:
+        n = len(host.ids)
+        layout = f"--nodes {spec.nodes} --gpus {spec.gpus_per_node}"
+        raise SpecError(
+            f"{layout} asks the local backend for {spec.world_size} GPUs (one per rank), but this "
+            f"machine has {plural(n, 'GPU')} ({host.source})",
+            f"use --nodes 1 --gpus {n}" + (f" (or --nodes {n} --gpus 1: each pretend node takes "
+                                           "GPUs of its own)" if n > 1 else "")
+            + "; or run every rank on the CPU (gloo), any layout: CUDA_VISIBLE_DEVICES= "
+              f"{prog('submit')} {layout} ...") from None
+
+
+def write_plan(spec: JobSpec, job_id: str, record_id: str | None = None,
+               ddp_hpc_home: str | None = None) -> Path:
+    """One entry per run: argv, log dir, DDP_HPC_JOB_ID. Written atomically. The environment is
+    not stored (it may hold secrets): the driver passes its own on to the ranks."""
+    runs = []
+    for task in spec.tasks:
+        runs.append({
+            "argv": spec.task_argv(task),
+            "log_dir": task.log_dir,
+            "job_id": job_id if task.task_id is None else f"{job_id}_{task.task_id}",
+            "task_id": task.task_id,
+        })
+    plan = {"nodes": spec.nodes, "procs_per_node": spec.gpus_per_node, "runs": runs,
+            "record_id": record_id, "workdir": spec.workdir, "ddp_hpc_home": ddp_hpc_home}
+    path = Path(spec.log_dir) / PLAN_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_json(path, plan, indent=1)
+
+
+def start_detached(plan_path: Path, env: Mapping[str, str], python: str = sys.executable) -> int:
+    """Start the driver in its own session (it outlives this command); returns its pid."""
+    out = Path(plan_path).parent / LOCAL_DRIVER_OUT
+    with open(out, "ab") as f:
+        proc = subprocess.Popen([python, "-m", "ddp_hpc.submit.local", str(plan_path)],
+                                env=dict(env), stdin=subprocess.DEVNULL, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc.pid
+
+
+def _launcher_lines(spec: JobSpec) -> str:
+    """What the local driver runs, as the equivalent launcher commands (the dry run)."""
+    job_id = _job_id(spec)
+    base = f"{RESTART_BASE_VAR}={spec.restart_base} " if spec.restart_base else ""
+    base += "".join(f"{k}={shlex.quote(v)} " for k, v in spec.stage_environ().items())
+    sig = f"DDP_HPC_PREEMPT_SIGNAL={spec.signal} " if spec.is_command else ""
+    lines = []
+    for t in spec.tasks:
+        tid = job_id if t.task_id is None else f"{job_id}_{t.task_id}"
+        lines.append(f"{sig}{base}DDP_HPC_LOG_DIR={shlex.quote(t.log_dir)} {shlex.quote(spec.python)} -m "
+                     f"ddp_hpc.launch --nodes {spec.nodes} --procs-per-node {spec.gpus_per_node} "
+                     f"--log-dir {shlex.quote(t.log_dir)} --job-id {tid} -- "
+                     f"{shlex.join(spec.task_argv(t))}\n")
+    return "".join(lines)
+
+
+def _ended_state(rec: records.JobRecord) -> str | None:
+    finals = [rec.final] if not rec.array else list((rec.final or {}).values())
+    states = sorted({str(f.get("state")) for f in finals if isinstance(f, dict)})
+    return ", ".join(states) or None
+
+
+def _keep_cancelled(rec: records.JobRecord) -> None:
+    """CANCELLED as the final state of every run that has none or whose driver saw the SIGTERM;
+    a run that had completed or failed before keeps its state. The pids are cleared."""
+    fresh = _reload(rec)
+    now = time.time()
+    keys = [str(t.get("task_id")) for t in fresh.array] if fresh.array else [None]
+    finals = {}
+    for key in keys:
+        old = records.final_of(fresh, key)
+        if old and parse_state(old.get("state")).state not in (JobState.CANCELLED, JobState.UNKNOWN):
+            continue
+        started = (old or {}).get("started_at") or (fresh.submitted_at if key is None else None)
+        finals[key] = records.local_final("CANCELLED", started, now, CANCEL,
+                                          reason=f"stopped with `{prog('cancel')}`")
+    if finals:
+        records.store_final(fresh, finals)
+    fresh = _reload(fresh)
+    fresh.pids, fresh.pid_times = [], []
+    records.update_record(fresh)
+
+
+def _reload(rec: records.JobRecord) -> records.JobRecord:
+    return records.load_record(rec.id, cluster=rec.cluster)

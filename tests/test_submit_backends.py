@@ -1,0 +1,125 @@
+"""The Backend seam: a fourth backend planted in the registry (``echo``: runs the job's command
+once, here, as a real process) goes through the command line, the Python API, cancel, resume and
+status's targets with no other module knowing its name. Whatever still compared names ("local",
+"sbatch", "submitit") would send it the wrong way, and these assertions would fail."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc import records
+from ddp_hpc.status.targets import StatusTarget
+from ddp_hpc.submit import backends, cancel
+from ddp_hpc.submit import cli as submit_cli
+from ddp_hpc.submit.api import submit_job
+from ddp_hpc.submit.backends.base import Plan, Submitted, make_run_dirs, record
+from ddp_hpc.submit.spec import SpecError
+
+PY = sys.executable
+
+
+class EchoBackend:
+    """Runs the job's command once on this machine, waits for it, keeps its output as echo.out."""
+
+    name = "echo"
+    runs_here = True
+    takes_functions = True
+    takes_node_range = False
+    takes_container = False
+    restarts_in_allocation = False
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def check(self, spec, cli, dry_run):
+        self.calls.append("check")
+
+    def plan(self, spec, task_cfgs):
+        self.calls.append("plan")
+        return Plan(spec, "echo would run: " + " ".join(spec.command) + "\n", dict(os.environ))
+
+    def submit(self, plan, cli, opts):
+        self.calls.append("submit")
+        make_run_dirs(plan.spec, plan.task_cfgs)
+        rec = record(plan.spec, f"echo-{Path(plan.spec.log_dir).name}", self, socket.gethostname())
+        out = subprocess.run(list(plan.spec.command), env=dict(plan.env), capture_output=True,
+                             text=True, timeout=60)
+        (Path(plan.spec.log_dir) / "echo.out").write_text(out.stdout)
+        rec.pids, rec.pid_times = [], []
+        records.update_record(rec)
+        return Submitted(rec, out.returncode)
+
+    def submit_function(self, spec, fn, args, kwargs, cli):
+        self.calls.append("submit_function")
+        rec = record(spec, f"echo-{Path(spec.log_dir).name}", self, socket.gethostname())
+        return Submitted(rec, handles={"submitit_job": None})
+
+    def active(self, rec, cli):
+        self.calls.append("active")
+        return False
+
+    def cancel(self, rec, job_id, grace, cli):
+        self.calls.append(f"cancel {job_id}")
+        return f"job {job_id}: echo has nothing to stop"
+
+
+@pytest.fixture
+def echo(tmp_path, monkeypatch):
+    backend = EchoBackend()
+    backends.register(backend)
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PATH", os.path.dirname(PY))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hello.py").write_text("import sys\nprint('hello', *sys.argv[1:])\n")
+    yield backend
+    backends.unregister("echo")
+
+
+def test_a_planted_backend_plans_and_submits_through_the_command_line(echo, tmp_path, capsys):
+    args = ["--backend", "echo", "-N", "2", "-G", "1", "--log-dir", str(tmp_path / "runs")]
+    assert submit_cli.main([*args, "--dry-run", "hello.py", "a", "b"]) == 0
+    out, err = capsys.readouterr()
+    assert "backend echo: asked for with --backend" in err
+    assert out.startswith("echo would run: ") and out.rstrip().endswith("hello.py a b")
+    assert echo.calls == ["check", "plan"] and not (tmp_path / "runs").exists()
+
+    assert submit_cli.main([*args, "hello.py", "world"]) == 0
+    (rec,) = records.list_records()
+    assert rec.backend == "echo" and rec.id.startswith("echo-") and rec.nodes == 2
+    assert rec.time_limit is None          # it runs here: no time limit, as the backend says
+    assert (Path(rec.log_dir) / "echo.out").read_text() == "hello world\n"
+    assert echo.calls[-3:] == ["check", "plan", "submit"]
+
+    assert StatusTarget(rec.id, rec).local is True        # status asks the backend, not the name
+    echo.runs_here = False
+    assert StatusTarget(rec.id, rec).local is False
+    assert cancel.main([rec.id]) == 0                     # cancel goes through the backend too
+    assert f"job {rec.id}: echo has nothing to stop" in capsys.readouterr().out
+    assert "cancel " + rec.id in echo.calls
+
+
+def test_a_planted_backend_through_the_python_api(echo, tmp_path, capsys):
+    job = submit_job([PY, str(tmp_path / "hello.py"), "api"], backend="echo", nodes=1,
+                     log_dir=str(tmp_path / "runs"))
+    assert job.backend is echo and job.backend.name == "echo"
+    assert job.backend_reason == "asked for with --backend"
+    assert (Path(job.log_dir) / "echo.out").read_text() == "hello api\n"
+    assert job.record.backend == "echo" and capsys.readouterr().out == ""   # quiet: no job id printed
+    fjob = submit_job(len, args=([1],), backend="echo", log_dir=str(tmp_path / "runs"))
+    assert echo.calls[-1] == "submit_function" and fjob.backend is echo
+    job.cancel()
+    assert echo.calls[-1] == f"cancel {job.job_id}"
+
+
+def test_unknown_backend_names_are_refused_with_the_registered_ones(echo):
+    with pytest.raises(SpecError) as err:
+        backends.get("k8s", where="slurm.backend")
+    assert err.value.problem == "slurm.backend 'k8s' names no backend"
+    assert "echo" in err.value.hint and "sbatch" in err.value.hint
+    assert backends.get("sbatch-script") is backends.get("sbatch")      # records register's name
