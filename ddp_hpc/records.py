@@ -40,7 +40,7 @@ from ddp_hpc.text import HelpFormatter, prog
 __all__ = ["JobRecord", "JobRecordError", "records_dir", "write_record", "update_record", "load_record",
            "list_records", "final_of", "store_final", "store_finals", "local_final"]
 
-_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
 class JobRecordError(HintError, LookupError):
@@ -122,7 +122,7 @@ def records_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 def _check_id(job_id: str) -> str:
     job_id = str(job_id)
-    if not _SAFE_ID.match(job_id) or ".." in job_id:
+    if not _SAFE_ID.fullmatch(job_id) or ".." in job_id:
         raise JobRecordError(f"job record id {job_id!r} is not a valid id (letters, digits, '_', '.', '+', '-').",
                              "use the Slurm job id (e.g. 12345 or 12345_3) or a local-... id.")
     return job_id
@@ -252,7 +252,7 @@ def _files(d: Path, job_id: str | None = None) -> Iterable[Path]:
         return []
     if job_id is None:
         return [p for p in d.glob("*.json") if not p.name.startswith(".")]
-    pat = re.compile(re.escape(job_id) + r"(\.\d+)?\.json$")
+    pat = re.compile(re.escape(job_id) + r"(\.\d+)?\.json")
     return [p for p in d.glob(f"{_glob_escape(job_id)}*.json") if pat.fullmatch(p.name)]
 
 

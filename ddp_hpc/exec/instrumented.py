@@ -32,7 +32,7 @@ BOOT_VAR = "DDP_HPC_INSTRUMENT_BOOT"
 SITE_DIR = Path(__file__).resolve().parents[1] / "instrument" / "site"
 #: flight recorder entries kept per process group (PyTorch's docs suggest 2000)
 TRACE_BUFFER = "2000"
-_PYTHON = re.compile(r"^python[0-9.]*$")
+_PYTHON = re.compile(r"python[0-9.]*")
 
 
 def torch_environ(log_dir: Path | None, rank: int, restart: int, gpus: bool) -> dict[str, str]:
@@ -53,7 +53,7 @@ def is_python(cmd: Sequence[str]) -> bool:
     """A Python command: ``python``, ``python3.11``, any path to one, this interpreter, or a
     script whose ``#!`` line names python."""
     first = cmd[0]
-    if _PYTHON.match(os.path.basename(first)) or os.path.realpath(first) == os.path.realpath(sys.executable):
+    if _PYTHON.fullmatch(os.path.basename(first)) or os.path.realpath(first) == os.path.realpath(sys.executable):
         return True
     try:
         with open(first, "rb") as f:
