@@ -112,6 +112,35 @@ def test_a_script_without_torch_runs_as_before_and_the_users_sitecustomize_still
     assert seen["elastic"]["TORCHELASTIC_MAX_RESTARTS"] == "3"
 
 
+MISSING_SITE = """
+import sys
+from pathlib import Path
+import ddp_hpc.exec.instrumented as instrumented
+instrumented.SITE_DIR = Path(sys.argv[1])     # an installation without the start-up folder
+from ddp_hpc.exec.wrapper import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_an_installation_without_the_site_folder_refuses_to_run_the_script_blind(tmp_path):
+    ran = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"open({str(ran)!r}, 'w').close()\n")
+    log_dir = tmp_path / "logs"
+    argv = [sys.executable, "-c", MISSING_SITE, str(tmp_path / "no-site"), "--log-dir", str(log_dir), "--",
+            sys.executable, str(script)]
+    p = subprocess.run(argv, env=clean_env(RANK="0", WORLD_SIZE="1"), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and not ran.exists(), p.stderr
+    assert f"cannot instrument {sys.executable!r}: {tmp_path}/no-site/sitecustomize.py is missing" in p.stderr
+    assert "HINT: reinstall ddp_hpc" in p.stderr and "DDP_HPC_INSTRUMENT=0" in p.stderr
+    (err,) = events(log_dir, 0, "error")
+    assert "sitecustomize.py is missing from this installation" in err["message"] and err["exit_code"] == 2
+    # the opt-out runs the script, uninstrumented
+    p = subprocess.run(argv, env=clean_env(RANK="0", WORLD_SIZE="1", DDP_HPC_INSTRUMENT="0"),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and ran.exists(), p.stderr
+
+
 TEARDOWN = """
 import os, sys
 class Native:

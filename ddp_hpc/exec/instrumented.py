@@ -12,6 +12,8 @@ reads back when the child ends (docs/scripts.md, "What status sees without chang
 - for a Python command, unless turned off (``DDP_HPC_INSTRUMENT=0``, ``submit --no-instrument``):
   ``ddp_hpc/instrument/site`` first on PYTHONPATH and ``DDP_HPC_INSTRUMENT_BOOT`` (the exit-record
   pipe, the faulthandler file), so the script's interpreter starts ``ddp_hpc.instrument``.
+  An installation without that folder's ``sitecustomize.py`` (a wheel built without its package
+  data) is refused before the script starts (``check_installed``), never run blind.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ddp_hpc.errors import HintError
 from ddp_hpc.runlogs.schema import error_file, fault_file, flight_prefix
 from ddp_hpc.runlogs.stacks import stack_excerpt
 
@@ -65,6 +68,22 @@ def is_python(cmd: Sequence[str]) -> bool:
 
 def wanted(environ: Mapping[str, str]) -> bool:
     return environ.get(INSTRUMENT_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class InstrumentError(HintError):
+    """The command is to be instrumented, but this installation of ddp_hpc cannot."""
+
+
+def check_installed(cmd: Sequence[str], environ: Mapping[str, str]) -> None:
+    """Raise InstrumentError when ``cmd`` is to be instrumented and the start-up hook is missing
+    from this installation: the script would run with nothing for status to see."""
+    hook = SITE_DIR / "sitecustomize.py"
+    if wanted(environ) and is_python(cmd) and not hook.is_file():
+        raise InstrumentError(
+            f"cannot instrument {cmd[0]!r}: {hook} is missing from this installation of ddp_hpc "
+            "(a wheel built without ddp_hpc/instrument/site/)",
+            "reinstall ddp_hpc from a release or a source tree (pip install --force-reinstall); to run "
+            f"the script uninstrumented meanwhile: ddp-hpc submit --no-instrument, or {INSTRUMENT_VAR}=0")
 
 
 @dataclass

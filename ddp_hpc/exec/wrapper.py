@@ -30,7 +30,13 @@ from ddp_hpc.env.checks import diagnose
 from ddp_hpc.env.tracking import wandb_environ
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.exec.events import SafeLog
-from ddp_hpc.exec.instrumented import Instrumentation, read_error_file, torch_environ
+from ddp_hpc.exec.instrumented import (
+    Instrumentation,
+    InstrumentError,
+    check_installed,
+    read_error_file,
+    torch_environ,
+)
 from ddp_hpc.exec.outcome import classify, error_fields, last_step
 from ddp_hpc.runlogs.schema import error_file, events_file, rank_out
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
@@ -110,7 +116,8 @@ def run(cmd: Sequence[str], log_dir: str | os.PathLike | None = None) -> int:
     where = _log_dir(log_dir, env.rank)
     try:
         child_env = env.child_environ()
-    except EnvError as exc:
+        check_installed(cmd, child_env)
+    except (EnvError, InstrumentError) as exc:
         return _refuse(exc, env, where)
     if where is not None:
         child_env["DDP_HPC_LOG_DIR"] = str(where)
@@ -122,9 +129,9 @@ def run(cmd: Sequence[str], log_dir: str | os.PathLike | None = None) -> int:
         log.close()
 
 
-def _refuse(exc: EnvError, env: DistEnv | None, log_dir: str | os.PathLike | None) -> int:
-    """An environment that cannot work: the error on stderr, an error event when the rank and
-    the log directory are known, exit status 2."""
+def _refuse(exc: HintError, env: DistEnv | None, log_dir: str | os.PathLike | None) -> int:
+    """An environment (or an installation) that cannot work: the error on stderr, an error event
+    when the rank and the log directory are known, exit status 2."""
     report(prog("exec"), exc)
     where = _log_dir(log_dir, env.rank if env else None)
     if env is not None and where is not None:
