@@ -5,6 +5,9 @@ preemption, an OOM kill, a node crash) must never be read back as valid. So ever
 temporary file in the same directory (rename is atomic only within one filesystem), is flushed and
 fsynced, then renamed over the final name; the directory is fsynced so the rename itself survives
 a crash. Temporary names start with ``tmp_prefix`` so callers can recognise and clean leftovers.
+
+``file_size`` is the size of a file that may not exist (yet): where a reader of an appended log
+starts, so that it reads only what this run adds.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
+
+
+def file_size(path: str | os.PathLike | None) -> int:
+    """The size of ``path`` in bytes; 0 when there is no path, no such file, or it cannot be read."""
+    try:
+        return os.stat(path).st_size if path else 0
+    except OSError:
+        return 0
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:

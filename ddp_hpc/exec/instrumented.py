@@ -26,11 +26,14 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ddp_hpc.errors import HintError
+from ddp_hpc.fsutil import file_size
 from ddp_hpc.runlogs.schema import error_file, fault_file, flight_prefix
 from ddp_hpc.runlogs.stacks import stack_excerpt
 
 #: the opt-out: DDP_HPC_INSTRUMENT=0 (or false / no / off)
 INSTRUMENT_VAR = "DDP_HPC_INSTRUMENT"
+#: the wrapper's configuration for the child (JSON: ``ddp_hpc.instrument.boot.start``); the child's
+#: ``sitecustomize`` removes it from the environment at start-up
 BOOT_VAR = "DDP_HPC_INSTRUMENT_BOOT"
 SITE_DIR = Path(__file__).resolve().parents[1] / "instrument" / "site"
 #: flight recorder entries kept per process group (PyTorch's docs suggest 2000)
@@ -109,7 +112,7 @@ class Instrumentation:
                   "pythonpath": child_env.get("PYTHONPATH")}
         child_env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *filter(None, [child_env.get("PYTHONPATH")])])
         child_env[BOOT_VAR] = json.dumps(config)
-        return cls(fault, _size(fault), r, w, (w,))
+        return cls(fault, file_size(fault), r, w, (w,))
 
     def started(self) -> None:
         """The child has the pipe's write end (or failed to start): close ours."""
@@ -171,10 +174,3 @@ def read_error_file(path: Path | None, since: float) -> dict | None:
         return None
     exc_type, _, message = str(text).partition(": ")
     return {"exc_type": exc_type or "Error", "message": message, "traceback": tb}
-
-
-def _size(path: Path | None) -> int:
-    try:
-        return path.stat().st_size if path else 0
-    except OSError:
-        return 0

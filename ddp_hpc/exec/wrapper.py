@@ -38,6 +38,7 @@ from ddp_hpc.exec.instrumented import (
     torch_environ,
 )
 from ddp_hpc.exec.outcome import classify, error_fields, last_step
+from ddp_hpc.fsutil import file_size
 from ddp_hpc.runlogs.schema import error_file, events_file, rank_out
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.text import HelpFormatter, prog
@@ -148,7 +149,7 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
     if note:
         log.warning(note)
     out_path = log.dir / rank_out(env.rank) if log.dir else None
-    out_start = _size(out_path)
+    out_start = file_size(out_path)
     errfile = _torch_environ(child_env, env, log.dir)
     inst = Instrumentation.prepare(cmd, child_env, log.dir, env.rank)
     started = time.time()
@@ -166,7 +167,7 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
         log.info(f"exec: started {cmd[0]} as pid {proc.pid} (rank {env.rank} of {env.world_size}, "
                  f"node {env.node_rank} of {env.num_nodes})")
         events = log.dir / events_file(env.rank) if log.dir else None
-        events_start = _size(events)
+        events_start = file_size(events)
         outcome = classify(proc.wait(), fwd.forwarded, inst.ending())
         try:
             why = (read_error_file(errfile, started), inst.fault_stack())
@@ -217,13 +218,6 @@ def _not_started(cmd: list[str], exc: OSError, log: SafeLog) -> int:
     log.event("error", exc_type=type(exc).__name__, message=str(err), traceback=None,
               exit_code=code, signal=None)
     return code
-
-
-def _size(path: Path | None) -> int:
-    try:
-        return path.stat().st_size if path else 0
-    except OSError:
-        return 0
 
 
 def binding_note(env: DistEnv, environ: dict[str, str]) -> str | None:
