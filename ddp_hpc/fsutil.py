@@ -5,6 +5,8 @@ preemption, an OOM kill, a node crash) must never be read back as valid. So ever
 temporary file in the same directory (rename is atomic only within one filesystem), is flushed and
 fsynced, then renamed over the final name; the directory is fsynced so the rename itself survives
 a crash. Temporary names start with ``tmp_prefix`` so callers can recognise and clean leftovers.
+The result gets the permissions any new file of the process gets (``0o666`` less the umask, as
+``open()`` gives): a private umask keeps records and checkpoints private.
 
 ``file_size`` is the size of a file that may not exist (yet): where a reader of an appended log
 starts, so that it reads only what this run adds.
@@ -30,6 +32,26 @@ def file_size(path: str | os.PathLike | None) -> int:
         return 0
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (``/proc/self/status``);
+    elsewhere set and put back at once (another thread creating a file in between would get 0)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def new_file_mode() -> int:
+    """The permission bits ``open()`` gives a new file now: 0o666 less the umask."""
+    return 0o666 & ~umask()
+
+
 def fsync_dir(directory: str | os.PathLike) -> None:
     """Persist a directory entry change (a rename); a no-op where the OS does not allow it."""
     try:
@@ -49,7 +71,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], Any], *, binary:
     """Call ``write(f)`` on a temporary file beside ``path``, then rename it over ``path``.
 
     On any error (or a KeyboardInterrupt) the temporary file is removed and ``path`` is untouched.
-    ``mode`` sets the permission bits of the result (mkstemp creates 0600).
+    ``mode`` sets the permission bits of the result; by default those of any new file
+    (`new_file_mode`: the umask decides; mkstemp alone would leave 0600).
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix or f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -58,7 +81,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], Any], *, binary:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644 if mode is None else mode)
+        os.chmod(tmp, new_file_mode() if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -78,7 +101,7 @@ def atomic_write_json(path: str | os.PathLike, data: Any, *, indent: int | None 
     return atomic_write_text(path, json.dumps(data, indent=indent, sort_keys=True) + "\n", **kwargs)
 
 
-def atomic_write_texts(items: list[tuple[str | os.PathLike, str]], *, mode: int = 0o644,
+def atomic_write_texts(items: list[tuple[str | os.PathLike, str]], *, mode: int | None = None,
                        workers: int = 16, chunk: int = 256) -> None:
     """`atomic_write_text` for many files at once, each still all old or all new: every text is
     written to a temporary file beside its file, the temporary files are fsynced concurrently (a
@@ -86,7 +109,8 @@ def atomic_write_texts(items: list[tuple[str | os.PathLike, str]], *, mode: int 
     commits, not one each), by the descriptors that wrote them (``chunk`` open at a time: no
     second open, no chmod by path), then all renamed over their files, and each directory is
     fsynced once. On an error the temporary files are removed (none was renamed yet if the error
-    came before the renames) and it is raised."""
+    came before the renames) and it is raised. ``mode``: as `atomic_write`'s."""
+    mode = new_file_mode() if mode is None else mode
     tmps: list[tuple[str, str]] = []
     fds: list[int] = []
     try:
