@@ -8,6 +8,9 @@ a crash. Temporary names start with ``tmp_prefix`` so callers can recognise and 
 The result gets the permissions any new file of the process gets (``0o666`` less the umask, as
 ``open()`` gives): a private umask keeps records and checkpoints private.
 
+``locked(lock_path)`` holds an exclusive lock (fcntl) for a read-change-write of a file by
+several processes; the lock file is removed by its holder, so none is left behind.
+
 ``file_size`` is the size of a file that may not exist (yet): where a reader of an appended log
 starts, so that it reads only what this run adds.
 """
@@ -15,10 +18,11 @@ starts, so that it reads only what this run adds.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
@@ -50,6 +54,37 @@ def umask() -> int:
 def new_file_mode() -> int:
     """The permission bits ``open()`` gives a new file now: 0o666 less the umask."""
     return 0o666 & ~umask()
+
+
+@contextlib.contextmanager
+def locked(lock_path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created if missing) for the ``with`` block.
+
+    The holder removes the file before it lets go, so no lock file is left behind; a process that
+    was waiting on the removed file sees that its file is no longer the one at ``lock_path`` and
+    takes the lock again on the new one. Not reentrant: a process must not take the lock it holds.
+    """
+    while True:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            mine = os.fstat(fd)
+            try:
+                now = os.stat(lock_path)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)      # removed (and maybe made anew) while this process waited: again
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        os.close(fd)
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
