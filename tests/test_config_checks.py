@@ -40,3 +40,20 @@ def test_a_stage_name_with_a_trailing_newline_is_refused(tmp_path):
 def test_a_record_id_with_a_trailing_newline_is_refused(tmp_path):
     with pytest.raises(JobRecordError, match="'123\\\\n' is not a valid id"):
         load_record("123\n", environ={"DDP_HPC_HOME": str(tmp_path)})
+
+
+@pytest.mark.parametrize("override, problem, hint", [
+    ("optim.name=sgdd", "config key 'optim.name' = 'sgdd' is not one of its values",
+     "optim.name is one of 'sgd', 'adam', 'adamw' (did you mean 'sgd'?)"),
+    ("schedule.name=3", "config key 'schedule.name' = 3 is not one of its values",
+     "schedule.name is one of 'constant', 'cosine', 'step'"),
+])
+def test_a_value_outside_a_keys_fixed_set_is_a_wrong_value_naming_the_valid_ones(override, problem, hint):
+    from pathlib import Path
+
+    from ddp_hpc.config import load_config
+    demo = Path(__file__).resolve().parents[1] / "jobs" / "demo.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, [override])
+    assert e.value.problem.startswith(problem) and "wrong type" not in e.value.problem, e.value.problem
+    assert f"from {demo}" in e.value.problem and e.value.hint == hint, e.value
