@@ -8,8 +8,9 @@ a crash. Temporary names start with ``tmp_prefix`` so callers can recognise and 
 The result gets the permissions any new file of the process gets (``0o666`` less the umask, as
 ``open()`` gives): a private umask keeps records and checkpoints private.
 
-``locked(lock_path)`` holds an exclusive lock (fcntl) for a read-change-write of a file by
-several processes; the lock file is removed by its holder, so none is left behind.
+``locked(lock_path)`` holds an exclusive lock (``flock``) on a lock file for a read-change-write
+by several processes; a holder may delete the lock file (``remove=True``: when it lets go), and a
+process that waited on a deleted one locks the file now at the path.
 
 ``file_size`` is the size of a file that may not exist (yet): where a reader of an appended log
 starts, so that it reads only what this run adds.
@@ -57,12 +58,15 @@ def new_file_mode() -> int:
 
 
 @contextlib.contextmanager
-def locked(lock_path: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path`` (created if missing) for the ``with`` block.
+def locked(lock_path: str | os.PathLike, *, remove: bool = False) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created if missing) for the ``with`` block
+    (the kernel lets go if the process dies).
 
-    The holder removes the file before it lets go, so no lock file is left behind; a process that
-    was waiting on the removed file sees that its file is no longer the one at ``lock_path`` and
-    takes the lock again on the new one. Not reentrant: a process must not take the lock it holds.
+    Only a holder deletes the lock file: with ``remove``, before it lets go (no lock file is left
+    behind), or itself inside the block. A process that was waiting on a deleted file sees, once
+    it has the lock, that its file is no longer the one at ``lock_path``, and locks the new one:
+    without that check two processes could each hold "the" lock. Not reentrant: a process must not
+    take a lock it holds.
     """
     while True:
         fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o666)
@@ -82,8 +86,9 @@ def locked(lock_path: str | os.PathLike) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(lock_path)
+        if remove:
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
         os.close(fd)
 
 

@@ -163,7 +163,7 @@ def update_record(rec: JobRecord, environ: Mapping[str, str] | None = None) -> P
     ``rec`` then holds what was written."""
     if rec.path is None:
         return write_record(rec, environ)
-    with locked(_lock_of(rec.path)):
+    with locked(_lock_of(rec.path), remove=True):
         now = _read(Path(rec.path))
         data = _merged(_data(rec.loaded), rec.to_dict(), _data(now.loaded) if now else None)
         atomic_write_json(rec.path, data)
@@ -211,7 +211,7 @@ def store_final(rec: JobRecord, finals: Mapping[str | None, dict],
     if rec.path is None:
         base = _with_finals(rec, finals)
         return base is not None and bool(write_record(base, environ))
-    with locked(_lock_of(rec.path)):
+    with locked(_lock_of(rec.path), remove=True):
         base = _with_finals(rec, finals)
         if base is not None:
             atomic_write_json(rec.path, base.to_dict())
@@ -233,7 +233,7 @@ def store_finals(batch: Iterable[tuple[JobRecord, Mapping[str | None, dict]]], c
         with contextlib.ExitStack() as held:
             writes = []
             for path in paths[start:start + chunk]:
-                held.enter_context(locked(_lock_of(path)))
+                held.enter_context(locked(_lock_of(path), remove=True))
                 base = _with_finals(*by_path[path])
                 if base is not None:
                     writes.append((path, json.dumps(base.to_dict(), sort_keys=True) + "\n"))
