@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("ddp_hpc.data.cli", "pack images into LMDB, verify it, stage it to node-local disk"),
     "status": ("ddp_hpc.status.cli", "list jobs, or show one job's state, progress, logs and failing rank"),
     "cancel": ("ddp_hpc.submit.cancel", "stop jobs: a local job's every process, or scancel a Slurm job or task"),
-    "records": ("ddp_hpc.records", "register a plain sbatch job so status lists it"),
+    "records": ("ddp_hpc.records.register", "register a plain sbatch job so status lists it"),
     "testcluster": ("ddp_hpc.testcluster.__main__", "start or stop a real multi-node Slurm on this machine"),
 }
 

@@ -70,8 +70,8 @@ def main() -> None:
 
     checkpoint.save(args.ckpt_dir, model, opt, step=args.steps)
     if rank == 0:
-        print(f"preemptible: {world} ranks, {args.steps} steps (resumed from step {start}), "
-              f"final loss {loss.item():.4f}", flush=True)
+        resumed = f" (resumed from step {start})" if state else ""     # nothing to say on a fresh run
+        print(f"preemptible: {world} ranks, {args.steps} steps{resumed}, final loss {loss.item():.4f}", flush=True)
     del model, opt      # free DDP while the process group exists (see examples/torchrun_style.py)
     gc.collect()
     dist.destroy_process_group()

@@ -3,6 +3,7 @@ backend's driver and rank processes, their job records and run logs (no Slurm; t
 is tests/cluster/test_cancel_cluster.py)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,6 +52,18 @@ def ddp_hpc(home, *args, timeout=60, check=True):
     return p
 
 
+def elapsed_s(status_text: str) -> int:
+    """The seconds of the detail view's ``Elapsed:    HH:MM:SS`` line."""
+    h, m, s = re.search(r"^Elapsed:\s+(\d+):(\d\d):(\d\d)", status_text, re.M).groups()
+    return int(h) * 3600 + int(m) * 60 + int(s)
+
+
+def within(status_text: str, t0: float) -> bool:
+    """The job's elapsed time is more than 0 and no more than the test saw pass since ``t0``
+    (before the submission), whatever the load: a start-up may take long on a busy machine."""
+    return 0 < elapsed_s(status_text) <= time.monotonic() - t0 + 1
+
+
 def submit(home, *extra):
     """A detached local job of 2 pretend nodes x 1 rank; returns (job id, record) once both ranks
     reported a step."""
@@ -61,7 +74,7 @@ def submit(home, *extra):
     return job_id, rec
 
 
-def wait_steps(job_id, timeout=30):
+def wait_steps(job_id, timeout=120):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         rec = records.load_record(job_id)
@@ -88,6 +101,7 @@ def alive(pid):
 
 
 def test_cancel_stops_every_process_and_status_says_cancelled(home):
+    t0 = time.monotonic()
     job_id, rec = submit(home)
     procs = job_processes(rec)
     assert len(procs) >= 7 and all(alive(p) for p in procs)  # driver, 2 wrappers, 2 scripts, 2 children
@@ -98,7 +112,7 @@ def test_cancel_stops_every_process_and_status_says_cancelled(home):
     assert rec.final["state_name"] == "CANCELLED" and rec.pids == []
     out = ddp_hpc(home, "status", job_id).stdout
     assert "State:      CANCELLED" in out and "FAILED" not in out, out
-    assert "Elapsed:    00:00:0" in out and "Elapsed:    00:00:00" not in out, out
+    assert within(out, t0), out
     table = ddp_hpc(home, "status").stdout
     assert " CANCELLED " in table, table
     again = ddp_hpc(home, "cancel", job_id)
@@ -155,12 +169,13 @@ def test_cancel_of_an_unknown_id_says_so(home):
 
 
 def test_ctrl_c_of_a_waited_job_is_interrupted_not_failed(home):
+    t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "ddp_hpc", "submit", "--backend", "local", "--wait", "-N", "2",
                              "-G", "1", "--log-dir", str(home / "runs"), "job.py"], cwd=home / "work",
                             env=env_for(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while not records.list_records() and time.monotonic() < deadline:
             time.sleep(0.1)
         rec = wait_steps(records.list_records()[-1].id)
@@ -174,7 +189,7 @@ def test_ctrl_c_of_a_waited_job_is_interrupted_not_failed(home):
     st = ddp_hpc(home, "status", rec.id).stdout
     assert "State:      INTERRUPTED by SIGINT" in st and "FAILED" not in st, st
     assert "0-1 interrupted (SIGINT)" in st
-    assert "Elapsed:    00:00:0" in st and "Elapsed:    00:00:00" not in st, st
+    assert within(st, t0), st
 
 
 def test_term_to_the_driver_is_cancelled_and_a_lost_driver_is_judged_by_the_end_events(home):
@@ -195,6 +210,7 @@ def test_term_to_the_driver_is_cancelled_and_a_lost_driver_is_judged_by_the_end_
 
 
 def test_a_completed_job_whose_logs_were_removed_stays_completed(home):
+    t0 = time.monotonic()
     p = ddp_hpc(home, "submit", "--backend", "local", "--wait", "-N", "2", "-G", "1", "--log-dir",
                 str(home / "runs"), "job.py", "25")
     assert "completed" in p.stderr
@@ -205,7 +221,7 @@ def test_a_completed_job_whose_logs_were_removed_stays_completed(home):
     st = ddp_hpc(home, "status", rec.id).stdout
     assert "State:      COMPLETED" in st and "FAILED" not in st, st
     assert f"log directory {rec.log_dir} is gone; final state from the record" in st
-    assert "Elapsed:    00:00:0" in st and "Elapsed:    00:00:00" not in st, st
+    assert within(st, t0), st
 
 
 def test_job_cancel_from_python(home, monkeypatch):

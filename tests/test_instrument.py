@@ -112,6 +112,35 @@ def test_a_script_without_torch_runs_as_before_and_the_users_sitecustomize_still
     assert seen["elastic"]["TORCHELASTIC_MAX_RESTARTS"] == "3"
 
 
+MISSING_SITE = """
+import sys
+from pathlib import Path
+import ddp_hpc.exec.instrumented as instrumented
+instrumented.SITE_DIR = Path(sys.argv[1])     # an installation without the start-up folder
+from ddp_hpc.exec.wrapper import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_an_installation_without_the_site_folder_refuses_to_run_the_script_blind(tmp_path):
+    ran = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"open({str(ran)!r}, 'w').close()\n")
+    log_dir = tmp_path / "logs"
+    argv = [sys.executable, "-c", MISSING_SITE, str(tmp_path / "no-site"), "--log-dir", str(log_dir), "--",
+            sys.executable, str(script)]
+    p = subprocess.run(argv, env=clean_env(RANK="0", WORLD_SIZE="1"), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and not ran.exists(), p.stderr
+    assert f"cannot instrument {sys.executable!r}: {tmp_path}/no-site/sitecustomize.py is missing" in p.stderr
+    assert "HINT: reinstall ddp_hpc" in p.stderr and "DDP_HPC_INSTRUMENT=0" in p.stderr
+    (err,) = events(log_dir, 0, "error")
+    assert "sitecustomize.py is missing from this installation" in err["message"] and err["exit_code"] == 2
+    # the opt-out runs the script, uninstrumented
+    p = subprocess.run(argv, env=clean_env(RANK="0", WORLD_SIZE="1", DDP_HPC_INSTRUMENT="0"),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and ran.exists(), p.stderr
+
+
 TEARDOWN = """
 import os, sys
 class Native:
@@ -169,7 +198,8 @@ def test_a_plain_ddp_script_gets_step_events_from_the_optimizer_hook(tmp_path):
         assert [s["step"] for s in steps] == sorted({s["step"] for s in steps})
         later = steps[1:]
         assert all(s["loss"] > 0 and s["lr"] == 0.05 and s["data_s"] >= 0 for s in later)
-        assert all(0.5 < s["steps_per_s"] < 3 and s["samples_per_s"] > 0 for s in later[:-1])
+        # a step sleeps 0.4 s: never more than 2.5 steps/s (a slow, loaded machine gives fewer)
+        assert all(0 < s["steps_per_s"] <= 2.5 and s["samples_per_s"] > 0 for s in later[:-1]), later
         assert events(log_dir, r, "end")[-1]["step"] == 6
     p = RunLogs(log_dir).progress()
     assert (p.step, p.total_steps) == (6, None) and p.loss is not None and p.steps_per_s
@@ -234,7 +264,7 @@ def _wait(cond, timeout: float = 120.0) -> None:
 
 
 FLIGHT = """
-import os, threading, time
+import os, pickle, threading, time
 import torch, torch.distributed as dist
 import torch._C._distributed_c10d as c10d
 dist.init_process_group("gloo")
@@ -242,19 +272,30 @@ rank = dist.get_rank()
 t = torch.ones(2)
 for _ in range(3):
     dist.all_reduce(t)
+prefix = os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+
+def entries():
+    return len(pickle.loads(c10d._dump_fr_trace())["entries"])
 
 def dump():   # what PyTorch does on a collective timeout, in its own format and file name
-    with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as f:
+    tmp = os.path.join(os.path.dirname(prefix), f".dump{rank}.tmp")
+    with open(tmp, "wb") as f:
         f.write(c10d._dump_fr_trace())
-    if rank == 0:
-        os._exit(0)
+    os.rename(tmp, prefix + str(rank))
+
+def dump_once_entered(before):   # rank 0, as soon as its 4th all_reduce is recorded
+    while entries() == before:
+        time.sleep(0.05)
+    dump()
+    os._exit(0)
 
 if rank == 0:        # rank 1 never comes to the 4th all_reduce
-    threading.Timer(1.0, dump).start()
+    threading.Thread(target=dump_once_entered, args=(entries(),), daemon=True).start()
     dist.all_reduce(t)
 else:
     dump()
-    time.sleep(2)
+    while not os.path.exists(prefix + "0"):   # its exit would end rank 0's wait: it stays until rank 0 dumped
+        time.sleep(0.05)
     os._exit(0)
 """
 

@@ -449,3 +449,19 @@ def test_cli_demo_is_the_readme_command():
         assert f"[rank {r}/4 node {r // 2}] step 4 loss" in p.stdout
     assert p.stdout.rstrip().splitlines()[-1] == \
         "OK: 4 ranks agreed on all_reduce and on the DDP parameters"
+
+
+@pytest.mark.timeout(180)
+def test_cli_puts_the_run_logs_beside_every_ranks_output(tmp_path):
+    """`ddp-hpc launch -- python -m ddp_hpc.run CONFIG`: rankR.out and the run's own logs
+    (rankR.log, rankR.events.jsonl) in the one --log-dir, not the config's log.dir."""
+    logs = tmp_path / "launch-logs"
+    demo = Path(__file__).resolve().parents[1] / "jobs" / "demo.yaml"
+    p = _cli("--nodes", "1", "--procs-per-node", "2", "--log-dir", str(logs), "--", sys.executable, "-m",
+             "ddp_hpc.run", str(demo), f"log.dir={tmp_path / 'config-logs'}", "data.kwargs.size=256",
+             "train.epochs=1", f"checkpoint.dir={tmp_path / 'ckpt'}", "log.progress=off")
+    assert p.returncode == 0, p.stdout + p.stderr
+    for r in (0, 1):
+        assert {f"rank{r}.out", f"rank{r}.log", f"rank{r}.events.jsonl"} <= {f.name for f in logs.iterdir()}
+        assert '"event": "end"' in (logs / f"rank{r}.events.jsonl").read_text()
+    assert not (tmp_path / "config-logs").exists()

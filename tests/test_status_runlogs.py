@@ -162,7 +162,7 @@ def test_missing_dir_is_empty_not_an_error(tmp_path, where):
 
 
 def test_contract_with_the_training_core_writer(tmp_path):
-    runlog = pytest.importorskip("ddp_hpc.runlogs.writer")
+    from ddp_hpc.runlogs import writer as runlog
     for r in range(2):
         log = runlog.RunLog(tmp_path, rank=r, job_id="7", restart=0, console=False)
         log.event("start", world_size=2, num_nodes=1, local_rank=r, pid=1, total_steps=10,

@@ -8,12 +8,10 @@ ddp_hpc.slurm.query, runs unmodified.
 import subprocess
 from pathlib import Path
 
-import pytest
-
-slurmcli = pytest.importorskip("ddp_hpc.slurm.cli")
-from ddp_hpc.slurm import query as src  # noqa: E402
-from ddp_hpc.slurm.states import JobState  # noqa: E402
-from ddp_hpc.slurm.times import timestamp  # noqa: E402
+from ddp_hpc.slurm import cli as slurmcli
+from ddp_hpc.slurm import query as src
+from ddp_hpc.slurm.states import JobState
+from ddp_hpc.slurm.times import timestamp
 
 SEP = slurmcli.SEP
 DISABLED = "sacct: error: Slurm accounting storage is disabled\n"

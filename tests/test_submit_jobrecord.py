@@ -8,6 +8,7 @@ import pytest
 from ddp_hpc import records
 from ddp_hpc.errors import HintError
 from ddp_hpc.records import JobRecord, JobRecordError
+from ddp_hpc.records.register import record_from_slurm
 
 
 def _rec(job_id="123", cluster="c1", t=100.0, **kw):
@@ -102,7 +103,7 @@ def test_register_from_a_slurm_batch_script(env, tmp_path):
 
 
 def test_record_from_slurm_reads_the_job_facts(tmp_path):
-    rec = records.record_from_slurm("runs/x", None, [], environ={
+    rec = record_from_slurm("runs/x", None, [], environ={
         "SLURM_JOB_ID": "81", "SLURM_NNODES": "3", "SLURM_NTASKS_PER_NODE": "2", "SLURM_SUBMIT_DIR": "/sub"})
     assert (rec.id, rec.cluster, rec.name, rec.nodes, rec.gpus_per_node, rec.cwd) == ("81", "", "ddp_hpc", 3, 2, "/sub")
     assert rec.log_dir == os.path.abspath("runs/x") and rec.config is None and rec.submitted_at > 0

@@ -21,7 +21,7 @@ __all__ = ["BACKENDS", "time_to_seconds", "parse_signal", "check_count", "check_
 BACKENDS: list[str] = ["auto", "submitit", "sbatch", "local"]
 
 #: what may stand in an #SBATCH line: no blanks, quotes, $, #, ; or backslashes
-PLAIN = re.compile(r"^[A-Za-z0-9_.:@%+=,/&|*!()\[\]-]+$")
+PLAIN = re.compile(r"[A-Za-z0-9_.:@%+=,/&|*!()\[\]-]+")
 _PLAIN_HINT = ("use letters, digits and _ . : @ % + = , / & | * ! ( ) [ ] - only "
                "(no blanks, quotes, $, #, ; or backslashes)")
 
@@ -56,7 +56,7 @@ def parse_signal(text: str, label: str = "--signal") -> tuple[str, int]:
 
 def check_plain(label: str, value: Any, pattern: re.Pattern = PLAIN, hint: str = "") -> str:
     text = str(value)
-    if not pattern.match(text):
+    if not pattern.fullmatch(text):
         raise ConfigError(f"{label} {text!r} contains characters that are not allowed here",
                           hint or _PLAIN_HINT)
     return text
@@ -77,7 +77,7 @@ def check_count(minimum: int, optional: bool = False) -> Callable[[Any, str], in
     return check
 
 
-_NODES = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+_NODES = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
 
 
 def check_nodes(value: Any, label: str) -> int | str:
@@ -85,7 +85,7 @@ def check_nodes(value: Any, label: str) -> int | str:
     ``"MIN-MAX"``: the job starts on at least MIN nodes and at most MAX, whatever is free."""
     if isinstance(value, int) and not isinstance(value, bool):
         return check_count(1)(value, label)
-    m = _NODES.match(value) if isinstance(value, str) else None
+    m = _NODES.fullmatch(value) if isinstance(value, str) else None
     if m is None:
         raise ConfigError(f"{label} must be a node count or a range MIN-MAX, got {value!r}",
                           f"write e.g. {label} 2, or {label} 1-2 to start on what is free")
@@ -125,7 +125,7 @@ def check_text(pattern: re.Pattern = PLAIN, hint: str = "") -> Callable[[Any, st
 def check_time(value: Any, label: str) -> str:
     text = _text(value, label)
     time_to_seconds(text, label)
-    return text
+    return check_plain(label, text)     # as written on its #SBATCH line: no blank or newline
 
 
 def check_signal(value: Any, label: str) -> str | None:
@@ -133,7 +133,7 @@ def check_signal(value: Any, label: str) -> str | None:
         return None
     text = _text(value, label)
     parse_signal(text, label)
-    return text
+    return check_plain(label, text)
 
 
 def check_backend(value: Any, label: str) -> str:

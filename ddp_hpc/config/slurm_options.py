@@ -43,9 +43,9 @@ TOP = ""
 #: in-allocation restarts of a job unless asked otherwise (--max-restarts)
 DEFAULT_MAX_RESTARTS = 2
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
-_MEM = re.compile(r"^\d+[KMGT]?$", re.I)
-_DEPENDENCY = re.compile(r"^(?:singleton|[a-z]+(?::[0-9_+?*]+)+)(?:[,?](?:singleton|[a-z]+(?::[0-9_+?*]+)+))*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
+_MEM = re.compile(r"\d+[KMGT]?", re.I)
+_DEPENDENCY = re.compile(r"(?:singleton|[a-z]+(?::[0-9_+?*]+)+)(?:[,?](?:singleton|[a-z]+(?::[0-9_+?*]+)+))*")
 
 
 def _opt(default: Any, parse: Callable[[Any, str], Any], help: str, *, flags: Sequence[str],
@@ -60,7 +60,7 @@ def _opt(default: Any, parse: Callable[[Any, str], Any], help: str, *, flags: Se
     return dataclasses.field(default=default, metadata=meta)
 
 
-_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]+$")
+_SBATCH_KEY = re.compile(r"[a-z][a-z0-9-]+")
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def _check_option_map(value: Any, label: str, kind: _OptionMap) -> dict:
     out = {str(k): v for k, v in value.items()}
     for key, v in out.items():
         src = f"{label} {key}={v}"
-        if not _SBATCH_KEY.match(key):
+        if not _SBATCH_KEY.fullmatch(key):
             raise ConfigError(f"{kind.tool} option name {key!r} is not valid ({src})",
                               f"write the long option name without dashes, e.g. --{kind.tool}-arg {kind.example}")
         if key in kind.managed:
@@ -102,7 +102,7 @@ def check_sbatch_args(value: Any, label: str) -> dict:
     return _check_option_map(value, label, _OptionMap("sbatch", MANAGED_SBATCH_KEYS, "mail-type=END"))
 
 
-_SRUN_VALUE = re.compile(r"^[A-Za-z0-9_.:@%+=,/&|*!()\[\]#~-]+$")
+_SRUN_VALUE = re.compile(r"[A-Za-z0-9_.:@%+=,/&|*!()\[\]#~-]+")
 #: srun options the batch step sets itself -> what to use instead
 MANAGED_SRUN_KEYS = {
     "kill-on-bad-exit": "nothing (always 1: one dead rank ends the step)", "K": "nothing",
@@ -125,7 +125,7 @@ def check_srun_args(value: Any, label: str) -> dict:
     return _check_option_map(value, label, _SRUN_MAP)
 
 
-_IMAGE = re.compile(r"^[A-Za-z0-9_./:@+#~=-]+$")
+_IMAGE = re.compile(r"[A-Za-z0-9_./:@+#~=-]+")
 
 
 def _name_of(what: str) -> Callable[[Any, str], Any]:

@@ -9,6 +9,7 @@ annotation alone need not express everything (e.g. a Slurm time limit given as a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any, Literal, Mapping
@@ -84,6 +85,30 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "") if not isinstance(tp, type) else tp.__name__
 
 
+def _choices(tp: Any) -> tuple | None:
+    """The values a key annotated ``Literal[...]`` (or ``Literal[...] | None``) may take; None for
+    any other annotation."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        parts = [_choices(a) if a is not type(None) else (None,) for a in typing.get_args(tp)]
+        return None if None in parts else tuple(v for p in parts for v in p)
+    return None
+
+
+def _bad_value(key: str, value: Any, tp: Any, source: str) -> ConfigError:
+    """A value that does not fit the key's annotation: one outside a fixed set of values names
+    them (and the nearest), any other names the type the key takes."""
+    choices = _choices(tp)
+    if choices is None:
+        return ConfigError(f"config key {key!r} has the wrong type: {value!r} ({type(value).__name__}) "
+                           f"from {source}", f"{key} must be {_type_name(tp)}")
+    near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    return ConfigError(f"config key {key!r} = {value!r} is not one of its values (from {source})",
+                       f"{key} is one of {', '.join(repr(c) for c in choices)}"
+                       + (f" (did you mean {near[0]!r}?)" if near else ""))
+
+
 def _unknown_key(cls: type, unknown: str, where: str, source: str) -> ConfigError:
     key = f"{where}.{unknown}" if where else str(unknown)
     valid = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
@@ -113,9 +138,7 @@ def build(cls: type, raw: Any, where: str, source: str) -> Any:
             continue
         ok, coerced = (True, value) if "parse" in fields[name].metadata else type_ok(value, tp)
         if not ok:
-            raise ConfigError(f"config key {key!r} has the wrong type: {value!r} "
-                              f"({type(value).__name__}) from {source}",
-                              f"{key} must be {_type_name(tp)}")
+            raise _bad_value(key, value, tp, source)
         kwargs[name] = coerced
     try:
         return cls(**kwargs)

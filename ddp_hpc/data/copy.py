@@ -4,7 +4,9 @@ What is copied (:func:`source_kind`): a file (in-kernel, hashed: :func:`copy_fil
 folder (its ``data.mdb`` only: readers open with ``lock=False``); any other folder as one ``tar``
 stream (one sequential reader on the shared side) unpacked here with a hash manifest re-checked
 from disk (:func:`copy_dir_tar`).  Each copy returns ``{"bytes", "xxh3_64", "files"}`` and
-raises :class:`StageError` when the copy does not match its source.
+raises :class:`StageError` when the copy does not match its source. A copy is written private
+(0600, folders 0700) and given its source's permissions once complete (:func:`kept_mode`: never
+wider than the source, nor than the umask allows).
 
 The protocol around a copy (markers, locks, reuse) is :mod:`ddp_hpc.data.stage`'s.
 """
@@ -25,8 +27,10 @@ from tqdm import tqdm
 from ddp_hpc.data import fsio
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.data.hashing import file_hash, manifest_hash, manifest_line
+from ddp_hpc.fsutil import umask
 
-__all__ = ["source_kind", "source_size", "copy_file", "copy_dir_tar", "CopyProgress", "CHUNK", "KERNEL_CHUNK"]
+__all__ = ["source_kind", "source_size", "copy_file", "copy_dir_tar", "kept_mode", "CopyProgress", "CHUNK",
+           "KERNEL_CHUNK"]
 
 log = logging.getLogger("ddp_hpc.data.stage")
 CHUNK = 8 << 20
@@ -34,6 +38,18 @@ KERNEL_CHUNK = 16 << 20  # in-kernel copy calls; the copy's hash trails the copy
 HASH_BUF = 4 << 20
 _UNSTABLE = "stage again once the source is stable"
 _FAULTY_DISK = "the node-local disk may be faulty, try data.stage_to=shm"
+
+
+def kept_mode(src: str | int) -> int:
+    """The permission bits of a copy of ``src`` (a path, or its ``st_mode``): the source's, less
+    what the umask takes away (no set-id bits)."""
+    mode = os.stat(src).st_mode if isinstance(src, str) else src
+    return mode & 0o777 & ~umask()
+
+
+def _private(path: str, flags: int) -> int:
+    """``open``'s opener for a new copy: readable by this user alone until it is complete."""
+    return os.open(path, flags, 0o600)
 
 
 def source_kind(src: str) -> str:
@@ -64,7 +80,7 @@ def source_size(src: str, kind: str) -> tuple[int, int]:
 def _copy_stream(src, dst_path: str, total: int, progress) -> tuple[int, int]:
     """Copy a stream (a tar member) to a new file; -> (bytes, xxh3-64)."""
     h, n = xxhash.xxh3_64(), 0
-    with open(dst_path, "wb", buffering=0) as out:
+    with open(dst_path, "wb", buffering=0, opener=_private) as out:
         while True:
             chunk = src.read(CHUNK)
             if not chunk:
@@ -106,7 +122,7 @@ def _copy_file_kernel(src: str, dst: str, total: int, progress) -> tuple[int, in
     shared filesystem) and then the same chunk of the copy.  It ``pread``s into a small reused
     buffer (cheaper than faulting in a memory map) and xxhash releases the GIL, so on a second
     core the verification hides behind the copy."""
-    with open(src, "rb") as fs, open(dst, "wb+") as fd:
+    with open(src, "rb") as fs, open(dst, "wb+", opener=_private) as fd:
         size = os.fstat(fs.fileno()).st_size
         if size != total:
             raise StageError(f"stage: {src!r} is {size} bytes, expected {total} (file changed?)", _UNSTABLE)
@@ -168,6 +184,7 @@ def copy_file(src: str, dst: str, total: int, progress) -> dict:
     if (dn, dh) != (n, sh):
         raise StageError(f"stage: copy {dst!r} has {dn} bytes hash {dh & (2**64 - 1):016x}, source {n} bytes "
                          f"hash {sh & (2**64 - 1):016x}", _FAULTY_DISK)
+    os.chmod(dst, kept_mode(src))
     return {"bytes": n, "xxh3_64": sh, "files": 1}
 
 
@@ -177,7 +194,7 @@ def copy_dir_tar(src: str, dst: str, total: int, files: int, progress) -> dict:
     proc = subprocess.Popen(["tar", "-C", src, "-cf", "-", "--", "."], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     manifest, nbytes, nfiles = xxhash.xxh3_64(), 0, 0
-    names = []
+    names, modes = [], {}
     try:
         with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
             for m in tf:
@@ -186,10 +203,12 @@ def copy_dir_tar(src: str, dst: str, total: int, files: int, progress) -> dict:
                     raise StageError(f"stage: unsafe member {m.name!r} in the tar stream of {src!r}")
                 target = os.path.join(dst, name)
                 if m.isdir():
-                    os.makedirs(target, exist_ok=True)
+                    os.makedirs(target, 0o700, exist_ok=True)
+                    modes[os.path.normpath(target)] = kept_mode(m.mode)    # set once its files are in
                 elif m.isfile():
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    os.makedirs(os.path.dirname(target), 0o700, exist_ok=True)
                     n, h = _copy_stream(tf.extractfile(m), target, m.size, progress)
+                    os.chmod(target, kept_mode(m.mode))
                     manifest.update(manifest_line(name, n, h))
                     names.append(name)
                     nbytes += n
@@ -206,6 +225,8 @@ def copy_dir_tar(src: str, dst: str, total: int, files: int, progress) -> dict:
                          f"{total} (source changed while copying?)", "stage again once it is stable")
     if manifest_hash(dst, names) != manifest.intdigest():  # re-read from disk: what we use is what was sent
         raise StageError(f"stage: manifest checksum of {dst!r} differs from the stream's", _FAULTY_DISK)
+    for folder in sorted(modes, key=lambda p: p.count(os.sep), reverse=True):   # the deepest first
+        os.chmod(folder, modes[folder])
     return {"bytes": nbytes, "xxh3_64": manifest.intdigest(), "files": nfiles}
 
 

@@ -25,6 +25,7 @@ from ddp_hpc.data import fsio
 from ddp_hpc.data.errors import PackError
 from ddp_hpc.data.images import IMAGE_SUFFIXES, decode_image
 from ddp_hpc.data.lmdb import CRC_KEY, FORMAT_VERSION, LABELS_KEY, META_KEY, NAMES_KEY, record_key
+from ddp_hpc.fsutil import umask
 
 __all__ = ["pack", "PackError"]
 
@@ -115,9 +116,7 @@ def _publish(tmp: str, out: str, overwrite: bool) -> None:
     lock = os.path.join(tmp, "lock.mdb")
     if os.path.exists(lock):
         os.remove(lock)  # readers open with lock=False; a stale lock file only confuses copies
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result is a normal folder
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; the result is a normal folder
     if overwrite and os.path.exists(out):
         shutil.rmtree(out)
     os.rename(tmp, out)

@@ -40,7 +40,7 @@ __all__ = ["SPEC_VAR", "PREFIX", "StageItem", "parse_stage_items", "parse_stage_
 
 SPEC_VAR = "DDP_HPC_STAGE"        #: the JSON list of what to stage, from submit to the wrapper
 PREFIX = "DDP_HPC_STAGE_"         #: + NAME: the local path each rank's script gets
-_GIVEN_NAME = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+_GIVEN_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 _BAD_PATH = re.compile(r"[\x00-\x1f\x7f]")
 EXIT_STAGE_FAILED = 1
 T = TypeVar("T")
@@ -90,7 +90,7 @@ def _item(item: str, where: str, workdir: str) -> StageItem:
     if _BAD_PATH.search(src):
         raise StageError(f"{where} {item!r}: the path holds a control character (newline, tab, ...)",
                          "rename the file or folder, or link it from a plain path")
-    if name is not None and not _GIVEN_NAME.match(name):
+    if name is not None and not _GIVEN_NAME.fullmatch(name):
         raise StageError(f"{where} {item!r}: NAME {name!r} is not letters, digits and _ (at most 64)",
                          f"write e.g. {where} {src}=TRAIN: the script reads $DDP_HPC_STAGE_TRAIN")
     src = os.path.abspath(os.path.join(workdir, os.path.expanduser(src)))
@@ -140,7 +140,7 @@ def decode_items(text: str) -> tuple[StageItem, ...]:
     except (ValueError, TypeError, KeyError) as e:
         raise StageError(f"${SPEC_VAR} is not a list of staging requests ({e}): {text[:200]!r}",
                          f"let ddp-hpc submit --stage set it, or unset {SPEC_VAR}") from None
-    bad = [i.name for i in items if not _GIVEN_NAME.match(i.name) or not os.path.isabs(i.src)]
+    bad = [i.name for i in items if not _GIVEN_NAME.fullmatch(i.name) or not os.path.isabs(i.src)]
     if bad:
         raise StageError(f"${SPEC_VAR} holds bad names or relative sources: {bad}",
                          f"let ddp-hpc submit --stage set it, or unset {SPEC_VAR}")

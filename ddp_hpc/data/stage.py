@@ -18,6 +18,9 @@ Guarantees:
   the lock and reuse the copy (not hashed again in the same attempt).  Each registers on it, and
   :func:`cleanup_staged` removes it when the last of them is done (:mod:`ddp_hpc.data.stagefolder`).
 * free space is checked first; too little is a :class:`StageError` naming both sizes and the fix.
+* trust: in a folder other users can write to (``/tmp``), the stage folders go to this user's own
+  subfolder (:mod:`ddp_hpc.data.stagedir`); a stage folder or an sbcast copy is used only when it
+  is this user's; a copy keeps its source's permissions (never wider than the umask allows).
 
 With ``python -m ddp_hpc.data sbcast`` run first in the batch script, Slurm's ``sbcast`` has
 already put a copy and its manifest on every node; the copier verifies and adopts it instead of
@@ -32,15 +35,14 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, replace
 
-from ddp_hpc.data.copy import CopyProgress, copy_dir_tar, copy_file, source_kind, source_size
+from ddp_hpc.data.copy import CopyProgress, copy_dir_tar, copy_file, kept_mode, source_kind, source_size
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.data.hashing import file_hash
+from ddp_hpc.data.stagedir import owned, private_root, resolve_stage_dir
 from ddp_hpc.data.stagefolder import MARKER, USERS, folder_lock, read_users, register_user, unregister_and_remove
-from ddp_hpc.env import job_facts
 from ddp_hpc.fsutil import atomic_write_json
 
 __all__ = ["stage", "stage_result", "StageRequest", "StageResult", "resolve_stage_dir", "cleanup_staged", "StageError",
@@ -49,29 +51,6 @@ __all__ = ["stage", "stage_result", "StageRequest", "StageResult", "resolve_stag
 log = logging.getLogger("ddp_hpc.data.stage")
 FAILED = "FAILED.json"
 SPACE_MARGIN = 16 << 20
-
-
-def resolve_stage_dir(stage_to: str = "auto", environ=None) -> str:
-    """Map ``data.stage_to`` to a folder: auto | slurm_tmpdir | tmpdir | shm | an absolute path
-    (``environ``: the job's variables, this process's by default)."""
-    facts = job_facts(environ)
-    if stage_to == "auto":
-        return facts.node_tmpdir or facts.tmpdir or tempfile.gettempdir()
-    if stage_to == "slurm_tmpdir":
-        if not facts.node_tmpdir:
-            raise StageError("data.stage_to=slurm_tmpdir but SLURM_TMPDIR is not set in this task",
-                             "use data.stage_to=tmpdir or an absolute node-local path (your site's job-local scratch)")
-        return facts.node_tmpdir
-    if stage_to == "tmpdir":
-        return facts.tmpdir or tempfile.gettempdir()
-    if stage_to == "shm":
-        if not os.path.isdir("/dev/shm"):
-            raise StageError("data.stage_to=shm but /dev/shm does not exist here", "use data.stage_to=tmpdir")
-        return "/dev/shm"
-    if os.path.isabs(stage_to):
-        return stage_to
-    raise StageError(f"data.stage_to={stage_to!r} is not auto, slurm_tmpdir, tmpdir, shm or an absolute path",
-                     "set data.stage_to=auto (SLURM_TMPDIR, then TMPDIR, then /tmp)")
 
 
 def stage_key(src: str, job_id: str | None) -> str:
@@ -116,6 +95,10 @@ def _adopt_sbcast(req: StageRequest, kind: str, folder: str) -> dict | None:
     """Install a copy ``sbcast`` left on this node (verified against its manifest); None if none."""
     src = req.src
     data, manifest = sbcast_paths(req.dest, os.path.basename(folder))
+    if not (owned(data) and owned(manifest)):
+        if os.path.lexists(manifest):
+            log.warning("stage: ignoring %s and %s: not this user's files; copying instead", data, manifest)
+        return None
     try:
         with open(manifest) as f:
             m = json.load(f)
@@ -137,10 +120,13 @@ def _adopt_sbcast(req: StageRequest, kind: str, folder: str) -> dict | None:
     _clear_leftovers(folder)
     if kind == "lmdb":
         tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
-        os.mkdir(tmp)
+        os.mkdir(tmp, 0o700)
+        os.chmod(data, kept_mode(os.path.join(src, "data.mdb")))
         os.rename(data, os.path.join(tmp, "data.mdb"))
+        os.chmod(tmp, kept_mode(src))
         os.rename(tmp, os.path.join(folder, name))
     else:
+        os.chmod(data, kept_mode(src))
         os.rename(data, os.path.join(folder, name))
     os.remove(manifest)
     marker = {"bytes": got[0], "xxh3_64": got[1], "files": 1, "name": name, "kind": kind, "src": src,
@@ -177,10 +163,11 @@ def _do_copy(req: StageRequest, kind: str, folder: str) -> dict:
         if kind == "file":
             info = copy_file(src, tmp, total, bar)
         elif kind == "lmdb":
-            os.mkdir(tmp)
+            os.mkdir(tmp, 0o700)
             info = copy_file(os.path.join(src, "data.mdb"), os.path.join(tmp, "data.mdb"), total, bar)
+            os.chmod(tmp, kept_mode(src))
         else:
-            os.mkdir(tmp)
+            os.mkdir(tmp, 0o700)
             info = copy_dir_tar(src, tmp, total, files, bar)
     finally:
         bar.close()
@@ -263,7 +250,7 @@ def stage_result(request: StageRequest) -> StageResult:
     if not os.path.isdir(req.dest):
         raise StageError(f"stage: destination {req.dest!r} is not a directory",
                          "set data.stage_to to an existing node-local folder")
-    folder = os.path.join(req.dest, stage_key(req.src, req.job_id))
+    folder = os.path.join(private_root(req.dest), stage_key(req.src, req.job_id))
     if req.copier:
         marker, method, users = _copy_once(req, kind, folder)
     else:
@@ -284,7 +271,7 @@ def _reuse(folder: str, dest: str, attempt: str, recheck: bool) -> dict | None:
     fresh = marker.get("attempt") == attempt or attempt in read_users(folder).values()
     if _staged_ok(folder, marker, recheck and not fresh):
         for p in sbcast_paths(dest, os.path.basename(folder)):  # a requeue's repeated sbcast
-            if os.path.exists(p):
+            if owned(p):
                 os.remove(p)
         return marker
     os.remove(os.path.join(folder, MARKER))
@@ -297,6 +284,9 @@ def _copy_once(req: StageRequest, kind: str, folder: str) -> tuple[dict, str, di
     attempt = req.attempt
     with folder_lock(folder):
         os.makedirs(folder, exist_ok=True)  # under the lock: a cleanup may just have removed it
+        if not owned(folder):
+            raise StageError(f"stage: {folder!r} is not this user's folder", f"remove {folder}, or set "
+                             "data.stage_to to a node-local folder of your own")
         marker = _reuse(folder, req.dest, attempt, req.recheck)
         if marker is not None:
             method = "reused"

@@ -4,10 +4,10 @@ share one stage folder (pretend nodes on one machine, or a ``/tmp`` that is not 
 A stage folder ``DEST/KEY`` has a lock file ``DEST/KEY.lock`` beside it (beside, because the folder
 itself is deleted on cleanup).  Every change to the folder happens under that lock.
 
-* :func:`folder_lock` is safe against the lock file being deleted: whoever removes the folder
-  deletes the lock file while holding it, so a process that was waiting on the old file finds,
-  once it gets the lock, that the path names another file (or none) and locks again.  Without that
-  check two processes could each hold "the" lock, one on the deleted file, one on a new one.
+* :func:`folder_lock` is safe against the lock file being deleted (`ddp_hpc.fsutil.locked`):
+  whoever removes the folder deletes the lock file while holding it, so a process that was waiting
+  on the old file finds, once it gets the lock, that the path names another file (or none) and
+  locks again.
 * ``USERS.json`` in the folder names the node leaders using the copy in this attempt of the job
   (``{user: attempt}``).  A node leader registers after it has verified (or made) the copy and
   unregisters at cleanup; the copy is removed by the last one out.  Entries of an older attempt
@@ -16,13 +16,12 @@ itself is deleted on cleanup).  Every change to the folder happens under that lo
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
 
 from ddp_hpc.data.errors import StageError
-from ddp_hpc.fsutil import atomic_write_json
+from ddp_hpc.fsutil import atomic_write_json, locked
 
 __all__ = ["USERS", "folder_lock", "read_users", "register_user", "unregister_and_remove"]
 
@@ -30,28 +29,9 @@ USERS = "USERS.json"
 MARKER = "COMPLETE.json"
 
 
-@contextlib.contextmanager
-def folder_lock(folder: str):
+def folder_lock(folder: str) -> contextlib.AbstractContextManager:
     """Hold ``folder + '.lock'`` exclusively (``flock``: the kernel releases it if we die)."""
-    path = folder + ".lock"
-    while True:
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                current = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
-            except FileNotFoundError:
-                current = False
-        except BaseException:
-            f.close()
-            raise
-        if current:
-            break
-        f.close()  # a cleanup deleted the file we waited on: lock the path's new file
-    try:
-        yield
-    finally:
-        f.close()  # closing the file releases the lock
+    return locked(folder + ".lock")
 
 
 def read_users(folder: str) -> dict[str, str]:

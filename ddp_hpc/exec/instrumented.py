@@ -12,6 +12,8 @@ reads back when the child ends (docs/scripts.md, "What status sees without chang
 - for a Python command, unless turned off (``DDP_HPC_INSTRUMENT=0``, ``submit --no-instrument``):
   ``ddp_hpc/instrument/site`` first on PYTHONPATH and ``DDP_HPC_INSTRUMENT_BOOT`` (the exit-record
   pipe, the faulthandler file), so the script's interpreter starts ``ddp_hpc.instrument``.
+  An installation without that folder's ``sitecustomize.py`` (a wheel built without its package
+  data) is refused before the script starts (``check_installed``), never run blind.
 """
 from __future__ import annotations
 
@@ -23,16 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ddp_hpc.errors import HintError
+from ddp_hpc.fsutil import file_size
 from ddp_hpc.judge.stacks import stack_excerpt
 from ddp_hpc.runlogs.schema import error_file, fault_file, flight_prefix
 
 #: the opt-out: DDP_HPC_INSTRUMENT=0 (or false / no / off)
 INSTRUMENT_VAR = "DDP_HPC_INSTRUMENT"
+#: the wrapper's configuration for the child (JSON: ``ddp_hpc.instrument.boot.start``); the child's
+#: ``sitecustomize`` removes it from the environment at start-up
 BOOT_VAR = "DDP_HPC_INSTRUMENT_BOOT"
 SITE_DIR = Path(__file__).resolve().parents[1] / "instrument" / "site"
 #: flight recorder entries kept per process group (PyTorch's docs suggest 2000)
 TRACE_BUFFER = "2000"
-_PYTHON = re.compile(r"^python[0-9.]*$")
+_PYTHON = re.compile(r"python[0-9.]*")
 
 
 def torch_environ(log_dir: Path | None, rank: int, restart: int, gpus: bool) -> dict[str, str]:
@@ -53,7 +59,7 @@ def is_python(cmd: Sequence[str]) -> bool:
     """A Python command: ``python``, ``python3.11``, any path to one, this interpreter, or a
     script whose ``#!`` line names python."""
     first = cmd[0]
-    if _PYTHON.match(os.path.basename(first)) or os.path.realpath(first) == os.path.realpath(sys.executable):
+    if _PYTHON.fullmatch(os.path.basename(first)) or os.path.realpath(first) == os.path.realpath(sys.executable):
         return True
     try:
         with open(first, "rb") as f:
@@ -65,6 +71,22 @@ def is_python(cmd: Sequence[str]) -> bool:
 
 def wanted(environ: Mapping[str, str]) -> bool:
     return environ.get(INSTRUMENT_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class InstrumentError(HintError):
+    """The command is to be instrumented, but this installation of ddp_hpc cannot."""
+
+
+def check_installed(cmd: Sequence[str], environ: Mapping[str, str]) -> None:
+    """Raise InstrumentError when ``cmd`` is to be instrumented and the start-up hook is missing
+    from this installation: the script would run with nothing for status to see."""
+    hook = SITE_DIR / "sitecustomize.py"
+    if wanted(environ) and is_python(cmd) and not hook.is_file():
+        raise InstrumentError(
+            f"cannot instrument {cmd[0]!r}: {hook} is missing from this installation of ddp_hpc "
+            "(a wheel built without ddp_hpc/instrument/site/)",
+            "reinstall ddp_hpc from a release or a source tree (pip install --force-reinstall); to run "
+            f"the script uninstrumented meanwhile: ddp-hpc submit --no-instrument, or {INSTRUMENT_VAR}=0")
 
 
 @dataclass
@@ -90,7 +112,7 @@ class Instrumentation:
                   "pythonpath": child_env.get("PYTHONPATH")}
         child_env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *filter(None, [child_env.get("PYTHONPATH")])])
         child_env[BOOT_VAR] = json.dumps(config)
-        return cls(fault, _size(fault), r, w, (w,))
+        return cls(fault, file_size(fault), r, w, (w,))
 
     def started(self) -> None:
         """The child has the pipe's write end (or failed to start): close ours."""
@@ -152,10 +174,3 @@ def read_error_file(path: Path | None, since: float) -> dict | None:
         return None
     exc_type, _, message = str(text).partition(": ")
     return {"exc_type": exc_type or "Error", "message": message, "traceback": tb}
-
-
-def _size(path: Path | None) -> int:
-    try:
-        return path.stat().st_size if path else 0
-    except OSError:
-        return 0

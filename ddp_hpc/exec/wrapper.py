@@ -30,8 +30,15 @@ from ddp_hpc.env.checks import diagnose
 from ddp_hpc.env.tracking import wandb_environ
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.exec.events import SafeLog
-from ddp_hpc.exec.instrumented import Instrumentation, read_error_file, torch_environ
+from ddp_hpc.exec.instrumented import (
+    Instrumentation,
+    InstrumentError,
+    check_installed,
+    read_error_file,
+    torch_environ,
+)
 from ddp_hpc.exec.outcome import classify, error_fields, last_step
+from ddp_hpc.fsutil import file_size
 from ddp_hpc.runlogs.schema import error_file, events_file, rank_out
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.text import HelpFormatter, prog
@@ -110,7 +117,8 @@ def run(cmd: Sequence[str], log_dir: str | os.PathLike | None = None) -> int:
     where = _log_dir(log_dir, env.rank)
     try:
         child_env = env.child_environ()
-    except EnvError as exc:
+        check_installed(cmd, child_env)
+    except (EnvError, InstrumentError) as exc:
         return _refuse(exc, env, where)
     if where is not None:
         child_env["DDP_HPC_LOG_DIR"] = str(where)
@@ -122,9 +130,9 @@ def run(cmd: Sequence[str], log_dir: str | os.PathLike | None = None) -> int:
         log.close()
 
 
-def _refuse(exc: EnvError, env: DistEnv | None, log_dir: str | os.PathLike | None) -> int:
-    """An environment that cannot work: the error on stderr, an error event when the rank and
-    the log directory are known, exit status 2."""
+def _refuse(exc: HintError, env: DistEnv | None, log_dir: str | os.PathLike | None) -> int:
+    """An environment (or an installation) that cannot work: the error on stderr, an error event
+    when the rank and the log directory are known, exit status 2."""
     report(prog("exec"), exc)
     where = _log_dir(log_dir, env.rank if env else None)
     if env is not None and where is not None:
@@ -141,7 +149,7 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
     if note:
         log.warning(note)
     out_path = log.dir / rank_out(env.rank) if log.dir else None
-    out_start = _size(out_path)
+    out_start = file_size(out_path)
     errfile = _torch_environ(child_env, env, log.dir)
     inst = Instrumentation.prepare(cmd, child_env, log.dir, env.rank)
     started = time.time()
@@ -160,7 +168,7 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
         log.info(f"exec: started {cmd[0]} as pid {proc.pid} (rank {env.rank} of {env.world_size}, "
                  f"node {env.node_rank} of {env.num_nodes})")
         events = log.dir / events_file(env.rank) if log.dir else None
-        events_start = _size(events)
+        events_start = file_size(events)
         outcome = classify(proc.wait(), fwd.forwarded, inst.ending())
         try:
             why = (read_error_file(errfile, started), inst.fault_stack())
@@ -211,13 +219,6 @@ def _not_started(cmd: list[str], exc: OSError, log: SafeLog) -> int:
     log.event("error", exc_type=type(exc).__name__, message=str(err), traceback=None,
               exit_code=code, signal=None)
     return code
-
-
-def _size(path: Path | None) -> int:
-    try:
-        return path.stat().st_size if path else 0
-    except OSError:
-        return 0
 
 
 def binding_note(env: DistEnv, environ: dict[str, str]) -> str | None:

@@ -2,7 +2,8 @@
 ``ddp_hpc.exec`` before the script's first line (docs/scripts.md, "What status sees without
 changes").
 
-``start(config)`` takes the JSON the wrapper put in ``DDP_HPC_INSTRUMENT_BOOT``:
+``start(config)`` takes the JSON the wrapper put in ``DDP_HPC_INSTRUMENT_BOOT``
+(``ddp_hpc.exec.instrumented.BOOT_VAR``, which ``site/sitecustomize.py`` reads):
 ``exit_fd`` (the pipe for the exit record, `ddp_hpc.instrument.ending`), ``fault`` (this rank's
 faulthandler file in the run directory) and ``pythonpath`` (the user's own PYTHONPATH, given back
 to ``os.environ`` so programs the script starts see it unchanged). It imports nothing heavy: the
@@ -22,10 +23,7 @@ from types import ModuleType
 from ddp_hpc.instrument.ending import watch_ending
 from ddp_hpc.instrument.hooks import when_imported
 
-__all__ = ["BOOT_VAR", "start"]
-
-#: the wrapper's configuration for the child (JSON); removed from the environment at start-up
-BOOT_VAR = "DDP_HPC_INSTRUMENT_BOOT"
+__all__ = ["start"]
 
 #: the module whose ``register(when_imported)`` hooks the frameworks (Lightning, transformers)
 INTEGRATIONS = "ddp_hpc.integrations"

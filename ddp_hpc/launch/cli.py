@@ -26,7 +26,8 @@ EXAMPLES = """examples:
   %(prog)s --nodes 2 --procs-per-node 2 --log-dir /tmp/l -- python train.py --lr 0.1
 
 Rank 0's output is shown as it runs; every rank's output (stdout and stderr) is appended to
-LOG_DIR/rankR.out. The first rank to exit non-zero stops the others, and its exit status is this
+LOG_DIR/rankR.out, and the run logs of ddp_hpc.run, ddp_hpc.exec and ddp_hpc.report go to LOG_DIR
+too (DDP_HPC_LOG_DIR). The first rank to exit non-zero stops the others, and its exit status is this
 command's. Ctrl-C / SIGTERM are passed on to the ranks (10 s to finish, a second one kills)."""
 
 
@@ -41,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--procs-per-node", type=int, default=2, metavar="G",
                     help="processes per pretend node")
     ap.add_argument("--log-dir", metavar="DIR",
-                    help="where rank R's output goes, as rankR.out (default: runs/<job id>)")
+                    help="where rank R's output goes, as rankR.out, and the run logs (rankR.log, "
+                         "rankR.events.jsonl: DDP_HPC_LOG_DIR for the ranks) (default: runs/<job id>)")
     ap.add_argument("--job-id", metavar="ID",
                     help="DDP_HPC_JOB_ID for the ranks (default: local-<date>-<time>-<hex>)")
     ap.add_argument("--timeout", type=float, default=300.0, metavar="S",
@@ -83,7 +85,8 @@ def _run_command(args: argparse.Namespace, cmd: list[str]) -> int:
     print(f"ddp_hpc launch: {plural(world, 'rank')} ({plural(args.nodes, 'pretend node')} x "
           f"{args.procs_per_node}) of {shlex.join(cmd)}\nrank 0's output follows; every rank's "
           f"goes to {log_dir / rank_out('R')}", flush=True)
-    env = {"PYTHONUNBUFFERED": "1", **os.environ}  # rank 0's prints show up as they happen
+    # rank 0's prints show up as they happen; the run logs (ddp_hpc.run, exec, report) go beside rankR.out
+    env = {"PYTHONUNBUFFERED": "1", **os.environ, "DDP_HPC_LOG_DIR": str(log_dir.resolve())}
     try:
         res = run_local(cmd, nodes=args.nodes, procs_per_node=args.procs_per_node,
                         log_dir=log_dir, job_id=job_id, env=env, echo=sys.stdout)

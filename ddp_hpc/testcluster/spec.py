@@ -23,7 +23,7 @@ LAYOUTS = ("netns", "loopback")
 MAX_NODES = 64
 CPUS_PER_NODE = 8
 
-_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+_NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,30}")
 
 
 class ClusterError(HintError, RuntimeError):
@@ -68,7 +68,7 @@ class ClusterSpec:
             raise _fail(f"--gpus-per-node {self.gpus_per_node} is out of range", "use 0..16.")
         if self.layout not in LAYOUTS:
             raise _fail(f"--layout {self.layout!r} is unknown", f"use one of {', '.join(LAYOUTS)}.")
-        if not _NAME_RE.match(self.cluster_name) or not _NAME_RE.match(self.node_prefix):
+        if not _NAME_RE.fullmatch(self.cluster_name) or not _NAME_RE.fullmatch(self.node_prefix):
             raise _fail(f"cluster name {self.cluster_name!r} / node prefix {self.node_prefix!r} "
                         "is not a plain lower-case name", "use letters, digits and dashes.")
         if not 1024 <= self.port_base <= 65000 - 200:

@@ -30,6 +30,8 @@ TINY = ["data.kwargs.size=4096", "log.every_n_steps=2", "log.progress=lines"]
 SLOW = ["data.dataset=tests.cluster.status_helpers:slow_synthetic", "data.kwargs.delay=0.008"]
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED")
 JOBS: dict[str, dict] = {}  # name -> {"id", "state", "failure_rank"} for the cross-source test
+FAILING = ["data.dataset=tests.cluster.status_helpers:failing_synthetic", "data.kwargs.fail_rank=3",
+           "data.kwargs.after=400"]
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +137,7 @@ def test_running_job_progresses_then_completed(slurm_cluster, env, elsewhere):
 
 def test_rank3_raises_failed_within_a_minute_naming_rank3(slurm_cluster, env, elsewhere):
     c = slurm_cluster
-    job = submit(c, env, "st-fail", ["data.dataset=tests.cluster.status_helpers:failing_synthetic",
-                                     "data.kwargs.fail_rank=3", "data.kwargs.after=400"])
+    job = submit(c, env, "st-fail", FAILING)
     # wait for rank 3's error event, then for the job to end: kill-on-bad-exit, not the time limit
     st, _ = poll(c, env, elsewhere, job, lambda s: s["failure"] is not None
                  or s["state_name"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=180)
@@ -244,11 +245,21 @@ def test_requeued_job_shows_restarts_and_both_runs(slurm_cluster, env, elsewhere
     JOBS["requeued"] = {"id": job, "state": "COMPLETED"}
 
 
+def _ensure_ended_jobs(c, env) -> None:
+    """A completed and a failed job in JOBS: those of the tests above, else (this test alone, or
+    after they failed) two of its own, submitted together and waited for."""
+    own = {name: submit(c, env, f"st-{name}", FAILING if name == "failed" else [], epochs=1)
+           for name in ("completed", "failed") if name not in JOBS}
+    for name, job in own.items():
+        state = "FAILED" if name == "failed" else "COMPLETED"
+        assert c.wait(job, timeout=300) == state, (name, job)
+        JOBS[name] = {"id": job, "state": state, **({"failure_rank": 3} if name == "failed" else {})}
+
+
 @pytest.mark.cluster_exclusive
 def test_same_answers_from_every_source_and_without_slurmdbd(slurm_cluster, env, elsewhere):
     c = slurm_cluster
-    if not {"completed", "failed"} <= set(JOBS):
-        pytest.skip(f"needs the jobs of the tests above (have {sorted(JOBS)})")
+    _ensure_ended_jobs(c, env)
     for j in JOBS.values():
         c.wait(j["id"], timeout=60)  # accounting has the record
 

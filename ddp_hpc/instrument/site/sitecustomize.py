@@ -10,6 +10,7 @@ import sys
 
 
 def _ddp_hpc_boot():
+    # ddp_hpc.exec.instrumented.BOOT_VAR, spelled out: no ddp_hpc import before it is wanted
     config = os.environ.pop("DDP_HPC_INSTRUMENT_BOOT", None)
     if not config:
         return

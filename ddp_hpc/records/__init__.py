@@ -1,4 +1,5 @@
 """Job records: one small JSON file per submission, so `ddp_hpc.status` finds a job from any directory.
+(`ddp_hpc.records.register`: the record of a job ddp_hpc did not submit, ``ddp-hpc records register``.)
 
 Why a record at all: Slurm forgets a job soon after it ends (squeue) and without accounting
 (sacct) never tells where its logs went; the submitter knows, so it writes it down once.
@@ -8,39 +9,36 @@ job id (``12345`` or ``local-...``). Slurm job ids restart at 1 whenever a contr
 wiped, so an id can come back: a new record never overwrites an old one, it takes the next free
 name ``<id>.1.json``, ``<id>.2.json`` ..., and :func:`load_record` returns the newest record with
 that id (optionally only on one cluster). Writes are atomic (temp file in the same directory,
-fsync, rename), so a reader never sees half a record.
+fsync, rename), so a reader never sees half a record. A record is rewritten under its lock
+(``.<file name>.lock`` beside it, `ddp_hpc.fsutil.locked`) from what its file holds then: the
+local driver, ``ddp-hpc cancel``, ``ddp-hpc status`` and the supervisor may write one at once, and
+none loses another's fields (:func:`update_record`, :func:`store_final`).
 
-Fields (docs/architecture.md, "Job records"): id, cluster, name, backend, nodes, gpus_per_node,
-time_limit, log_dir, config, overrides, submitted_at, cwd, array, pids, pid_times, script, command,
-final, restart_base, alloc_restarts (the in-allocation restarts, ``ddp_hpc.supervise``), min_nodes
-(a node range's MIN). ``final`` is written by ``ddp_hpc.status`` once the scheduler reports the job
-ended (Slurm forgets it later; a cluster can go down), by the local driver when a local run ends,
-and by ``ddp-hpc cancel``: see :func:`store_final`.
+The fields are `JobRecord`'s (docs/architecture.md, "Job records"). ``final`` is written by
+``ddp_hpc.status`` once the scheduler reports the job ended (Slurm forgets it later; a cluster can
+go down), by the local driver when a local run ends, and by ``ddp-hpc cancel``: `store_final`.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ddp_hpc.env import job_facts
-from ddp_hpc.errors import HintError, report
-from ddp_hpc.fsutil import atomic_write_json, atomic_write_texts
+from ddp_hpc.errors import HintError
+from ddp_hpc.fsutil import atomic_write_json, atomic_write_texts, locked
 from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.slurm.times import format_duration
-from ddp_hpc.text import HelpFormatter, prog
 
 __all__ = ["JobRecord", "JobRecordError", "records_dir", "write_record", "update_record", "load_record",
            "list_records", "final_of", "store_final", "store_finals", "local_final"]
 
-_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
 class JobRecordError(HintError, LookupError):
@@ -86,9 +84,12 @@ class JobRecord:
     extra: dict = dataclasses.field(default_factory=dict)
     #: the file this record was read from or written to (not stored inside the file)
     path: str | None = dataclasses.field(default=None, compare=False)
+    #: the file's JSON when this record was read or written (not stored in it): `update_record`
+    #: keeps the fields that changed in the file since, where this copy left them as they were
+    loaded: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "path")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_STORED}
         d["id"] = str(d["id"])
         return {**self.extra, **d}
 
@@ -105,11 +106,15 @@ class JobRecord:
         return cls(**kwargs, extra=extra, path=path)
 
 
+_NOT_STORED = ("extra", "path", "loaded")
+_ABSENT = object()
+
+
 @functools.cache
 def _field_names(cls) -> tuple[frozenset, frozenset]:
     """(the fields a record file may hold, those it must hold): once, not per record read."""
     fields, none = dataclasses.fields(cls), dataclasses.MISSING
-    return (frozenset(f.name for f in fields) - {"extra", "path"},
+    return (frozenset(f.name for f in fields) - set(_NOT_STORED),
             frozenset(f.name for f in fields if f.default is none and f.default_factory is none))
 
 
@@ -122,7 +127,7 @@ def records_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 def _check_id(job_id: str) -> str:
     job_id = str(job_id)
-    if not _SAFE_ID.match(job_id) or ".." in job_id:
+    if not _SAFE_ID.fullmatch(job_id) or ".." in job_id:
         raise JobRecordError(f"job record id {job_id!r} is not a valid id (letters, digits, '_', '.', '+', '-').",
                              "use the Slurm job id (e.g. 12345 or 12345_3) or a local-... id.")
     return job_id
@@ -146,16 +151,43 @@ def write_record(rec: JobRecord | Mapping[str, Any], environ: Mapping[str, str] 
             continue
         os.close(fd)
         atomic_write_json(path, data)
-        rec.path = str(path)
+        rec.path, rec.loaded = str(path), json.dumps(data)
         return path
     raise JobRecordError(f"too many records with id {job_id!r} in {d}.", "remove old records there.")
 
 
 def update_record(rec: JobRecord, environ: Mapping[str, str] | None = None) -> Path:
-    """Rewrite a record in place (e.g. to add the local backend's pids); atomic."""
+    """Rewrite a record in place (e.g. to add the local backend's pids), atomically, under its
+    lock: the fields this copy changed since it was read win; every other field keeps what the file
+    holds now (another process may have written it since: cancel's final state, the driver's pids).
+    ``rec`` then holds what was written."""
     if rec.path is None:
         return write_record(rec, environ)
-    return atomic_write_json(Path(rec.path), rec.to_dict())
+    with locked(_lock_of(rec.path), remove=True):
+        now = _read(Path(rec.path))
+        data = _merged(_data(rec.loaded), rec.to_dict(), _data(now.loaded) if now else None)
+        atomic_write_json(rec.path, data)
+    fresh = JobRecord.from_dict(data, path=rec.path)
+    for f in dataclasses.fields(JobRecord):
+        setattr(rec, f.name, getattr(fresh, f.name))
+    rec.loaded = json.dumps(data)
+    return Path(rec.path)
+
+
+def _lock_of(path: str | Path) -> Path:
+    return Path(path).with_name(f".{Path(path).name}.lock")
+
+
+def _data(text: str | None) -> dict | None:
+    return json.loads(text) if text else None
+
+
+def _merged(base: dict | None, mine: dict, now: dict | None) -> dict:
+    """What a rewrite stores: the file's fields as ``now``, with the ones ``mine`` changed since
+    ``base`` (what this copy was read as). Without either, ``mine``."""
+    if base is None or now is None:
+        return mine
+    return {**now, **{k: v for k, v in mine.items() if base.get(k, _ABSENT) != v}}
 
 
 def final_of(rec: JobRecord | None, task_id: str | int | None = None) -> dict | None:
@@ -174,25 +206,40 @@ def store_final(rec: JobRecord, finals: Mapping[str | None, dict],
     """Keep the terminal states the scheduler reported (task id -> facts; the key None for a
     job that is not an array) in the record, rewriting its file atomically when they changed
     (``seen_at`` aside). The file is read again first, so fields another process wrote since
-    ``rec`` was loaded (the local driver's pids) survive. Returns True when it wrote."""
-    base = _with_finals(rec, finals)
-    if base is None:
-        return False
-    update_record(base, environ)
-    return True
+    ``rec`` was loaded (the local driver's pids) survive; the read and the write are made under the
+    record's lock. Returns True when it wrote."""
+    if rec.path is None:
+        base = _with_finals(rec, finals)
+        return base is not None and bool(write_record(base, environ))
+    with locked(_lock_of(rec.path), remove=True):
+        base = _with_finals(rec, finals)
+        if base is not None:
+            atomic_write_json(rec.path, base.to_dict())
+    return base is not None
 
 
-def store_finals(batch: Iterable[tuple[JobRecord, Mapping[str | None, dict]]]) -> int:
+def store_finals(batch: Iterable[tuple[JobRecord, Mapping[str | None, dict]]], chunk: int = 256) -> int:
     """`store_final` for many records (the table keeps every ended job's), each still atomic but
     their fsyncs at once (`fsutil.atomic_write_texts`; one by one, 10,000 took minutes), one line
-    each (json's C encoder; indented, a third of the time). Returns how many it wrote."""
-    writes = []
+    each (json's C encoder; indented, a third of the time). Returns how many it wrote. The locks of
+    ``chunk`` records are held at a time, taken in the order of their paths (two status commands
+    cannot wait on each other); finals given for one record twice are merged."""
+    by_path: dict[str, tuple[JobRecord, dict]] = {}
     for rec, finals in batch:
-        base = _with_finals(rec, finals) if rec.path else None
-        if base is not None:
-            writes.append((rec.path, json.dumps(base.to_dict(), sort_keys=True) + "\n"))
-    atomic_write_texts(writes)
-    return len(writes)
+        if rec.path:
+            by_path.setdefault(rec.path, (rec, {}))[1].update(finals)
+    paths, written = sorted(by_path), 0
+    for start in range(0, len(paths), chunk):
+        with contextlib.ExitStack() as held:
+            writes = []
+            for path in paths[start:start + chunk]:
+                held.enter_context(locked(_lock_of(path), remove=True))
+                base = _with_finals(*by_path[path])
+                if base is not None:
+                    writes.append((path, json.dumps(base.to_dict(), sort_keys=True) + "\n"))
+            atomic_write_texts(writes)
+            written += len(writes)
+    return written
 
 
 def _with_finals(rec: JobRecord, finals: Mapping[str | None, dict]) -> JobRecord | None:
@@ -236,15 +283,18 @@ def _same(a: object, b: Mapping) -> bool:
 def _read(path: Path) -> JobRecord | None:
     try:
         with open(path) as f:
-            data = json.load(f)
+            text = f.read()
+        data = json.loads(text)
     except (OSError, ValueError):
         return None  # a file being claimed (empty) or damaged: not a record
     if not isinstance(data, dict):
         return None
     try:
-        return JobRecord.from_dict(data, path=str(path))
+        rec = JobRecord.from_dict(data, path=str(path))
     except (JobRecordError, TypeError):
         return None
+    rec.loaded = text
+    return rec
 
 
 def _files(d: Path, job_id: str | None = None) -> Iterable[Path]:
@@ -252,7 +302,7 @@ def _files(d: Path, job_id: str | None = None) -> Iterable[Path]:
         return []
     if job_id is None:
         return [p for p in d.glob("*.json") if not p.name.startswith(".")]
-    pat = re.compile(re.escape(job_id) + r"(\.\d+)?\.json$")
+    pat = re.compile(re.escape(job_id) + r"(\.\d+)?\.json")
     return [p for p in d.glob(f"{_glob_escape(job_id)}*.json") if pat.fullmatch(p.name)]
 
 
@@ -288,63 +338,3 @@ def load_record(job_id: str, cluster: str | None = None,
         f"no job record with id {job_id!r}{where} in {d}.",
         f"recent ids there: {known or 'none'}; jobs submitted with ddp_hpc.submit are recorded "
         f"under $DDP_HPC_HOME/jobs (set DDP_HPC_HOME to the value used when submitting).")
-
-
-# --------------------------------------------------------------------------- jobs not submitted by us
-
-
-def record_from_slurm(log_dir: str, config: str | None, overrides: list[str],
-                      environ: Mapping[str, str] | None = None) -> JobRecord:
-    """A record for the Slurm job this batch script runs in (``sbatch slurm/train.sbatch``), from
-    the job-level facts sbatch sets (`ddp_hpc.env.job_facts`); its id is the job key."""
-    facts = job_facts(environ)
-    if not facts.job_id:
-        raise JobRecordError("no SLURM_JOB_ID: `register` runs inside a Slurm batch script.",
-                             "call it from the batch script (slurm/train.sbatch does).")
-    return JobRecord(
-        id=facts.key or facts.job_id, cluster=facts.cluster, name=facts.name or "ddp_hpc",
-        backend="sbatch-script", nodes=facts.num_nodes, gpus_per_node=facts.gpus_per_node, time_limit=None,
-        log_dir=os.path.abspath(log_dir), config=config, overrides=list(overrides),
-        submitted_at=time.time(), cwd=facts.submit_dir or os.getcwd())
-
-
-def register(log_dir: str, config: str | None, overrides: list[str]) -> Path | None:
-    """Write the record of this batch script's job; None when a requeued job already has it."""
-    rec = record_from_slurm(log_dir, config, overrides)
-    try:
-        if load_record(rec.id, cluster=rec.cluster).log_dir == rec.log_dir:
-            return None  # a requeued job keeps its first record
-    except JobRecordError:
-        pass
-    return write_record(rec)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("records"), formatter_class=HelpFormatter,
-                                description="Record the Slurm job this batch script runs in, so "
-                                            "`ddp-hpc status` lists it (slurm/train.sbatch calls this).")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="what to do")
-    reg = sub.add_parser("register", formatter_class=HelpFormatter,
-                         help="write a record for $SLURM_JOB_ID (once per job; a requeue keeps it)",
-                         description="Write a record for the Slurm job this batch script runs in.")
-    reg.add_argument("--log-dir", required=True, help="the job's log directory ($DDP_HPC_LOG_DIR)")
-    reg.add_argument("config", nargs="?", help="the job's config file")
-    reg.add_argument("overrides", nargs="*", help="its key=value overrides")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ddp_hpc.records register --log-dir DIR [CONFIG [key=value ...]]``."""
-    args = parser().parse_args(argv)
-    try:
-        path = register(args.log_dir, args.config, args.overrides)
-    except (JobRecordError, OSError, ValueError) as e:
-        report(prog("records"), e)
-        return 1
-    if path is not None:
-        print(f"ddp_hpc: job record {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

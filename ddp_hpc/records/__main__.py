@@ -1,0 +1,5 @@
+import sys
+
+from ddp_hpc.records.register import main
+
+sys.exit(main())

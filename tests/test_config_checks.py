@@ -1,0 +1,59 @@
+"""Single input values checked before they reach an #SBATCH line, a file name or a command line:
+a value with a trailing newline is refused like any other stray character (``re.match`` with
+``$`` would let ``"name\\n"`` through, and the sbatch script would get a stray line)."""
+from __future__ import annotations
+
+import pytest
+
+from ddp_hpc.config import ConfigError, SlurmOptions
+from ddp_hpc.data.errors import StageError
+from ddp_hpc.data.scriptstage import parse_stage_sources
+from ddp_hpc.records import JobRecordError, load_record
+
+
+@pytest.mark.parametrize("key, value", [
+    ("job_name", "train\n"), ("partition", "gpu\n"), ("account", "proj\n"), ("qos", "high\n"),
+    ("mem", "16G\n"), ("constraint", "a100\n"), ("dependency", "afterok:12\n"),
+    ("container", "/images/torch.sif\n"), ("time", "30\n"), ("signal", "USR2@90\n"),
+    ("job_name", "train\n#SBATCH --uid=0"),
+])
+def test_a_slurm_value_with_a_trailing_newline_is_refused(key, value):
+    with pytest.raises(ConfigError) as e:
+        SlurmOptions(**{key: value})
+    assert repr(value) in str(e.value) and f"slurm.{key}" in str(e.value) and "HINT" in str(e.value)
+
+
+@pytest.mark.parametrize("field", ["sbatch_args", "srun_args"])
+def test_an_extra_option_with_a_trailing_newline_is_refused(field):
+    with pytest.raises(ConfigError, match="contains characters that are not allowed"):
+        SlurmOptions(**{field: {"mpi": "pmix\n"}})
+    with pytest.raises(ConfigError, match="option name 'mpi\\\\n' is not valid"):
+        SlurmOptions(**{field: {"mpi\n": "pmix"}})
+
+
+def test_a_stage_name_with_a_trailing_newline_is_refused(tmp_path):
+    (tmp_path / "data").mkdir()
+    with pytest.raises(StageError, match="NAME 'TRAIN\\\\n' is not letters"):
+        parse_stage_sources([("--stage", [f"{tmp_path / 'data'}=TRAIN\n"])], workdir=str(tmp_path))
+
+
+def test_a_record_id_with_a_trailing_newline_is_refused(tmp_path):
+    with pytest.raises(JobRecordError, match="'123\\\\n' is not a valid id"):
+        load_record("123\n", environ={"DDP_HPC_HOME": str(tmp_path)})
+
+
+@pytest.mark.parametrize("override, problem, hint", [
+    ("optim.name=sgdd", "config key 'optim.name' = 'sgdd' is not one of its values",
+     "optim.name is one of 'sgd', 'adam', 'adamw' (did you mean 'sgd'?)"),
+    ("schedule.name=3", "config key 'schedule.name' = 3 is not one of its values",
+     "schedule.name is one of 'constant', 'cosine', 'step'"),
+])
+def test_a_value_outside_a_keys_fixed_set_is_a_wrong_value_naming_the_valid_ones(override, problem, hint):
+    from pathlib import Path
+
+    from ddp_hpc.config import load_config
+    demo = Path(__file__).resolve().parents[1] / "jobs" / "demo.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, [override])
+    assert e.value.problem.startswith(problem) and "wrong type" not in e.value.problem, e.value.problem
+    assert f"from {demo}" in e.value.problem and e.value.hint == hint, e.value
