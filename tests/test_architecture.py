@@ -15,7 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "ddp_hpc"
-MAX_MODULE_LINES = 350
+#: a backstop against a module that holds several ideas, not a target to split at (docs/architecture.md)
+MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 #: variables that carry rank or job facts; only ddp_hpc/env/ may read them. SLURM_CONF is no job
