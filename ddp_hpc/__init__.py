@@ -32,7 +32,7 @@ _PUBLIC = {
     "launch_distributed": ("ddp_hpc.launch.spawn", "launch_distributed"),
     "preemption": ("ddp_hpc.preemption", None),
     "checkpoint": ("ddp_hpc.checkpoint", None),
-    "report": ("ddp_hpc.report", "report"),
+    "report": ("ddp_hpc.progress", "report"),
 }
 
 __all__ = ["__version__", *_PUBLIC]

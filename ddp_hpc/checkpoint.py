@@ -26,7 +26,7 @@ from torch import nn
 
 from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect
-from ddp_hpc.report import rank_log
+from ddp_hpc.progress import rank_log
 from ddp_hpc.train.checkpoint import CheckpointError, find_latest_valid, load_checkpoint, save_checkpoint
 
 __all__ = ["save", "load", "last_saved_step", "unwrap", "CheckpointError"]

@@ -40,7 +40,7 @@ from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect, job_facts
 from ddp_hpc.exec.events import SafeLog
 from ddp_hpc.exits import EX_TEMPFAIL
-from ddp_hpc.report import last_step, rank_log
+from ddp_hpc.progress import last_step, rank_log
 from ddp_hpc.train.preempt import PreemptionFlag, classify, preempt_signum, requeue_if_wanted
 
 __all__ = ["install", "requested", "requeue", "preempt_signal", "EX_TEMPFAIL"]

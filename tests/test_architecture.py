@@ -149,7 +149,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("env", "config"),                                                 # rank and job facts; job config
     ("runlogs", "judge", "records", "data", "dist"),                   # run logs written, judged; records, data, groups
     ("exec", "launch", "recover", "supervise"),                        # wrapper, local launch, recovery
-    ("train", "report", "checkpoint", "preemption", "run", "instrument", "integrations"),  # training, the script API
+    ("train", "progress", "checkpoint", "preemption", "run", "instrument", "integrations"),  # training, the script API
     ("status", "submit", "testcluster"),                               # the commands' packages
     ("cli", "__main__", "__init__"),                                   # ddp-hpc; the lazy public names
 )

@@ -101,7 +101,7 @@ def test_a_script_without_torch_runs_as_before_and_the_users_sitecustomize_still
     seen = _seen(run_exec(tmp_path, NO_TORCH, env=env)[0])
     assert seen["torch"] is False and seen["user_site"] == "mine"
     assert seen["boot"] is None and seen["pythonpath"] == env["PYTHONPATH"]   # given back unchanged
-    assert "ddp_hpc.instrument.boot" in seen["mods"] and "ddp_hpc.report" not in seen["mods"]
+    assert "ddp_hpc.instrument.boot" in seen["mods"] and "ddp_hpc.progress" not in seen["mods"]
     assert seen["elastic"] == {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                                "TORCHELASTIC_ERROR_FILE": str((tmp_path / "logs" / "rank0.error.json").resolve()),
                                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": None}

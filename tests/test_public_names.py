@@ -18,7 +18,7 @@ assert "torch" not in sys.modules and "ddp_hpc.submit" not in sys.modules, "impo
 assert "step" in inspect.signature(ddp_hpc.report).parameters
 for loaded in (False, True):
     if loaded:
-        import ddp_hpc.submit.cli as cli, ddp_hpc.report   # bind the modules of the same names
+        import ddp_hpc.submit.cli as cli, ddp_hpc.progress   # bind the modules behind the names
         assert ddp_hpc.submit.cli is cli and callable(ddp_hpc.submit.cli.main)
         assert isinstance(ddp_hpc.submit, types.ModuleType)
         assert callable(ddp_hpc.report)                      # still callable as the function

@@ -17,8 +17,7 @@ import torch.distributed as dist
 from test_exec import DROP, EXEC, clean_env, events, kinds, wait_for
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_hpc import checkpoint, preemption
-from ddp_hpc import report as report_mod
+from ddp_hpc import checkpoint, preemption, progress
 from ddp_hpc.env import free_port
 from ddp_hpc.launch import run_local, start_local
 from ddp_hpc.train.checkpoint import list_checkpoints
@@ -212,26 +211,26 @@ def test_report_writes_at_most_one_step_event_per_second(tmp_path, monkeypatch):
     for k in [k for k in os.environ if DROP.match(k)]:
         monkeypatch.delenv(k)
     monkeypatch.setenv("DDP_HPC_LOG_DIR", str(tmp_path))
-    monkeypatch.setattr(report_mod, "_state", report_mod._State())
+    monkeypatch.setattr(progress, "_state", progress._State())
     clock = [100.0]
-    monkeypatch.setattr(report_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     for t, step in [(0.0, 1), (0.3, 2), (0.9, 3), (1.1, 4), (1.5, 5), (1.6, 10)]:
         clock[0] = 100.0 + t
-        report_mod(step=step, total=10, loss=torch.tensor(0.5), lr=0.01, epoch=0, acc=0.9)
+        progress.report(step=step, total=10, loss=torch.tensor(0.5), lr=0.01, epoch=0, acc=0.9)
     steps = [e for e in events(tmp_path, 0) if e["event"] == "step"]
     assert [e["step"] for e in steps] == [1, 4, 10]           # first, once a second, final
     assert (steps[0]["loss"], steps[0]["lr"], steps[0]["epoch"], steps[0]["total_steps"]) == (0.5, 0.01, 0, 10)
     assert steps[0]["metrics"] == {"acc": 0.9}
-    assert report_mod.last_step() == 10
+    assert progress.last_step() == 10
 
 
 def test_report_without_a_log_dir_does_nothing(tmp_path, monkeypatch):
     for k in [k for k in os.environ if DROP.match(k)]:
         monkeypatch.delenv(k)
-    monkeypatch.setattr(report_mod, "_state", report_mod._State())
+    monkeypatch.setattr(progress, "_state", progress._State())
     monkeypatch.chdir(tmp_path)
-    report_mod(step=1, total=2, loss=1.0)
-    assert list(tmp_path.iterdir()) == [] and report_mod.last_step() == 1
+    progress.report(step=1, total=2, loss=1.0)
+    assert list(tmp_path.iterdir()) == [] and progress.last_step() == 1
 
 
 def test_docs_name_every_event_key_the_wrapper_writes():

@@ -24,7 +24,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from ddp_hpc.report import auto_step, flush_step, hang_watch, world_size
+from ddp_hpc.progress import auto_step, flush_step, hang_watch, world_size
 from ddp_hpc.runlogs.watchdog import dump_after
 
 __all__ = ["StepCounter", "install"]

@@ -25,7 +25,7 @@ from typing import Any
 
 from ddp_hpc.env import job_facts
 from ddp_hpc.parsing import to_float
-from ddp_hpc.report import MIN_INTERVAL_S, STEP_KEYS, rank_log, report
+from ddp_hpc.progress import MIN_INTERVAL_S, STEP_KEYS, rank_log, report
 
 __all__ = ["lightning_callbacks", "pytorch_lightning_callbacks", "in_job"]
 

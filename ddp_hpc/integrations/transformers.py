@@ -19,7 +19,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from ddp_hpc.report import MIN_INTERVAL_S, rank_log, report
+from ddp_hpc.progress import MIN_INTERVAL_S, rank_log, report
 
 __all__ = ["install"]
 

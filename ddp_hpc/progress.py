@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import types
 from typing import Any, Callable
 
 from ddp_hpc.env import EnvError, detect, job_facts
@@ -146,12 +145,3 @@ def write_step(log: SafeLog, **fields: Any) -> None:
     are written."""
     log.event("step", **fields)
 
-
-class _CallableModule(types.ModuleType):
-    """``import ddp_hpc.report; ddp_hpc.report(step=...)`` calls `report`, like the function."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        report(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
