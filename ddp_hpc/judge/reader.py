@@ -19,6 +19,7 @@ import os
 import re
 from pathlib import Path
 
+from ddp_hpc.fsutil import file_size
 from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.judge.newest import read_newest_run
 from ddp_hpc.judge.srun import (
@@ -33,7 +34,7 @@ from ddp_hpc.judge.srun import (
     traceback_in,
     traceback_in_lines,
 )
-from ddp_hpc.judge.tails import FULL_READ_BYTES, RankStream, file_size, over_budget, read_events
+from ddp_hpc.judge.tails import FULL_READ_BYTES, RankStream, over_budget, read_events
 from ddp_hpc.judge.timing import RunProgress, progress
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE, batch_outputs, events_file

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from ddp_hpc.fsutil import file_size
 from ddp_hpc.judge.srun import TaskReport, tail_file
 from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.schema import EVENTS_RE, LOG_RE, OUT_RE
 
 __all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs", "read_window", "RankStream",
-           "read_events", "over_budget", "file_size", "RunFiles"]
+           "read_events", "over_budget", "RunFiles"]
 
 
 #: the read budget: a log directory's event files are read whole while together they hold at
@@ -191,13 +192,6 @@ def decoded(lines: list[str]):
 
 def restart_of(e: dict) -> int:
     return to_int(e.get("restart"), 0)
-
-
-def file_size(p: Path) -> int:
-    try:
-        return p.stat().st_size
-    except OSError:
-        return 0
 
 
 def over_budget(paths: list[Path]) -> bool:
