@@ -15,6 +15,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from ddp_hpc.text import ArgumentParser
+
 #: subcommand -> (module with ``main(argv) -> int``, one line of help), in the order of the data flow
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("ddp_hpc.submit.cli",
@@ -32,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="ddp-hpc", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="PyTorch DDP from a laptop to many Slurm GPU nodes.",
         epilog="commands:\n" + "\n".join(f"  {n:<12} {h}" for n, (_, h) in COMMANDS.items())

@@ -25,13 +25,13 @@ from ddp_hpc.errors import report
 from ddp_hpc.exec.events import SafeLog
 from ddp_hpc.judge.reader import run_ending
 from ddp_hpc.runlogs.writer import resolve_log_dir
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 EXIT_OK, EXIT_CONFIG = 0, 2  # any other failure is an uncaught exception: exit status 1
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("run"), formatter_class=HelpFormatter,
+    p = ArgumentParser(prog=prog("run"), formatter_class=HelpFormatter,
                                 description="Train the job CONFIG on this rank (any launcher).",
                                 epilog=__doc__.split("\n", 1)[1])
     p.add_argument("config", metavar="CONFIG", help="YAML job file, e.g. jobs/demo.yaml")

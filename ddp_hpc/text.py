@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 
 __all__ = ["prog", "plural", "HelpFormatter", "ArgumentParser"]
@@ -50,10 +51,19 @@ class ArgumentParser(argparse.ArgumentParser):
         super().error(message + did_you_mean(message, list(self._option_string_actions)))
 
 
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+
+
 def did_you_mean(message: str, flags: list[str]) -> str:
     """`` (did you mean `--wait`?)`` for an unknown flag argparse names in ``message`` that is
-    close to one of ``flags`` (with several unknown words: which guess is for which); "" when
-    none is close."""
+    close to one of ``flags`` (with several unknown words: which guess is for which), or for an
+    invalid choice (a subcommand such as ``sttaus``) close to one of the choices argparse lists;
+    "" when none is close."""
+    choice = _INVALID_CHOICE.search(message)
+    if choice:
+        choices = re.findall(r"'([^']*)'", choice.group(2))
+        near = difflib.get_close_matches(choice.group(1), choices, n=1, cutoff=0.6)
+        return f" (did you mean `{near[0]}`?)" if near else ""
     if not message.startswith("unrecognized arguments:"):
         return ""
     words = message.split(":", 1)[1].split()

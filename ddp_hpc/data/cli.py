@@ -20,7 +20,7 @@ from ddp_hpc.data.sbcast import sbcast_stage
 from ddp_hpc.data.stage import resolve_stage_dir, stage
 from ddp_hpc.env import job_facts
 from ddp_hpc.errors import report
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 _DESCRIPTION = """Prepare a dataset for a shared filesystem: pack many small files into one LMDB, check it,
 copy it once per node (stage), or let Slurm's sbcast fan it out.
@@ -81,7 +81,7 @@ def _add_stage(sub) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("data"), formatter_class=HelpFormatter, description=_DESCRIPTION)
+    p = ArgumentParser(prog=prog("data"), formatter_class=HelpFormatter, description=_DESCRIPTION)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     pack = _add_pack(sub)
     v = sub.add_parser("verify", formatter_class=HelpFormatter, help="check every record of an LMDB made by pack")

@@ -15,7 +15,7 @@ from ddp_hpc.env.model import DistEnv
 from ddp_hpc.env.sources import this_host
 from ddp_hpc.errors import report
 from ddp_hpc.slurm import hostlist
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 
 def _table(env: DistEnv) -> str:
@@ -32,7 +32,7 @@ def _task_tag() -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog("env"), formatter_class=HelpFormatter,
         description="Print the distributed environment (ranks, sizes, master address and port, launcher) "
                     "this task derives.\n\n  srun python -m ddp_hpc.env --check   # one line per task")

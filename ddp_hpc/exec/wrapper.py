@@ -41,7 +41,7 @@ from ddp_hpc.exec.outcome import classify, error_fields, last_step
 from ddp_hpc.fsutil import file_size
 from ddp_hpc.runlogs.schema import error_file, events_file, rank_out
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 EXIT_USAGE = 2
 EXIT_CANNOT_RUN = 126     # the shell's codes: found but not runnable / not found
@@ -64,7 +64,7 @@ are passed on to it, and its exit status is this command's. A Python command is 
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog=prog("exec"), formatter_class=HelpFormatter, epilog=EXAMPLES,
         usage="%(prog)s [--log-dir DIR] [--] CMD [ARGS...]",
         description="Run a training script as one rank of a distributed job: torchrun's variables\n"

@@ -17,7 +17,7 @@ from ddp_hpc.launch.local import LocalResult, run_local
 from ddp_hpc.launch.spawn import RankFailedError, launch_distributed
 from ddp_hpc.launch.tree import LaunchError, new_job_id
 from ddp_hpc.runlogs.schema import rank_out
-from ddp_hpc.text import HelpFormatter, plural, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, plural, prog
 
 EXIT_USAGE = 2
 EXAMPLES = """examples:
@@ -32,7 +32,7 @@ command's. Ctrl-C / SIGTERM are passed on to the ranks (10 s to finish, a second
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog=prog("launch"), formatter_class=HelpFormatter, epilog=EXAMPLES,
         usage="%(prog)s [--nodes N] [--procs-per-node G] [--log-dir DIR] [--job-id ID] "
               "[--timeout S] [-- CMD ...]",

@@ -13,7 +13,7 @@ from typing import Mapping
 from ddp_hpc.env import job_facts
 from ddp_hpc.errors import report
 from ddp_hpc.records import JobRecord, JobRecordError, load_record, write_record
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 __all__ = ["record_from_slurm", "register", "parser", "main"]
 
@@ -45,7 +45,7 @@ def register(log_dir: str, config: str | None, overrides: list[str]) -> Path | N
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("records"), formatter_class=HelpFormatter,
+    p = ArgumentParser(prog=prog("records"), formatter_class=HelpFormatter,
                                 description="Record the Slurm job this batch script runs in, so "
                                             "`ddp-hpc status` lists it (slurm/train.sbatch calls this).")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="what to do")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ddp_hpc.errors import report
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 from . import lock
 from .cluster import down, set_accounting, status, up
@@ -46,7 +46,7 @@ def install(slurmdbd: bool) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("testcluster"), description=__doc__, formatter_class=HelpFormatter)
+    p = ArgumentParser(prog=prog("testcluster"), description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("command", choices=["up", "down", "status", "run", "install", "accounting-on",
                                        "accounting-off"], metavar="COMMAND",
                    help="up, down, status, run, install, accounting-on or accounting-off (see above)")
