@@ -147,7 +147,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("slurm", "examples"),                                             # Slurm commands; the demo
     ("env", "config"),                                                 # rank and job facts; job config
     ("runlogs", "records", "data", "dist"),                            # run logs, records, data, groups
-    ("exec", "launch", "recover", "supervise"),                        # wrapper, local launch, recovery
+    ("exec", "launch", "supervise"),                                   # wrapper, local launch, fault recovery
     ("train", "report", "checkpoint", "preemption", "run", "instrument", "integrations"),  # training, the script API
     ("status", "submit", "testcluster"),                               # the commands' packages
     ("cli", "__main__", "__init__"),                                   # ddp-hpc; the lazy public names

@@ -17,7 +17,7 @@ from typing import Mapping
 
 from ddp_hpc import records
 from ddp_hpc.env.job import ALLOC_RESTARTS_VAR, job_facts
-from ddp_hpc.exits import EX_TEMPFAIL
+from ddp_hpc.exits import EX_TEMPFAIL, exit_status_of_returncode
 from ddp_hpc.runlogs.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.runlogs.restarts import append_restart, read_restarts
@@ -75,10 +75,6 @@ class _Stop:
         self.asked = True
 
 
-def _status(rc: int | None) -> int:
-    return 1 if rc is None else (128 - rc if rc < 0 else rc)
-
-
 def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Run the job's ranks until they end, restarting them after restartable faults; returns
     the exit status for the batch script."""
@@ -95,10 +91,10 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
         end = watch_step(proc, EventTail(s.log_dir, restart), cli,
                          Watch(tuple(plan.active), s.stall_timeout_s), lambda: stop.asked)
         if stop.asked:
-            return _status(_wait(proc))
+            return exit_status_of_returncode(_wait(proc))
         if end.trigger == "exited" and end.returncode in (0, EX_TEMPFAIL):
             return end.returncode
-        rc = _status(stop_step(proc))
+        rc = exit_status_of_returncode(stop_step(proc))
         entry = _judge(s, cli, plan, end, restart, done, key)
         if entry is None:
             return rc or 1
