@@ -14,14 +14,24 @@ import os
 from pathlib import Path
 
 from ddp_hpc.parsing import to_float, to_int
-from ddp_hpc.runlogs.schema import ALLOC_RESTART_KEYS, ALLOC_RESTARTS_FILE
+from ddp_hpc.runlogs.schema import ALLOC_RESTART_KEYS, ALLOC_RESTARTS_FILE, ALLOC_STOP_KEYS
 
-__all__ = ["append_restart", "read_restarts", "sched_index", "first_step_at", "time_lost"]
+__all__ = ["append_restart", "append_stop", "read_restarts", "read_stops", "sched_index", "first_step_at",
+           "time_lost"]
 
 
 def append_restart(log_dir: str | Path, entry: dict) -> None:
     """Append one restart (its keys: `ALLOC_RESTART_KEYS`) as a line, flushed to disk."""
-    rec = {k: entry.get(k) for k in ALLOC_RESTART_KEYS}
+    _append(log_dir, {k: entry.get(k) for k in ALLOC_RESTART_KEYS})
+
+
+def append_stop(log_dir: str | Path, entry: dict) -> None:
+    """Append a step the supervisor stopped and did not restart (`ALLOC_STOP_KEYS`: no
+    ``restart``, so `read_restarts` and the restart counts leave it out)."""
+    _append(log_dir, {k: entry.get(k) for k in ALLOC_STOP_KEYS})
+
+
+def _append(log_dir: str | Path, rec: dict) -> None:
     with open(Path(log_dir, ALLOC_RESTARTS_FILE), "a", encoding="utf-8") as f:
         f.write(json.dumps(rec, sort_keys=False) + "\n")
         f.flush()
@@ -31,6 +41,16 @@ def append_restart(log_dir: str | Path, entry: dict) -> None:
 def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
     """The restarts recorded in ``log_dir`` (of job ``job_id`` only, when given), in order;
     unreadable lines are skipped."""
+    return _read(log_dir, job_id, "restart")
+
+
+def read_stops(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
+    """The steps the supervisor stopped without restarting them (`append_stop`), in order."""
+    return _read(log_dir, job_id, "stopped_run")
+
+
+def _read(log_dir: str | Path | None, job_id: str | None, number: str) -> list[dict]:
+    """The lines of restarts.jsonl whose ``number`` key holds a whole number."""
     if not log_dir:
         return []
     try:
@@ -43,7 +63,7 @@ def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and to_int(rec.get("restart"), None) is not None and (
+        if isinstance(rec, dict) and to_int(rec.get(number), None) is not None and (
                 job_id is None or str(rec.get("job_id")) == str(job_id)):
             out.append(rec)
     return out
