@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "ddp_hpc"
-MAX_MODULE_LINES = 350
+MAX_MODULE_LINES = 400   # the ceiling of ../shared/DESIGN.md and issue 29 (the 350 habit is withdrawn)
 MAX_FUNCTION_LINES = 60
 
 #: variables that carry rank or job facts; only ddp_hpc/env/ may read them. SLURM_CONF is no job

@@ -65,12 +65,14 @@ def signals():
 
 def _job(tmp_path: Path, monkeypatch) -> tuple[Path, dict]:
     """A log directory, a job record, and a batch step's environment whose PATH starts with a
-    stand-in srun: it runs the step's command (after its options) as rank 0 of one node."""
+    stand-in srun: it runs the step's command (after its options) as one process, outside the job
+    (a single rank: ddp_hpc's env finds no Slurm task there)."""
     bindir, log_dir = tmp_path / "bin", tmp_path / "run"
     bindir.mkdir()
     log_dir.mkdir()
     srun = bindir / "srun"
-    srun.write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
+    srun.write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\n'
+                    'exec env -u SLURM_JOB_ID -u SLURM_JOB_NODELIST "$@"\n')
     srun.chmod(0o755)
     (tmp_path / "rank.py").write_text(RANK)
     home = tmp_path / "home"
@@ -79,7 +81,7 @@ def _job(tmp_path: Path, monkeypatch) -> tuple[Path, dict]:
                           "time_limit": None, "log_dir": str(log_dir), "config": None, "overrides": [],
                           "submitted_at": time.time(), "cwd": str(tmp_path)})
     env = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n1",
-           "DDP_HPC_HOME": str(home), "PYTHONPATH": str(REPO)}
+           "DDP_HPC_HOME": str(home), "PYTHONPATH": str(REPO), "DDP_HPC_LOG_DIR": str(log_dir)}
     return log_dir, env
 
 
@@ -130,6 +132,29 @@ def test_a_failed_write_of_restarts_jsonl_is_reported_and_the_restart_goes_on(tm
     err = capsys.readouterr().err
     assert "warning: could not write to" in err and "restarts.jsonl" in err and "going on" in err
     assert [r["restart"] for r in records.load_record("41").alloc_restarts] == [1]
+
+
+def test_a_long_evaluation_of_the_training_core_is_no_stall(tmp_path, monkeypatch, signals):
+    """ddp_hpc's own loop, one rank, an evaluation of about 14 s (a slow eval set) under a stall
+    timeout of 7 s: its progress events keep the supervisor from stopping a healthy run."""
+    log_dir, env = _job(tmp_path, monkeypatch)
+    command = (sys.executable, "-m", "ddp_hpc.run", str(REPO / "jobs" / "demo.yaml"), "data.kwargs.size=256",
+               "train.epochs=1", "train.batch_size=32", "train.eval_every_epochs=0", "log.every_n_steps=1",
+               "data.eval_dataset=tests.cluster.status_helpers:slow_synthetic", "data.eval_split=0.0",
+               "data.eval_kwargs.size=112", "data.eval_kwargs.delay=0.125", "data.eval_kwargs.in_dim=32",
+               "train.eval_batch_size=2", "train.device=cpu", "log.progress=off", "checkpoint.every_steps=0")
+    s = Settings(policy=Policy(nodes=1, tasks_per_node=1, max_restarts=1), log_dir=str(log_dir), command=command,
+                 stall_timeout_s=7.0)
+    rc = supervise(s, _sinfo({"n1": "mixed"}), env)
+    evs = [json.loads(line) for line in (log_dir / "rank0.events.jsonl").read_text().splitlines()]
+    names = [e["event"] for e in evs]
+    assert rc == 0 and read_restarts(log_dir) == [] and read_stops(log_dir) == [], names
+    assert names.count("eval") == 1 and names[-1] == "end"
+    evals = [e for e in evs if e["event"] == "progress" and e["phase"] == "eval"]
+    last_step = max(e["time"] for e in evs if e["event"] == "step")
+    eval_at = next(e["time"] for e in evs if e["event"] == "eval")
+    assert eval_at - last_step > 7.0, "the evaluation must outlast the stall timeout"
+    assert len(evals) >= 2 and all(b["time"] - a["time"] < 7.0 for a, b in zip(evals, evals[1:]))
 
 
 def _events(log_dir: Path, *events: dict) -> None:

@@ -46,8 +46,8 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "end": ("status", "step", "exit_code", "signal", "duration_s", "teardown"),
     "stack": ("reason", "stack", "step"),
     # the training core while it evaluates or saves a checkpoint (no step events then): phase
-    # ("eval" | "checkpoint"), the step, batches done (eval); signs of life for the supervisor
-    "progress": ("phase", "step", "done"),
+    # ("eval" | "checkpoint"), the step: signs of life for the supervisor (at most one per 5 s)
+    "progress": ("phase", "step"),
     # data.io=stage and submit --stage, on each node leader: how (copy | sbcast | reused), where,
     # bytes, time; for --stage also the script's variable (DDP_HPC_STAGE_<NAME>)
     "stage": ("method", "path", "src", "bytes", "files", "seconds", "mb_per_s", "copy_seconds", "made_by",
