@@ -240,3 +240,15 @@ def test_eval_checkpoint_and_progress_events_are_signs_of_life(tmp_path):
     proc = subprocess.Popen(["sleep", "0.5"])
     end = watch.watch_step(proc, EventTail(other, 0), _sinfo({}), Watch(("n1",), stall_timeout_s=3.0, every_s=0.05))
     assert end.trigger == "exited" and end.last_step_at is None
+
+
+def test_to_record_adds_each_restart_and_a_job_without_a_record_is_fine(tmp_path, monkeypatch, capsys):
+    from ddp_hpc.supervise.loop import _to_record
+    _job(tmp_path, monkeypatch)                     # the record of job 41
+    _to_record("41", {"restart": 1, "job_id": "41"})
+    _to_record("41", {"restart": 2, "job_id": "41"})
+    assert [r["restart"] for r in records.load_record("41").alloc_restarts] == [1, 2]
+    _to_record("77", {"restart": 1, "job_id": "77"})    # submitted without ddp_hpc: no record
+    assert "warning: restart not added to the job record: no job record with id '77'" in capsys.readouterr().err
+    _to_record(None, {"restart": 1})                  # no job id at all: nothing to do
+    assert capsys.readouterr().err == ""
