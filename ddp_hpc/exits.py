@@ -5,7 +5,8 @@
   requeued itself off a failed node. ``python -m ddp_hpc.exec`` records it as ``preempted``, the
   batch script and the submitit task take it as a clean stop.
 - A shell (and the exec wrapper) reports a child killed by signal N with exit status 128 + N:
-  `exit_status_of_signal` and `signal_of_exit_status` go each way.
+  `exit_status_of_signal` and `signal_of_exit_status` go each way; `exit_status_of_returncode`
+  turns a ``subprocess`` return code (-N: killed by signal N) into that exit status.
 
 Nothing here imports the rest of ddp_hpc, so every layer may use it.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import signal as _signal
 
 __all__ = ["EX_TEMPFAIL", "SIGNAL_EXIT_BASE", "signal_name", "signal_number", "signal_text",
-           "exit_status_of_signal", "signal_of_exit_status"]
+           "exit_status_of_signal", "signal_of_exit_status", "exit_status_of_returncode"]
 
 #: stopped to be resumed (checkpointed, requeued or to be run again): sysexits.h's EX_TEMPFAIL
 EX_TEMPFAIL = 75
@@ -57,3 +58,11 @@ def exit_status_of_signal(signum: int) -> int:
 def signal_of_exit_status(code: int) -> int | None:
     """``137`` -> ``9``: the signal behind a shell's exit status above 128, else None."""
     return code - SIGNAL_EXIT_BASE if code > SIGNAL_EXIT_BASE else None
+
+
+def exit_status_of_returncode(returncode: int | None) -> int:
+    """A ``subprocess`` return code as a shell's exit status: ``-9`` (killed by SIGKILL) ->
+    ``137``, ``3`` -> ``3``, ``None`` (it never ended: no status known) -> ``1``."""
+    if returncode is None:
+        return 1
+    return exit_status_of_signal(-returncode) if returncode < 0 else returncode

@@ -35,6 +35,7 @@ What the fixture yields (a :class:`SlurmTestCluster`)::
         c.local_dir                  # same path on every node, each node's own folder behind it
         c.jobcomp_file               # Path of the jobcomp/filetxt records (`sacct -c`)
         c.accounting                 # 'slurmdbd' (plain sacct works) or 'jobcomp' (sacct disabled)
+        c.need_node_failure()        # skip now where fail_node cannot work (not the netns layout)
         c.fail_node("n2")            # kill every process of n2 (a dead machine); c.revive_node("n2")
         c.stop_slurmdbd()            # switch to a jobcomp-only cluster (sacct: "accounting storage
         c.start_slurmdbd()           #   is disabled") and back; restarts slurmctld, keeps jobs
@@ -225,11 +226,21 @@ class SlurmTestCluster:
         from ddp_hpc.testcluster.health import accounting_mode
         return accounting_mode(self._spec, load_state(self.state_dir) or {})
 
+    def need_node_failure(self) -> None:
+        """Skip the test, before it starts anything, where `fail_node` cannot work: killing one
+        node's processes needs each node in a network namespace of its own (the netns layout)."""
+        if self.layout != "netns":
+            pytest.skip(f"a node failure needs the netns layout; this cluster runs the {self.layout} "
+                        "layout (no ip / nsenter, or DDP_HPC_TESTCLUSTER_LAYOUT)")
+
     def fail_node(self, node: str) -> list[int]:
         """Kill every process of ``node`` at once (slurmd, slurmstepd, ranks): a dead machine.
-        Call `revive_node` afterwards (in a finally): later tests need every node."""
+        Call `revive_node` afterwards (in a finally): later tests need every node. A test that
+        fails a node calls `need_node_failure` first: here, with a job running, it is too late to
+        skip (the job would run on, and the test would test nothing), so this fails instead."""
         if self.layout != "netns":
-            pytest.skip("a node failure needs the netns layout")
+            raise RuntimeError(f"fail_node({node!r}) on the {self.layout} layout: call "
+                               "slurm_cluster.need_node_failure() at the start of the test")
         from ddp_hpc.testcluster.nodefail import fail_node
         return fail_node(self.state_dir, node)
 

@@ -148,7 +148,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("slurm", "examples"),                                             # Slurm commands; the demo
     ("env", "config"),                                                 # rank and job facts; job config
     ("runlogs", "judge", "records", "data", "dist"),                   # run logs written, judged; records, data, groups
-    ("exec", "launch", "recover", "supervise"),                        # wrapper, local launch, recovery
+    ("exec", "launch", "supervise"),                                   # wrapper, local launch, fault recovery
     ("train", "progress", "checkpoint", "preemption", "run", "instrument", "integrations"),  # training, the script API
     ("status", "submit", "testcluster"),                               # the commands' packages
     ("cli", "__main__", "__init__"),                                   # ddp-hpc; the lazy public names
@@ -402,7 +402,7 @@ def test_no_long_parameter_lists():
     assert _long_parameter_lists([("p.py", ast.parse(planted), planted)], MAX_PARAMETERS) == {"p.py:nine": 9}
 #: one idea, one home: the functions that spell it and the module that holds them
 ONE_HOME = {"ddp_hpc/exits.py": {"signal_name", "signal_number", "signal_text", "exit_status_of_signal",
-                                 "signal_of_exit_status"},
+                                 "signal_of_exit_status", "exit_status_of_returncode"},
             "ddp_hpc/parsing.py": {"to_int", "to_float"},
             "ddp_hpc/dist.py": {"group_initialized", "group_has_peers"}}
 #: written-down exceptions: the same name with another meaning, built on the home's function

@@ -156,3 +156,60 @@ def test_dry_run_checks_log_dir_without_creating_it(tmp_path):
     assert e.problem == (f"log.dir=afile/runs cannot be created ({tmp_path}/afile/runs): "
                          f"{tmp_path}/afile is not a directory")
     assert e.hint.startswith("set log.dir to a directory you can write")
+
+
+def _nodes(tmp_path, slurm: dict, *overrides, backend="sbatch"):
+    from ddp_hpc.config import SlurmOptions
+    cfg = load_config(DEMO, list(overrides))
+    validate_job(cfg, backend=backend, workdir=str(tmp_path), create_log_dir=False,
+                 slurm=SlurmOptions(**{"gpus_per_node": 2, "max_restarts": 2, **slurm}))
+
+
+def test_every_node_count_of_min_nodes_must_keep_the_global_batch(tmp_path):
+    """3 nodes x 2 ranks x batch 16 = global batch 96; on 2 nodes 96 / (4 x 16) is no integer, so
+    the supervisor's shrink would fail at the resume: refused before the job queues."""
+    with pytest.raises(ConfigError) as e:
+        _nodes(tmp_path, {"nodes": 3, "min_nodes": 2}, "train.batch_size=16")
+    text = str(e.value)
+    assert text.startswith("--nodes 3 --min-nodes 2 (slurm.nodes, slurm.min_nodes): ") and "HINT: " in text
+    assert ("2 nodes after starting on 3 (global batch 96 is not a multiple of per-rank batch 16 x 4 ranks)"
+            in text), text
+    assert "set train.allow_batch_size_change=true" in text and "train.allow_global_batch_change=true" in text
+    assert text.endswith("allow only the node counts that keep it (3)")
+    with pytest.raises(ConfigError) as e:
+        _nodes(tmp_path, {"nodes": 3, "min_nodes": 1}, "train.batch_size=16")
+    assert "1 nodes" not in str(e.value)                # 96 / (2 x 16) = 3 keeps it: not named
+    assert "2 nodes after starting on 3" in str(e.value) and "keep it (1, 3)" in str(e.value)
+    # each setting it names lets the job through; so does a batch that every count keeps
+    _nodes(tmp_path, {"nodes": 3, "min_nodes": 2}, "train.batch_size=16", "train.allow_batch_size_change=true")
+    _nodes(tmp_path, {"nodes": 3, "min_nodes": 2}, "train.batch_size=16", "train.allow_global_batch_change=true")
+    _nodes(tmp_path, {"nodes": 3, "min_nodes": 2}, "train.batch_size=16", "train.grad_accum=2")
+    _nodes(tmp_path, {"nodes": 2, "min_nodes": 1}, "train.batch_size=16")   # 64 on 1 node: accumulation 2
+
+
+def test_a_node_range_goes_on_down_to_its_min_and_only_the_supervisor_is_checked(tmp_path):
+    with pytest.raises(ConfigError) as e:          # started on 3 nodes (global 96), down to 2 (4 ranks)
+        _nodes(tmp_path, {"nodes": "2-3"}, "train.batch_size=16")
+    text = str(e.value)
+    assert "--nodes 2-3 (slurm.nodes)" in text and "2 nodes after starting on 3 (global batch 96" in text
+    assert "after starting on 2" not in text        # a start on 2 never grows inside its allocation
+    _nodes(tmp_path, {"nodes": "2-3"}, "train.batch_size=16", backend="local")   # runs 3, never fewer
+    _nodes(tmp_path, {"nodes": "2-3", "max_restarts": 0}, "train.batch_size=16")  # no supervisor
+    _nodes(tmp_path, {"nodes": 3}, "train.batch_size=16")                        # one count: nothing to keep
+    # the config's own slurm: section is checked when no options are given
+    with pytest.raises(ConfigError, match="--min-nodes 2"):
+        validate_job(load_config(DEMO, ["train.batch_size=16", "slurm.nodes=3", "slurm.min_nodes=2",
+                                        "slurm.gpus_per_node=2"]),
+                     backend="sbatch", workdir=str(tmp_path), create_log_dir=False)
+
+
+def test_submit_refuses_min_nodes_the_batch_cannot_shrink_to(tmp_path):
+    import os
+    import subprocess
+    env = {**os.environ, "DDP_HPC_HOME": str(tmp_path / "home"), "PATH": os.path.dirname(sys.executable)}
+    p = subprocess.run([sys.executable, "-m", "ddp_hpc.submit", "--backend", "sbatch", "--dry-run", "-N", "3",
+                        "-G", "2", "--min-nodes", "2", str(DEMO), "train.batch_size=16"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "--nodes 3 --min-nodes 2" in p.stderr and "2 nodes after starting on 3" in p.stderr, p.stderr
+    assert "HINT: set train.allow_batch_size_change=true" in p.stderr, p.stderr

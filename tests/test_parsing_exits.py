@@ -75,6 +75,16 @@ def test_exit_status_and_signal_go_both_ways():
     assert [exits.signal_of_exit_status(c) for c in (0, 1, 75, 128)] == [None] * 4
 
 
+def test_a_subprocess_return_code_as_a_shells_exit_status():
+    import subprocess
+    import sys
+    killed = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    assert killed.wait() == -9 and exits.exit_status_of_returncode(killed.returncode) == 137
+    exited = subprocess.run([sys.executable, "-c", "raise SystemExit(3)"])
+    assert exits.exit_status_of_returncode(exited.returncode) == 3
+    assert exits.exit_status_of_returncode(0) == 0 and exits.exit_status_of_returncode(None) == 1
+
+
 def test_preempt_signum_raises_a_hint_error_that_is_an_attribute_error():
     assert preempt_signum("SIGUSR1") == signal.SIGUSR1
     for bad in ("USR9", "9", ""):

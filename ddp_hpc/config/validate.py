@@ -15,8 +15,10 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from ddp_hpc.config.batch import check_node_counts
 from ddp_hpc.config.factory import resolve_factory
-from ddp_hpc.config.sections import DataConfig, JobConfig
+from ddp_hpc.config.sections import DataConfig, JobConfig, TrainConfig
+from ddp_hpc.config.slurm_options import SlurmOptions
 from ddp_hpc.config.typed import ConfigError
 
 __all__ = ["validate_job"]
@@ -29,18 +31,38 @@ _PACK_HINT = ("pack the dataset once (python -m ddp_hpc.data pack SRC OUT.lmdb) 
 
 
 def validate_job(cfg: JobConfig, *, backend: str, workdir: str,
-                 create_log_dir: bool = True) -> None:
+                 create_log_dir: bool = True, slurm: SlurmOptions | None = None) -> None:
     """Refuse, with a ConfigError naming the key, its value and the fix, a job that would fail at
     its start: a factory (model.name, data.dataset, data.eval_dataset, train.loss) that does not
     import or name a callable, data.io=lmdb without data.lmdb_path or with a path that does not
     exist, train.precision=fp16 where the job would run on CPU, a log.dir that cannot be created
-    or written. ``backend`` is the chosen one (local, submitit or sbatch); relative paths and
-    imports are resolved from ``workdir``, where the job runs. ``create_log_dir=False`` (a dry
-    run) leaves the file system alone: log.dir's nearest existing folder must be writable."""
+    or written; or later: a node count the restart supervisor may go on with (``--min-nodes``,
+    ``--nodes MIN-MAX``) on which a resume cannot keep the global batch. ``backend`` is the chosen one
+    (local, submitit or sbatch); ``slurm`` the Slurm options with the command line's flags (default:
+    the config's ``slurm:`` section); relative paths and imports are resolved from ``workdir``,
+    where the job runs. ``create_log_dir=False`` (a dry run) leaves the file system alone: log.dir's
+    nearest existing folder must be writable."""
+    _check_node_range(cfg.train, cfg.slurm if slurm is None else slurm, backend)
     _check_data_io(cfg.data, workdir)
     _check_precision(cfg, backend)
     _check_factories(cfg, workdir)
     _check_log_dir(cfg.log.dir, workdir, create_log_dir)
+
+
+def _check_node_range(train: TrainConfig, o: SlurmOptions, backend: str) -> None:
+    """The restart supervisor (sbatch backend, ``--max-restarts`` > 0) goes on with fewer nodes than
+    the run started on, down to ``--min-nodes`` (a range ``--nodes MIN-MAX``: MIN), resuming the
+    checkpoint with its global batch: every such count must keep it (``config.batch``)."""
+    if backend != "sbatch" or o.max_restarts == 0:   # only the sbatch backend supervises restarts
+        return
+    low, high = o.node_range
+    least = low if o.min_nodes is None else min(low, o.min_nodes)
+    if least == high:
+        return
+    flags = f"--nodes {o.nodes}" + ("" if o.min_nodes is None else f" --min-nodes {o.min_nodes}")
+    where = "slurm.nodes" + ("" if o.min_nodes is None else ", slurm.min_nodes")
+    check_node_counts(train, range(low, high + 1), range(least, high + 1), o.gpus_per_node,
+                      f"{flags} ({where})")
 
 
 def _in(workdir: str, path: str) -> Path:

@@ -15,12 +15,23 @@ from pathlib import Path
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE
 
-__all__ = ["read_restarts", "sched_index", "first_step_at", "time_lost"]
+__all__ = ["read_restarts", "read_stops", "sched_index", "first_step_at", "time_lost"]
 
 
 def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
     """The restarts recorded in ``log_dir`` (of job ``job_id`` only, when given), in order;
     unreadable lines are skipped."""
+    return _read(log_dir, job_id, "restart")
+
+
+def read_stops(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
+    """The steps the supervisor stopped without restarting them (`runlogs.restarts.append_stop`),
+    in order."""
+    return _read(log_dir, job_id, "stopped_run")
+
+
+def _read(log_dir: str | Path | None, job_id: str | None, number: str) -> list[dict]:
+    """The lines of restarts.jsonl whose ``number`` key holds a whole number."""
     if not log_dir:
         return []
     try:
@@ -33,7 +44,7 @@ def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and to_int(rec.get("restart"), None) is not None and (
+        if isinstance(rec, dict) and to_int(rec.get(number), None) is not None and (
                 job_id is None or str(rec.get("job_id")) == str(job_id)):
             out.append(rec)
     return out

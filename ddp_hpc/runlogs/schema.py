@@ -16,7 +16,9 @@ Files in a run's log directory, per rank R:
 - ``local-driver.out``:     the local backend's driver output (its "FAILED: rank R exited with RC"
                             lines), local jobs only.
 - ``restarts.jsonl``:       the in-allocation restarts (``ddp_hpc.supervise``): one JSON object per
-                            restart (`ALLOC_RESTART_KEYS`), written by the batch step.
+                            restart (`ALLOC_RESTART_KEYS`), and one for a step the supervisor
+                            stopped without restarting it (`ALLOC_STOP_KEYS`), written by the
+                            batch step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),
     "end": ("status", "step", "exit_code", "signal", "duration_s", "teardown"),
     "stack": ("reason", "stack", "step"),
+    # the training core while it evaluates or saves a checkpoint (no step events then): phase
+    # ("eval" | "checkpoint"), the step: signs of life for the supervisor (at most one per 5 s)
+    "progress": ("phase", "step"),
     # data.io=stage and submit --stage, on each node leader: how (copy | sbcast | reused), where,
     # bytes, time; for --stage also the script's variable (DDP_HPC_STAGE_<NAME>)
     "stage": ("method", "path", "src", "bytes", "files", "seconds", "mb_per_s", "copy_seconds", "made_by",
@@ -56,9 +61,14 @@ ALLOC_RESTARTS_FILE = "restarts.jsonl"
 #: the keys of one in-allocation restart (docs/restarts.md): the new run's restart number, the
 #: job, when the fault happened and when the supervisor saw it, why (trigger, kind, rank, node,
 #: basis, the failure's summary), the nodes excluded, the nodes and world size before and after
-ALLOC_RESTART_KEYS = ("restart", "job_id", "fault_at", "detected_at", "trigger", "why", "kind", "rank",
-                      "node", "basis", "excluded", "nodes_before", "nodes_after", "world_before",
+ALLOC_RESTART_KEYS = ("restart", "job_id", "fault_at", "detected_at", "trigger", "stop", "why", "kind",
+                      "rank", "node", "basis", "excluded", "nodes_before", "nodes_after", "world_before",
                       "world_after")
+#: the keys of a step the supervisor stopped and did not restart (a line of restarts.jsonl with no
+#: ``restart``): the run stopped, the job, when, the trigger, why it stopped the step (``stop``),
+#: what failed (as a restart's), and why it did not restart
+ALLOC_STOP_KEYS = ("stopped_run", "job_id", "fault_at", "detected_at", "trigger", "stop", "why", "kind",
+                   "rank", "node", "basis", "not_restarted")
 
 EVENTS_RE = re.compile(r"^rank(\d+)\.events\.jsonl$")
 OUT_RE = re.compile(r"^rank(\d+)\.out$")

@@ -31,9 +31,11 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["STACK_SIGNAL", "HangWatch", "format_stacks", "dump_after"]
+__all__ = ["STACK_SIGNAL", "PROGRESS_EVERY_S", "HangWatch", "format_stacks", "dump_after"]
 
 STACK_SIGNAL = signal.SIGURG
+#: a rank between steps (evaluating) writes at most one ``progress`` event per this many seconds
+PROGRESS_EVERY_S = 5.0
 POLL_S = 1.0
 #: the first dump of a silence comes when status would call the job stalled (the same rule as
 #: ``judge.timing``: max(10 x the usual step interval, 60 s)), so a running, stalled job shows
@@ -84,6 +86,17 @@ class HangWatch:
         self._pipe: tuple[int, int] | None = None
         self._old_fd: int | None = None
         self._old_handler: Any = None
+        self._alive_at: float | None = None   # the newest progress event (`alive`)
+
+    def alive(self, phase: str, step: int | None, every_s: float = PROGRESS_EVERY_S) -> None:
+        """A sign of life between steps (a batch of an evaluation, a checkpoint's save): a beat,
+        and a ``progress`` event at most every ``every_s`` seconds, which ``ddp_hpc.supervise``'s
+        stall check counts (a long evaluation or save is no hang)."""
+        now = self.clock()
+        if self._alive_at is None or now - self._alive_at >= every_s:
+            self._alive_at = now
+            self.log.event("progress", phase=phase, step=step)
+        self.beat(step)
 
     def beat(self, step: int | None = None) -> None:
         """A step (or a micro-batch) finished: cheap, a few attribute stores."""

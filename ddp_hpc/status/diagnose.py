@@ -13,6 +13,7 @@ from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import sched_index
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import JobState, parse_state
+from ddp_hpc.status.restarts import supervisor_stop
 from ddp_hpc.status.stopped import STOPPED, stall_before_stop
 
 __all__ = ["CRASHED", "diagnose", "restart_base", "run_causes"]
@@ -43,17 +44,19 @@ def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0,
     events is judged by its last run."""
     state = sched.state.state
     cur = logs.current_restart()
+    stop = supervisor_stop(list(inside), cur)   # the supervisor ended this run's step: no rank did
+    inside = [r for r in inside if r.get("restart") is not None]
     over = bool(logs.ranks) and base + (sched.restarts or 0) + len(inside) > cur
     hist = [h.get("state") for h in sched.history]
     name = sched_state_at(hist, cur, base, inside) if over else state.name
     facts = SchedulerFacts(name, [c for c in [sched.exit_code] + [s.get("exit_code") for s in sched.steps] if c])
     crashed = name is not None and JobState[name] in CRASHED
-    if crashed or logs.outcome() == "failed":
+    if stop is None and (crashed or logs.outcome() == "failed"):
         failure, endings = attribute(logs, sched=facts, assume_failed=crashed)
     else:  # cancelled, timed out, preempted, unknown, still running: every rank may have been
         # stopped from outside, so only what a rank wrote itself (an error event, a traceback)
         failure, endings = attribute(logs, sched=facts, evidence_only=True)
-    if failure is None and state in STOPPED and not over:  # a stall the stop ended
+    if failure is None and (state in STOPPED or stop is not None) and not over:  # a stall the stop ended
         failure = stall_before_stop(logs)
     if failure is not None and state.active and not over:
         notes.append(f"the scheduler says {sched.state.label} but rank {failure.rank} failed "

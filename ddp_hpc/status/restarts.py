@@ -1,26 +1,34 @@
 """The in-allocation restarts of a job (``ddp_hpc.supervise``) as status shows them: when, why (the
-rank, the node, the evidence), what was excluded, the world size before and after, and the time
-lost from the fault to the first training step after the restart. From the run's
-``restarts.jsonl``, else (the logs gone) from the job's record."""
+rank, the node, the evidence; and, when the supervisor stopped the step, why it did), what was
+excluded, the world size before and after, and the time lost from the fault to the first training
+step after the restart. From the run's ``restarts.jsonl``, else (the logs gone) from the job's
+record. A step the supervisor stopped and did not restart (a stop line of ``restarts.jsonl``, with
+``stopped_run`` and no ``restart``) is shown too: the supervisor, not a rank, ended it."""
 from __future__ import annotations
 
 import time
 
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import read_restarts, time_lost
+from ddp_hpc.judge.restarts import read_restarts, read_stops, time_lost
 from ddp_hpc.parsing import to_float
 
-__all__ = ["alloc_restarts", "restart_lines"]
+__all__ = ["alloc_restarts", "restart_lines", "supervisor_stop"]
 
 
 def alloc_restarts(rec, log_dir: str | None, logs: RunLogs) -> list[dict]:
-    """Each restart's record with ``lost_s`` (None while no step followed it yet)."""
+    """Each restart's record with ``lost_s`` (None while no step followed it yet), then each step
+    the supervisor stopped without restarting it (``stopped_run``: no ``restart`` key)."""
     rows = read_restarts(log_dir) or [dict(r) for r in (getattr(rec, "alloc_restarts", None) or [])]
     out = []
     for row in rows:
         lost = time_lost(row, logs) if logs.ranks else row.get("lost_s")
         out.append({**row, "lost_s": lost})
-    return out
+    return out + read_stops(log_dir)
+
+
+def supervisor_stop(rows: list[dict], restart: int) -> dict | None:
+    """The stop line of run ``restart``, when the supervisor stopped its step and did not restart it."""
+    return next((r for r in rows if r.get("stopped_run") == restart and r.get("restart") is None), None)
 
 
 def _when(t) -> str:
@@ -29,10 +37,10 @@ def _when(t) -> str:
 
 
 def restart_lines(rows: list[dict]) -> list[str]:
-    """The detail view's section (nothing without restarts)."""
-    if not rows:
-        return []
-    out = [f"Restarts inside the allocation: {len(rows)}"]
+    """The detail view's section (nothing without restarts or a stop of the supervisor's)."""
+    stops = [r for r in rows if r.get("restart") is None and r.get("stopped_run") is not None]
+    rows = [r for r in rows if r.get("restart") is not None]
+    out = [f"Restarts inside the allocation: {len(rows)}"] if rows else []
     for r in rows:
         who = f"rank {r['rank']}" if r.get("rank") is not None else "no rank named"
         where = f" on {r['node']}" if r.get("node") else ""
@@ -45,4 +53,12 @@ def restart_lines(rows: list[dict]) -> list[str]:
         out.append(f"    how we know: {r.get('basis') or '-'}; {excluded}; world size "
                    f"{r.get('world_before')} -> {r.get('world_after')} on "
                    f"{', '.join(r.get('nodes_after') or []) or '-'}; {lost}")
+        if r.get("stop"):
+            out.append(f"    the supervisor stopped the step because {r['stop']}")
+    for r in stops:
+        who = f"rank {r['rank']}" if r.get("rank") is not None else "no rank named"
+        where = f" on {r['node']}" if r.get("node") else ""
+        out.append(f"Supervisor: stopped the step of restart {r.get('stopped_run')} at {_when(r.get('detected_at'))} "
+                   f"because {r.get('stop') or r.get('trigger')}; not restarted: {r.get('not_restarted') or '-'}")
+        out.append(f"  what it found then: {who}{where}: {r.get('why') or '-'} ({r.get('basis') or '-'})")
     return out

@@ -14,7 +14,7 @@ why:
 - ``srun --kill-on-bad-exit=1``: one dead rank ends the step instead of leaving the others
   blocked in a collective until the NCCL/gloo timeout;
 - a node that failed: a restart placed again on a node that failed an earlier run requeues
-  itself with that node in ``ExcNodeList`` (``ddp_hpc.recover.avoid``) before srun starts;
+  itself with that node in ``ExcNodeList`` (``ddp_hpc.supervise.avoid``) before srun starts;
 - restarts inside the allocation (``--max-restarts N`` > 0, docs/restarts.md): the allocation
   asks for the spare nodes too and ``--no-kill`` (a lost node does not end it), and the batch step
   runs ``python -m ddp_hpc.supervise`` instead of ``srun``: it starts the ranks' srun step itself,
@@ -116,7 +116,7 @@ def render(spec: JobSpec) -> str:
         '${SLURM_JOB_NODELIST:-?}, logs in $LOG_DIR"',
         f"# a restart placed on a node that failed an earlier run requeues itself off it (exit {EX_TEMPFAIL})",
         'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
-        f'  rc=0; {shlex.quote(spec.python)} -m ddp_hpc.recover.avoid "$LOG_DIR" || rc=$?',
+        f'  rc=0; {shlex.quote(spec.python)} -m ddp_hpc.supervise.avoid "$LOG_DIR" || rc=$?',
         f'  if [ "$rc" = {EX_TEMPFAIL} ]; then exit 0; fi',
         "fi",
         *stage_sbcast_lines(spec),

@@ -116,7 +116,7 @@ class JobSpec:
     workdir: str                    # absolute; the job runs from here
     python: str                     # the interpreter the tasks run
     command: tuple[str, ...] | None = None   # a script/module job: the argv every rank runs
-    exclude_failed_nodes: bool = True         # preempt.exclude_failed_nodes (ddp_hpc.recover.avoid)
+    exclude_failed_nodes: bool = True         # preempt.exclude_failed_nodes (ddp_hpc.supervise.avoid)
     #: the restart number of the job's first run: 0, or for a job that resumes a stopped run one
     #: past the highest in that run's logs (DDP_HPC_RESTART_BASE, read by ddp_hpc.env.job)
     restart_base: int = 0

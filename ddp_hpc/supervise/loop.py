@@ -1,10 +1,15 @@
 """The supervisor's loop in the batch step: start the ranks as one srun step, watch it, and after
 a fault stop every rank, judge what failed from the run logs (the evidence ``ddp-hpc status``
 uses: ``ddp_hpc.judge.attribution``), exclude what failed and start the ranks again, up to
-``--max-restarts`` times. Every restart is appended to ``restarts.jsonl`` in the log directory and
-to the job's record, and each new step gets ``DDP_HPC_ALLOC_RESTARTS`` (so its ranks' restart
-number, ``job_facts().restart_count``, is a new one); every step gets ``TORCHELASTIC_MAX_RESTARTS``
-(``--max-restarts``, as torchrun's agent would set it) unless the user set it.
+``--max-restarts`` times. `judge` returns a `Judgement`: the `Finding` (what ended the step, what
+failed) and the next `NodePlan`, or why not.
+
+Every restart is appended to ``restarts.jsonl`` in the log directory and to the job's record; a
+step the supervisor stopped and did not restart is a line of ``restarts.jsonl`` too (`stop_row`),
+so status says who stopped it and why. Each new step gets ``DDP_HPC_ALLOC_RESTARTS`` (so its
+ranks' restart number, ``job_facts().restart_count``, is a new one); every step gets
+``TORCHELASTIC_MAX_RESTARTS`` (``--max-restarts``, as torchrun's agent would set it) unless the
+user set it.
 """
 from __future__ import annotations
 
@@ -17,18 +22,19 @@ from typing import Mapping
 
 from ddp_hpc import records
 from ddp_hpc.env.job import ALLOC_RESTARTS_VAR, job_facts
-from ddp_hpc.exits import EX_TEMPFAIL
+from ddp_hpc.exits import EX_TEMPFAIL, exit_status_of_returncode
 from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import read_restarts
+from ddp_hpc.judge.restarts import append_stop, read_restarts
 from ddp_hpc.runlogs.restarts import append_restart
-from ddp_hpc.runlogs.schema import rank_out
+from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, rank_out
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import compress, expand
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
-from ddp_hpc.supervise.watch import EventTail, StepEnd, Watch, down_nodes, stop_step, watch_step
+from ddp_hpc.supervise.watch import FAILED_GRACE_S, EventTail, StepEnd, Watch, node_health, stop_step, watch_step
 
-__all__ = ["Settings", "supervise", "step_env", "step_args"]
+__all__ = ["Settings", "Finding", "Judgement", "supervise", "find", "judge", "restart_row", "stop_row",
+           "step_env", "step_args"]
 
 PREFIX = "ddp_hpc supervise:"
 
@@ -76,10 +82,6 @@ class _Stop:
         self.asked = True
 
 
-def _status(rc: int | None) -> int:
-    return 1 if rc is None else (128 - rc if rc < 0 else rc)
-
-
 def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Run the job's ranks until they end, restarting them after restartable faults; returns
     the exit status for the batch script."""
@@ -96,17 +98,22 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
         end = watch_step(proc, EventTail(s.log_dir, restart), cli,
                          Watch(tuple(plan.active), s.stall_timeout_s), lambda: stop.asked)
         if stop.asked:
-            return _status(_wait(proc))
+            return exit_status_of_returncode(_wait(proc))
         if end.trigger == "exited" and end.returncode in (0, EX_TEMPFAIL):
             return end.returncode
-        rc = _status(stop_step(proc))
-        entry = _judge(s, cli, plan, end, restart, done, key)
-        if entry is None:
+        rc = exit_status_of_returncode(stop_step(proc))
+        j = judge(s, cli, plan, end, restart, done)
+        if j.plan is None:
+            _say(f"not restarting: {j.finding.why}: {j.change}")
+            if j.finding.stop:   # the supervisor ended the step: status says so, and blames no rank for it
+                _keep(append_stop, s.log_dir, stop_row(j, restart, key))
             return rc or 1
-        append_restart(s.log_dir, entry)
-        _to_record(key, entry)
-        done, restart = done + 1, restart + 1
-        plan = entry.pop("_plan")
+        row = restart_row(j.finding, plan, j.plan, restart + 1, key, s.policy.tasks_per_node)
+        _say(f"restart {done + 1} of at most {s.policy.max_restarts} (restart number {restart + 1}): "
+             f"{j.finding.why}; {j.change}; world size {row['world_before']} -> {row['world_after']}")
+        _keep(append_restart, s.log_dir, row)
+        _to_record(key, row)
+        done, restart, plan = done + 1, restart + 1, j.plan
 
 
 def _wait(proc, timeout: float = 60.0) -> int | None:
@@ -116,37 +123,108 @@ def _wait(proc, timeout: float = 60.0) -> int | None:
         return stop_step(proc, 5.0)
 
 
-def _judge(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, done: int, key) -> dict | None:
-    """The restart's record (with the next plan under ``_plan``), or None to give up (said why)."""
-    down = sorted(set(end.down) | set(down_nodes(cli, plan.active)))
+def _keep(append, log_dir: str, row: dict) -> None:
+    """Write a line of restarts.jsonl; a failed write (a full disk) is reported, and the supervisor
+    goes on: the restart matters more than its record."""
+    try:
+        append(log_dir, row)
+    except OSError as exc:
+        _say(f"warning: could not write to {log_dir}/{ALLOC_RESTARTS_FILE}: {exc}; going on")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What ended a step and what failed, as the evidence tells: the trigger (`plan.TRIGGERS`),
+    ``why`` in words, ``stop`` (why the supervisor stopped the step; None: it ended by itself), the
+    blamed rank's failure kind, rank and node, how we know (``basis``), when the fault happened and
+    when it was seen, and the nodes that are lost, suspect (a killed or hung rank's) or draining."""
+
+    trigger: str
+    why: str
+    stop: str | None
+    kind: str | None
+    rank: int | None
+    node: str | None
+    basis: str
+    fault_at: float
+    detected_at: float
+    lost: tuple[str, ...] = ()
+    suspect: tuple[str, ...] = ()
+    draining: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The supervisor's conclusion after a step ended: the `Finding`, and either the next start's
+    ``plan`` (a restart; ``change`` says what changed) or no plan (``change`` says why not)."""
+
+    finding: Finding
+    plan: NodePlan | None
+    change: str
+
+
+def _stop_reason(end: StepEnd, down: list[str], stall_timeout_s: float) -> str | None:
+    """Why the supervisor stopped the step, in words (None: srun ended it by itself)."""
+    return {"node down": f"node(s) {', '.join(down)} stopped answering (sinfo: down or not responding)",
+            "stalled": f"no rank showed a sign of life (a step, an eval, a checkpoint) for "
+                       f"{stall_timeout_s:g} s",
+            "rank failed": f"a rank lost a peer and srun had not ended the step {FAILED_GRACE_S:g} s later",
+            }.get(end.trigger)
+
+
+def find(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int) -> Finding:
+    """What ended run ``restart``'s step on ``plan.active``, from the run logs (the attribution
+    ``ddp-hpc status`` uses) and the nodes' states now."""
+    health = node_health(cli, plan.active + plan.spare)
+    down = sorted(set(end.down) | {n for n in health.lost if n in plan.active})
     failure, _ = attribute(RunLogs(s.log_dir), restart=restart, assume_failed=True,
                            sched=SchedulerFacts("NODE_FAIL" if down else None))
+    stop = _stop_reason(end, down, s.stall_timeout_s)
     kind = failure.kind if failure else None
     why = failure.summary if failure else {"stalled": f"no training step for {s.stall_timeout_s:g} s",
                                           "node down": f"node(s) {', '.join(down)} down"}.get(
                                               end.trigger, f"the step ended ({end.trigger})")
-    v = verdict(kind, end.trigger, s.policy, done)
-    if not v.restart:
-        _say(f"not restarting: {why}: {v.reason}")
-        return None
-    lost = down + ([failure.node] if failure and failure.kind == "vanished" and failure.node else [])
+    lost = down + ([failure.node] if failure and kind == "vanished" and failure.node else [])
     suspect = [failure.host] if failure and failure.host and kind in ("killed", "stuck", "lost") else []
+    return Finding(
+        trigger=end.trigger, why=why, stop=stop, kind=kind, rank=failure.rank if failure else None,
+        node=(failure.node or failure.host) if failure else (down[0] if down else None),
+        basis=failure.basis if failure else end.trigger, fault_at=_fault_at(failure, end),
+        detected_at=round(end.detected_at, 3), lost=tuple(dict.fromkeys(lost)), suspect=tuple(suspect),
+        draining=health.draining)
+
+
+def judge(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, done: int) -> Judgement:
+    """Restart after the step of run ``restart`` ended (``done`` restarts behind), and on which
+    nodes, or give up (`Judgement.plan` None, ``change`` says why)."""
+    f = find(s, cli, plan, end, restart)
+    v = verdict(f.kind, f.trigger, s.policy, done)
+    if not v.restart:
+        return Judgement(f, None, v.reason)
     try:
-        new, words = next_nodes(plan, lost, suspect, s.policy)
+        new, words = next_nodes(plan, list(f.lost), list(f.suspect), s.policy, f.draining)
     except ValueError as exc:
-        _say(f"not restarting: {why}: {exc}")
-        return None
-    g = s.policy.tasks_per_node
-    entry = {"restart": restart + 1, "job_id": key, "fault_at": _fault_at(failure, end),
-             "detected_at": round(end.detected_at, 3), "trigger": end.trigger, "why": why,
-             "kind": kind, "rank": failure.rank if failure else None,
-             "node": (failure.node or failure.host) if failure else (down[0] if down else None),
-             "basis": failure.basis if failure else end.trigger, "excluded": new.excluded[len(plan.excluded):],
-             "nodes_before": plan.active, "nodes_after": new.active,
-             "world_before": len(plan.active) * g, "world_after": len(new.active) * g, "_plan": new}
-    _say(f"restart {done + 1} of at most {s.policy.max_restarts} (restart number {restart + 1}): "
-         f"{why}; {words}; world size {entry['world_before']} -> {entry['world_after']}")
-    return entry
+        return Judgement(f, None, str(exc))
+    return Judgement(f, new, words)
+
+
+def restart_row(f: Finding, before: NodePlan, after: NodePlan, restart: int, key, tasks_per_node: int) -> dict:
+    """The restart's line of restarts.jsonl (`ALLOC_RESTART_KEYS`): the new run ``restart`` on
+    ``after.active``, after the step on ``before.active`` ended as `Finding` ``f`` says."""
+    return {"restart": restart, "job_id": key, "fault_at": f.fault_at, "detected_at": f.detected_at,
+            "trigger": f.trigger, "stop": f.stop, "why": f.why, "kind": f.kind, "rank": f.rank,
+            "node": f.node, "basis": f.basis, "excluded": after.excluded[len(before.excluded):],
+            "nodes_before": list(before.active), "nodes_after": list(after.active),
+            "world_before": len(before.active) * tasks_per_node,
+            "world_after": len(after.active) * tasks_per_node}
+
+
+def stop_row(j: Judgement, run: int, key) -> dict:
+    """The line of restarts.jsonl for run ``run``'s step, stopped and not restarted (`ALLOC_STOP_KEYS`)."""
+    f = j.finding
+    return {"stopped_run": run, "job_id": key, "fault_at": f.fault_at, "detected_at": f.detected_at,
+            "trigger": f.trigger, "stop": f.stop, "why": f.why, "kind": f.kind, "rank": f.rank,
+            "node": f.node, "basis": f.basis, "not_restarted": j.change}
 
 
 def _fault_at(failure: Failure | None, end: StepEnd) -> float:
@@ -158,13 +236,12 @@ def _fault_at(failure: Failure | None, end: StepEnd) -> float:
     return round(min(seen) if seen else end.detected_at, 3)
 
 
-def _to_record(key, entry: dict) -> None:
+def _to_record(key, row: dict) -> None:
     """Add the restart to the job's record (``alloc_restarts``); a job without one is fine."""
     if not key:
         return
     try:
         rec = records.load_record(str(key))
-        rows = [*(rec.alloc_restarts or []), {k: v for k, v in entry.items() if not k.startswith("_")}]
-        records.update_record(dataclasses.replace(rec, alloc_restarts=rows))
+        records.update_record(dataclasses.replace(rec, alloc_restarts=[*(rec.alloc_restarts or []), dict(row)]))
     except (records.JobRecordError, OSError) as exc:
         _say(f"warning: restart not added to the job record: {exc}")

@@ -7,9 +7,10 @@ Policy (docs/restarts.md):
   killed by a signal, a rank that hung (stuck, or the whole step stalled), a rank lost without a
   word; not restartable unless ``--restart-on-error``: an exception raised by the user's code or a
   non-zero exit of it (it would fail again the same way);
-- nodes: a node that is down or lost is always excluded; the node of a killed or hung rank is
-  swapped for a spare while one is left, else kept (it still answers); replacements come from the
-  spare nodes first, in their order;
+- nodes: a node that is down or lost is always excluded; the node of a killed or hung rank, and a
+  draining node (an admin's drain or FAIL: no new work, running steps go on), is swapped for a
+  spare that is not draining while one is left, else kept (it still answers); replacements come
+  from the spare nodes first, in their order, draining spares last;
 - fewer nodes than asked: only down to ``--min-nodes``, else the supervisor gives up.
 """
 from __future__ import annotations
@@ -70,13 +71,19 @@ def verdict(kind: str | None, trigger: str, policy: Policy, done: int) -> Verdic
     return Verdict(False, "no rank's evidence says what failed, so a restart could fail the same way")
 
 
-def next_nodes(plan: NodePlan, lost: list[str], suspect: list[str], policy: Policy) -> tuple[NodePlan, str]:
+def next_nodes(plan: NodePlan, lost: list[str], suspect: list[str], policy: Policy,
+               draining: tuple[str, ...] | list[str] = ()) -> tuple[NodePlan, str]:
     """The plan for the next start: ``lost`` nodes (down, or all ranks vanished) leave for good,
-    ``suspect`` ones (a killed or hung rank's) are swapped for a spare while one is left. Returns
-    (the new plan, what changed in words); raises ValueError when fewer than the floor are left."""
+    ``suspect`` ones (a killed or hung rank's) and ``draining`` ones (an admin's drain: no new
+    work, though a step goes on) are swapped for a spare that is not draining while one is left;
+    a draining spare stands in last. Returns (the new plan, what changed in words); raises
+    ValueError when fewer than the floor are left."""
     spare = [n for n in plan.spare if n not in lost]
+    spare = [n for n in spare if n not in draining] + [n for n in spare if n in draining]
+    healthy = sum(1 for n in spare if n not in draining)
     gone = [n for n in plan.active if n in lost]
-    swap = [n for n in plan.active if n in suspect and n not in gone][:max(0, len(spare) - len(gone))]
+    avoid = [n for n in plan.active if (n in suspect or n in draining) and n not in gone]
+    swap = avoid[:max(0, healthy - len(gone))]
     keep = [n for n in plan.active if n not in gone and n not in swap]
     need = policy.nodes - len(keep)
     new = keep + spare[:need]
@@ -87,4 +94,6 @@ def next_nodes(plan: NodePlan, lost: list[str], suspect: list[str], policy: Poli
     excluded = plan.excluded + [n for n in gone + swap if n not in plan.excluded]
     parts = [f"excluded {', '.join(gone + swap)}" if gone + swap else "no node excluded",
              f"{len(new)} node(s): {', '.join(new)}"]
+    kept = [n for n in new if n in draining]
+    parts += [f"draining, kept: {', '.join(kept)}"] if kept else []
     return NodePlan(active=new, spare=spare, excluded=excluded), "; ".join(parts)

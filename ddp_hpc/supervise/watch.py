@@ -4,9 +4,14 @@ its nodes; and stopping it.
 A step needs stopping when srun ended (every rank gone, or srun's --kill-on-bad-exit ended it),
 when a rank wrote that it failed because a peer did (a lost connection, a collective timeout:
 srun may wait long for a node that is gone; a rank's own error is left to srun, which ends the
-step when that rank exits, with its exit report), when one of its nodes is down or not
-responding, or when no rank reported a training step for the stall timeout after steps had begun
-(a hang the ranks' own collective timeout did not end).
+step when that rank exits, with its exit report), when one of its nodes is lost (down, not
+responding, powered off), or when no rank showed a sign of life (`LIFE_EVENTS`: a training step, an
+epoch's end, an evaluation, a checkpoint, the evaluation's progress) for the stall timeout after
+steps had begun (a hang the ranks' own collective timeout did not end).
+
+A draining node (DRAIN, DRAINING, DRAINED, FAIL, FAILING: an admin's "no new work") is no reason
+to stop: Slurm lets the running step go on there. `node_health` tells it apart from a lost node;
+the supervisor avoids it at the next restart (``plan.next_nodes``).
 """
 from __future__ import annotations
 
@@ -22,12 +27,22 @@ from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import EVENTS_RE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 
-__all__ = ["EventTail", "StepEnd", "Watch", "watch_step", "stop_step", "down_nodes"]
+__all__ = ["EventTail", "StepEnd", "Watch", "NodeHealth", "LIFE_EVENTS", "node_condition", "node_health",
+           "watch_step", "stop_step", "down_nodes"]
 
 #: after a rank wrote that it lost a peer, how long srun gets to end the step by itself
 FAILED_GRACE_S = 5.0
 #: how often the nodes' states are asked (sinfo), seconds
 NODE_EVERY_S = 3.0
+#: events that show a rank is working: the stall timer starts at the first step and restarts at each
+LIFE_EVENTS = frozenset({"step", "epoch", "eval", "checkpoint", "progress"})
+#: sinfo's state suffixes (%T) of a node that does not answer: ``*`` not responding, ``~`` powered
+#: off, ``%`` powering down
+_GONE_FLAGS = ("*", "~", "%")
+#: base states of a lost node
+_GONE_STATES = ("down", "power_down", "powered_down", "powering_down")
+#: base states of a node an admin took out of service for new work (running steps go on)
+_DRAIN_STATES = ("drain", "fail", "maint", "reboot")
 
 
 class EventTail:
@@ -72,7 +87,7 @@ class StepEnd:
     returncode: int | None
     detected_at: float
     first_bad_at: float | None = None    # the first error event of a rank that lost a peer
-    last_step_at: float | None = None    # the newest step event of any rank
+    last_step_at: float | None = None    # the newest sign of life (`LIFE_EVENTS`) of any rank
     down: list[str] = field(default_factory=list)   # nodes sinfo called down / not responding
 
 
@@ -85,13 +100,45 @@ class Watch:
     every_s: float = 1.0
 
 
-def down_nodes(cli: SlurmCLI, nodes) -> list[str]:
-    """The nodes of ``nodes`` that sinfo calls down, failing, drained or not responding."""
+def node_condition(state: str) -> str:
+    """``lost`` (down, not responding, powered off: its ranks are gone), ``draining`` (drain, fail,
+    maintenance, a reboot asked for: no new work, running steps go on) or ``up``, from sinfo's
+    ``%T`` (``idle``, ``mixed``, ``draining``, ``drained*``, ``down~``, ``allocated+drain`` ...)."""
+    text = (state or "").strip().lower()
+    if text.endswith(_GONE_FLAGS):
+        return "lost"
+    base = text.rstrip("$@^-#!*~%")
+    words = base.replace("+", " ").split()
+    if any(w.startswith(_GONE_STATES) for w in words[:1]):
+        return "lost"
+    if any(w.startswith(_DRAIN_STATES) for w in words) or text.endswith(("$", "@")):
+        return "draining"
+    return "up"
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """The nodes sinfo calls lost, and those it calls draining (each sorted)."""
+
+    lost: tuple[str, ...] = ()
+    draining: tuple[str, ...] = ()
+
+
+def node_health(cli: SlurmCLI, nodes) -> NodeHealth:
+    """Which of ``nodes`` are lost and which draining (nothing known when sinfo fails)."""
     try:
         states = cli.node_states(list(nodes))
     except SlurmError:
-        return []
-    return sorted(n for n, s in states.items() if s.endswith("*") or s.startswith(("down", "fail", "drain")))
+        return NodeHealth()
+    cond = {n: node_condition(s) for n, s in states.items()}
+    return NodeHealth(tuple(sorted(n for n, c in cond.items() if c == "lost")),
+                      tuple(sorted(n for n, c in cond.items() if c == "draining")))
+
+
+def down_nodes(cli: SlurmCLI, nodes) -> list[str]:
+    """The nodes of ``nodes`` that sinfo calls lost: down, not responding or powered off (not a
+    draining one: its steps go on)."""
+    return list(node_health(cli, nodes).lost)
 
 
 def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Watch,
@@ -103,7 +150,8 @@ def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Wa
         rc = proc.poll()
         for ev in tail.poll():
             t = to_float(ev.get("time"))
-            if ev.get("event") == "step" and t is not None:
+            alive = ev.get("event") == "step" or (last_step is not None and ev.get("event") in LIFE_EVENTS)
+            if alive and t is not None:
                 last_step = max(last_step or t, t)
             lost_peer = ev.get("event") == "error" and consequence_phrase(ev.get("message"), ev.get("exc_type"))
             if lost_peer and first_bad is None:

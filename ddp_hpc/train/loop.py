@@ -189,6 +189,7 @@ class Trainer:
         step, state = self.pos.step, self._state()
         path = None
         if self.rank == 0:
+            self.watch.alive("checkpoint", step, every_s=0.0)   # a long save is no hang
             path = str(ckpt.save_checkpoint(self.ckpt_dir, step, state, self.cfg.checkpoint.keep_last))
             self.log.event("checkpoint", step=step, path=path)
             self.log.info(f"checkpoint step {step} -> {path}", console=False)
@@ -325,11 +326,16 @@ class Trainer:
         """Exact evaluation after (0-based) `epoch`; a collective, identical on every rank."""
         t = self.cfg.train
         self._sync_buffers()
-        metrics = evaluate(self.module, self.eval_data, self.parts.loss_fn, self.place,
-                           batch_size=t.eval_batch_size or t.batch_size,
-                           autocast=self.precision.autocast,
-                           classification=self.parts.classification,
-                           num_workers=self.cfg.data.num_workers)
+        # each eval batch's forward is a sign of life: a long evaluation is no hang
+        hook = self.module.register_forward_hook(lambda *_: self.watch.alive("eval", step))
+        try:
+            metrics = evaluate(self.module, self.eval_data, self.parts.loss_fn, self.place,
+                               batch_size=t.eval_batch_size or t.batch_size,
+                               autocast=self.precision.autocast,
+                               classification=self.parts.classification,
+                               num_workers=self.cfg.data.num_workers)
+        finally:
+            hook.remove()
         self.log.event("eval", epoch=epoch, step=step, metrics=metrics)
         self.log.info("eval after epoch {}: {}".format(
             epoch, ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"

@@ -38,9 +38,9 @@ from ddp_hpc import exits
 from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import job_facts
 from ddp_hpc.errors import HintError
-from ddp_hpc.recover.avoid import requeue_avoiding
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.times import timestamp
+from ddp_hpc.supervise.avoid import requeue_avoiding
 
 
 class SignalNameError(HintError, AttributeError):
@@ -187,7 +187,7 @@ def classify(received_at: float | None, end_time: float | None, window_s: float,
 
 def requeue(job_id: str, log_dir=None, exclude: bool = True) -> list[str]:
     """Requeue this Slurm job (``JOBID_TASK`` for an array task) through ddp_hpc.slurm.cli; with
-    ``exclude``, off the nodes that failed its earlier runs (ddp_hpc.recover.avoid; returned)."""
+    ``exclude``, off the nodes that failed its earlier runs (ddp_hpc.supervise.avoid; returned)."""
     facts = job_facts()
     return requeue_avoiding(job_id, log_dir, exclude=exclude, restart=facts.restart_count,
                             base=facts.restart_base)

@@ -10,7 +10,8 @@ different accumulation (see data/samplers.py).
 
 `plan_resume` chooses the new layout: the configured per-rank batch with the accumulation that
 keeps G; else, with ``train.allow_batch_size_change``, the largest per-rank batch up to the
-configured one that keeps it; else, with ``train.allow_global_batch_change``, the configured batch
+configured one that keeps it (``config.batch.keeping_layout``: the rule submit also checks every
+node count of a job against); else, with ``train.allow_global_batch_change``, the configured batch
 with the accumulation nearest to G (the run goes on from the last step boundary of the new global
 batch at or before the checkpoint's position); else it refuses with the numbers and the choices.
 Checkpoints written before these fields existed give their layout from their saved config (and
@@ -21,26 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddp_hpc.config import ConfigError, TrainConfig
+from ddp_hpc.config.batch import BatchLayout, divisors, keeping_layout
 
 __all__ = ["BatchLayout", "ResumePlan", "written_layout", "samples_done", "plan_resume"]
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """How one optimizer step is spread: ranks x per-rank batch x accumulation steps."""
-
-    world: int
-    batch_size: int
-    grad_accum: int
-
-    @property
-    def global_batch(self) -> int:
-        return self.world * self.batch_size * self.grad_accum
-
-    @property
-    def per_micro(self) -> int:
-        """Samples all ranks consume per micro-batch."""
-        return self.world * self.batch_size
 
 
 @dataclass(frozen=True)
@@ -71,31 +55,15 @@ def samples_done(state: dict, written: BatchLayout) -> int:
     return int(state["batch_in_epoch"]) * written.per_micro
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _keeping(written: BatchLayout, world: int, train: TrainConfig) -> BatchLayout | None:
-    """A layout on `world` ranks with the written global batch, or None."""
-    g, b = written.global_batch, train.batch_size
-    if g % (b * world) == 0:
-        return BatchLayout(world, b, g // (b * world))
-    if train.allow_batch_size_change and g % world == 0:
-        per_rank = g // world
-        b2 = max(d for d in _divisors(per_rank) if d <= b)
-        return BatchLayout(world, b2, per_rank // b2)
-    return None
-
-
 def _refusal(written: BatchLayout, world: int, train: TrainConfig, step: int) -> ConfigError:
     g, b = written.global_batch, train.batch_size
     choices = []
     if g % b == 0:
-        worlds = ", ".join(map(str, _divisors(g // b)))
+        worlds = ", ".join(map(str, divisors(g // b)))
         choices.append(f"run on a number of ranks that divides {g} / {b} = {g // b} ({worlds})")
     if g % world == 0:
         per_rank = g // world
-        b2 = max(d for d in _divisors(per_rank) if d <= b)
+        b2 = max(d for d in divisors(per_rank) if d <= b)
         choices.append(f"set train.allow_batch_size_change=true (per-rank batch {b2} x "
                        f"accumulation {per_rank // b2} keeps it)")
     a2 = max(1, round(g / (b * world)))
@@ -114,7 +82,7 @@ def plan_resume(state: dict, train: TrainConfig, world: int) -> ResumePlan:
     """The layout and position of a run resuming `state` on `world` ranks (see the module)."""
     written, step = written_layout(state, train, world), int(state["step"])
     samples = samples_done(state, written)
-    layout, warning = _keeping(written, world, train), None
+    layout, warning = keeping_layout(written.global_batch, world, train), None
     if layout is None:
         if not train.allow_global_batch_change:
             raise _refusal(written, world, train, step)

@@ -57,6 +57,7 @@ def _running_on(cli, job, restart):
 
 def test_a_dead_node_is_named_the_job_resumes_elsewhere_and_later_avoids_it(slurm_cluster, tmp_path):
     c = slurm_cluster
+    c.need_node_failure()
     d = c.shared_dir / f"nodefail-{time.monotonic_ns()}"
     env = dict(c.env, DDP_HPC_HOME=str(d / "home"), PYTHONPATH=str(REPO))
     cli = SlurmCLI(env=c.env)

@@ -5,7 +5,8 @@ without, for ddp_hpc's own loop and for a plain script, which goes on with fewer
 requeue (Slurm's restart count stays 0), what restarts.jsonl says and what status shows.
 
 Both jobs run in the test cluster's partition ``spare`` (3 nodes of its own), like the node
-failure test: the node they kill runs nothing of the other tests."""
+failure test: the node they kill runs nothing of the other tests. So does the job whose node an
+admin drains: a drain is no fault, the job trains on, on the same nodes, with no restart."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 
 from ddp_hpc import records
 from ddp_hpc.judge.reader import read_events
-from ddp_hpc.judge.restarts import read_restarts
+from ddp_hpc.judge.restarts import read_restarts, read_stops
 
 from .script_helpers import wait_for
 
@@ -66,6 +67,7 @@ def _finish(c, job: str, env: dict) -> tuple[str, str, str]:
 
 def test_dead_node_and_hang_are_healed_in_one_job_on_a_spare(slurm_cluster):
     c = slurm_cluster
+    c.need_node_failure()
     d = c.shared_dir / f"restart-spare-{time.monotonic_ns()}"
     d.mkdir()
     job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--spare-nodes", "1", "--max-restarts", "2",
@@ -91,7 +93,11 @@ def test_dead_node_and_hang_are_healed_in_one_job_on_a_spare(slurm_cluster):
     assert [r["restart"] for r in rows] == [1, 2] and {r["job_id"] for r in rows} == {job}
     assert rows[0]["excluded"] == [dead] and dead not in {s["host"] for s in starts1.values()}
     assert rows[0]["world_before"] == rows[0]["world_after"] == 4 and rows[0]["node"] == dead
-    assert rows[1]["rank"] == 3 and rows[1]["kind"] in ("stuck", "killed", "lost"), rows[1]
+    # the SIGSTOPped rank went silent while its peers timed out waiting for it: stuck, its peers victims
+    assert rows[1]["rank"] == 3 and rows[1]["kind"] == "stuck", rows[1]
+    assert rows[1]["trigger"] in ("rank failed", "exited") and rows[1]["stop"] == (
+        None if rows[1]["trigger"] == "exited" else
+        "a rank lost a peer and srun had not ended the step 5 s later"), rows[1]
     assert len({s["host"] for s in starts2.values()}) == 2
     assert re.search(r"resumed from \S+ckpt-\d+\.pt at step [1-9]", (log_dir / "rank0.log").read_text())
     assert "Restarts inside the allocation: 2" in status and f"excluded {dead}" in status, status
@@ -101,6 +107,7 @@ def test_dead_node_and_hang_are_healed_in_one_job_on_a_spare(slurm_cluster):
 
 def test_plain_script_killed_rank_then_dead_node_goes_on_with_fewer_nodes(slurm_cluster):
     c = slurm_cluster
+    c.need_node_failure()
     d = c.shared_dir / f"restart-script-{time.monotonic_ns()}"
     d.mkdir()
     ckpt = d / "ckpt"
@@ -129,3 +136,53 @@ def test_plain_script_killed_rank_then_dead_node_goes_on_with_fewer_nodes(slurm_
     m = re.search(r"preemptible: 2 ranks, 100 steps \(resumed from step (\d+)\)", out0)
     assert m and int(m.group(1)) >= 5, out0[-800:]
     assert "Restarts inside the allocation: 2" in status, status
+
+
+def _node_list(c, job: str) -> str:
+    shown = c.run(["scontrol", "show", "job", "-o", job], timeout=30).stdout
+    m = re.search(r"\bNodeList=(\S+)", shown)
+    return m.group(1) if m else ""
+
+
+def _newest_steps(log_dir: Path, ranks: int) -> dict[int, int]:
+    return {r: max([e["step"] for e in _events(log_dir, r, 0) if e["event"] == "step"], default=0)
+            for r in range(ranks)}
+
+
+def test_a_drained_node_does_not_stop_a_supervised_job(slurm_cluster):
+    """An admin drains the node of rank 3 under a running 2x2 job (supervised by default,
+    --max-restarts 2, no spare): Slurm lets the job run on, and so does the supervisor. 60 s later
+    the same run still trains on the same nodes, with no restart and no stop."""
+    c = slurm_cluster
+    d = c.shared_dir / f"restart-drain-{time.monotonic_ns()}"
+    d.mkdir()
+    slow = [o.replace("data.kwargs.delay=0.004", "data.kwargs.delay=0.01").replace("train.epochs=1", "train.epochs=20")
+            for o in FAST]
+    job, _, env = _submit(c, d, "-G", "2", "-N", "2", "-J", "rs-drain", str(REPO / "jobs" / "demo.yaml"), "--",
+                          f"log.dir={d / 'runs'}", *slow)
+    log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("rs-drain-*"), None), 60)
+    drained = None
+    try:
+        starts = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 3), 180)
+        drained = starts[3]["host"]
+        nodes = _node_list(c, job)
+        p = c.run(["scontrol", "update", f"nodename={drained}", "state=drain", "reason=ddp_hpc drain test"])
+        assert p.returncode == 0, p.stderr
+        at_drain = _newest_steps(log_dir, 4)
+        time.sleep(60)
+        state = c.run(["squeue", "-h", "-j", job, "-o", "%T"], timeout=30).stdout.strip()
+        sinfo = c.run(["sinfo", "-h", "-N", "-n", drained, "-o", "%T"], timeout=30).stdout.strip()
+        status = c.run([PY, "-m", "ddp_hpc.status", job], cwd="/", env=env, timeout=120).stdout
+        later = _newest_steps(log_dir, 4)
+        print(f"drained {drained} ({sinfo}); steps {at_drain} -> {later}\n{status}")
+        assert sinfo.startswith("drain"), sinfo                         # Slurm took the drain
+        assert state == "RUNNING", (state, status)
+        assert all(later[r] > at_drain[r] for r in range(4)), (at_drain, later)   # every rank trains on
+        assert read_restarts(log_dir) == [] and read_stops(log_dir) == []
+        assert not any(_events(log_dir, r, 1) for r in range(4))        # no second run
+        assert _node_list(c, job) == nodes
+        assert "Supervisor: stopped" not in status and "Restarts inside the allocation" not in status, status
+    finally:
+        if drained:
+            c.run(["scontrol", "update", f"nodename={drained}", "state=resume"])
+        c.run(["scancel", job])

@@ -24,7 +24,7 @@ mkdir -p "$LOG_DIR"
 echo "ddp_hpc: job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-?}, logs in $LOG_DIR"
 # a restart placed on a node that failed an earlier run requeues itself off it (exit 75)
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-  rc=0; /venv/bin/python -m ddp_hpc.recover.avoid "$LOG_DIR" || rc=$?
+  rc=0; /venv/bin/python -m ddp_hpc.supervise.avoid "$LOG_DIR" || rc=$?
   if [ "$rc" = 75 ]; then exit 0; fi
 fi
 # the supervisor starts the ranks with srun and again after a fault (docs/restarts.md)

@@ -1,4 +1,4 @@
-"""preempt.exclude_failed_nodes (ddp_hpc.recover.avoid): which nodes failed earlier runs of a job, by
+"""preempt.exclude_failed_nodes (ddp_hpc.supervise.avoid): which nodes failed earlier runs of a job, by
 its run logs (and sacct -D when it answers), and the Slurm commands that keep a requeued job off
 them. The run logs are written the way a 2-node x 2-task job leaves them when node n2 dies; the
 Slurm commands go to a recording runner here (the real cluster run is
@@ -12,8 +12,8 @@ import subprocess
 import pytest
 
 from ddp_hpc.env import job_facts
-from ddp_hpc.recover.avoid import REQUEUED, check_placement, failed_nodes
 from ddp_hpc.slurm.cli import SlurmArgumentError, SlurmCLI
+from ddp_hpc.supervise.avoid import REQUEUED, check_placement, failed_nodes
 
 T0 = 1_760_000_000.0
 CLOSED = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4321"

@@ -12,7 +12,7 @@ srun's "Node failure on n2"; ``sacct -D`` says which runs ended NODE_FAIL):
 
 - every requeue ddp_hpc makes (preemption, and the check below) adds those nodes to the job's
   ``ExcNodeList`` (``scontrol update`` right after ``scontrol requeue``, while the job pends);
-- at the start of each restart, the batch script runs ``python -m ddp_hpc.recover.avoid LOG_DIR``:
+- at the start of each restart, the batch script runs ``python -m ddp_hpc.supervise.avoid LOG_DIR``:
   a run placed again on a node that failed an earlier run requeues itself at once, excluding it
   (exit 75; the batch script then ends quietly). Nothing else changes when no node failed.
 """
@@ -136,7 +136,7 @@ def check_placement(log_dir: str | Path, facts, cli=None, out=sys.stdout) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddp_hpc.recover.avoid", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ddp_hpc.supervise.avoid", description=__doc__.split("\n")[0])
     p.add_argument("log_dir", help="the run's log directory (the batch script's $LOG_DIR)")
     a = p.parse_args(argv)
     facts = job_facts()
