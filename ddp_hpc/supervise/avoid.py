@@ -18,7 +18,6 @@ srun's "Node failure on n2"; ``sacct -D`` says which runs ended NODE_FAIL):
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import signal
 import sys
@@ -33,6 +32,7 @@ from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import expand
 from ddp_hpc.slurm.query import query_slurm
 from ddp_hpc.slurm.states import parse_state
+from ddp_hpc.text import ArgumentParser
 
 __all__ = ["failed_nodes", "requeue_avoiding", "check_placement", "main"]
 
@@ -136,7 +136,7 @@ def check_placement(log_dir: str | Path, facts, cli=None, out=sys.stdout) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddp_hpc.supervise.avoid", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m ddp_hpc.supervise.avoid", description=__doc__.split("\n")[0])
     p.add_argument("log_dir", help="the run's log directory (the batch script's $LOG_DIR)")
     a = p.parse_args(argv)
     facts = job_facts()

@@ -7,13 +7,13 @@ import argparse
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.supervise.loop import Settings, supervise
 from ddp_hpc.supervise.plan import Policy
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 __all__ = ["main", "parser"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("supervise"), formatter_class=HelpFormatter,
+    p = ArgumentParser(prog=prog("supervise"), formatter_class=HelpFormatter,
                                 description=__doc__)
     p.add_argument("--nodes", type=int, required=True, help="nodes the ranks run on (without spares)")
     p.add_argument("--tasks-per-node", type=int, required=True, help="ranks per node")

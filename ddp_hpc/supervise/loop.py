@@ -25,8 +25,8 @@ from ddp_hpc.env.job import ALLOC_RESTARTS_VAR, job_facts
 from ddp_hpc.exits import EX_TEMPFAIL, exit_status_of_returncode
 from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import append_stop, read_restarts
-from ddp_hpc.runlogs.restarts import append_restart
+from ddp_hpc.judge.restarts import read_restarts
+from ddp_hpc.runlogs.restarts import append_restart, append_stop
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, rank_out
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import compress, expand
