@@ -171,7 +171,7 @@ def _logs(args, targets, cli, note) -> int:
     t = targets[0]
     # a script / module / function job has no training log: its rank*.log holds the exec
     # wrapper's start and end lines, its own output is in rank*.out
-    script = getattr(t.record, "command", None) is not None and getattr(t.record, "config", None) is None
+    script = t.record is not None and t.record.command is not None and t.record.config is None
     kind = args.files or ("out" if script else "log")
     if not t.log_dir:
         raise StatusError(f"job {args.job}: no log directory known (no job record)",

@@ -7,15 +7,16 @@ from __future__ import annotations
 import time
 
 from ddp_hpc.parsing import to_float
+from ddp_hpc.records import JobRecord
 from ddp_hpc.runlogs.reader import RunLogs
 from ddp_hpc.runlogs.restarts import read_restarts, time_lost
 
 __all__ = ["alloc_restarts", "restart_lines"]
 
 
-def alloc_restarts(rec, log_dir: str | None, logs: RunLogs) -> list[dict]:
+def alloc_restarts(rec: JobRecord | None, log_dir: str | None, logs: RunLogs) -> list[dict]:
     """Each restart's record with ``lost_s`` (None while no step followed it yet)."""
-    rows = read_restarts(log_dir) or [dict(r) for r in (getattr(rec, "alloc_restarts", None) or [])]
+    rows = read_restarts(log_dir) or [dict(r) for r in ((rec.alloc_restarts if rec is not None else None) or [])]
     out = []
     for row in rows:
         lost = time_lost(row, logs) if logs.ranks else row.get("lost_s")

@@ -27,7 +27,7 @@ from ddp_hpc.slurm.states import JobState
 
 CACHE_FILE = "status-table.json"
 #: bumped whenever what a row holds or how it is worked out changes: older rows are then ignored
-VERSION = 2
+VERSION = 3
 _KEY_JSON = dict(default=str, separators=(",", ":"), sort_keys=True)
 _HEAD = f'{{"version":{VERSION},"rows":{{'  # the file's first line
 

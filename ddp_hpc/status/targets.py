@@ -23,13 +23,18 @@ class StatusTarget:
     """A job to look at: its id, the record it came from (if any) and its log directory."""
 
     id: str
-    record: object | None = None  # ddp_hpc.records.JobRecord
+    record: records.JobRecord | None = None
     log_dir: str | None = None
 
     @property
     def local(self) -> bool:
-        backend = getattr(self.record, "backend", None)
+        backend = self.record.backend if self.record is not None else None
         return backend == "local" or self.id.startswith("local-")
+
+    @property
+    def task_id(self) -> str | None:
+        """The array task id of a target made from an array record (``123_4`` -> ``"4"``)."""
+        return self.id.rsplit("_", 1)[-1] if self.record is not None and self.record.array and "_" in self.id else None
 
 
 def is_slurm_id(job_id: str) -> bool:

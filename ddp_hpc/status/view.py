@@ -20,7 +20,7 @@ from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
 from ddp_hpc.runlogs.tails import follow_logs, log_line, logs_tail, rank_files, render_logs
 from ddp_hpc.runlogs.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.slurm.times import format_duration
-from ddp_hpc.status.collect import JobStatus
+from ddp_hpc.status.job import JobStatus
 from ddp_hpc.status.restarts import restart_lines
 from ddp_hpc.status.staging import stage_lines
 from ddp_hpc.text import fit_columns, plural, prog
