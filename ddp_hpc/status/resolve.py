@@ -40,16 +40,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
+from ddp_hpc.parsing import to_int
 from ddp_hpc.records import JobRecord
 from ddp_hpc.runlogs import flightrec, kept, timing
 from ddp_hpc.runlogs.consequences import compress as compress_ranks
 from ddp_hpc.runlogs.consequences import ranks_text
 from ddp_hpc.runlogs.kept import KeptLogs
 from ddp_hpc.runlogs.reader import RunLogs, RunSummary
+from ddp_hpc.runlogs.restarts import read_restarts
 from ddp_hpc.runlogs.tails import HEAD_BYTES, TAIL_LINES
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import JobState, parse_state
-from ddp_hpc.slurm.times import format_duration, normalize_duration
+from ddp_hpc.slurm.times import duration_seconds, format_duration, normalize_duration
 from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.diagnose import diagnose, restart_base, run_causes
@@ -207,7 +209,7 @@ class Resolved:
         st = JobStatus(
             id=s.target.id, state=sched.state.label, state_name=sched.state.state.name, source=sched.source,
             tried=sched.tried, **_from_record(rec), **self._shape(cur), device=logs.device(),
-            elapsed=sched.elapsed or _elapsed_of(cur, sched.state.state.active, s.now),
+            elapsed=self._elapsed(cur),
             time_limit=sched.time_limit or normalize_duration(rec.time_limit if rec is not None else None),
             restarts=max(restart_base(rec) + (sched.restarts or 0), cur.restart if cur is not None else 0),
             log_dir=s.target.log_dir, reason=sched.reason, node_list=sched.node_list, progress=progress,
@@ -221,6 +223,37 @@ class Resolved:
                 st.stall = {**stall, "stacks": stacks, "no_stack": none,
                             "hang": timing.hang(per_rank, stall["ranks"])}
         return st
+
+    def _elapsed(self, cur: RunSummary | None) -> str | None:
+        """How long the job has run or ran: the scheduler's (or the record's) word; without one,
+        or when the current run was started by an in-allocation restart and the scheduler counts
+        less than the allocation's runs took (its clock restarts on a ``--no-kill`` job's
+        resize), from the start of the allocation's first run in the logs."""
+        sched, active, now = self.state, self.state.state.state.active, self.sources.now
+        if cur is None or cur.started is None:
+            return sched.elapsed
+        first = self._allocation_start(cur)
+        if sched.elapsed and first is cur:
+            return sched.elapsed
+        span = (now if active else (cur.last_time or now)) - first.started
+        if sched.elapsed and (duration_seconds(sched.elapsed) or 0) >= span:
+            return sched.elapsed
+        return format_duration(span)
+
+    def _allocation_start(self, cur: RunSummary) -> RunSummary:
+        """The first run of the current allocation: ``cur``, or an earlier run when ``cur`` (and
+        the runs before it) were started by in-allocation restarts (restarts.jsonl)."""
+        runs = {} if isinstance(self.logs, KeptLogs) else {r.restart: r for r in self.logs.runs()}
+        if len(runs) < 2:
+            return cur
+        rec, log_dir = self.sources.record, self.sources.target.log_dir
+        rows = read_restarts(log_dir) or ((rec.alloc_restarts if rec is not None else None) or [])
+        inside = {to_int(e.get("restart")) for e in rows}
+        first = cur
+        while first.restart in inside and (earlier := runs.get(first.restart - 1)) is not None \
+                and earlier.started is not None:
+            first = earlier
+        return first
 
     def _per_rank_hosts(self) -> tuple[dict[int, list[dict]], dict[int, str | None]]:
         """(rank -> its events of the current run, rank -> its newest host)."""
@@ -304,11 +337,3 @@ def rank_endings(logs: RunLogs) -> dict[int, str]:
             how = ", ".join(filter(None, [how, f"{end['teardown']} in native teardown"]))
         out[rank] = str(end.get("status") or "ended") + (f" ({how})" if how else "")
     return out
-
-
-def _elapsed_of(run: RunSummary | None, active: bool, now: float) -> str | None:
-    """How long the newest run has run or ran."""
-    if run is None or run.started is None:
-        return None
-    end = now if active else (run.last_time or now)
-    return format_duration(end - run.started)

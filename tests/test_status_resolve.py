@@ -1,0 +1,74 @@
+"""The state resolver (ddp_hpc/status/resolve.py): what a job's row says when its sources disagree
+or say little. Logs are written as the ranks and the supervisor write them; the scheduler answers
+like Slurm's squeue (rows as SlurmCLI returns them); ``now`` is injected."""
+import json
+
+import pytest
+
+from ddp_hpc.status.collect import collect
+from ddp_hpc.status.targets import StatusTarget
+from ddp_hpc.status.view import render_detail, render_table
+
+T0 = 1_800_000_000.0
+
+
+def ev(rank, name, t, restart=0, **extra):
+    return {"time": T0 + t, "event": name, "rank": rank, "job_id": "91", "restart": restart, "host": "n1",
+            **extra}
+
+
+def write(d, rank, events):
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"rank{rank}.events.jsonl", "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+
+
+class Squeue:
+    """squeue lists job 91 RUNNING for ``used`` (its TimeUsed)."""
+
+    def __init__(self, used):
+        self.used = used
+
+    def cluster_name(self):
+        return "c1"
+
+    def squeue(self, job_ids=None, **kw):
+        return [{"JobID": "91", "JobArrayID": "91", "State": "RUNNING", "Reason": "None", "TimeUsed": self.used,
+                 "TimeLimit": "1:00:00", "NumNodes": "2", "RestartCnt": "0", "NodeList": "n[1-2]", "Name": "demo"}]
+
+    def sacct(self, job_ids, **kw):
+        return []
+
+
+def restarted_in_allocation(d):
+    """Run 0 stepped for 40 s; the supervisor restarted the ranks inside the allocation (restart
+    1, restarts.jsonl) and run 1 has stepped for 3 s."""
+    for r in range(2):
+        run0 = [ev(r, "start", 0, world_size=2, num_nodes=2)] + [ev(r, "step", s, step=s) for s in range(1, 41)]
+        run1 = [ev(r, "start", 45, 1, world_size=2, num_nodes=2)] + [ev(r, "step", 45 + s, 1, step=40 + s)
+                                                                       for s in range(1, 4)]
+        write(d, r, run0 + run1)
+    (d / "restarts.jsonl").write_text(json.dumps({"restart": 1, "job_id": "91", "detected_at": T0 + 42,
+                                                  "trigger": "rank exited", "rank": 1}) + "\n")
+
+
+@pytest.mark.parametrize("brief", [True, False])
+def test_elapsed_after_an_in_allocation_restart_counts_from_the_allocations_first_run(tmp_path, brief):
+    restarted_in_allocation(tmp_path)
+    target = StatusTarget("91", None, str(tmp_path))
+    # no scheduler: the logs alone; they end at the newest step, 48 s after the first run started
+    st = collect([target], now=T0 + 60, brief=brief)[0]
+    assert st.elapsed == "00:00:48", st.elapsed
+    # a scheduler whose clock restarted with the new run (a --no-kill job's resize) counts 3 s
+    st = collect([target], Squeue("0:03"), now=T0 + 49, brief=brief)[0]
+    assert (st.state, st.elapsed) == ("RUNNING", "00:00:49")
+    assert "00:00:49/01:00:00" in render_table([st])
+    # a scheduler that counts longer (the job queued on nodes before its first run) is believed
+    assert collect([target], Squeue("5:00"), now=T0 + 49, brief=brief)[0].elapsed == "00:05:00"
+
+
+def test_elapsed_of_a_job_without_an_in_allocation_restart_is_the_schedulers(tmp_path):
+    for r in range(2):
+        write(tmp_path, r, [ev(r, "start", 0, world_size=2)] + [ev(r, "step", s, step=s) for s in range(1, 41)])
+    st = collect([StatusTarget("91", None, str(tmp_path))], Squeue("0:03"), now=T0 + 41)[0]
+    assert st.elapsed == "00:00:03" and "Elapsed:    00:00:03 / limit 01:00:00" in render_detail(st, now=T0 + 41)
