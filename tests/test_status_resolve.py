@@ -72,3 +72,41 @@ def test_elapsed_of_a_job_without_an_in_allocation_restart_is_the_schedulers(tmp
         write(tmp_path, r, [ev(r, "start", 0, world_size=2)] + [ev(r, "step", s, step=s) for s in range(1, 41)])
     st = collect([StatusTarget("91", None, str(tmp_path))], Squeue("0:03"), now=T0 + 41)[0]
     assert st.elapsed == "00:00:03" and "Elapsed:    00:00:03 / limit 01:00:00" in render_detail(st, now=T0 + 41)
+
+
+def stopped_run(d, reason="preemption", requeued=False):
+    """Both ranks stepped, then a signal stopped the run with a checkpoint (the training core's
+    preempt and end events; ``requeued``: rank 0 requeued the job, as for the preemption signal)."""
+    for r in range(2):
+        evs = [ev(r, "start", 0, world_size=2)] + [ev(r, "step", s, step=s) for s in range(1, 11)]
+        evs.append(ev(r, "preempt", 11, signal="SIGTERM" if not requeued else "SIGUSR2", reason=reason, step=10))
+        evs += [ev(r, "requeue", 12, job_id="91")] if requeued and r == 0 else []
+        evs.append(ev(r, "end", 13, status="preempted", step=10))
+        write(d, r, evs)
+
+
+def test_a_slurm_job_stopped_by_sigterm_says_the_logs_cannot_tell_scancel_from_a_preemption(tmp_path):
+    """No scheduler source is left (squeue forgot the job, no sacct): its ranks' SIGTERM is what a
+    plain scancel and a preemption both send."""
+    stopped_run(tmp_path)
+    st = collect([StatusTarget("91", None, str(tmp_path))], now=T0 + 60)[0]
+    assert (st.state, st.source) == ("PREEMPTED (or scancel)", "logs")
+    assert "both `scancel` and a preemption send" in st.reason and "cannot tell which" in st.reason
+    assert "reason: stopped with a checkpoint on SIGTERM" in render_detail(st, now=T0 + 60)
+    table = collect([StatusTarget("91", None, str(tmp_path))], now=T0 + 60, brief=True)[0]
+    assert table.state == "PREEMPTED (or scancel)"
+
+
+def test_a_requeue_or_a_time_limit_is_no_scancel(tmp_path):
+    stopped_run(tmp_path / "requeued", requeued=True)
+    stopped_run(tmp_path / "timelimit", reason="timelimit")
+    got = collect([StatusTarget("91", None, str(tmp_path / "requeued")),
+                   StatusTarget("92", None, str(tmp_path / "timelimit"))], now=T0 + 60)
+    assert [(s.state, s.reason) for s in got] == [("REQUEUED (requeue requested)", None), ("PREEMPTED", None)]
+
+
+def test_a_local_job_stopped_by_sigterm_is_no_preemption(tmp_path):
+    """A local job has no scheduler that preempts: its SIGTERM states nothing uncertain."""
+    stopped_run(tmp_path)
+    st = collect([StatusTarget("local-x-1", None, str(tmp_path))], now=T0 + 60)[0]
+    assert st.state == "PREEMPTED" and st.reason is None

@@ -136,7 +136,7 @@ def resolve(s: JobSources, table: bool = False, logs: RunLogs | KeptLogs | None 
     elif s.target.local:
         state, keep = src.local_state(s.record, s.task_id, logs, notes, s.now)
     else:
-        state = src.from_logs(logs, s.tried)
+        state = src.from_logs(logs, s.tried, scheduled=True)
     if state.state.state is JobState.RUNNING:  # its stall is judged from every rank's recent steps
         logs.widen()
     return Resolved(s, state, logs, notes, keep)

@@ -28,9 +28,11 @@ STATUS = "ddp-hpc status (the processes were gone)"
 
 
 def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
-              now_alive: bool | None = None, driver_out: str | None = None) -> SourceState:
+              now_alive: bool | None = None, driver_out: str | None = None, scheduled: bool = False) -> SourceState:
     """A state told by the run logs alone (no scheduler knows the job); ``driver_out``: where a
-    local job's driver wrote what happened before the ranks could write events."""
+    local job's driver wrote what happened before the ranks could write events. ``scheduled``: a
+    Slurm job, whose SIGTERM may be a user's ``scancel`` or a preemption (Slurm sends both the
+    same signal, and only its own records tell them apart): a run stopped by it says so."""
     outcome = logs.outcome()
     reason = None
     cur = logs.current_run()
@@ -46,14 +48,18 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
         sigs = sorted({str(e.get("signal")) for e in logs.last_events().values()
                        if e.get("event") == "end" and e.get("signal")})
         st = StateInfo(JobState.CANCELLED, "end: killed", f"by {sigs[0]}" if len(sigs) == 1 else "")
+        reason = _either(scheduled, sigs == ["SIGTERM"], "stopped by SIGTERM")
     elif outcome == "completed":
         st = StateInfo(JobState.COMPLETED, "end: completed")
     elif outcome == "failed":
         st = StateInfo(JobState.FAILED, "end: failed")
     elif outcome == "preempted":
         requeued = bool(cur and cur.requeued)
+        # under Slurm only the preemption signal (USR2) requeues: a stop without a requeue is SIGTERM's
+        either = scheduled and not requeued and cur is not None and cur.preempt_reason == "preemption"
         st = StateInfo(JobState.REQUEUED if requeued else JobState.PREEMPTED,
-                       "end: preempted", "(requeue requested)" if requeued else "")
+                       "end: preempted", "(requeue requested)" if requeued else "(or scancel)" if either else "")
+        reason = _either(either, True, "stopped with a checkpoint on SIGTERM")
     elif now_alive is False and not logs.ranks:  # died before any rank wrote an event
         st = StateInfo(JobState.FAILED, "ended before its first event")
         reason = "ended before its first event" + (f"; see {driver_out}" if driver_out else "")
@@ -65,6 +71,14 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
     else:
         st = StateInfo(JobState.UNKNOWN, "logs have no end event yet")
     return SourceState(st, source, list(tried), reason=reason)
+
+
+def _either(scheduled: bool, sigterm: bool, what: str) -> str | None:
+    """The reason of a Slurm job's run that SIGTERM stopped, as far as its logs can tell."""
+    if not (scheduled and sigterm):
+        return None
+    return (f"{what}, which both `scancel` and a preemption send; with no scheduler source left (squeue, "
+            "sacct) status cannot tell which")
 
 
 def final_to_keep(sched: SourceState, logs, now: float, old: dict | None) -> dict | None:
