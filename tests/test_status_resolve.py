@@ -110,3 +110,13 @@ def test_a_local_job_stopped_by_sigterm_is_no_preemption(tmp_path):
     stopped_run(tmp_path)
     st = collect([StatusTarget("local-x-1", None, str(tmp_path))], now=T0 + 60)[0]
     assert st.state == "PREEMPTED" and st.reason is None
+
+
+def test_a_slurm_script_job_killed_by_sigterm_says_the_same(tmp_path):
+    for r in range(2):   # ddp_hpc.exec forwarded the SIGTERM to the script and wrote its end
+        write(tmp_path, r, [ev(r, "start", 0, world_size=2), ev(r, "step", 1, step=1),
+                            ev(r, "end", 5, status="killed", signal="SIGTERM", exit_code=None)])
+    slurm, local = collect([StatusTarget("91", None, str(tmp_path)),
+                            StatusTarget("local-x-1", None, str(tmp_path))], now=T0 + 60)
+    assert slurm.state == local.state == "CANCELLED by SIGTERM"
+    assert "cannot tell which" in slurm.reason and local.reason is None
