@@ -120,3 +120,26 @@ def test_a_slurm_script_job_killed_by_sigterm_says_the_same(tmp_path):
                             StatusTarget("local-x-1", None, str(tmp_path))], now=T0 + 60)
     assert slurm.state == local.state == "CANCELLED by SIGTERM"
     assert "cannot tell which" in slurm.reason and local.reason is None
+
+
+def test_the_header_names_the_nodes_the_newest_run_got(tmp_path, monkeypatch):
+    """A 2-node job whose supervisor restarted it on 1 node (--min-nodes 1, a lost node): the
+    header and the row say 1 node, as the newest run's start events do."""
+    from ddp_hpc import records
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    d = tmp_path / "run"
+    for r in range(2):
+        write(d, r, [ev(r, "start", 0, world_size=4, num_nodes=2, device="cpu"), ev(r, "step", 1, step=1),
+                     ev(r, "start", 45, 1, world_size=2, num_nodes=1, device="cpu"), ev(r, "step", 46, 1, step=2)])
+    (d / "restarts.jsonl").write_text(json.dumps({"restart": 1, "job_id": "91", "world_before": 4,
+                                                 "world_after": 2}) + "\n")
+    rec = records.JobRecord(id="91", cluster="c1", name="demo", backend="sbatch", nodes=2, gpus_per_node=2,
+                            time_limit="01:00:00", log_dir=str(d), config=None, overrides=[], submitted_at=T0,
+                            cwd=str(tmp_path), command=["python", "t.py"])
+    records.write_record(rec)
+    target = StatusTarget("91", rec, str(d))
+    detail = collect([target], Squeue("0:50"), now=T0 + 50)[0]
+    assert render_detail(detail, now=T0 + 50).splitlines()[0] == \
+        "Job 91 (demo), backend sbatch, 1 node x 2 processes on CPU"
+    row = collect([target], Squeue("0:50"), now=T0 + 50, brief=True)[0]
+    assert "1x2cpu" in render_table([row]).splitlines()[1].split()

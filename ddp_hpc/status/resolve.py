@@ -264,16 +264,17 @@ class Resolved:
         return per_rank, hosts
 
     def _shape(self, cur: RunSummary | None) -> dict:
-        """``nodes``, ``node_range`` and ``gpus_per_node``. A job submitted with ``--nodes MIN-MAX``
-        (its record keeps MAX and ``min_nodes``) runs on as many nodes as its current run's start
-        event says, else as the scheduler gave it once it started; before that the number is
-        unknown."""
+        """``nodes``, ``node_range`` and ``gpus_per_node``. A job runs on as many nodes as its
+        current run's start event says (an in-allocation restart may have left a node out), else
+        as its record asked for (else the scheduler's count). A job submitted with ``--nodes
+        MIN-MAX`` (its record keeps MAX and ``min_nodes``) without that event: as the scheduler
+        gave it once it started; before that the number is unknown."""
         rec, sched = self.sources.record, self.state
         per = rec.gpus_per_node if rec is not None else None
         nodes, low = (rec.nodes, rec.min_nodes) if rec is not None else (None, None)
-        if not low or not nodes:
-            return {"nodes": nodes or sched.nodes, "gpus_per_node": per}
         used = kept.start_nodes(self.logs, cur)
+        if not low or not nodes:
+            return {"nodes": used or nodes or sched.nodes, "gpus_per_node": per}
         got = sched.state.state is not JobState.PENDING and sched.node_list not in (None, "", "None assigned")
         return {"nodes": used if used is not None or not got else sched.nodes, "node_range": f"{low}-{nodes}",
                 "gpus_per_node": per}
