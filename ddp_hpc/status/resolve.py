@@ -36,6 +36,7 @@ job whose processes status found gone, also gives the final state to keep in its
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,9 +85,9 @@ class JobSources:
     def task_id(self) -> str | None:
         return self.target.task_id
 
-    @property
+    @functools.cached_property
     def final(self) -> dict | None:
-        """The terminal state the record keeps of this job (or array task)."""
+        """The terminal state the record keeps of this job (or array task); read once."""
         return records.final_of(self.record, self.task_id)
 
 
