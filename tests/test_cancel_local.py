@@ -279,3 +279,43 @@ def test_a_whole_job_hang_before_a_cancel_says_no_rank_stopped_first(home, tmp_p
     f = json.loads(ddp_hpc(home, "status", "local-hang-3", "--json").stdout)["failure"]
     assert f["ranks"] == [0, 1, 2, 3]
     assert f["summary"].startswith("ranks 0-3 all went silent together: the whole job hung, no rank stopped first")
+
+
+HANG = """\
+import os, time
+import torch, torch.distributed as dist
+import ddp_hpc
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for i in range(100000):
+    if rank == 1 and i == 30:
+        time.sleep(100000)   # stuck in the user's own code
+    t = torch.ones(1)
+    dist.all_reduce(t)       # the other rank waits here for it
+    ddp_hpc.report(step=i, total=100000)
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_a_real_hang_cancelled_keeps_its_diagnosis(home):
+    """A real local job of 2 ranks: rank 1 sleeps forever at step 30, rank 0 waits for it in the
+    all-reduce. Once both ranks' watchdogs wrote their stacks (at the stall threshold, 60 s), the
+    job is cancelled; status then still names rank 1 and the hang (issue 30, item 15)."""
+    (home / "work" / "hang.py").write_text(HANG)
+    p = ddp_hpc(home, "submit", "--backend", "local", "-N", "2", "-G", "1", "--log-dir", str(home / "runs"), "hang.py")
+    job_id = p.stdout.strip().splitlines()[-1]
+    rec = wait_steps(job_id, timeout=60)
+    stacks = [Path(rec.log_dir) / f"rank{r}.events.jsonl" for r in (0, 1)]
+    end = time.monotonic() + 150
+    while time.monotonic() < end and not all('"stack"' in p.read_text() for p in stacks):
+        time.sleep(1)
+    assert all('"stack"' in p.read_text() for p in stacks), "the watchdogs wrote no stacks"
+    ddp_hpc(home, "cancel", job_id, "--grace", "5")
+    js = json.loads(ddp_hpc(home, "status", job_id, "--json").stdout)
+    assert js["state_name"] == "CANCELLED" and js["failure"] is not None, js["failure"]
+    f = js["failure"]
+    assert (f["rank"], f["ranks"], f["kind"]) == (1, [1], "stuck"), f
+    assert "hang: rank 1 in <module> (hang.py:8); rank 0 waits in all_reduce" in f["summary"], f["summary"]
+    text = ddp_hpc(home, "status", job_id).stdout
+    assert "First failure: rank 1 hung outside a collective while the others waited in one" in text, text
