@@ -15,13 +15,13 @@ None, and the logs are read again. Only the table uses it: a detail view reads t
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
 from pathlib import Path
+from typing import Iterable
 
 from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.reader import RunLogs, RunProgress, RunSummary
-from ddp_hpc.runlogs.schema import BATCH_OUT_GLOB, EVENTS_RE, batch_outputs
+from ddp_hpc.runlogs.schema import batch_outputs, events_file
 from ddp_hpc.runlogs.srun import srun_exit_codes
 
 __all__ = ["summarize", "kept_logs", "KeptLogs", "start_nodes", "VERSION"]
@@ -30,32 +30,29 @@ __all__ = ["summarize", "kept_logs", "KeptLogs", "start_nodes", "VERSION"]
 VERSION = 2
 
 
-def stamp(log_dir: str | Path | None, rank0_only: bool = False, batch: bool = False) -> list | None:
-    """[the directory's mtime, [name, size, mtime] of every file the facts were read from]: every
-    rank's event file (rank 0's alone for a ``rank0_only`` reading), and with ``batch`` the batch
-    outputs (srun's per-task exit codes were read from them). A rank's late write (an appended
-    ``end``, NFS attribute caching) changes its file, not the directory: it is in the stamp.
-    None when the directory cannot be read."""
+def stamp(log_dir: str | Path | None, ranks: Iterable[int] = (), batch: bool = False) -> list | None:
+    """[the directory's mtime, [name, size, mtime] of every file the facts were read from]: the
+    event files of ``ranks`` (every rank's, or rank 0's alone for a ``rank0_only`` reading), and
+    with ``batch`` the batch outputs (srun's per-task exit codes were read from them); a file
+    gone reads [name, None, None]. A rank's late write (an appended ``end``, NFS attribute
+    caching) changes its file, not the directory: it is in the stamp; a new file changes the
+    directory. None when the directory cannot be read."""
     if not log_dir:
         return None
-    files = []
     try:
         d = os.stat(log_dir).st_mtime_ns
-        with os.scandir(log_dir) as entries:
-            for e in entries:
-                m = EVENTS_RE.match(e.name)
-                read = (m and (not rank0_only or m.group(1) == "0")) or (
-                    batch and fnmatch.fnmatchcase(e.name, BATCH_OUT_GLOB))
-                if not read:
-                    continue
-                try:
-                    st = e.stat()
-                except OSError:
-                    continue
-                files.append([e.name, st.st_size, st.st_mtime_ns])
     except OSError:
         return None
-    return [d, sorted(files)]
+    paths = [os.path.join(log_dir, events_file(r)) for r in sorted(ranks)]
+    paths += [str(p) for p in batch_outputs(Path(log_dir))] if batch else []
+    files = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            files.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
+        except OSError:
+            files.append([os.path.basename(path), None, None])
+    return [d, files]
 
 
 def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict | None:
@@ -66,8 +63,7 @@ def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict |
     if not logs.ends_only or logs.log_dir is None:
         return None
     cur, prog, ev = logs.current_run(), logs.progress(), logs.last_eval()
-    rank0_only = logs.rank0_only
-    return {"v": VERSION, "stamp": stamp(logs.log_dir, rank0_only, srun_codes is not None),
+    return {"v": VERSION, "stamp": stamp(logs.log_dir, logs.ranks, srun_codes is not None),
             "listed": logs.listed, "exists": logs.exists,
             "outcome": logs.outcome(), "run": dict(vars(cur)) if cur is not None else None,
             "num_nodes": start_nodes(logs, cur),
@@ -77,7 +73,7 @@ def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict |
             "progress": dict(vars(prog)) if prog is not None else None, "device": logs.device(),
             "eval": {"metrics": ev.get("metrics"), "step": ev.get("step")} if ev else None,
             "srun_codes": {str(r): c for r, c in srun_codes.items()} if srun_codes is not None else None,
-            "rank0_only": rank0_only}
+            "rank0_only": logs.rank0_only}
 
 
 def start_nodes(logs: "RunLogs | KeptLogs", cur: RunSummary | None) -> int | None:
@@ -95,10 +91,11 @@ def kept_logs(summary: object, log_dir: str | Path | None) -> "KeptLogs | None":
     the directory is gone, unreadable or unchanged since; else None (read the logs)."""
     if not isinstance(summary, dict) or summary.get("v") != VERSION or not log_dir:
         return None
-    now = stamp(log_dir, bool(summary.get("rank0_only")), summary.get("srun_codes") is not None)
-    if now is not None and now != summary.get("stamp"):
-        return None
     try:
+        ranks = [int(r) for r in summary.get("bad_lines") or {}]   # the ranks whose files were read
+        now = stamp(log_dir, ranks, summary.get("srun_codes") is not None)
+        if now is not None and now != summary.get("stamp"):
+            return None
         return KeptLogs(summary, log_dir, there=now is not None)
     except (TypeError, ValueError, AttributeError):  # damaged: read the logs
         return None

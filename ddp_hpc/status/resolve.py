@@ -244,12 +244,14 @@ class Resolved:
     def _allocation_start(self, cur: RunSummary) -> RunSummary:
         """The first run of the current allocation: ``cur``, or an earlier run when ``cur`` (and
         the runs before it) were started by in-allocation restarts (restarts.jsonl)."""
-        runs = {} if isinstance(self.logs, KeptLogs) else {r.restart: r for r in self.logs.runs()}
-        if len(runs) < 2:
-            return cur
         rec, log_dir = self.sources.record, self.sources.target.log_dir
+        if isinstance(self.logs, KeptLogs) or cur.restart <= restart_base(rec):  # a job's first run
+            return cur
         rows = read_restarts(log_dir) or ((rec.alloc_restarts if rec is not None else None) or [])
         inside = {to_int(e.get("restart")) for e in rows}
+        if cur.restart not in inside:
+            return cur
+        runs = {r.restart: r for r in self.logs.runs()}
         first = cur
         while first.restart in inside and (earlier := runs.get(first.restart - 1)) is not None \
                 and earlier.started is not None:
