@@ -5,7 +5,11 @@ import json
 
 import pytest
 
+from ddp_hpc import records
+from ddp_hpc.slurm.query import SourceState
+from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.status.collect import collect
+from ddp_hpc.status.resolve import JobSources, resolve
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.status.view import render_detail, render_table
 
@@ -125,7 +129,6 @@ def test_a_slurm_script_job_killed_by_sigterm_says_the_same(tmp_path):
 def test_the_header_names_the_nodes_the_newest_run_got(tmp_path, monkeypatch):
     """A 2-node job whose supervisor restarted it on 1 node (--min-nodes 1, a lost node): the
     header and the row say 1 node, as the newest run's start events do."""
-    from ddp_hpc import records
     monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
     d = tmp_path / "run"
     for r in range(2):
@@ -143,3 +146,33 @@ def test_the_header_names_the_nodes_the_newest_run_got(tmp_path, monkeypatch):
         "Job 91 (demo), backend sbatch, 1 node x 2 processes on CPU"
     row = collect([target], Squeue("0:50"), now=T0 + 50, brief=True)[0]
     assert "1x2cpu" in render_table([row]).splitlines()[1].split()
+
+
+def test_the_state_comes_from_the_first_source_that_knows_in_the_documented_order(tmp_path, monkeypatch):
+    """scheduler -> record -> logs for a Slurm job; record -> processes/logs for a local one;
+    ``--source`` names one source, and the record then does not stand in for it."""
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    for r in range(2):   # the logs say COMPLETED
+        write(tmp_path / "run", r, [ev(r, "start", 0, world_size=2), ev(r, "end", 9, status="completed")])
+    final = records.local_final("FAILED", T0, T0 + 9, "sacct")
+
+    def rec(backend, job_id):
+        return records.JobRecord(id=job_id, cluster="c1", name="demo", backend=backend, nodes=1, gpus_per_node=2,
+                                 time_limit=None, log_dir=str(tmp_path / "run"), config=None, overrides=[],
+                                 submitted_at=T0, cwd="/", final=final, pids=[])
+
+    def state(target, sched=None, only=None):
+        r = resolve(JobSources(target, sched, [], T0 + 60, only))
+        return r.state.state.label, r.state.source
+
+    running = collect([StatusTarget("91", None, str(tmp_path / "run"))], Squeue("0:30"), now=T0 + 60)[0]
+    slurm = StatusTarget("91", rec("sbatch", "91"), str(tmp_path / "run"))
+    sched = SourceState(parse_state("RUNNING"), "squeue", [])
+    assert (running.state, running.source) == ("RUNNING", "squeue")
+    assert state(slurm, sched) == ("RUNNING", "squeue")                     # 1. the scheduler
+    assert state(slurm, SourceState(parse_state("FOO"), "squeue", [])) == ("FAILED", "record")   # it cannot name it
+    assert state(slurm) == ("FAILED", "record")                             # 2. the record
+    assert state(slurm, only="logs") == ("COMPLETED", "logs")               # --source logs: not the record
+    assert state(StatusTarget("91", None, str(tmp_path / "run"))) == ("COMPLETED", "logs")   # 3. the logs
+    local = StatusTarget("local-x-1", rec("local", "local-x-1"), str(tmp_path / "run"))
+    assert state(local, only="logs") == ("FAILED", "record")               # a local job's record first
