@@ -175,7 +175,7 @@ class Resolved:
 
     def row(self) -> JobStatus:
         """The table's view: who, state, shape, time, progress, stall."""
-        return self._status({})
+        return self._status({}, self.notes)
 
     def detail(self) -> JobStatus:
         """The detail view: the row's facts, then the failure, every rank's ending, exit codes,
@@ -183,7 +183,8 @@ class Resolved:
         s, logs, sched = self.sources, self.logs, self.state
         base = restart_base(s.record)
         inside = alloc_restarts(s.record, s.target.log_dir, logs)
-        failure, endings = diagnose(logs, sched, self.notes, base, inside)
+        notes = list(self.notes)   # the judgement's notes are the detail view's
+        failure, endings = diagnose(logs, sched, notes, base, inside)
         codes = {} if sched.state.state is JobState.COMPLETED else logs.srun_exit_codes()
         if not codes and sched.source == src.RECORD:
             codes = {int(r): c for r, c in (s.final or {}).get("rank_exit_codes", {}).items()}
@@ -198,9 +199,9 @@ class Resolved:
             runs=run_causes(logs, logs.runs(), sched, base, inside), rank_endings=rank_endings(logs),
             rank_classification={str(r): e.to_dict() for r, e in endings.items()},
             timing=timing.stragglers(*self._per_rank_hosts()), flight=flight, staging=stage_rows(logs),
-            alloc_restarts=inside))
+            alloc_restarts=inside), notes)
 
-    def _status(self, detail: dict) -> JobStatus:
+    def _status(self, detail: dict, notes: list[str]) -> JobStatus:
         s, logs, sched = self.sources, self.logs, self.state
         rec, cur = s.record, logs.current_run()
         progress = logs.progress(s.now)
@@ -214,7 +215,7 @@ class Resolved:
             time_limit=sched.time_limit or normalize_duration(rec.time_limit if rec is not None else None),
             restarts=max(restart_base(rec) + (sched.restarts or 0), cur.restart if cur is not None else 0),
             log_dir=s.target.log_dir, reason=sched.reason, node_list=sched.node_list, progress=progress,
-            notes=self.notes + _read_notes(s.target, logs, sched), overrides=_overrides(s.target),
+            notes=notes + _read_notes(s.target, logs, sched), overrides=_overrides(s.target),
             eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
             **detail)
         if sched.state.state is JobState.RUNNING:
