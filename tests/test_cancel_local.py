@@ -262,3 +262,103 @@ def test_a_stall_before_a_cancel_stays_the_first_failure(home, tmp_path):
     assert "State:      CANCELLED" in st, st
     assert "First failure: rank 1 stopped first: no event for 00:02:40 before the stop (last step 40; " \
            "the others reached step 200)" in st, st
+
+
+HUNG = ('Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):\n'
+        '  File "/usr/lib/python3.11/time.py", line 1 in sleep\n'
+        '  File "/work/hang.py", line 31 in main\n')
+WAITING = ('Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):\n'
+           '  File "/venv/lib/python3.11/site-packages/torch/autograd/graph.py", line 979 in _engine_run_backward\n'
+           '  File "/work/hang.py", line 27 in main\n')
+
+
+def stalled_job(tmp_path, job_id, stacks):
+    """A local job of 4 ranks that all stepped to 92; then every rank went silent (rank 3 stuck,
+    the others waiting for it in DDP's all-reduce), their watchdogs wrote ``stacks`` (rank ->
+    stack text) at 60 s, and 74 s after the last step the job was cancelled (every rank's end)."""
+    t0 = time.time() - 600
+    log_dir = tmp_path / "runs" / job_id
+    log_dir.mkdir(parents=True)
+    stop = t0 + 92 + 74
+    for rank in range(4):
+        evs = [ev(rank, t0, "start", world_size=4, num_nodes=2, local_rank=rank % 2, pid=1, launcher="exec/local")]
+        evs += [ev(rank, t0 + s, "step", step=s, total_steps=1000) for s in range(1, 93)]
+        if rank in stacks:
+            evs.append(ev(rank, t0 + 92 + 60, "stack", reason="stalled: no step for 60 s", step=92,
+                          stack=stacks[rank]))
+        evs.append(ev(rank, stop + rank * 0.1, "end", status="killed", signal="SIGTERM", exit_code=None, step=92))
+        (log_dir / f"rank{rank}.events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evs))
+    rec = records.JobRecord(
+        id=job_id, cluster=os.uname().nodename, name="hang", backend="local", nodes=2,
+        gpus_per_node=2, time_limit=None, log_dir=str(log_dir), config=None, overrides=[], cwd=str(tmp_path),
+        submitted_at=t0 - 1, pids=[], final=records.local_final("CANCELLED", t0 - 1, stop, "ddp-hpc cancel"))
+    records.write_record(rec)
+
+
+def test_a_hang_before_a_cancel_keeps_its_diagnosis_when_every_rank_was_silent(home, tmp_path):
+    """The usual hang: rank 3 sleeps, ranks 0-2 wait for it in the all-reduce, so every rank is
+    silent; after the cancel the stacks written during the silence still name rank 3."""
+    stalled_job(tmp_path, "local-hang-1", {0: WAITING, 1: WAITING, 2: WAITING, 3: HUNG})
+    js = json.loads(ddp_hpc(home, "status", "local-hang-1", "--json").stdout)
+    assert js["state_name"] == "CANCELLED" and js["failure"] is not None, js
+    f = js["failure"]
+    assert (f["rank"], f["ranks"], f["kind"]) == (3, [3], "stuck")
+    assert "hang: rank 3 in main (hang.py:31); ranks 0-2 wait in DDP's all-reduce (backward)" in f["summary"]
+    assert f["peer_stacks"] == [{"ranks": [0, 1, 2], "summary": "graph.py:979 in _engine_run_backward, "
+                                                                "from hang.py:27 in main"}]
+    text = ddp_hpc(home, "status", "local-hang-1").stdout
+    assert ("First failure: rank 3 hung outside a collective while the others waited in one: no event for "
+            "00:01:14 before the stop (last step 92); hang: rank 3 in main (hang.py:31)") in text, text
+
+
+def test_a_frozen_rank_before_a_cancel_is_the_one_that_wrote_no_stack(home, tmp_path):
+    stalled_job(tmp_path, "local-hang-2", {0: WAITING, 1: WAITING, 2: WAITING})
+    f = json.loads(ddp_hpc(home, "status", "local-hang-2", "--json").stdout)["failure"]
+    assert (f["rank"], f["ranks"]) == (3, [3]) and "wrote no stack while the others did" in f["summary"]
+
+
+def test_a_whole_job_hang_before_a_cancel_says_no_rank_stopped_first(home, tmp_path):
+    stalled_job(tmp_path, "local-hang-3", {})
+    f = json.loads(ddp_hpc(home, "status", "local-hang-3", "--json").stdout)["failure"]
+    assert f["ranks"] == [0, 1, 2, 3]
+    assert f["summary"].startswith("ranks 0-3 all went silent together: the whole job hung, no rank stopped first")
+
+
+HANG = """\
+import os, time
+import torch, torch.distributed as dist
+import ddp_hpc
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for i in range(100000):
+    if rank == 1 and i == 30:
+        time.sleep(100000)   # stuck in the user's own code
+    t = torch.ones(1)
+    dist.all_reduce(t)       # the other rank waits here for it
+    ddp_hpc.report(step=i, total=100000)
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_a_real_hang_cancelled_keeps_its_diagnosis(home):
+    """A real local job of 2 ranks: rank 1 sleeps forever at step 30, rank 0 waits for it in the
+    all-reduce. Once both ranks' watchdogs wrote their stacks (at the stall threshold, 60 s), the
+    job is cancelled; status then still names rank 1 and the hang (issue 30, item 15)."""
+    (home / "work" / "hang.py").write_text(HANG)
+    p = ddp_hpc(home, "submit", "--backend", "local", "-N", "2", "-G", "1", "--log-dir", str(home / "runs"), "hang.py")
+    job_id = p.stdout.strip().splitlines()[-1]
+    rec = wait_steps(job_id, timeout=60)
+    stacks = [Path(rec.log_dir) / f"rank{r}.events.jsonl" for r in (0, 1)]
+    end = time.monotonic() + 150
+    while time.monotonic() < end and not all('"stack"' in p.read_text() for p in stacks):
+        time.sleep(1)
+    assert all('"stack"' in p.read_text() for p in stacks), "the watchdogs wrote no stacks"
+    ddp_hpc(home, "cancel", job_id, "--grace", "5")
+    js = json.loads(ddp_hpc(home, "status", job_id, "--json").stdout)
+    assert js["state_name"] == "CANCELLED" and js["failure"] is not None, js["failure"]
+    f = js["failure"]
+    assert (f["rank"], f["ranks"], f["kind"]) == (1, [1], "stuck"), f
+    assert "hang: rank 1 in <module> (hang.py:8); rank 0 waits in all_reduce" in f["summary"], f["summary"]
+    text = ddp_hpc(home, "status", job_id).stdout
+    assert "First failure: rank 1 hung outside a collective while the others waited in one" in text, text

@@ -330,3 +330,16 @@ def test_a_resumed_runs_restart_numbers_follow_the_earlier_runs():
     assert (facts.restart_count, facts.restart_base, facts.requeues) == (3, 2, 1)
     facts = envmod.job_facts({"DDP_HPC_RESTART_BASE": "x"})
     assert (facts.restart_count, facts.restart_base, facts.requeues) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("environ,nodes,usable", [
+    ({}, (), False),                                            # no GPU driver on this machine
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, (), False),               # a fake GRES without a driver
+    ({}, ("/dev/nvidiactl",), True),
+    ({"CUDA_VISIBLE_DEVICES": ""}, ("/dev/nvidiactl",), False),  # the driver, but no device exposed
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, ("/dev/nvidiactl",), False),
+    ({"CUDA_VISIBLE_DEVICES": "1"}, ("/dev/kfd",), True),       # AMD ROCm
+])
+def test_gpu_usable(environ, nodes, usable):
+    from ddp_hpc.env import gpu_usable
+    assert gpu_usable(environ, exists=lambda p: p in nodes) is usable

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
+from ddp_hpc.env import gpu_usable
 from ddp_hpc.launch.tree import start_time
 
 REPO = Path(__file__).resolve().parents[1]
@@ -410,3 +411,26 @@ def test_sweep_table_shows_eval_metrics_and_each_tasks_overrides(home):
     detail = status(home, "909_0").stdout
     assert "Eval:       accuracy=0.9, loss=0.25 (step 100)" in detail
     assert "Overrides:  optim.lr=0.1 seed=1" in detail
+
+
+@pytest.mark.skipif(gpu_usable(os.environ), reason="this machine has a GPU driver: a script's device is its own choice")
+def test_a_script_job_without_gpus_reads_on_cpu_like_a_config_job(home):
+    """End to end on this machine without a GPU driver: a plain script and the demo config, each
+    a real local 1 x 2 job; both read `1 node x 2 processes on CPU` and `1x2cpu`."""
+    env = env_for(home)
+    env["PYTHONPATH"] = str(REPO)
+    (home / "plain.py").write_text("import time\nfor _ in range(3):\n    time.sleep(0.1)\n")
+    ids = []
+    for what in (["plain.py"], [str(REPO / "jobs" / "demo.yaml"), "--", "train.epochs=1", "data.kwargs.size=64",
+                                 f"log.dir={home / 'runs'}", "checkpoint.every_steps=0"]):
+        p = subprocess.run([sys.executable, "-m", "ddp_hpc.submit", "--backend", "local", "--nodes", "1", "--gpus",
+                            "2", "--log-dir", str(home / "runs"), "--wait", *what],
+                           cwd=home, env=env, capture_output=True, text=True, timeout=240)
+        assert p.returncode == 0, p.stdout + p.stderr
+        ids.append(json.loads(status(home, "--json").stdout)[0]["id"])
+    for job_id in ids:
+        js = json.loads(status(home, job_id, "--json").stdout)
+        assert (js["state_name"], js["device"]) == ("COMPLETED", "cpu"), js
+        assert status(home, job_id).stdout.splitlines()[0].endswith("1 node x 2 processes on CPU")
+    rows = {ln.split()[0]: ln.split() for ln in status(home).stdout.splitlines()[1:]}
+    assert [rows[i][4] for i in ids] == ["1x2cpu", "1x2cpu"]

@@ -15,7 +15,7 @@ import pytest
 from ddp_hpc import records
 from ddp_hpc.judge import reader
 from ddp_hpc.slurm.cli import SACCT_FIELDS, SEP, SQUEUE_FIELDS, SlurmCLI
-from ddp_hpc.status import collect as collect_mod
+from ddp_hpc.status import resolve as resolve_mod
 from ddp_hpc.status import rowcache
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.targets import recent_targets
@@ -110,7 +110,7 @@ def test_the_table_reads_an_ended_jobs_logs_once_while_nothing_changed(home, tmp
     record(home, "702", running)
     read = []
     real = reader.RunLogs
-    monkeypatch.setattr(collect_mod, "RunLogs", lambda d, **kw: read.append(str(d)) or real(d, **kw))
+    monkeypatch.setattr(resolve_mod, "RunLogs", lambda d, **kw: read.append(str(d)) or real(d, **kw))
     sched = CountingSlurm({"701": "COMPLETED", "702": "RUNNING"})
     first = {s.id: s for s in collect(recent_targets(0), SlurmCLI(runner=sched), brief=True)}
     assert sorted(read) == sorted([str(done), str(running)])

@@ -258,6 +258,24 @@ def test_kept_facts_answer_as_the_table_reads_the_logs(tmp_path):
     assert kept.kept_logs(dict(kept.summarize(logs), v=0), tmp_path) is None
 
 
+def test_kept_facts_are_read_again_when_another_ranks_event_file_changes(home, tmp_path):
+    """The facts come from every rank's ending: a late write by rank 2 (its file grew, the
+    directory did not change) makes them stale, and the table reads the logs again."""
+    failed_run(tmp_path / "j", ranks=3, n_steps=4)
+    record("820", tmp_path / "j")
+    first = rows(Sacct())["820"]
+    summary = records.load_record("820").final["logs"]
+    assert kept.kept_logs(summary, tmp_path / "j") is not None
+    dir_mtime = os.stat(tmp_path / "j").st_mtime_ns
+    with open(tmp_path / "j" / "rank2.events.jsonl", "a") as f:   # rank 2's end, late
+        f.write(json.dumps(ev(2, "end", 210, 1, status="killed", signal="SIGKILL")) + "\n")
+    assert os.stat(tmp_path / "j").st_mtime_ns == dir_mtime        # only the file changed
+    assert kept.kept_logs(summary, tmp_path / "j") is None
+    again = rows(Sacct())["820"]
+    assert again["state"] == first["state"] == "FAILED"
+    assert records.load_record("820").final["logs"]["end_signals"] == {"2": "SIGKILL"}   # re-read, kept
+
+
 def completed_run(d, ranks=3):
     """Every rank stepped to 100 and ended completed; rank 0 evaluated; the other ranks' files
     end in a damaged line."""

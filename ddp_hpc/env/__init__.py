@@ -12,7 +12,7 @@ free_port), ``job`` (job-level facts and the job-key rule), ``gpus`` (GPU bindin
 """
 
 from ddp_hpc.env.checks import detect, preflight
-from ddp_hpc.env.gpus import HostGpus, gpu_index, host_gpus, visible_gpus
+from ddp_hpc.env.gpus import HostGpus, gpu_index, gpu_usable, host_gpus, visible_gpus
 from ddp_hpc.env.job import JobFacts, job_facts, job_key
 from ddp_hpc.env.model import LAUNCHERS, DistEnv, EnvError
 from ddp_hpc.env.network import interface_for, route_interface
@@ -23,5 +23,5 @@ __all__ = [
     "LAUNCHERS", "PORT_BASE", "PORT_SPAN", "DistEnv", "EnvError", "JobFacts", "derive_port", "detect",
     "free_port", "gpu_index", "HostGpus", "host_gpus",
     "interface_for", "job_facts", "job_key", "launcher_of", "master_port", "preflight",
-    "route_interface", "user_port", "visible_gpus",
+    "route_interface", "user_port", "visible_gpus", "gpu_usable",
 ]

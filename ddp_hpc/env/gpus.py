@@ -7,6 +7,7 @@ the device with them and the preflight checks refuse the layouts they reject, so
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping
@@ -25,6 +26,19 @@ def visible_gpus(environ: Mapping[str, str]) -> int | None:
     ids = [d.strip() for d in raw.split(",") if d.strip()]
     # CUDA stops at the first invalid entry ("0,-1,2" exposes one device)
     return next((i for i, d in enumerate(ids) if d.startswith("-")), len(ids))
+
+
+#: device nodes a GPU driver creates (NVIDIA's control device; AMD ROCm's kernel fusion driver)
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
+
+
+def gpu_usable(environ: Mapping[str, str], exists: Callable[[str], bool] = os.path.exists) -> bool:
+    """Whether a process given ``environ`` could use a GPU: a GPU driver's device node exists and
+    CUDA_VISIBLE_DEVICES, when set, exposes a device. False: it runs on the CPU, whatever it asks
+    for (``ddp_hpc.exec`` says so in a script's start event, as the training core does)."""
+    if visible_gpus(environ) == 0:
+        return False
+    return any(exists(p) for p in GPU_DEVICE_NODES)
 
 
 def gpu_index(env: DistEnv, environ: Mapping[str, str], visible: int) -> int | None:

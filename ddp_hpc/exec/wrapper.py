@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ddp_hpc.data.scriptstage import run_staged
-from ddp_hpc.env import DistEnv, EnvError, gpu_index, job_facts, visible_gpus
+from ddp_hpc.env import DistEnv, EnvError, gpu_index, gpu_usable, job_facts, visible_gpus
 from ddp_hpc.env.checks import diagnose
 from ddp_hpc.env.tracking import wandb_environ
 from ddp_hpc.errors import HintError, report
@@ -163,7 +163,8 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
         fwd.attach(proc)
         log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,
                   local_rank=env.local_rank, pid=proc.pid, total_steps=None, epochs=None,
-                  launcher=f"exec/{env.launcher}", device=None, command=cmd,
+                  launcher=f"exec/{env.launcher}", command=cmd,
+                  device=None if gpu_usable(child_env) else "cpu",  # on a GPU the script picks: not known
                   instrumented=inst.read_fd is not None)
         log.info(f"exec: started {cmd[0]} as pid {proc.pid} (rank {env.rank} of {env.world_size}, "
                  f"node {env.node_rank} of {env.num_nodes})")

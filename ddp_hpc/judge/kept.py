@@ -4,8 +4,9 @@ thousands of ended jobs reads one record per job and no event files (docs/status
 `summarize` takes, from the table's reading of a log directory (``RunLogs(ends_only=True)``),
 the facts the table's row is made of: how the current run ended, its progress, device, newest
 eval metrics, srun's per-task exit codes, unreadable lines (of rank 0's file alone where the job
-completed: ``rank0_only``, `RunLogs`); and a stamp of the directory (its
-modification time, and size and modification time of rank 0's event file). The record keeps it
+completed: ``rank0_only``, `RunLogs`); and a stamp of what they were read from (the directory's
+modification time, and size and modification time of every rank's event file -- rank 0's alone
+for a ``rank0_only`` reading -- and of the batch outputs when srun's codes were read). The record keeps it
 in the job's final state (``final["logs"]``: the local driver when a run ends, ``ddp-hpc status``
 when the scheduler reports the end). `kept_logs` answers the table's questions from it, as
 `RunLogs` would, while the directory is unchanged or gone; changed (a resumed run writes to it):
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Iterable
 
 from ddp_hpc.judge.reader import RunLogs, RunProgress, RunSummary
 from ddp_hpc.judge.srun import srun_exit_codes
@@ -25,23 +27,32 @@ from ddp_hpc.runlogs.schema import batch_outputs, events_file
 __all__ = ["summarize", "kept_logs", "KeptLogs", "start_nodes", "VERSION"]
 
 #: bumped whenever what a summary holds or how it is worked out changes: older ones are ignored
-VERSION = 1
+VERSION = 2
 
 
-def stamp(log_dir: str | Path | None) -> list | None:
-    """[the directory's mtime, rank 0's event file's size and mtime] (None for a file that is
-    not there); None when the directory cannot be read."""
+def stamp(log_dir: str | Path | None, ranks: Iterable[int] = (), batch: bool = False) -> list | None:
+    """[the directory's mtime, [name, size, mtime] of every file the facts were read from]: the
+    event files of ``ranks`` (every rank's, or rank 0's alone for a ``rank0_only`` reading), and
+    with ``batch`` the batch outputs (srun's per-task exit codes were read from them); a file
+    gone reads [name, None, None]. A rank's late write (an appended ``end``, NFS attribute
+    caching) changes its file, not the directory: it is in the stamp; a new file changes the
+    directory. None when the directory cannot be read."""
     if not log_dir:
         return None
     try:
         d = os.stat(log_dir).st_mtime_ns
     except OSError:
         return None
-    try:
-        st = os.stat(os.path.join(log_dir, events_file(0)))
-        return [d, st.st_size, st.st_mtime_ns]
-    except OSError:
-        return [d, None, None]
+    paths = [os.path.join(log_dir, events_file(r)) for r in sorted(ranks)]
+    paths += [str(p) for p in batch_outputs(Path(log_dir))] if batch else []
+    files = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            files.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
+        except OSError:
+            files.append([os.path.basename(path), None, None])
+    return [d, files]
 
 
 def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict | None:
@@ -52,7 +63,8 @@ def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict |
     if not logs.ends_only or logs.log_dir is None:
         return None
     cur, prog, ev = logs.current_run(), logs.progress(), logs.last_eval()
-    return {"v": VERSION, "stamp": stamp(logs.log_dir), "listed": logs.listed, "exists": logs.exists,
+    return {"v": VERSION, "stamp": stamp(logs.log_dir, logs.ranks, srun_codes is not None),
+            "listed": logs.listed, "exists": logs.exists,
             "outcome": logs.outcome(), "run": dict(vars(cur)) if cur is not None else None,
             "num_nodes": start_nodes(logs, cur),
             "restart": logs.current_restart(), "bad_lines": {str(r): s.bad_lines for r, s in logs.ranks.items()},
@@ -61,7 +73,7 @@ def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict |
             "progress": dict(vars(prog)) if prog is not None else None, "device": logs.device(),
             "eval": {"metrics": ev.get("metrics"), "step": ev.get("step")} if ev else None,
             "srun_codes": {str(r): c for r, c in srun_codes.items()} if srun_codes is not None else None,
-            "rank0_only": getattr(logs, "rank0_only", False)}
+            "rank0_only": logs.rank0_only}
 
 
 def start_nodes(logs: "RunLogs | KeptLogs", cur: RunSummary | None) -> int | None:
@@ -79,10 +91,11 @@ def kept_logs(summary: object, log_dir: str | Path | None) -> "KeptLogs | None":
     the directory is gone, unreadable or unchanged since; else None (read the logs)."""
     if not isinstance(summary, dict) or summary.get("v") != VERSION or not log_dir:
         return None
-    now = stamp(log_dir)
-    if now is not None and now != summary.get("stamp"):
-        return None
     try:
+        ranks = [int(r) for r in summary.get("bad_lines") or {}]   # the ranks whose files were read
+        now = stamp(log_dir, ranks, summary.get("srun_codes") is not None)
+        if now is not None and now != summary.get("stamp"):
+            return None
         return KeptLogs(summary, log_dir, there=now is not None)
     except (TypeError, ValueError, AttributeError):  # damaged: read the logs
         return None
@@ -106,6 +119,7 @@ class KeptLogs:
     def __init__(self, summary: dict, log_dir: str | Path, there: bool = True):
         self.summary, self.log_dir = summary, Path(log_dir)
         self.listed, self.exists = bool(summary["listed"]) and there, bool(summary["exists"])
+        self.rank0_only = bool(summary.get("rank0_only"))
         self.ranks = {int(r): _Counted(int(n)) for r, n in (summary.get("bad_lines") or {}).items()}
         run = summary.get("run")
         self._run = RunSummary(**run) if run else None

@@ -192,10 +192,10 @@ def _merged(base: dict | None, mine: dict, now: dict | None) -> dict:
 
 def final_of(rec: JobRecord | None, task_id: str | int | None = None) -> dict | None:
     """The stored terminal state of the job (``task_id``: of that task of an array), or None."""
-    final = getattr(rec, "final", None)
+    final = rec.final if rec is not None else None
     if not isinstance(final, dict):
         return None
-    if getattr(rec, "array", None):
+    if rec.array:
         got = final.get(str(task_id)) if task_id is not None else None
         return got if isinstance(got, dict) else None
     return final

@@ -32,7 +32,7 @@ from ddp_hpc.status import view
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.stacks import ask_stacks, render_stacks, silence_causes
 from ddp_hpc.status.targets import StatusError, is_slurm_id, job_targets, recent_targets
-from ddp_hpc.text import HelpFormatter, prog
+from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 FOLLOW_STATE_S = 5.0  # --follow: how often to ask whether the job still runs
 LOGS, OUTS = text_log("*"), rank_out("*")  # rank*.log, rank*.out
@@ -40,7 +40,7 @@ _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog("status"), formatter_class=HelpFormatter,
         description="State, progress, logs and the failing rank of ddp_hpc jobs.")
     p.add_argument("job", nargs="?", help="job id (Slurm id, array task id 123_4, or local-...); "
@@ -173,7 +173,7 @@ def _logs(args, targets, cli, note) -> int:
     t = targets[0]
     # a script / module / function job has no training log: its rank*.log holds the exec
     # wrapper's start and end lines, its own output is in rank*.out
-    script = getattr(t.record, "command", None) is not None and getattr(t.record, "config", None) is None
+    script = t.record is not None and t.record.command is not None and t.record.config is None
     kind = args.files or ("out" if script else "log")
     if not t.log_dir:
         raise StatusError(f"job {args.job}: no log directory known (no job record)",

@@ -24,10 +24,11 @@ from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import LOG_RE, OUT_RE
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import JobState
+from ddp_hpc.status.targets import StatusTarget
 
 CACHE_FILE = "status-table.json"
 #: bumped whenever what a row holds or how it is worked out changes: older rows are then ignored
-VERSION = 2
+VERSION = 3
 _KEY_JSON = dict(default=str, separators=(",", ":"), sort_keys=True)
 _HEAD = f'{{"version":{VERSION},"rows":{{'  # the file's first line
 
@@ -65,14 +66,14 @@ class RowCache:
         self.path, self.rows, self.changed = path, rows, False
         self._tasks: dict[int, dict] = {}  # id(record) -> {task id: its array entry}
 
-    def key(self, t, sched: SourceState | None, only: str | None) -> tuple[str, str]:
+    def key(self, t: StatusTarget, sched: SourceState | None, only: str | None) -> tuple[str, str]:
         """(the job's id, what its row is made from) for target ``t`` and the scheduler's answer."""
         # not what the sources that did not answer said (``tried``): the table does not show it,
         # and one job leaving squeue changes it for all
         made_from = [self._record_part(t, sched), t.log_dir, _dir_stamp(t.log_dir), _answer(sched), only]
         return t.id, json.dumps(made_from, **_KEY_JSON)
 
-    def _record_part(self, t, sched: SourceState | None) -> list | None:
+    def _record_part(self, t: StatusTarget, sched: SourceState | None) -> list | None:
         """The record's facts about this job or array task: its fields but the other tasks'
         entries and final states (an array's record is rewritten whenever one of its tasks ends),
         and its own final state where that gives the state (the scheduler did not answer)."""
@@ -80,7 +81,7 @@ class RowCache:
         if rec is None:
             return None
         fields = {k: v for k, v in rec.to_dict().items() if k not in ("array", "final")}
-        task = t.id.rsplit("_", 1)[-1] if rec.array and "_" in t.id else None
+        task = t.task_id
         if task is not None and id(rec) not in self._tasks:
             self._tasks[id(rec)] = {str(e.get("task_id")): e for e in rec.array}
         entry = self._tasks[id(rec)].get(task) if task is not None else None

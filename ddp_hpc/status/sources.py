@@ -1,9 +1,9 @@
-"""Where a job's state comes from: the scheduler (`ddp_hpc.slurm.query`: squeue, else sacct,
-else ``sacct -c``), else processes or logs.
-
-A local-backend job has only its process ids and its run logs, and a Slurm job that no source
-knows any more has its run logs: this module reads a state from those. The status command names
-the source that answered, so a user can judge how fresh the answer is.
+"""The sources a job's state is read from, one reader each: the scheduler's (`ddp_hpc.slurm.query`:
+squeue, else sacct, else ``sacct -c``), the final state a record keeps (`from_final`), a local
+job's processes (`pids_alive`, `local_state`) and the run logs (`from_logs`); and what to keep in a
+record of an end a Slurm source reported (`final_to_keep`). Which source answers is decided in
+one place, `ddp_hpc.status.resolve`. The status command names the source that answered, so a
+user can judge how fresh the answer is.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ddp_hpc.judge import kept
 from ddp_hpc.judge.kept import KeptLogs
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch.tree import recorded_alive
+from ddp_hpc.records import JobRecord
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
 from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState
 from ddp_hpc.slurm.states import JobState, StateInfo, parse_state
@@ -26,9 +27,11 @@ STATUS = "ddp-hpc status (the processes were gone)"
 
 
 def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
-              now_alive: bool | None = None, driver_out: str | None = None) -> SourceState:
+              now_alive: bool | None = None, driver_out: str | None = None, scheduled: bool = False) -> SourceState:
     """A state told by the run logs alone (no scheduler knows the job); ``driver_out``: where a
-    local job's driver wrote what happened before the ranks could write events."""
+    local job's driver wrote what happened before the ranks could write events. ``scheduled``: a
+    Slurm job, whose SIGTERM may be a user's ``scancel`` or a preemption (Slurm sends both the
+    same signal, and only its own records tell them apart): a run stopped by it says so."""
     outcome = logs.outcome()
     reason = None
     cur = logs.current_run()
@@ -44,14 +47,18 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
         sigs = sorted({str(e.get("signal")) for e in logs.last_events().values()
                        if e.get("event") == "end" and e.get("signal")})
         st = StateInfo(JobState.CANCELLED, "end: killed", f"by {sigs[0]}" if len(sigs) == 1 else "")
+        reason = _either(scheduled, sigs == ["SIGTERM"], "stopped by SIGTERM")
     elif outcome == "completed":
         st = StateInfo(JobState.COMPLETED, "end: completed")
     elif outcome == "failed":
         st = StateInfo(JobState.FAILED, "end: failed")
     elif outcome == "preempted":
         requeued = bool(cur and cur.requeued)
+        # under Slurm only the preemption signal (USR2) requeues: a stop without a requeue is SIGTERM's
+        either = scheduled and not requeued and cur is not None and cur.preempt_reason == "preemption"
         st = StateInfo(JobState.REQUEUED if requeued else JobState.PREEMPTED,
-                       "end: preempted", "(requeue requested)" if requeued else "")
+                       "end: preempted", "(requeue requested)" if requeued else "(or scancel)" if either else "")
+        reason = _either(either, True, "stopped with a checkpoint on SIGTERM")
     elif now_alive is False and not logs.ranks:  # died before any rank wrote an event
         st = StateInfo(JobState.FAILED, "ended before its first event")
         reason = "ended before its first event" + (f"; see {driver_out}" if driver_out else "")
@@ -65,16 +72,12 @@ def from_logs(logs: RunLogs, tried: list[str], source: str = LOGS,
     return SourceState(st, source, list(tried), reason=reason)
 
 
-def kept_logs(rec, task_id: str | None, log_dir: str | None, sched: SourceState | None) -> KeptLogs | None:
-    """The table's facts of an ended job's logs as its record keeps them with its final state
-    (`ddp_hpc.judge.kept`), while they hold; None: read the logs (a job that runs, no or stale
-    facts)."""
-    if sched is not None and sched.state.state.active:
+def _either(scheduled: bool, sigterm: bool, what: str) -> str | None:
+    """The reason of a Slurm job's run that SIGTERM stopped, as far as its logs can tell."""
+    if not (scheduled and sigterm):
         return None
-    final = records.final_of(rec, task_id)
-    if not final or "logs" not in final or not parse_state(final.get("state")).state.terminal:
-        return None
-    return kept.kept_logs(final["logs"], log_dir)
+    return (f"{what}, which both `scancel` and a preemption send; with no scheduler source left (squeue, "
+            "sacct) status cannot tell which")
 
 
 def final_to_keep(sched: SourceState, logs, now: float, old: dict | None) -> dict | None:
@@ -95,25 +98,9 @@ def final_to_keep(sched: SourceState, logs, now: float, old: dict | None) -> dic
     return final
 
 
-def ended_clean(local: bool, rec, task_id: str | None, sched: SourceState | None, only: str | None) -> bool:
-    """The job's state is COMPLETED with its elapsed time told, by the scheduler or else by the
-    final state its record keeps (as `collect` takes the state): the table's row of it needs rank
-    0's events only (`RunLogs(rank0_only=True)`), the others' endings tell nothing it shows."""
-    if not local and sched is not None and sched.state.state is not JobState.UNKNOWN:
-        return sched.state.state is JobState.COMPLETED and bool(sched.elapsed)
-    final = records.final_of(rec, task_id) if local or only is None else None
-    return (bool(final) and parse_state(final.get("state")).state is JobState.COMPLETED
-            and bool(final.get("elapsed")))
-
-
 def scheduler_ended(sched: SourceState | None) -> bool:
     """A Slurm source (squeue, sacct) reports that the job ended."""
     return sched is not None and sched.source in (SQUEUE, SACCT, SACCT_C) and sched.state.state.terminal
-
-
-def keeps_final(t, sched: SourceState | None) -> bool:
-    """The scheduler reports that the job ended: its record is to keep that, and its logs' facts."""
-    return not t.local and getattr(t.record, "path", None) is not None and scheduler_ended(sched)
 
 
 def pids_alive(pids, submitted_at: float | None, cluster: str | None,
@@ -136,27 +123,23 @@ def from_final(final: dict, tried: list[str]) -> SourceState:
                        reason=final.get("reason"))
 
 
-def local_state(rec, task_id: str | None, logs: RunLogs, notes: list[str],
+def local_state(rec: JobRecord | None, task_id: str | None, logs: RunLogs | KeptLogs, notes: list[str],
                 now: float) -> tuple[SourceState, dict | None]:
-    """A local job's (or local array task's) state and the final state to keep in its record
-    (None: nothing new). The record's final state, written when its run ended, comes first;
-    else the processes (alive: RUNNING) and the run logs."""
-    final = records.final_of(rec, task_id)
-    if final and parse_state(final.get("state")).state.terminal:
-        return from_final(final, []), None
-    pids = getattr(rec, "pids", None)
-    alive = pids_alive(pids, getattr(rec, "submitted_at", None), getattr(rec, "cluster", None),
-                       getattr(rec, "pid_times", None))
+    """A local job's (or local array task's) state from its processes (alive: RUNNING) and its
+    run logs, when its record keeps no final state (`ddp_hpc.status.resolve`), and the final
+    state to keep in its record (None: nothing new)."""
+    pids = rec.pids if rec is not None else None
+    alive = pids_alive(pids, rec.submitted_at, rec.cluster, rec.pid_times) if rec is not None else None
     if alive is None and pids:
         notes.append("pids recorded on another host; state from the logs")
-    log_dir = getattr(rec, "log_dir", None)
+    log_dir = rec.log_dir if rec is not None else None
     driver = str(Path(log_dir) / LOCAL_DRIVER_OUT) if log_dir else None
     st = from_logs(logs, [], PROCESSES if alive is not None else LOGS, alive, driver_out=driver)
     if alive and task_id is not None and not logs.exists:
         st.state = StateInfo(JobState.PENDING, "waiting for the earlier tasks")
     cur = logs.current_run()
     first = cur.started if cur is not None else None
-    started = first if task_id is not None else (getattr(rec, "submitted_at", None) or first)
+    started = first if task_id is not None else ((rec.submitted_at if rec is not None else None) or first)
     ended = now if st.state.state.active else (cur.last_time if cur is not None else None)
     st.elapsed = format_duration(ended - started) if started and ended else None
     if alive is False and st.state.state.terminal:

@@ -23,7 +23,7 @@ from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.stacks import hang_line, stack_summary
 from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
-from ddp_hpc.status.targets import StatusError
+from ddp_hpc.status.targets import StatusError, StatusTarget
 
 __all__ = ["ask_stacks", "render_stacks"]
 
@@ -31,11 +31,11 @@ WAIT_S = 6.0
 TAIL = 14
 
 
-def _signal(target, cli) -> str:
+def _signal(target: StatusTarget, cli) -> str:
     """Send STACK_SIGNAL to the target's ranks; returns how."""
     rec = target.record
     if target.local:
-        pids = [p for p in (getattr(rec, "pids", None) or []) if isinstance(p, int)]
+        pids = [p for p in ((rec.pids if rec is not None else None) or []) if isinstance(p, int)]
         sent = []
         for pid in pids:
             try:

@@ -24,7 +24,7 @@ class StatusTarget:
     """A job to look at: its id, the record it came from (if any) and its log directory."""
 
     id: str
-    record: object | None = None  # ddp_hpc.records.JobRecord
+    record: records.JobRecord | None = None
     log_dir: str | None = None
 
     @property
@@ -34,6 +34,11 @@ class StatusTarget:
         if self.record is None:
             return self.id.startswith("local-")
         return backends.of_record(self.record).runs_here
+
+    @property
+    def task_id(self) -> str | None:
+        """The array task id of a target made from an array record (``123_4`` -> ``"4"``)."""
+        return self.id.rsplit("_", 1)[-1] if self.record is not None and self.record.array and "_" in self.id else None
 
 
 def is_slurm_id(job_id: str) -> bool:

@@ -1,7 +1,7 @@
 """Render job statuses: the recent-jobs table, one job's detail page, rank-prefixed log tails.
 
 Every view has a JSON twin (``--json``) with the same facts, so scripts never parse the table.
-Pure functions return text; only :func:`follow_logs` (``ddp_hpc.runlogs.tails``) and
+Pure functions return text; only :func:`follow_logs` (``ddp_hpc.judge.tails``) and
 :func:`watch` loop and print.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ddp_hpc.judge.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.runlogs import tboard
 from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
 from ddp_hpc.slurm.times import format_duration
-from ddp_hpc.status.collect import JobStatus
+from ddp_hpc.status.job import JobStatus
 from ddp_hpc.status.restarts import restart_lines
 from ddp_hpc.status.staging import stage_lines
 from ddp_hpc.text import fit_columns, plural, prog

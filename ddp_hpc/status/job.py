@@ -1,0 +1,97 @@
+"""One job's status as the views show it: a plain value, built by `ddp_hpc.status.resolve` from
+the job's resolved state and sources, rendered by `ddp_hpc.status.view` as a table row, a detail
+page or JSON.
+
+The table's row fills the first group of fields (who the job is, its state, shape, time,
+progress, stall); the detail view fills the same ones and the second group (the failure, every
+rank's ending, exit codes, history, restarts, stragglers, staging, flight recorder), which a row
+leaves at their empty defaults. Both are views over one resolved job (`Resolved.row`,
+`Resolved.detail`), so a row never differs from the head of the detail page.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ddp_hpc.judge.reader import Failure, RunProgress
+from ddp_hpc.slurm.states import JobState
+
+__all__ = ["JobStatus"]
+
+
+@dataclass
+class JobStatus:
+    """Everything the status command knows about one job (or array task): the row, then the
+    detail view's facts."""
+
+    # -- the row: what the table shows (and the head of the detail page)
+    id: str
+    name: str | None
+    backend: str | None
+    state: str  # label shown to the user, e.g. "CANCELLED by 0" or "UNKNOWN(FOO)"
+    state_name: str  # JobState member name
+    source: str  # which source gave the state
+    tried: list[str]
+    nodes: int | None  # the nodes the newest run runs or ran on (None: not known yet)
+    gpus_per_node: int | None
+    device: str | None  # "cpu", "cuda", ... as the run's start events tell it; None: not told
+    elapsed: str | None
+    time_limit: str | None
+    restarts: int
+    log_dir: str | None
+    cwd: str | None = None
+    submitted_at: float | None = None
+    reason: str | None = None
+    node_list: str | None = None
+    progress: RunProgress | None = None
+    notes: list[str] = field(default_factory=list)
+    command: list[str] | None = None  # a script/module/function job: what every rank ran
+    stall: dict | None = None  # a running job's silent ranks (ddp_hpc.judge.timing.stall)
+    eval_metrics: dict | None = None  # the newest eval event's metrics
+    eval_step: int | None = None
+    overrides: list[str] | None = None  # an array task's overrides (the record's array[i])
+    node_range: str | None = None  # "2-4": submitted with --nodes MIN-MAX
+    # -- the detail view's facts (a row leaves them empty)
+    last_events: dict[int, dict] = field(default_factory=dict)
+    failure: Failure | None = None
+    exit_code: str | None = None
+    steps: list[dict] = field(default_factory=list)
+    rank_exit_codes: dict[int, int] = field(default_factory=dict)
+    scheduler_history: list[dict] = field(default_factory=list)
+    history_source: str | None = None
+    runs: list[dict] = field(default_factory=list)
+    rank_endings: dict[int, str] = field(default_factory=dict)  # from the current run's end events
+    #: rank -> how it ended by the evidence (kind raised|exited|killed|vanished|stuck|consequence|
+    #: stopped|lost|completed|preempted|running, text, basis, times): ddp_hpc.judge.attribution
+    rank_classification: dict[str, dict] = field(default_factory=dict)
+    timing: dict | None = None  # per-rank and per-node step times, stragglers (timing.stragglers)
+    flight: list[str] = field(default_factory=list)  # the flight recorder's dumps (judge.flightrec)
+    staging: list[dict] = field(default_factory=list)  # per node leader and source (status/staging.py)
+    #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
+    alloc_restarts: list[dict] = field(default_factory=list)
+
+    @property
+    def job_state(self) -> JobState:
+        return JobState[self.state_name]
+
+    def to_dict(self) -> dict:
+        """The fields as plain data for JSON: the nested dataclasses (progress, failure) become
+        dicts, the rest is shared with this status rather than deep-copied (copying 8,192 ranks'
+        events and classifications was most of ``status --json``'s time)."""
+        d = dict(vars(self))
+        if self.progress is not None:  # numbers only: a shallow copy is a copy
+            d["progress"] = dict(vars(self.progress))
+        if self.failure is not None:
+            d["failure"] = dataclasses.asdict(self.failure)
+        d["last_events"] = {str(k): v for k, v in self.last_events.items()}
+        d["rank_exit_codes"] = {str(k): v for k, v in self.rank_exit_codes.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "JobStatus":
+        """The status `to_dict` gave (after a JSON round trip): the job table's cached rows."""
+        d = dict(d, progress=RunProgress(**d["progress"]) if d.get("progress") else None,
+                 failure=Failure(**d["failure"]) if d.get("failure") else None)
+        d["last_events"] = {int(k): v for k, v in (d.get("last_events") or {}).items()}
+        d["rank_exit_codes"] = {int(k): v for k, v in (d.get("rank_exit_codes") or {}).items()}
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
