@@ -57,3 +57,24 @@ def test_a_value_outside_a_keys_fixed_set_is_a_wrong_value_naming_the_valid_ones
         load_config(demo, [override])
     assert e.value.problem.startswith(problem) and "wrong type" not in e.value.problem, e.value.problem
     assert f"from {demo}" in e.value.problem and e.value.hint == hint, e.value
+
+
+def test_ids_names_and_keys_with_a_trailing_newline_are_refused_everywhere(tmp_path):
+    """The other $-anchored checks match the whole value too: a job id for status or Slurm's
+    commands, a module for -m, a config override's key, a checkpoint's file name."""
+    from ddp_hpc.slurm.values import SlurmArgumentError, validate_job_id
+    from ddp_hpc.status.targets import is_slurm_id
+    from ddp_hpc.submit.spec import SpecError, is_override
+    from ddp_hpc.submit.target import module_command
+    from ddp_hpc.train.checkpoint import list_checkpoints
+
+    assert validate_job_id("123\n") == "123"   # stripped: what reaches argv is the clean id
+    with pytest.raises(SlurmArgumentError):
+        validate_job_id("123\n--all")
+    assert is_slurm_id("123_4") and not is_slurm_id("123\n")
+    assert is_override("train.epochs=2") and not is_override("train.epochs\n=2")
+    with pytest.raises(SpecError, match="not a dotted Python name"):
+        module_command("json\n", [], workdir=str(tmp_path))
+    (tmp_path / "ckpt-000000007.pt").write_bytes(b"")
+    (tmp_path / "ckpt-000000009.pt\n").write_bytes(b"")
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [7]

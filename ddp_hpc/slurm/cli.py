@@ -192,7 +192,7 @@ class SlurmCLI:
         done = self._run(argv, input=script_text, cwd=cwd, env=env)
         first = (done.stdout or "").strip().splitlines()
         job_id = first[-1].split(";", 1)[0].strip() if first else ""
-        if not JOB_ID.match(job_id):
+        if not JOB_ID.fullmatch(job_id):
             raise SlurmError(argv, done.returncode, f"unexpected output {done.stdout!r} "
                              f"(stderr {done.stderr!r}): no job id")
         return job_id
@@ -214,7 +214,7 @@ class SlurmCLI:
         Slurm takes that only while the job pends, so right after the requeue (it waits BeginTime)."""
         job = validate_job_id(job_id)
         nodes = sorted(set(exclude))
-        bad = [n for n in nodes if not NODE_NAME.match(str(n))]
+        bad = [n for n in nodes if not NODE_NAME.fullmatch(str(n))]
         if bad:
             raise SlurmArgumentError(f"invalid node name(s) {bad!r} to exclude", "pass Slurm node names")
         self._run(["scontrol", "requeue", job])
@@ -230,7 +230,7 @@ class SlurmCLI:
         argv = ["scancel"]
         if signal is not None:
             sig = str(signal).upper()
-            if not _SIGNAL.match(sig):
+            if not _SIGNAL.fullmatch(sig):
                 raise SlurmArgumentError(f"invalid signal {signal!r}", "use a name such as USR1 or a number")
             argv.append(f"--signal={sig}")
         if batch:
@@ -250,7 +250,7 @@ class SlurmCLI:
         if job_ids is not None:
             argv.append("--jobs=" + ",".join(self._job_ids(job_ids)))
         if user is not None:
-            if not _USER.match(user):
+            if not _USER.fullmatch(user):
                 raise SlurmArgumentError(f"invalid user name {user!r}")
             argv.append(f"--user={user}")
         try:

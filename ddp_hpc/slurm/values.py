@@ -23,7 +23,7 @@ def validate_job_id(job_id: object) -> str:
     SlurmArgumentError, a ValueError (ids end up in argv, so nothing like ``1;rm`` or ``--all`` may
     pass)."""
     text = str(job_id).strip() if isinstance(job_id, (str, int)) else None
-    if text is None or not JOB_ID.match(text):
+    if text is None or not JOB_ID.fullmatch(text):
         raise SlurmArgumentError(
             f"invalid Slurm job id {job_id!r}: expected digits with an optional _N array task "
             "suffix, such as 1234 or 1234_7"

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args, parser: argparse.ArgumentParser) -> None:
     """Refuse contradicting or out-of-range options (argparse's error: usage, message, exit 2)."""
     me = parser.prog
-    if args.job is not None and not _JOB_ID.match(args.job):
+    if args.job is not None and not _JOB_ID.fullmatch(args.job):
         parser.error(f"job id {args.job!r} (command line) is not a job id: use digits like 1234, an "
                      f"array task like 1234_5, or a local-... id as listed by `{me}`")
     if (args.rank is not None or args.follow or args.files) and not args.logs:

@@ -43,7 +43,7 @@ class StatusTarget:
 
 def is_slurm_id(job_id: str) -> bool:
     """``1234`` or an array task ``1234_5`` (not a ``local-...`` id)."""
-    return bool(_SLURM_ID.match(job_id))
+    return bool(_SLURM_ID.fullmatch(job_id))
 
 
 def targets_from_records(recs) -> list[StatusTarget]:

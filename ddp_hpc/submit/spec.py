@@ -43,7 +43,7 @@ STALL_MARGIN_S = 15.0
 def is_override(item: str) -> bool:
     """``key=value`` with a dotted config key (``train.epochs=2``)."""
     key, eq, _ = item.partition("=")
-    return bool(eq) and bool(_OVERRIDE_KEY.match(key.strip()))
+    return bool(eq) and bool(_OVERRIDE_KEY.fullmatch(key.strip()))
 
 
 def parse_sweeps(items: Sequence[str]) -> list[tuple[str, list[str]]]:
@@ -252,7 +252,7 @@ def script_sweeps(items: Sequence[str]) -> list[tuple[str, list[str]]]:
     for item in items:
         key, eq, values = item.partition("=")
         vals = [v.strip() for v in values.split(",")]
-        if not eq or not _SCRIPT_KEY.match(key.strip()) or not all(vals):
+        if not eq or not _SCRIPT_KEY.fullmatch(key.strip()) or not all(vals):
             raise SpecError(f"sweep {item!r} is not of the form NAME=V1,V2,... (--sweep {item})",
                             "write e.g. --sweep lr=1e-3,3e-4: each task gets --lr=1e-3 etc. as "
                             "extra arguments of the script")

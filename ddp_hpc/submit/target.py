@@ -108,7 +108,7 @@ def script_command(path: str, args: Sequence[str], python: str | None = None) ->
 def module_command(module: str, args: Sequence[str], python: str | None = None,
                    workdir: str | None = None) -> tuple[str, ...]:
     """``(python, -m, module, *args)`` when ``module`` can be imported from ``workdir``."""
-    if not _MODULE.match(module):
+    if not _MODULE.fullmatch(module):
         raise SpecError(f"module name {module!r} is not a dotted Python name (-m {module})",
                         "write e.g. -m mypkg.train")
     workdir = workdir or os.getcwd()

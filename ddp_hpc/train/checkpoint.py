@@ -54,7 +54,7 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for p in d.iterdir():
-        m = _NAME.match(p.name)
+        m = _NAME.fullmatch(p.name)
         if m:
             found.append((int(m.group(1)), p))
     return sorted(found, reverse=True)
