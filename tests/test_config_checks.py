@@ -77,3 +77,23 @@ def test_ids_names_and_keys_with_a_trailing_newline_are_refused_everywhere(tmp_p
     (tmp_path / "ckpt-000000007.pt").write_bytes(b"")
     (tmp_path / "ckpt-000000009.pt\n").write_bytes(b"")
     assert [s for s, _ in list_checkpoints(tmp_path)] == [7]
+
+
+def test_every_slurm_default_passes_its_own_check():
+    """SlurmOptions checks only the values that differ from their defaults (so a copy with one
+    value changed checks that one again): each default must be a value its check keeps as is."""
+    import dataclasses
+    for f in dataclasses.fields(SlurmOptions):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert f.metadata["parse"](default, f"slurm.{f.name}") == default, f.name
+
+
+@pytest.mark.parametrize("key, value", [("nodes", True), ("gpus_per_node", True), ("exclusive", 0),
+                                        ("max_restarts", 2.0), ("stage", [])])
+def test_a_value_equal_to_a_default_but_of_another_type_is_still_checked(key, value):
+    """True == 1 and 0 == False: only the default itself, of its type, goes unchecked."""
+    if key == "stage":   # a list is a stage list: checked, and kept as a tuple
+        assert SlurmOptions(stage=value).stage == ()
+        return
+    with pytest.raises(ConfigError, match=f"slurm.{key}"):
+        SlurmOptions(**{key: value})

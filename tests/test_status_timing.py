@@ -243,3 +243,27 @@ def test_a_rank_waiting_in_a_collective_never_stopped_first(tmp_path):
     assert st.stall["behind"] == [3]
     assert lines[2] == ("Stalled:    ranks 0-3 silent for 00:02:10; rank 3 stopped first (last step 40, "
                         "the others' 41)"), lines
+
+
+def test_progress_takes_the_newest_readable_value_of_each_metric():
+    """The newest step event's loss, samples/s and steps/s, where it holds a number; an
+    unreadable value falls back to the step before; epoch events (epoch means) only where no step
+    event has one; the epoch from the newest event that names one."""
+    evs = steps(0, 3)
+    evs[1]["loss"], evs[1]["steps_per_s"] = 0.25, 4.0
+    evs[2]["loss"], evs[2]["samples_per_s"], evs[2]["epoch"] = "nan-ish", None, "x"
+    epoch = {"time": T0 + 4, "event": "epoch", "rank": 0, "epoch": 1, "step": 3, "loss": 9.0,
+             "samples_per_s": 99.0}
+    p = timing.progress(evs + [epoch], evs + [epoch])
+    assert (p.loss, p.samples_per_s, p.steps_per_s, p.epoch, p.step) == (0.25, 10.0, 4.0, 1, 3)
+    only_epochs = timing.progress([epoch], [epoch])
+    assert (only_epochs.loss, only_epochs.samples_per_s, only_epochs.steps_per_s) == (9.0, 99.0, None)
+
+
+def test_the_detail_view_names_tensorboard_files_of_the_log_directory_it_read(tmp_path):
+    d = tmp_path / "run"
+    write(d, 0, steps(0, 5))
+    assert not any(line.startswith("TensorBoard:") for line in status(d, T0 + 6)[1])
+    (d / "events.out.tfevents.1800000000.n1.1.0").write_bytes(b"")
+    st, lines = status(d, T0 + 6)
+    assert st.tensorboard and f"TensorBoard: tensorboard --logdir {d}" in lines

@@ -220,15 +220,25 @@ class SlurmOptions:
                         flags=("--backend",), group=TOP, choices=BACKENDS)
 
     def __post_init__(self) -> None:
+        """Each value that is not its field's default is checked (a default passes its check:
+        tests/test_config_checks.py), so a copy with one value changed (``dataclasses.replace``)
+        checks that one again, not all of them."""
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, f.metadata["parse"](getattr(self, f.name),
-                                                                 f"slurm.{f.name}"))
+            value = getattr(self, f.name)
+            if not _is_default(f, value):
+                object.__setattr__(self, f.name, f.metadata["parse"](value, f"slurm.{f.name}"))
         _check_restarts(self)
 
     @property
     def node_range(self) -> tuple[int, int]:
         """(MIN, MAX) nodes: (N, N) for a plain count."""
         return node_range(self.nodes)
+
+
+def _is_default(f: dataclasses.Field, value: Any) -> bool:
+    """``value`` is the field's default, of the same type (``True`` is no node count of 1)."""
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return type(value) is type(default) and value == default
 
 
 def _check_restarts(o: SlurmOptions) -> None:

@@ -14,6 +14,7 @@ decided by evidence in ``ddp_hpc.judge.attribution``; this module reads the file
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import os
 import re
@@ -37,7 +38,15 @@ from ddp_hpc.judge.srun import (
 from ddp_hpc.judge.tails import FULL_READ_BYTES, RankStream, over_budget, read_events
 from ddp_hpc.judge.timing import RunProgress, progress
 from ddp_hpc.parsing import to_float, to_int
-from ddp_hpc.runlogs.schema import EVENTS_RE, LOCAL_DRIVER_OUT, LOG_RE, OUT_RE, batch_outputs, events_file
+from ddp_hpc.runlogs.schema import (
+    EVENTS_RE,
+    LOCAL_DRIVER_OUT,
+    LOG_RE,
+    OUT_RE,
+    TBOARD_GLOB,
+    batch_outputs,
+    events_file,
+)
 
 __all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "RunEnding", "read_events",
            "run_ending", "traceback_in", "exception_of", "tail_file", "tail_lines"]
@@ -108,11 +117,13 @@ class RunLogs:
         self._names: dict[str, dict[int, str]] = {"out": {}, "log": {}}  # rank -> file name
         self._outs_read: dict[int, tuple[list[str] | None, list[str]]] = {}
         self._memo, self.listed = {}, False  # see _cached; listed: the directory was there to list
+        self.tensorboard = False  # TensorBoard's event files are in the directory
         try:  # names, not Paths: a Path per file was a tenth of the job table's first view
             names = sorted(os.listdir(self.log_dir)) if self.log_dir is not None else []
         except OSError:  # no such directory (yet), or not one
             return
         self.listed = self.log_dir is not None
+        self.tensorboard = any(fnmatch.fnmatchcase(name, TBOARD_GLOB) for name in names)
         events = []
         for name in names:
             if m := EVENTS_RE.match(name):

@@ -61,8 +61,10 @@ class RunProgress:
     updated: float | None = None
 
 
-def _steps(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("event") == "step" and to_float(e.get("time")) is not None]
+def _steps(events: list[dict]) -> list[tuple[float, dict]]:
+    """(time, event) of each step event with a time, the time read once."""
+    timed = ((to_float(e.get("time")), e) for e in events if e.get("event") == "step")
+    return [(t, e) for t, e in timed if t is not None]
 
 
 def _last_time(events: list[dict]) -> float | None:
@@ -73,16 +75,16 @@ def _last_time(events: list[dict]) -> float | None:
 
 def event_intervals(events: list[dict]) -> list[float]:
     """Seconds between consecutive step events."""
-    ts = [to_float(e.get("time")) for e in _steps(events)]
+    ts = [t for t, _ in _steps(events)]
     return [b - a for a, b in zip(ts, ts[1:]) if b > a]
 
 
 def step_times(events: list[dict]) -> list[float]:
     """Seconds per step between consecutive step events (their ``step`` numbers must grow)."""
-    st = [e for e in _steps(events) if isinstance(e.get("step"), (int, float))]
+    st = [(t, e["step"]) for t, e in _steps(events) if isinstance(e.get("step"), (int, float))]
     out = []
-    for a, b in zip(st, st[1:]):
-        dt, ds = to_float(b.get("time")) - to_float(a.get("time")), b["step"] - a["step"]
+    for (ta, sa), (tb, sb) in zip(st, st[1:]):
+        dt, ds = tb - ta, sb - sa
         if dt > 0 and ds > 0:
             out.append(dt / ds)
     return out
@@ -169,7 +171,7 @@ def hang(per_rank: dict[int, list[dict]], ranks: list[int]) -> str | None:
 def _own_times(evs: list[dict]) -> list[float]:
     """The rank's own seconds per step waiting for data (``data_s`` of the training core's step
     events), when its events carry them."""
-    return [float(e["data_s"]) for e in _steps(evs) if isinstance(e.get("data_s"), (int, float))]
+    return [float(e["data_s"]) for _, e in _steps(evs) if isinstance(e.get("data_s"), (int, float))]
 
 
 def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict | None:
@@ -243,6 +245,15 @@ def _median_without(ordered: list[float], value: float) -> float | None:
     return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2
 
 
+def _newest(events: list[dict], key: str, parse, default):
+    """The newest value of ``key`` in ``events`` (oldest first) that ``parse`` reads; ``default``
+    when none does."""
+    for e in reversed(events):
+        if e.get(key) is not None and (value := parse(e.get(key))) is not None:
+            return value
+    return default
+
+
 def progress(evs: list[dict], all_events: list[dict]) -> RunProgress | None:
     """Where training stands from one rank's events of the current run (``evs``; all its runs'
     in ``all_events``): epoch, the largest step, the newest loss and samples/s, and an ETA from
@@ -256,21 +267,17 @@ def progress(evs: list[dict], all_events: list[dict]) -> RunProgress | None:
     if not metrics:
         return None
     p = RunProgress(updated=to_float(metrics[-1].get("time")))
-    for e in metrics:
-        if e.get("epoch") is not None:
-            p.epoch = to_int(e.get("epoch"), p.epoch)
+    p.epoch = _newest(metrics, "epoch", to_int, p.epoch)
     # steps only grow within a run: the largest any event reports (a stack event's too: step
     # events are throttled to one a second, the watchdog's stack names the step a rank hung at)
     p.step = newest_step(evs if any(e.get("event") in kinds for e in evs) else metrics)
-    # the newest step's loss and throughput (epoch events carry epoch means: a fallback)
+    # the newest step's loss and throughput (epoch events carry epoch means: a fallback);
+    # steps_per_s: an instrumented script's step events
     for kind in ("epoch", "step"):
-        for e in (x for x in metrics if x.get("event") == kind):
-            if e.get("loss") is not None:
-                p.loss = to_float(e.get("loss"), p.loss)
-            if e.get("samples_per_s") is not None:
-                p.samples_per_s = to_float(e.get("samples_per_s"), p.samples_per_s)
-            if e.get("steps_per_s") is not None:   # an instrumented script's step events
-                p.steps_per_s = to_float(e.get("steps_per_s"), p.steps_per_s)
+        of_kind = [x for x in metrics if x.get("event") == kind]
+        p.loss = _newest(of_kind, "loss", to_float, p.loss)
+        p.samples_per_s = _newest(of_kind, "samples_per_s", to_float, p.samples_per_s)
+        p.steps_per_s = _newest(of_kind, "steps_per_s", to_float, p.steps_per_s)
     totals = [e.get("total_steps") for e in all_events if e.get("total_steps") is not None]
     p.total_steps = to_int(totals[-1], None) if totals else None
     if p.total_steps and p.step is not None:

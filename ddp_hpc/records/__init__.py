@@ -36,7 +36,7 @@ from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.slurm.times import format_duration
 
 __all__ = ["JobRecord", "JobRecordError", "records_dir", "write_record", "update_record", "load_record",
-           "list_records", "final_of", "store_final", "store_finals", "local_final"]
+           "list_records", "final_of", "first_restart", "store_final", "store_finals", "local_final"]
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
@@ -188,6 +188,15 @@ def _merged(base: dict | None, mine: dict, now: dict | None) -> dict:
     if base is None or now is None:
         return mine
     return {**now, **{k: v for k, v in mine.items() if base.get(k, _ABSENT) != v}}
+
+
+def first_restart(rec: JobRecord | None) -> int:
+    """The restart number of the job's first run in its logs (``restart_base``; 0 without a
+    record or with a value that is no positive whole number): a job that resumed a stopped run
+    starts after that run's restarts, and the scheduler's runs of the job map onto the logs' from
+    it."""
+    base = rec.restart_base if rec is not None else 0
+    return base if isinstance(base, int) and base > 0 else 0
 
 
 def final_of(rec: JobRecord | None, task_id: str | int | None = None) -> dict | None:

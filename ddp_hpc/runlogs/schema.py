@@ -58,6 +58,8 @@ CONFIG_FILE = "config.yaml"
 BATCH_OUT_GLOB = "slurm-*.out"
 LOCAL_DRIVER_OUT = "local-driver.out"
 ALLOC_RESTARTS_FILE = "restarts.jsonl"
+#: TensorBoard's event files, rank 0 writes them into the run directory (`runlogs.tboard`)
+TBOARD_GLOB = "events.out.tfevents.*"
 #: the keys of one in-allocation restart (docs/restarts.md): the new run's restart number, the
 #: job, when the fault happened and when the supervisor saw it, why (trigger, kind, rank, node,
 #: basis, the failure's summary), the nodes excluded, the nodes and world size before and after

@@ -31,14 +31,14 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from ddp_hpc.runlogs.schema import TBOARD_GLOB
+
 __all__ = ["ENV_SWITCH", "TensorBoardSink", "enabled", "event_files", "scalars", "sink_for"]
 
 #: set to 0 / false / no / off to write no TensorBoard files
 ENV_SWITCH = "DDP_HPC_TENSORBOARD"
 #: the run-log events that become TensorBoard scalars
 TB_EVENTS = ("step", "epoch", "eval")
-#: the event files' names (TensorBoard's own naming)
-EVENT_GLOB = "events.out.tfevents.*"
 _OFF = ("0", "false", "no", "off")
 _STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
               "epoch": "train/epoch"}
@@ -164,6 +164,6 @@ def _close_all() -> None:
 def event_files(log_dir: str | Path) -> list[Path]:
     """The TensorBoard event files in a run directory (none when it is gone)."""
     try:
-        return sorted(Path(log_dir).glob(EVENT_GLOB))
+        return sorted(Path(log_dir).glob(TBOARD_GLOB))
     except OSError:
         return []

@@ -11,25 +11,17 @@ import dataclasses
 from ddp_hpc.judge.attribution import SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import sched_index
-from ddp_hpc.records import JobRecord
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.status.restarts import supervisor_stop
 from ddp_hpc.status.stopped import STOPPED, stall_before_stop
 
-__all__ = ["CRASHED", "diagnose", "restart_base", "run_causes"]
+__all__ = ["CRASHED", "diagnose", "run_causes"]
 
 #: terminal states in which the job itself broke (rather than being stopped from outside): here
 #: the rank whose events stopped first is a suspect even without an error event
 CRASHED = frozenset({JobState.FAILED, JobState.NODE_FAIL, JobState.OUT_OF_MEMORY,
                      JobState.BOOT_FAIL, JobState.LAUNCH_FAILED})
-
-
-def restart_base(rec: JobRecord | None) -> int:
-    """The restart number of the job's first run in its logs (a job that resumed a stopped run
-    starts after that run's restarts; the scheduler's runs of the job map onto the logs' from it)."""
-    base = rec.restart_base if rec is not None else 0
-    return base if isinstance(base, int) and base > 0 else 0
 
 
 def sched_state_at(hist: list, restart: int, base: int, inside=()) -> str | None:

@@ -69,6 +69,7 @@ class JobStatus:
     staging: list[dict] = field(default_factory=list)  # per node leader and source (status/staging.py)
     #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
     alloc_restarts: list[dict] = field(default_factory=list)
+    tensorboard: bool = False  # TensorBoard's event files in the log directory (runlogs.tboard)
 
     @property
     def job_state(self) -> JobState:

@@ -55,7 +55,7 @@ from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.slurm.times import duration_seconds, format_duration, normalize_duration
 from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
-from ddp_hpc.status.diagnose import diagnose, restart_base, run_causes
+from ddp_hpc.status.diagnose import diagnose, run_causes
 from ddp_hpc.status.job import JobStatus
 from ddp_hpc.status.restarts import alloc_restarts
 from ddp_hpc.status.staging import stage_rows
@@ -181,7 +181,7 @@ class Resolved:
         """The detail view: the row's facts, then the failure, every rank's ending, exit codes,
         the scheduler's history, the runs, restarts, stragglers, staging, flight recorder."""
         s, logs, sched = self.sources, self.logs, self.state
-        base = restart_base(s.record)
+        base = records.first_restart(s.record)
         inside = alloc_restarts(s.record, s.target.log_dir, logs)
         notes = list(self.notes)   # the judgement's notes are the detail view's
         failure, endings = diagnose(logs, sched, notes, base, inside)
@@ -199,7 +199,7 @@ class Resolved:
             runs=run_causes(logs, logs.runs(), sched, base, inside), rank_endings=rank_endings(logs),
             rank_classification={str(r): e.to_dict() for r, e in endings.items()},
             timing=timing.stragglers(*self._per_rank_hosts()), flight=flight, staging=stage_rows(logs),
-            alloc_restarts=inside), notes)
+            alloc_restarts=inside, tensorboard=logs.tensorboard), notes)
 
     def _status(self, detail: dict, notes: list[str]) -> JobStatus:
         s, logs, sched = self.sources, self.logs, self.state
@@ -213,7 +213,7 @@ class Resolved:
             tried=sched.tried, **_from_record(rec), **self._shape(cur), device=logs.device(),
             elapsed=self._elapsed(cur),
             time_limit=sched.time_limit or normalize_duration(rec.time_limit if rec is not None else None),
-            restarts=max(restart_base(rec) + (sched.restarts or 0), cur.restart if cur is not None else 0),
+            restarts=max(records.first_restart(rec) + (sched.restarts or 0), cur.restart if cur is not None else 0),
             log_dir=s.target.log_dir, reason=sched.reason, node_list=sched.node_list, progress=progress,
             notes=notes + _read_notes(s.target, logs, sched), overrides=_overrides(s.target),
             eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
@@ -246,7 +246,7 @@ class Resolved:
         """The first run of the current allocation: ``cur``, or an earlier run when ``cur`` (and
         the runs before it) were started by in-allocation restarts (restarts.jsonl)."""
         rec, log_dir = self.sources.record, self.sources.target.log_dir
-        if isinstance(self.logs, KeptLogs) or cur.restart <= restart_base(rec):  # a job's first run
+        if isinstance(self.logs, KeptLogs) or cur.restart <= records.first_restart(rec):  # a job's first run
             return cur
         rows = read_restarts(log_dir) or ((rec.alloc_restarts if rec is not None else None) or [])
         inside = {to_int(e.get("restart")) for e in rows}

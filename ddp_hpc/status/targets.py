@@ -5,6 +5,7 @@ The scheduler is asked about the targets in ``sources``; ``collect`` puts the an
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -27,10 +28,10 @@ class StatusTarget:
     record: records.JobRecord | None = None
     log_dir: str | None = None
 
-    @property
+    @functools.cached_property
     def local(self) -> bool:
         """The job's processes run on this machine (its backend's ``runs_here``), not a
-        scheduler's."""
+        scheduler's; asked once per target."""
         if self.record is None:
             return self.id.startswith("local-")
         return backends.of_record(self.record).runs_here

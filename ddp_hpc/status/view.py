@@ -17,7 +17,6 @@ from ddp_hpc.judge.consequences import compress as compress_ranks
 from ddp_hpc.judge.consequences import ranks_text
 from ddp_hpc.judge.tails import follow_logs, log_line, logs_tail, rank_files, render_logs
 from ddp_hpc.judge.timing import STALL_FACTOR, STALL_MIN_S
-from ddp_hpc.runlogs import tboard
 from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.status.job import JobStatus
@@ -187,7 +186,7 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
     if st.log_dir:
         out += [f"            {name:<12} {RANK_FILE_ROLES[kind]}"
                 for kind, name in (("log", text_log("{R}")), ("out", rank_out("{R}")))]
-        if tboard.event_files(st.log_dir):
+        if st.tensorboard:
             out.append(f"TensorBoard: tensorboard --logdir {shlex.quote(st.log_dir)}")
     if st.node_list:
         out.append(f"Nodes:      {st.node_list}")

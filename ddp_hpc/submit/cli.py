@@ -177,7 +177,7 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
     sweeps = script_sweeps(args.sweep)
     if args.no_instrument:   # every backend's ranks inherit this environment
         os.environ["DDP_HPC_INSTRUMENT"] = "0"
-    stage = stage_items([("--stage", args.stage or ())])   # before the backend is chosen
+    stage = stage_items([("--stage", args.stage)]) if args.stage else ()   # before the backend is chosen
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
     cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli)

@@ -160,7 +160,7 @@ def dispatch(spec: JobSpec, backend: Backend, cli, opts: SubmitOptions | None = 
     backend.check(spec, cli, opts.dry_run)
     plan = backend.plan(spec, task_cfgs)
     if opts.dry_run:
-        sys.stdout.write(plan.text)
+        sys.stdout.write(plan.shown())
         sys.stdout.flush()
         return Submitted(None)
     return backend.submit(plan, cli, opts)

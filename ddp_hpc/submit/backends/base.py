@@ -6,7 +6,7 @@ A backend answers, for one checked ``JobSpec``:
 
 - ``check(spec, cli, dry_run)``: refuse what it cannot run (options it does not take, what sinfo
   says the cluster cannot hold), before anything is written;
-- ``plan(spec, task_cfgs) -> Plan``: what it would run (the dry run prints ``Plan.text``);
+- ``plan(spec, task_cfgs) -> Plan``: what it would run (the dry run prints ``Plan.shown()``);
 - ``submit(plan, cli, opts) -> Submitted``: run or queue it, write the job record;
 - ``submit_function(spec, fn, args, kwargs, cli) -> Submitted``: a Python function as the job
   (``takes_functions``);
@@ -65,15 +65,20 @@ class SubmitOptions:
 @dataclass(frozen=True)
 class Plan:
     """What a backend would run for a spec: ``text`` is what --dry-run prints (a batch script,
-    submitit's parameters, the launcher commands); ``env`` the environment it submits with (an
+    submitit's parameters, the launcher commands), or a function without arguments that makes it
+    where only a dry run needs it (`shown`); ``env`` the environment it submits with (an
     enclosing job's SLURM_* removed), ``removed`` the names taken out; ``task_cfgs`` each task's
     config (None for a script, module or function job), written into its run directory."""
 
     spec: JobSpec
-    text: str
+    text: str | Callable[[], str]
     env: Mapping[str, str]
     removed: tuple[str, ...] = ()
     task_cfgs: tuple[JobConfig, ...] | None = None
+
+    def shown(self) -> str:
+        """What --dry-run prints."""
+        return self.text() if callable(self.text) else self.text
 
 
 @dataclass

@@ -7,6 +7,7 @@ is cancelled are read from them."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -90,7 +91,7 @@ class LocalBackend:
         env.update(spec.stage_environ())   # --stage: what each pretend node copies first
         if spec.restart_base:   # resumes a stopped run: its restart numbers follow that run's
             env[RESTART_BASE_VAR] = str(spec.restart_base)
-        return Plan(spec, _launcher_lines(spec), env, tuple(removed),
+        return Plan(spec, functools.partial(_launcher_lines, spec), env, tuple(removed),
                     None if task_cfgs is None else tuple(task_cfgs))
 
     def submit(self, plan: Plan, cli: Any, opts: SubmitOptions) -> Submitted:
