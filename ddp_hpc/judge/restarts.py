@@ -15,23 +15,35 @@ from pathlib import Path
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE
 
-__all__ = ["read_restarts", "read_stops", "sched_index", "first_step_at", "time_lost"]
+__all__ = ["read_restarts", "read_stops", "read_restarts_and_stops", "sched_index", "first_step_at", "time_lost"]
 
 
 def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
     """The restarts recorded in ``log_dir`` (of job ``job_id`` only, when given), in order;
     unreadable lines are skipped."""
-    return _read(log_dir, job_id, "restart")
+    return _numbered(_lines(log_dir, job_id), "restart")
 
 
 def read_stops(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
     """The steps the supervisor stopped without restarting them (`runlogs.restarts.append_stop`),
     in order."""
-    return _read(log_dir, job_id, "stopped_run")
+    return _numbered(_lines(log_dir, job_id), "stopped_run")
 
 
-def _read(log_dir: str | Path | None, job_id: str | None, number: str) -> list[dict]:
-    """The lines of restarts.jsonl whose ``number`` key holds a whole number."""
+def read_restarts_and_stops(log_dir: str | Path | None, job_id: str | None = None,
+                            ) -> tuple[list[dict], list[dict]]:
+    """`read_restarts` and `read_stops` from one read of the file."""
+    lines = _lines(log_dir, job_id)
+    return _numbered(lines, "restart"), _numbered(lines, "stopped_run")
+
+
+def _numbered(lines: list[dict], number: str) -> list[dict]:
+    """The lines whose ``number`` key holds a whole number."""
+    return [rec for rec in lines if to_int(rec.get(number), None) is not None]
+
+
+def _lines(log_dir: str | Path | None, job_id: str | None) -> list[dict]:
+    """The objects of restarts.jsonl (of job ``job_id`` only, when given), in order."""
     if not log_dir:
         return []
     try:
@@ -44,8 +56,7 @@ def _read(log_dir: str | Path | None, job_id: str | None, number: str) -> list[d
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and to_int(rec.get(number), None) is not None and (
-                job_id is None or str(rec.get("job_id")) == str(job_id)):
+        if isinstance(rec, dict) and (job_id is None or str(rec.get("job_id")) == str(job_id)):
             out.append(rec)
     return out
 

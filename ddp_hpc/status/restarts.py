@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import read_restarts, read_stops, time_lost
+from ddp_hpc.judge.restarts import read_restarts_and_stops, time_lost
 from ddp_hpc.parsing import to_float
 from ddp_hpc.records import JobRecord
 
@@ -19,12 +19,13 @@ __all__ = ["alloc_restarts", "restart_lines", "supervisor_stop"]
 def alloc_restarts(rec: JobRecord | None, log_dir: str | None, logs: RunLogs) -> list[dict]:
     """Each restart's record with ``lost_s`` (None while no step followed it yet), then each step
     the supervisor stopped without restarting it (``stopped_run``: no ``restart`` key)."""
-    rows = read_restarts(log_dir) or [dict(r) for r in ((rec.alloc_restarts if rec is not None else None) or [])]
+    rows, stops = read_restarts_and_stops(log_dir)
+    rows = rows or [dict(r) for r in ((rec.alloc_restarts if rec is not None else None) or [])]
     out = []
     for row in rows:
         lost = time_lost(row, logs) if logs.ranks else row.get("lost_s")
         out.append({**row, "lost_s": lost})
-    return out + read_stops(log_dir)
+    return out + stops
 
 
 def supervisor_stop(rows: list[dict], restart: int) -> dict | None:
