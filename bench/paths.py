@@ -16,9 +16,9 @@ docs/architecture.md ("The submit path", "The status path"):
 For each it prints the ddp_hpc modules whose functions ran, the distinct cross-module edges
 (a callee module returning into a different caller module, counted once per caller/callee
 pair: one "climb back up" each), and the total cross-module returns. The caller of a frame is
-the nearest ddp_hpc frame below it (a call through argparse, ``sorted`` or a dataclass's
-generated method counts as made by the ddp_hpc module that made it); a generator's yield counts
-as a return.
+the nearest ddp_hpc frame below it (a call through argparse, ``sorted`` or
+``dataclasses.replace`` counts as made by the ddp_hpc module that made it); a generator's yield
+counts as a return. The status views also say how often ``records.final_of`` ran.
 
     python bench/paths.py                          # this tree (-v: every edge, its returns)
     git worktree add /tmp/old 37f317e              # or: git archive 37f317e | tar -x -C /tmp/old
@@ -43,6 +43,7 @@ class Trace:
     def __init__(self):
         self.modules: set[str] = set()
         self.returns: Counter = Counter()   # (callee module, caller module) -> returns
+        self.final_of = 0                   # calls of records.final_of
 
     def _profile(self, frame, event, arg):
         if event not in ("call", "return"):
@@ -52,6 +53,7 @@ class Trace:
             return
         if event == "call":
             self.modules.add(mod)
+            self.final_of += frame.f_code.co_name == "final_of"
             return
         back = frame.f_back
         while back is not None and not back.f_globals.get("__name__", "").startswith("ddp_hpc"):
@@ -69,8 +71,9 @@ class Trace:
 
     def lines(self, name: str, verbose: bool = False) -> str:
         out = (f"{name}: {len(self.modules)} modules, {len(self.returns)} distinct cross-module "
-               f"edges, {sum(self.returns.values())} cross-module returns\n    "
-               + " ".join(sorted(_short(m) for m in self.modules)))
+               f"edges, {sum(self.returns.values())} cross-module returns"
+               + (f"; records.final_of ran {self.final_of} times" if name.startswith("status") else "")
+               + "\n    " + " ".join(sorted(_short(m) for m in self.modules)))
         if verbose:   # each edge, the most returns first
             out += "".join(f"\n      {n:5d}  {_short(callee)} -> {_short(caller)}"
                            for (callee, caller), n in self.returns.most_common())
