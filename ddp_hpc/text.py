@@ -51,7 +51,10 @@ class ArgumentParser(argparse.ArgumentParser):
         super().error(message + did_you_mean(message, list(self._option_string_actions)))
 
 
-_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+#: argparse's words for a value outside its choices: the choices quoted (``'status', 'submit'``,
+#: Python <= 3.12.6) or not (``status, submit``, 3.12.7+ and 3.13); 3.14 may put its own guess
+#: (``, maybe you meant 'status'?``) before the list
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)'.*?\(choose from (.*)\)")
 
 
 def did_you_mean(message: str, flags: list[str]) -> str:
@@ -61,7 +64,8 @@ def did_you_mean(message: str, flags: list[str]) -> str:
     "" when none is close."""
     choice = _INVALID_CHOICE.search(message)
     if choice:
-        choices = re.findall(r"'([^']*)'", choice.group(2))
+        listed = choice.group(2)
+        choices = re.findall(r"'([^']*)'", listed) or [c.strip() for c in listed.split(",")]
         near = difflib.get_close_matches(choice.group(1), choices, n=1, cutoff=0.6)
         return f" (did you mean `{near[0]}`?)" if near else ""
     if not message.startswith("unrecognized arguments:"):

@@ -36,3 +36,15 @@ def test_nothing_close_gets_no_guess():
     p = _run("zzzzzz")
     assert p.returncode == 2 and "invalid choice: 'zzzzzz'" in p.stderr
     assert "did you mean" not in p.stderr
+
+
+@pytest.mark.parametrize("message", [
+    "argument command: invalid choice: 'sttaus' (choose from 'submit', 'status', 'cancel')",   # <= 3.12.6
+    "argument command: invalid choice: 'sttaus' (choose from submit, status, cancel)",         # 3.12.7+, 3.13
+    "argument command: invalid choice: 'sttaus', maybe you meant 'status'? (choose from submit, status, cancel)",
+])
+def test_an_invalid_choice_gets_did_you_mean_in_each_pythons_words(message):
+    """argparse's message differs between Python versions (the choices quoted or not, 3.14's own
+    guess); the nearest choice is found in each."""
+    from ddp_hpc.text import did_you_mean
+    assert did_you_mean(message, []) == " (did you mean `status`?)"

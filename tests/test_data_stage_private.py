@@ -141,3 +141,28 @@ def test_copies_are_never_wider_than_the_umask_allows(tmp_path):
     src = _file(tmp_path / "open.bin", b"o" * 100, 0o666)
     os.umask(0o077)
     assert _mode(stage(src, str(dest), job_id="9")) == 0o600
+
+
+def test_sbcast_never_overwrites_in_a_shared_folder(tmp_path):
+    """Into a folder others may write to, the sbcast copies' names can be foreseen: Slurm's sbcast
+    runs without --force there (it then fails on a file or link already there, and the nodes
+    copy), with it into a folder of this user's own (a rerun replaces its own leftovers)."""
+    import subprocess
+
+    from ddp_hpc.data.sbcast import sbcast_stage
+    from ddp_hpc.slurm.cli import SlurmCLI
+
+    calls: list[list[str]] = []
+
+    def runner(argv, **kw):
+        calls.append(list(argv))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    src = _file(tmp_path / "train.bin", b"x" * 100)
+    own = tmp_path / "own"
+    own.mkdir(mode=0o700)
+    for dest, force in ((_shared(tmp_path), False), (own, True)):
+        calls.clear()
+        out = sbcast_stage(src, str(dest), cli=SlurmCLI(runner=runner), environ={"SLURM_JOB_ID": "7"})
+        assert [c[0] for c in calls] == ["sbcast", "sbcast"] and out["data"].startswith(str(dest) + "/")
+        assert all(("--force" in c) == force for c in calls), (dest, calls)

@@ -4,6 +4,7 @@ file holds then, so no writer loses another's fields. Real processes, real files
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -93,3 +94,30 @@ def test_store_finals_of_many_records_keeps_later_writes_and_locks_a_record_give
     for p in (path, other_path):
         got = json.loads(p.read_text())
         assert got["pids"] == [7] and got["final"]["exit_code"] == "3", got
+
+
+APPENDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from ddp_hpc.supervise.loop import _to_record
+    task, n, go = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    while not go.exists():
+        time.sleep(0.001)
+    for i in range(n):
+        _to_record(f"local-x-1_{task}", {"task": task, "i": i})
+""")
+
+
+def test_supervisors_of_two_array_tasks_restarting_at_once_keep_each_others_rows(tmp_path):
+    """Array tasks share their array's record; each task's supervisor appends its restarts to it
+    (supervise.loop._to_record): no row of either is lost."""
+    env, path = _record(tmp_path)
+    n, go = 100, tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", APPENDER, task, str(n), str(go)],
+                              env={**os.environ, **env}) for task in ("0", "1")]
+    go.touch()
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    rows = json.loads(path.read_text())["alloc_restarts"]
+    for task in ("0", "1"):
+        assert [r["i"] for r in rows if r["task"] == task] == list(range(n)), rows
+    assert not list(path.parent.glob(".*lock"))

@@ -7,6 +7,8 @@ from a scheduler that answers like Slurm (a duck-typed SlurmCLI), the rest from 
 """
 import json
 
+import pytest
+
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.stacks import stack_excerpt, stack_summary
 from ddp_hpc.status.collect import collect
@@ -468,3 +470,19 @@ def test_an_error_outside_a_collective_or_after_a_step_stays_the_ranks_own(tmp_p
     kinds = {r: c["kind"] for r, c in detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))[0].to_dict()[
         "rank_classification"].items()}
     assert kinds["1"] == "raised" and kinds["2"] == "raised"
+
+
+@pytest.mark.parametrize("moved_on", ["progress", "eval", "checkpoint", "epoch"])
+def test_a_rank_that_moved_on_after_its_waiting_stack_and_then_raised_is_blamed(tmp_path, moved_on):
+    """A stack shows rank 1 waiting in a collective (a slow all-reduce, say of the evaluation's
+    metrics); it then went on (an evaluation's progress, an eval, a checkpoint, an epoch's end:
+    no step event in between) and raised an error of its own: the cause, not a victim."""
+    write(tmp_path, 0, run_until(0, 40) + [ev(0, 80, "end", status="completed", step=40)])
+    write(tmp_path, 1, run_until(1, 40) + [
+        ev(1, 60, "stack", reason="collective timeout: no step for 24 s", stack=STACK_PEER, step=40),
+        ev(1, 62, moved_on, step=40, epoch=0)] + peer_error(1, 70.1, "CUDA out of memory in the eval"))
+    for r in (2, 3):
+        write(tmp_path, r, run_until(r, 40) + [ev(r, 80, "end", status="completed", step=40)])
+    st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))
+    assert st.to_dict()["rank_classification"]["1"]["kind"] == "raised", lines
+    assert first_failure(lines)[0].startswith("First failure: rank 1 on n1"), lines

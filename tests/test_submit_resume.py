@@ -113,13 +113,16 @@ def test_a_failed_local_run_resumed_to_completion_reads_completed_with_both_runs
 
 
 class _Queue:
-    """squeue's answer for the earlier job."""
+    """squeue's answer for the earlier job, on cluster ``cluster`` (the records' "c")."""
 
-    def __init__(self, state: str | None):
-        self.state = state
+    def __init__(self, state: str | None, cluster: str = "c"):
+        self.state, self.cluster = state, cluster
 
     def squeue(self, job_ids):
         return [{"JobID": str(job_ids[0]), "State": self.state}] if self.state else []
+
+    def cluster_name(self):
+        return self.cluster
 
 
 def _earlier(tmp_path, backend: str, *, status: str | None, ckpt: bool, final: bool = True):
@@ -231,6 +234,22 @@ def test_an_unanswered_squeue_refuses_to_resume_with_a_hint(tmp_path, monkeypatc
                                  f"({run_dir}), still runs (squeue did not answer), so it is not resumed")
     assert "--fresh" in exc.value.hint and "ddp-hpc cancel 4242" in exc.value.hint
     assert resume_or_new(new, get("sbatch"), [cfg], fresh=True, cli=no_slurm, say=print).log_dir == new.log_dir
+
+
+def test_a_slurm_job_submitted_on_another_cluster_is_not_resumed_into(tmp_path, monkeypatch):
+    """Job ids repeat across clusters: this cluster's squeue, which does not list job 4242 (or
+    lists another job of that id), cannot tell whether the run on cluster "c" still goes on."""
+    monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
+    new, cfg, run_dir = _earlier(tmp_path, "sbatch", status="preempted", ckpt=True, final=False)
+    with pytest.raises(SpecError) as exc:
+        resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue(None, cluster="d"), say=print)
+    assert exc.value.problem == (f"cannot tell whether the earlier run of this config, job 4242 ({run_dir}), "
+                                 "still runs (it was submitted on cluster c, not on this one (d)), so it is "
+                                 "not resumed")
+    assert "--fresh" in exc.value.hint
+    said: list[str] = []                     # on its own cluster, squeue's word that it ended holds
+    assert resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue(None),
+                         say=said.append).log_dir == str(run_dir)
 
 
 def test_a_local_run_recorded_on_another_host_is_not_resumed_into(tmp_path, monkeypatch):

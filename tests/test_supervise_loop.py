@@ -188,6 +188,8 @@ NODE_STATES = [("idle", "up"), ("mixed", "up"), ("allocated", "up"), ("completin
                ("draining", "draining"), ("drained", "draining"), ("drain", "draining"),
                ("mixed+drain", "draining"), ("fail", "draining"), ("failing", "draining"),
                ("maint", "draining"), ("mixed$", "draining"), ("mixed@", "draining"),
+               ("reboot_requested", "draining"), ("reboot_issued", "draining"), ("inval", "draining"),
+               ("planned", "up"), ("mixed-", "up"), ("idle#", "up"), ("draining!", "draining"),
                ("down", "lost"), ("down*", "lost"), ("idle*", "lost"), ("allocated*", "lost"),
                ("drained*", "lost"), ("draining*", "lost"), ("failing*", "lost"), ("idle~", "lost"),
                ("powered_down", "lost"), ("mixed%", "lost")]

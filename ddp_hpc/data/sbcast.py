@@ -16,7 +16,12 @@ or a manifest for another source are ignored (logged) and ``stage()`` copies as 
 ``sbcast`` can only speed staging up, never make it wrong.
 
 Only files and LMDB folders (their ``data.mdb``) can be sbcast: ``sbcast`` moves single files.
-DEST must be the same path on every node (``$SLURM_TMPDIR`` or ``$TMPDIR`` usually are).
+DEST must be the same path on every node (``$SLURM_TMPDIR`` or ``$TMPDIR`` usually are). In a
+DEST other users may write to (``/tmp`` without a job-private TMPDIR) the copies' names can be
+foreseen, so ``sbcast`` runs without ``--force`` there: Slurm then creates each file anew and
+fails where a file (or link) of that name is already there, rather than write this user's data
+into a file another user made (and can read) or through a link they planted; the nodes then copy
+as usual (``stage()`` adopts only this user's own files).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from ddp_hpc.data.copy import source_kind
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.data.hashing import file_hash
 from ddp_hpc.data.stage import resolve_stage_dir, sbcast_paths, stage_key
+from ddp_hpc.data.stagedir import shared
 from ddp_hpc.env import job_facts
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 
@@ -60,12 +66,13 @@ def sbcast_stage(src: str | os.PathLike, dest: str | None = None, *, cli=None, e
     nbytes, digest = file_hash(source)  # one read on this node; sbcast's own read follows it
     fsio.note_bytes(source, nbytes)
     cli = cli or SlurmCLI(env=environ)
+    force = not shared(dest)   # see the module's docstring
     try:
-        cli.sbcast(source, data)
+        cli.sbcast(source, data, force=force)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump({"src": src, "kind": kind, "bytes": nbytes, "xxh3_64": digest, "job": job}, f)
         try:
-            cli.sbcast(f.name, manifest)  # only after the data reached every node
+            cli.sbcast(f.name, manifest, force=force)  # only after the data reached every node
         finally:
             os.remove(f.name)
     except SlurmError as e:

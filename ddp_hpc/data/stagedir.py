@@ -7,7 +7,8 @@ into ``ddp_hpc-<uid>``: this user's own subfolder, made 0700, and refused when i
 (another owner, a symbolic link, a mode that lets others in), since another user could have made it
 to plant data (``private_root``). A folder that only this user can write to is used as it is.
 ``owned`` tells whether a file or folder is this user's own (not a link): what the stage reuses or
-adopts must be.
+adopts must be. ``shared`` tells a folder others may write to (where ``ddp_hpc.data.sbcast`` never
+overwrites a file that is already there).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import tempfile
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.env import job_facts
 
-__all__ = ["resolve_stage_dir", "private_root", "owned"]
+__all__ = ["resolve_stage_dir", "private_root", "shared", "owned"]
 
 
 def resolve_stage_dir(stage_to: str = "auto", environ=None) -> str:
@@ -49,8 +50,7 @@ def private_root(dest: str) -> str:
     and nobody else may write there, else ``dest/ddp_hpc-<uid>`` (made 0700; an existing one must
     be this user's, a real folder, closed to others)."""
     uid = os.getuid()
-    st = os.stat(dest)
-    if st.st_uid == uid and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if not shared(dest):
         return dest
     root = os.path.join(dest, f"ddp_hpc-{uid}")
     try:
@@ -67,6 +67,13 @@ def private_root(dest: str) -> str:
                          f"remove {root} (or have an admin remove it), or set data.stage_to to a node-local "
                          "folder of your own")
     return root
+
+
+def shared(dest: str) -> bool:
+    """``dest`` is a folder another user may write to: not this user's, or open to its group or
+    to others (``/tmp``, ``/dev/shm``, a group's scratch folder)."""
+    st = os.stat(dest)
+    return st.st_uid != os.getuid() or bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
 def _not_private(st: os.stat_result, uid: int) -> str | None:

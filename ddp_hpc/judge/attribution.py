@@ -106,10 +106,15 @@ def _silent(e: RankEnding) -> bool:
     return not e.spoke and e.kind in ("silent", "killed", "stopped", "exited")
 
 
+#: events a rank's own loop writes (not its watchdog): one after a stack shows the rank went on
+MOVED_ON = frozenset({"epoch", "eval", "checkpoint", "progress"})
+
+
 def _waited(endings: dict[int, RankEnding], logs: RunFiles, restart: int) -> None:
     """A rank that raised after its watchdog stack showed it waiting in a collective, with no step
-    since, is a victim: the collective failed under it while it waited for a peer, whatever words
-    the backend chose. The stall the ranks wrote while the job ran wins over those words."""
+    since (nor an epoch's end, an evaluation, a checkpoint or an evaluation's progress: `MOVED_ON`),
+    is a victim: the collective failed under it while it waited for a peer, whatever words the
+    backend chose. The stall the ranks wrote while the job ran wins over those words."""
     for rank, e in endings.items():
         if e.kind != "raised" or e.time is None or rank not in logs.ranks:
             continue
@@ -125,6 +130,8 @@ def _waited(endings: dict[int, RankEnding], logs: RunFiles, restart: int) -> Non
             elif waited and ev.get("event") == "step":
                 now = to_int(ev.get("step"), None)
                 waited = None if step is None or now is None or now > step else waited  # it stepped on
+            elif ev.get("event") in MOVED_ON:   # its main thread went on past that collective
+                waited = None
         if waited:
             e.kind, e.waited, e.phrase = "consequence", waited, e.phrase or _words(e.text)
             e.basis = f"{e.basis}; its stack: waiting in {waited}"

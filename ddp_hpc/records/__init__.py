@@ -12,7 +12,7 @@ that id (optionally only on one cluster). Writes are atomic (temp file in the sa
 fsync, rename), so a reader never sees half a record. A record is rewritten under its lock
 (``.<file name>.lock`` beside it, `ddp_hpc.fsutil.locked`) from what its file holds then: the
 local driver, ``ddp-hpc cancel``, ``ddp-hpc status`` and the supervisor may write one at once, and
-none loses another's fields (:func:`update_record`, :func:`store_final`).
+none loses another's fields (:func:`update_record`, :func:`store_final`, :func:`add_alloc_restart`).
 
 The fields are `JobRecord`'s (docs/architecture.md, "Job records"). ``final`` is written by
 ``ddp_hpc.status`` once the scheduler reports the job ended (Slurm forgets it later; a cluster can
@@ -35,8 +35,9 @@ from ddp_hpc.fsutil import atomic_write_json, atomic_write_texts, locked
 from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.slurm.times import format_duration
 
-__all__ = ["JobRecord", "JobRecordError", "records_dir", "write_record", "update_record", "load_record",
-           "list_records", "final_of", "first_restart", "store_final", "store_finals", "local_final"]
+__all__ = ["JobRecord", "JobRecordError", "records_dir", "write_record", "update_record", "add_alloc_restart",
+           "load_record", "list_records", "final_of", "first_restart", "store_final", "store_finals",
+           "local_final"]
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
@@ -172,6 +173,23 @@ def update_record(rec: JobRecord, environ: Mapping[str, str] | None = None) -> P
         setattr(rec, f.name, getattr(fresh, f.name))
     rec.loaded = json.dumps(data)
     return Path(rec.path)
+
+
+def add_alloc_restart(job_id: str, row: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Path:
+    """Append one in-allocation restart (``ddp_hpc.supervise``) to the ``alloc_restarts`` of job
+    ``job_id``'s record, read and rewritten under its lock: the supervisors of a job array's tasks
+    share their array's record, and two that restart at once each keep the other's row (an
+    `update_record` of a list read before the lock would put back the list without it)."""
+    path = load_record(job_id, environ=environ).path
+    with locked(_lock_of(path), remove=True):
+        now = _read(Path(path))
+        if now is None:
+            raise JobRecordError(f"the job record {path} went away or cannot be read.",
+                                 "submit the job again to get a record.")
+        data = json.loads(now.loaded)
+        data["alloc_restarts"] = [*(data.get("alloc_restarts") or []), dict(row)]
+        atomic_write_json(path, data)
+    return Path(path)
 
 
 def _lock_of(path: str | Path) -> Path:

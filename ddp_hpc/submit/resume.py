@@ -9,9 +9,10 @@ directory, where the training core resumes from the newest checkpoint.
 - interrupted, preempted, cancelled or failed with a checkpoint: resumed (one line says so);
 - completed: a new run (one line says so); ``ddp-hpc run`` in a completed directory trains nothing;
 - stopped before its first checkpoint: a new run;
-- still queued or running, or this machine cannot tell (squeue does not answer, the processes
-  were recorded on another host): refused (wait, cancel it, or ``--fresh``); a final state the
-  record keeps is not trusted for a Slurm job (a requeued job runs again after it was kept);
+- still queued or running, or this machine cannot tell (squeue does not answer, the job was
+  submitted on another Slurm cluster, the processes were recorded on another host): refused
+  (wait, cancel it, or ``--fresh``); a final state the record keeps is not trusted for a Slurm
+  job (a requeued job runs again after it was kept);
 - ``--fresh``: always a new run directory; the earlier one is never removed.
 
 A resumed run's restart numbers follow the earlier run's (``JobSpec.restart_base``: one past the
@@ -36,6 +37,7 @@ from ddp_hpc.config import JobConfig, config_to_dict
 from ddp_hpc.judge.reader import RunEnding, RunLogs, run_ending
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.slurm.cli import SlurmCLI
+from ddp_hpc.slurm.query import current_cluster
 from ddp_hpc.submit.backends.base import Backend
 from ddp_hpc.submit.spec import JobSpec, SpecError
 
@@ -82,11 +84,24 @@ def earlier_run(spec: JobSpec, backend: Backend) -> records.JobRecord | None:
     return None
 
 
+def _other_cluster(rec: records.JobRecord, backend: Backend, cli: SlurmCLI) -> str | None:
+    """Why this cluster's squeue cannot speak for a Slurm job submitted on another cluster (job
+    ids repeat across clusters: here the id names another job, or none); None when it can."""
+    if backend.runs_here or not rec.cluster:
+        return None
+    here = current_cluster(cli)
+    if here is None or here == rec.cluster:
+        return None
+    return f"it was submitted on cluster {rec.cluster}, not on this one ({here})"
+
+
 def _refuse_if_live(rec: records.JobRecord, backend: Backend, cli: SlurmCLI) -> None:
     """Refuse to resume into the earlier run's directory while its job may still run: queued or
-    running, or when this machine cannot tell (squeue did not answer, its processes were
-    recorded on another host): two jobs must never write into one run directory."""
-    live = backend.active(rec, cli)
+    running, or when this machine cannot tell (squeue did not answer, the job was submitted on
+    another cluster, its processes were recorded on another host): two jobs must never write
+    into one run directory."""
+    elsewhere = _other_cluster(rec, backend, cli)
+    live = None if elsewhere else backend.active(rec, cli)
     if live is False:
         return
     hint = (f"wait for it (ddp-hpc status {rec.id}), cancel it (ddp-hpc cancel {rec.id}), or pass "
@@ -94,7 +109,7 @@ def _refuse_if_live(rec: records.JobRecord, backend: Backend, cli: SlurmCLI) -> 
     if live:
         raise SpecError(f"the earlier run of this config, job {rec.id} ({rec.log_dir}), is still "
                         f"queued or running", hint)
-    where = ("squeue did not answer" if not backend.runs_here
+    where = ((elsewhere or "squeue did not answer") if not backend.runs_here
              else f"its processes were recorded on {rec.cluster}, not here" if rec.pids
              else "its record keeps no processes")
     raise SpecError(f"cannot tell whether the earlier run of this config, job {rec.id} "

@@ -13,7 +13,6 @@ user set it.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
@@ -241,7 +240,6 @@ def _to_record(key, row: dict) -> None:
     if not key:
         return
     try:
-        rec = records.load_record(str(key))
-        records.update_record(dataclasses.replace(rec, alloc_restarts=[*(rec.alloc_restarts or []), dict(row)]))
+        records.add_alloc_restart(str(key), row)
     except (records.JobRecordError, OSError) as exc:
         _say(f"warning: restart not added to the job record: {exc}")

@@ -9,9 +9,9 @@ responding, powered off), or when no rank showed a sign of life (`LIFE_EVENTS`: 
 epoch's end, an evaluation, a checkpoint, the evaluation's progress) for the stall timeout after
 steps had begun (a hang the ranks' own collective timeout did not end).
 
-A draining node (DRAIN, DRAINING, DRAINED, FAIL, FAILING: an admin's "no new work") is no reason
-to stop: Slurm lets the running step go on there. `node_health` tells it apart from a lost node;
-the supervisor avoids it at the next restart (``plan.next_nodes``).
+A draining node (DRAIN, DRAINING, DRAINED, FAIL, FAILING, MAINT, REBOOT_*, INVAL: "no new work")
+is no reason to stop: Slurm lets the running step go on there. `node_health` tells it apart from
+a lost node; the supervisor avoids it at the next restart (``plan.next_nodes``).
 """
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ LIFE_EVENTS = frozenset({"step", "epoch", "eval", "checkpoint", "progress"})
 _GONE_FLAGS = ("*", "~", "%")
 #: base states of a lost node
 _GONE_STATES = ("down", "power_down", "powered_down", "powering_down")
-#: base states of a node an admin took out of service for new work (running steps go on)
-_DRAIN_STATES = ("drain", "fail", "maint", "reboot")
+#: base states of a node that takes no new work while its running steps go on: an admin's drain,
+#: FAIL, maintenance, a reboot asked for, and INVAL (it registered with less than slurm.conf says:
+#: Slurm gives it no job until its slurmd registers again)
+_DRAIN_STATES = ("drain", "fail", "maint", "reboot", "inval")
 
 
 class EventTail:
@@ -102,7 +104,8 @@ class Watch:
 
 def node_condition(state: str) -> str:
     """``lost`` (down, not responding, powered off: its ranks are gone), ``draining`` (drain, fail,
-    maintenance, a reboot asked for: no new work, running steps go on) or ``up``, from sinfo's
+    maintenance, a reboot asked for, an invalid registration: no new work, running steps go on)
+    or ``up``, from sinfo's
     ``%T`` (``idle``, ``mixed``, ``draining``, ``drained*``, ``down~``, ``allocated+drain`` ...)."""
     text = (state or "").strip().lower()
     if text.endswith(_GONE_FLAGS):
