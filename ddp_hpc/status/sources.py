@@ -1,8 +1,8 @@
 """The sources a job's state is read from, one reader each: the scheduler's (`ddp_hpc.slurm.query`:
 squeue, else sacct, else ``sacct -c``), the final state a record keeps (`from_final`), a local
-job's processes (`pids_alive`, `local_state`) and the run logs (`from_logs`); and what to keep in a
-record of an end a Slurm source reported (`final_to_keep`). Which source answers is decided in
-one place, `ddp_hpc.status.resolve`. The status command names the source that answered, so a
+job's processes (`local_state`, through `launch.tree.recorded_alive`) and the run logs
+(`from_logs`); and what to keep in a record of an end a Slurm source reported (`final_to_keep`).
+Which source answers is decided in one place, `ddp_hpc.status.resolve`. The status command names the source that answered, so a
 user can judge how fresh the answer is.
 """
 from __future__ import annotations
@@ -103,15 +103,6 @@ def scheduler_ended(sched: SourceState | None) -> bool:
     return sched is not None and sched.source in (SQUEUE, SACCT, SACCT_C) and sched.state.state.terminal
 
 
-def pids_alive(pids, submitted_at: float | None, cluster: str | None,
-               pid_times=None) -> bool | None:
-    """True when any of the local job's processes still runs; None when this machine cannot tell
-    (the record was written on another host). A pid that another process took since does not
-    count (`ddp_hpc.launch.tree.recorded_processes`: its start time differs from the one recorded,
-    or none was recorded). An empty list is the local driver's word that it finished."""
-    return recorded_alive(pids, pid_times, cluster)
-
-
 def from_final(final: dict, tried: list[str]) -> SourceState:
     """The terminal state a job's record keeps (`records.store_final`)."""
     seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(final.get("seen_at") or 0)))
@@ -129,7 +120,7 @@ def local_state(rec: JobRecord | None, task_id: str | None, logs: RunLogs | Kept
     run logs, when its record keeps no final state (`ddp_hpc.status.resolve`), and the final
     state to keep in its record (None: nothing new)."""
     pids = rec.pids if rec is not None else None
-    alive = pids_alive(pids, rec.submitted_at, rec.cluster, rec.pid_times) if rec is not None else None
+    alive = recorded_alive(pids, rec.pid_times, rec.cluster) if rec is not None else None
     if alive is None and pids:
         notes.append("pids recorded on another host; state from the logs")
     log_dir = rec.log_dir if rec is not None else None
