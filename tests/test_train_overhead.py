@@ -100,8 +100,9 @@ def test_asynchronous_step_events_are_complete_and_equal_on_every_rank(tmp_path)
         # epoch 0 ends at step 60: its event follows the step event of step 56, precedes 63's
         i = names.index("epoch")
         assert names[i - 1] == "step" and events[i - 1]["step"] == 56 and events[i + 1]["step"] == 63
-        # the last step event comes before the last epoch event, the checkpoint and the end
-        tail = ["step", "epoch", "checkpoint", "end"] if rank == 0 else ["step", "epoch", "end"]
+        # the last step event comes before the last epoch event, the checkpoint (announced by a
+        # progress event, the supervisor's sign of life during a long save) and the end
+        tail = ["step", "epoch", "progress", "checkpoint", "end"] if rank == 0 else ["step", "epoch", "end"]
         assert names[-len(tail):] == tail
     losses = [[e["loss"] for e in ev[r] if e["event"] == "step"] for r in (0, 1)]
     assert losses[0] == losses[1] and out[0]["loss"] == losses[0][-1]

@@ -2,8 +2,8 @@
 squeue, else sacct, else ``sacct -c``), the final state a record keeps (`from_final`), a local
 job's processes (`local_state`, through `launch.tree.recorded_alive`) and the run logs
 (`from_logs`); and what to keep in a record of an end a Slurm source reported (`final_to_keep`).
-Which source answers is decided in one place, `ddp_hpc.status.resolve`. The status command names the source that answered, so a
-user can judge how fresh the answer is.
+Which source answers is decided in one place, `ddp_hpc.status.resolve`. The status command names
+the source that answered, so a user can judge how fresh the answer is.
 """
 from __future__ import annotations
 

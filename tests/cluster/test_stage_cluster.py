@@ -8,6 +8,7 @@ node, the path in DDP_HPC_STAGE_TRAIN, and no copy left on any node's disk after
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
+from ddp_hpc.data.stagedir import shared
 from ddp_hpc.judge.reader import read_events
 
 pytestmark = pytest.mark.cluster
@@ -66,7 +68,10 @@ def test_a_plain_script_and_a_lightning_datamodule_read_staged_data_on_two_nodes
         out = (Path(log_dir) / "rank0.out").read_text()
         [line] = [x for x in out.splitlines() if x.startswith(f"{tag}: ")]
         seen = json.loads(line.split(": ", 1)[1])
-        assert seen["samples"] == 128 and seen["data"].startswith(str(c.local_dir) + "/ddp_hpc-stage-"), seen
+        # node-local scratch that other users can write to gets this user's private folder first
+        # (ddp_hpc.data.stagedir.private_root), as a shared /tmp does
+        root = str(c.local_dir) + (f"/ddp_hpc-{os.getuid()}" if shared(str(c.local_dir)) else "")
+        assert seen["samples"] == 128 and seen["data"].startswith(root + "/ddp_hpc-stage-"), (root, seen)
         events = _stage_events(log_dir)
         assert sorted(e["method"] for e in events) == methods, events  # one per node, each on its own disk
         assert {e["variable"] for e in events} == {"DDP_HPC_STAGE_TRAIN"} and len({e["host"] for e in events}) == 2
