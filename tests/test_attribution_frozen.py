@@ -53,8 +53,12 @@ def test_the_frozen_rank_is_blamed_and_the_waiting_ranks_are_its_victims(frozen_
     # each other rank timed out waiting for rank 3, or the launcher stopped it once one had failed
     said = {r: c["text"] for c in failure.consequences for r in c["ranks"]}
     assert sorted(said) == [0, 1, 2], said
-    assert all(t.startswith(("timed out waiting for rank 3 (", "stopped after rank 3 failed")) for t in said.values())
-    assert any(t.startswith("timed out waiting for rank 3 (") for t in said.values()), said
+    # (which victim's collective fails first, and with which words, is a race that load decides:
+    # every one of them is a consequence of rank 3, none is blamed for an error of its own)
+    victim = ("timed out waiting for rank 3 (", "lost its peer rank 3", "lost a peer too",
+              "stopped after rank 3 failed")
+    assert all(t.startswith(victim) for t in said.values()), said
+    assert any(t.startswith(victim[:2]) for t in said.values()), said
 
 
 @pytest.mark.timeout(300)

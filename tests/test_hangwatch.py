@@ -85,7 +85,10 @@ def test_stop_wakes_the_thread_instead_of_waiting_out_its_poll(monkeypatch):
     monkeypatch.setattr(wd, "POLL_S", 60.0)
     w = HangWatch(_Log(), dump_after_s=None).start()
     thread = w._thread
-    time.sleep(0.2)                    # the thread is inside its select now
+    deadline = time.monotonic() + 20   # the thread made its wake-up pipe: it is inside its select
+    while w._pipe is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
     assert thread.is_alive() and w._pipe is not None
     w.stop()
     assert not thread.is_alive() and w._pipe is None
@@ -97,7 +100,7 @@ def test_sigurg_asks_for_stacks_while_the_main_thread_is_busy():
     w = HangWatch(log, dump_after_s=None).start()
     try:
         os.kill(os.getpid(), STACK_SIGNAL)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 20   # a loaded machine may schedule the thread late
         while not log.events and time.monotonic() < deadline:
             sum(range(100_000))      # busy in Python: the watchdog thread answers anyway
     finally:
