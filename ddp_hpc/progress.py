@@ -30,7 +30,7 @@ from ddp_hpc.env import EnvError, detect, job_facts
 from ddp_hpc.exec.events import SafeLog
 from ddp_hpc.runlogs.watchdog import HangWatch
 
-__all__ = ["report", "rank_log", "last_step", "auto_step", "write_step", "MIN_INTERVAL_S"]
+__all__ = ["report", "rank_log", "close", "last_step", "auto_step", "write_step", "MIN_INTERVAL_S"]
 
 MIN_INTERVAL_S = 1.0
 #: keywords with their own key in a step event (docs/architecture.md, "Run logs")
@@ -74,6 +74,18 @@ def rank_log() -> SafeLog | None:
             # `ddp-hpc status JOBID --stacks` can then ask this rank for its threads' stacks
             _state.watch = HangWatch(_state.log, None).start()
     return _state.log
+
+
+def close() -> None:
+    """End this process's run log: stop its hang watchdog (which gives the signal wakeup fd back)
+    and close the log.  The next `report` opens them again."""
+    global _state
+    state, _state = _state, _State()
+    if state.pid == os.getpid():
+        if state.watch is not None:
+            state.watch.stop()
+        if state.log is not None:
+            state.log.close()
 
 
 def last_step() -> int | None:

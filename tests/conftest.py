@@ -67,6 +67,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -539,6 +540,20 @@ def _cluster_marker(request):
         cluster = request.getfixturevalue("slurm_cluster")
         if cluster.slurmdbd_available and cluster.accounting != "slurmdbd":
             cluster.start_slurmdbd()  # a test switched accounting off and did not switch it back
+
+
+@pytest.fixture(autouse=True)
+def _signal_wakeup_fd_left_free():
+    """A test that starts a rank's hang watchdog in this process (``ddp_hpc.report`` with
+    ``DDP_HPC_LOG_DIR`` set opens one) must stop it: the watchdog holds the process's signal
+    wakeup fd, and a later test's watchdog in the same pytest worker would then find it taken."""
+    yield
+    if threading.current_thread() is not threading.main_thread():
+        return
+    old = signal.set_wakeup_fd(-1)
+    if old != -1:
+        pytest.fail("this test left a signal wakeup fd set (a HangWatch it started is still "
+                    "running): stop it, e.g. with ddp_hpc.progress.close()")
 
 
 DURATIONS = Path(__file__).with_name("cluster") / "durations.json"

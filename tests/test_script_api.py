@@ -214,14 +214,19 @@ def test_report_writes_at_most_one_step_event_per_second(tmp_path, monkeypatch):
     monkeypatch.setattr(progress, "_state", progress._State())
     clock = [100.0]
     monkeypatch.setattr(progress, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    for t, step in [(0.0, 1), (0.3, 2), (0.9, 3), (1.1, 4), (1.5, 5), (1.6, 10)]:
-        clock[0] = 100.0 + t
-        progress.report(step=step, total=10, loss=torch.tensor(0.5), lr=0.01, epoch=0, acc=0.9)
+    try:
+        for t, step in [(0.0, 1), (0.3, 2), (0.9, 3), (1.1, 4), (1.5, 5), (1.6, 10)]:
+            clock[0] = 100.0 + t
+            progress.report(step=step, total=10, loss=torch.tensor(0.5), lr=0.01, epoch=0, acc=0.9)
+        assert progress.hang_watch() is not None   # the run log came with its watchdog
+    finally:
+        last = progress.last_step()
+        progress.close()                           # which gives the signal wakeup fd back
     steps = [e for e in events(tmp_path, 0) if e["event"] == "step"]
     assert [e["step"] for e in steps] == [1, 4, 10]           # first, once a second, final
     assert (steps[0]["loss"], steps[0]["lr"], steps[0]["epoch"], steps[0]["total_steps"]) == (0.5, 0.01, 0, 10)
     assert steps[0]["metrics"] == {"acc": 0.9}
-    assert progress.last_step() == 10
+    assert last == 10
 
 
 def test_report_without_a_log_dir_does_nothing(tmp_path, monkeypatch):
