@@ -6,17 +6,28 @@
     start = state["step"] if state else 0
     ...
     checkpoint.save(ckpt_dir, model, opt, step=step, epoch=epoch)   # any plain extras
+    saving = checkpoint.save(ckpt_dir, model, opt, step=step, blocking=False)   # in the background
+    saving.wait()                                           # the file is complete (or this raises)
 
 The files are the training core's (``ddp_hpc.train.checkpoint``): ``ckpt-<step>.pt`` written
 atomically by rank 0 (a temporary file, fsync, rename), the newest ``keep_last`` kept, read with
 ``torch.load(weights_only=True)`` (no pickled code runs), a broken file skipped for the next newest.
 The model's state dict is saved without DDP's ``module.`` prefix (the model is unwrapped), so a
 checkpoint loads into a plain model as well as into a DDP one.  When torch.distributed is
-initialised, ``save`` ends with a barrier (no rank runs ahead of the file) and in ``load`` rank 0
-picks the checkpoint and every rank loads that one, so the directory must be one every node sees.
+initialised, ``save`` ends with a barrier (no rank runs ahead of the file, or, with
+``blocking=False``, of the copy) and in ``load`` rank 0 picks the checkpoint and every rank loads
+that one, so the directory must be one every node sees.
+
+``blocking=False`` (``ddp_hpc.train.asyncsave``): rank 0 only copies the state to CPU buffers kept
+between saves and a background thread writes the file; ``save`` returns a `Saving` handle.  One
+save is in flight at a time (the next ``save`` waits for it); a failed write raises on the next
+``save``, on ``wait()`` or the handle's ``wait()``, and is printed at exit otherwise; ``load``,
+`ddp_hpc.preemption.requeue` and the interpreter's exit wait for the write.
 """
 from __future__ import annotations
 
+import atexit
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +38,10 @@ from torch import nn
 from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect
 from ddp_hpc.progress import rank_log
-from ddp_hpc.train.checkpoint import CheckpointError, find_latest_valid, load_checkpoint, save_checkpoint
+from ddp_hpc.train.asyncsave import AsyncSaver, PendingSave
+from ddp_hpc.train.checkpoint import CheckpointError, find_latest_valid, load_checkpoint
 
-__all__ = ["save", "load", "last_saved_step", "unwrap", "CheckpointError"]
+__all__ = ["save", "load", "wait", "last_saved_step", "unwrap", "Saving", "CheckpointError"]
 
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
 _last_saved: list[int] = []
@@ -65,26 +77,76 @@ def _check_plain(value: Any, where: str) -> None:
             "pass plain numbers, strings, tensors, lists or dicts (e.g. float(x), x.tolist())")
 
 
+def _written(saved: PendingSave) -> None:
+    log = rank_log()
+    if log is not None:
+        log.event("checkpoint", step=saved.step, path=str(saved.path),
+                  blocking_s=round(saved.blocking_s, 6), write_s=round(saved.write_s, 6))
+
+
+_saver = AsyncSaver(on_written=_written)
+
+
+class Saving:
+    """What ``save(..., blocking=False)`` returns: `wait` blocks until the file is complete."""
+
+    def __init__(self, pending: PendingSave | None) -> None:
+        self._pending = pending
+
+    @property
+    def path(self) -> Path | None:
+        """Where the file goes (rank 0); None on other ranks."""
+        return self._pending.path if self._pending is not None else None
+
+    @property
+    def done(self) -> bool:
+        return self._pending is None or self._pending.done
+
+    def wait(self) -> Path | None:
+        """The path once the file is complete (None on other ranks); a failed write raises a
+        `CheckpointError` naming the file and the error."""
+        return self._pending.wait() if self._pending is not None else None
+
+
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         step: int, keep_last: int = 3, **extra: Any) -> Path | None:
+         step: int, keep_last: int = 3, blocking: bool = True, **extra: Any) -> Path | Saving | None:
     """Rank 0 writes ``<directory>/ckpt-<step>.pt`` (model without ``module.``, optimizer, extras)
-    and returns its path; other ranks return None.  Call it on every rank (a barrier when
-    distributed).  Extras come back from `load`."""
+    and returns its path; other ranks return None.  With ``blocking=False`` rank 0 copies the state
+    and a background thread writes it: every rank gets a `Saving` handle.  Call it on every rank
+    (a barrier when distributed).  A failed earlier background write raises here.  Extras come
+    back from `load`."""
     _check_plain(extra, "extras")
-    path = None
+    pending = None
     if _rank() == 0:
         state = {"model": unwrap(model).state_dict(),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "epoch": extra.get("epoch"), "batch_in_epoch": extra.get("batch_in_epoch"),
                  "extra": extra}
-        path = save_checkpoint(directory, int(step), state, keep_last=keep_last)
-        log = rank_log()
-        if log is not None:
-            log.event("checkpoint", step=int(step), path=str(path))
+        pending = _saver.save(directory, int(step), state, keep_last, blocking=blocking)
     _last_saved[:] = [int(step)]
     if group_initialized():
         dist.barrier()
-    return path
+    if not blocking:
+        return Saving(pending)
+    return pending.path if pending is not None else None
+
+
+def wait() -> Path | None:
+    """Wait for this process's background save (``blocking=False``); its path, None when there
+    is none, or its failure raised as a `CheckpointError`."""
+    return _saver.wait()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """A script that ends without waiting: its last write ends first, a failure is printed."""
+    try:
+        _saver.wait()
+    except CheckpointError as e:
+        print(f"ddp_hpc.checkpoint: {e}", file=sys.stderr, flush=True)
+        log = rank_log()
+        if log is not None:
+            log.warning(str(e))
 
 
 def last_saved_step() -> int | None:
@@ -113,6 +175,7 @@ def load(directory_or_file: str | Path, model: nn.Module, optimizer: torch.optim
     """Load the newest valid checkpoint in a directory (or the given file) into ``model`` (plain
     or DDP; saved with or without ``module.``) and ``optimizer``; returns the extras saved with it
     plus ``step``, or None when there is no checkpoint yet.  Call it on every rank."""
+    _saver.join()                     # this process's background save first
     path, state = _choose(directory_or_file, map_location)
     if path is None:
         return None

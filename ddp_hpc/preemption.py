@@ -19,10 +19,11 @@ torch.distributed is initialised (so call it on every rank, at the same steps), 
 otherwise.  The preemption signal is the job's ``--signal`` (``$DDP_HPC_PREEMPT_SIGNAL``, set by
 ``ddp-hpc submit``; USR2 by default); SIGTERM (a plain ``scancel``, Slurm ending the job) and
 SIGINT (Ctrl-C; a second one raises KeyboardInterrupt at once) also stop the run, but only the
-preemption signal requeues.  `requeue` writes ``preempt`` and
-``requeue`` events to the rank's run log, destroys the process group and ends the process with
-exit status 75 (EX_TEMPFAIL), which ``python -m ddp_hpc.exec`` records as "preempted".  Outside
-Slurm nothing is requeued: run the same command again and it resumes from the checkpoint.
+preemption signal requeues.  `requeue` waits for a background checkpoint write
+(``checkpoint.save(..., blocking=False)``), writes ``preempt`` and ``requeue`` events to the
+rank's run log, destroys the process group and ends the process with exit status 75
+(EX_TEMPFAIL), which ``python -m ddp_hpc.exec`` records as "preempted".  Outside Slurm nothing is
+requeued: run the same command again and it resumes from the checkpoint.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from ddp_hpc import exits
 from ddp_hpc.checkpoint import last_saved_step
+from ddp_hpc.checkpoint import wait as wait_for_checkpoint
 from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect, job_facts
 from ddp_hpc.exec.events import SafeLog
@@ -92,7 +94,9 @@ def requested() -> bool:
 def requeue() -> NoReturn:
     """Every rank, after `requested` returned True (and the checkpoint is saved): rank 0 requeues
     its Slurm job when the preemption signal (not SIGTERM) stopped the run; then every rank
-    destroys the process group and exits with status 75."""
+    destroys the process group and exits with status 75.  A background checkpoint write
+    (``checkpoint.save(..., blocking=False)``) is complete first, or its failure raises here."""
+    wait_for_checkpoint()
     flag = install()
     env = detect()
     log = rank_log() or SafeLog(None, env.rank, env.job_id, env.restart_count)

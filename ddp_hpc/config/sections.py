@@ -88,6 +88,9 @@ class CheckpointConfig:
     every_epochs: int = 1
     keep_last: int = 3
     resume: bool = True                  # resume from the newest valid checkpoint in dir
+    # the key `async` (a Python keyword): the training thread only copies the state, a background
+    # thread writes the file (train/asyncsave.py); false: the training thread writes it
+    async_: bool = field(default=True, metadata={"key": "async"})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from typing import Any, Literal, Mapping
 
 from ddp_hpc.errors import HintError
 
-__all__ = ["ConfigError", "build", "to_dict"]
+__all__ = ["ConfigError", "build", "to_dict", "key_of"]
 
 
 class ConfigError(HintError, ValueError):
@@ -109,9 +109,15 @@ def _bad_value(key: str, value: Any, tp: Any, source: str) -> ConfigError:
                        + (f" (did you mean {near[0]!r}?)" if near else ""))
 
 
+def key_of(f: dataclasses.Field) -> str:
+    """The config key of a field: its name, or ``metadata["key"]`` for a key that is no Python
+    name (``checkpoint.async`` is the field ``async_``)."""
+    return f.metadata.get("key", f.name)
+
+
 def _unknown_key(cls: type, unknown: str, where: str, source: str) -> ConfigError:
     key = f"{where}.{unknown}" if where else str(unknown)
-    valid = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
+    valid = ", ".join(sorted(key_of(f) for f in dataclasses.fields(cls)))
     extra = getattr(cls, "UNKNOWN_KEY_HINT", "")
     return ConfigError(f"unknown config key {key!r} ({source})",
                        f"valid keys{' in ' + where if where else ''} are: {valid}"
@@ -126,20 +132,21 @@ def build(cls: type, raw: Any, where: str, source: str) -> Any:
         raise ConfigError(f"{where or 'the config'} must be a mapping of keys, got {raw!r} "
                           f"({source})", "write it as `key: value` lines in the YAML file")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {key_of(f): f for f in dataclasses.fields(cls)}
     for k in raw:
         if k not in fields:
             raise _unknown_key(cls, k, where, source)
     kwargs = {}
     for name, value in raw.items():
-        tp, key = hints[name], (f"{where}.{name}" if where else name)
+        f = fields[name]
+        tp, key = hints[f.name], (f"{where}.{name}" if where else name)
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = build(tp, value, key, source)
+            kwargs[f.name] = build(tp, value, key, source)
             continue
-        ok, coerced = (True, value) if "parse" in fields[name].metadata else type_ok(value, tp)
+        ok, coerced = (True, value) if "parse" in f.metadata else type_ok(value, tp)
         if not ok:
             raise _bad_value(key, value, tp, source)
-        kwargs[name] = coerced
+        kwargs[f.name] = coerced
     try:
         return cls(**kwargs)
     except ConfigError as e:   # checks in __post_init__: add where the values came from
@@ -157,5 +164,5 @@ def to_dict(obj: Any) -> dict:
             v = list(v)
         elif isinstance(v, dict):
             v = dict(v)
-        out[f.name] = v
+        out[key_of(f)] = v
     return out

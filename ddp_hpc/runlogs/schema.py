@@ -39,7 +39,9 @@ EVENTS: dict[str, tuple[str, ...]] = {
              "cpu_percent", "metrics", "steps_per_s"),
     "epoch": ("epoch", "step", "loss", "samples_per_s"),
     "eval": ("epoch", "step", "metrics"),
-    "checkpoint": ("step", "path"),
+    # written when the file is complete; blocking_s: seconds the training thread was blocked by
+    # this save (a copy of the state, or all of a blocking save), write_s: the write's own seconds
+    "checkpoint": ("step", "path", "blocking_s", "write_s"),
     "preempt": ("signal", "reason", "step"),
     "requeue": ("job_id",),
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),

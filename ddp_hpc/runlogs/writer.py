@@ -6,7 +6,8 @@ carries (`EVENT_KEYS`) are spelled in ``ddp_hpc.runlogs.schema``.  Files are ope
 so a requeued job's second run continues the same stream, and every line is flushed at once so a
 killed process leaves a complete record up to its last event.  Console lines go through
 ``tqdm.write``, which clears rank 0's progress bar first and redraws it below, so a log line never
-lands on the bar's line.
+lands on the bar's line.  Writes hold a lock: a background checkpoint writer's thread writes
+its ``checkpoint`` event beside the training thread's (train/asyncsave.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import logging
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -50,22 +52,26 @@ class RunLog:
         self._text = open(self.dir / text_log(rank), "a", encoding="utf-8")
         self.console = (rank == 0) if console is None else console
         self._tb = tboard.sink_for(self.dir, rank)   # rank 0: step/epoch/eval also to TensorBoard
+        self._lock = threading.Lock()
 
     def event(self, name: str, **fields: Any) -> dict:
         # the keys every event carries, in the order the schema lists them
         rec = dict(zip(EVENT_KEYS, (time.time(), name, self.rank, self.job_id, self.restart,
                                     self.host), strict=True))
         rec.update(fields)
-        self._events.write(json.dumps(rec, default=_jsonable) + "\n")
-        self._events.flush()
-        if self._tb is not None:
-            self._tb.write(rec)
+        line = json.dumps(rec, default=_jsonable) + "\n"
+        with self._lock:
+            self._events.write(line)
+            self._events.flush()
+            if self._tb is not None:
+                self._tb.write(rec)
         return rec
 
     def info(self, msg: str, *, console: bool = True) -> None:
         line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} [rank {self.rank}] {msg}"
-        self._text.write(line + "\n")
-        self._text.flush()
+        with self._lock:
+            self._text.write(line + "\n")
+            self._text.flush()
         if console and self.console:
             echo(line)
 

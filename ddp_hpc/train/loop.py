@@ -39,6 +39,7 @@ from ddp_hpc.exits import signal_name
 from ddp_hpc.runlogs.watchdog import HangWatch, dump_after
 from ddp_hpc.runlogs.writer import RunLog, StepBar
 from ddp_hpc.train import checkpoint as ckpt
+from ddp_hpc.train.asyncsave import AsyncSaver, PendingSave
 from ddp_hpc.train.build import make_optimizer, make_precision, make_scheduler, seed_everything
 from ddp_hpc.train.cadence import Cadence
 from ddp_hpc.train.metrics import evaluate
@@ -185,16 +186,26 @@ class Trainer:
                 "time": time.time()}
 
     def _save(self) -> None:
-        """Checkpoint the current position (a collective); rank 0 writes it."""
+        """Checkpoint the current position (a collective); rank 0 writes it, with checkpoint.async
+        from a copy on a background thread (asyncsave.py; a failed earlier write raises here)."""
         step, state = self.pos.step, self._state()
         path = None
         if self.rank == 0:
             self.watch.alive("checkpoint", step, every_s=0.0)   # a long save is no hang
-            path = str(ckpt.save_checkpoint(self.ckpt_dir, step, state, self.cfg.checkpoint.keep_last))
-            self.log.event("checkpoint", step=step, path=path)
-            self.log.info(f"checkpoint step {step} -> {path}", console=False)
+            path = str(self.saver.save(self.ckpt_dir, step, state, self.cfg.checkpoint.keep_last,
+                                       blocking=not self.cfg.checkpoint.async_,
+                                       tick=self._saving).path)
         self._last_saved = step
         self.result.checkpoint = path
+
+    def _saving(self) -> None:
+        self.watch.alive("checkpoint", self.pos.step)
+
+    def _written(self, saved: PendingSave) -> None:
+        """The writer's word that a checkpoint file is complete: its event and log line."""
+        self.log.event("checkpoint", step=saved.step, path=str(saved.path),
+                       blocking_s=round(saved.blocking_s, 6), write_s=round(saved.write_s, 6))
+        self.log.info(f"checkpoint step {saved.step} -> {saved.path}", console=False)
 
     # ------------------------------------------------------------------ data
     def _epoch_batches(self, epoch: int, start_batch: int):
@@ -233,21 +244,30 @@ class Trainer:
                           precision=self.precision, train=cfg.train,
                           batches_per_epoch=self.batches_per_epoch, device=self.device)
         self.watch = HangWatch(self.log, dump_after(cfg.train.collective_timeout_s)).start()
+        self.saver = AsyncSaver(on_written=self._written)
         try:
             self._loop(cadence, stepper)
             self.flag.drain()    # not on errors: a peer that died may never join that collective
+        except BaseException:
+            self.saver.close(self.log.warning)   # the last copy still lands; its failure is told
+            raise
         finally:
             self.watch.stop()
             self.flag.restore()
             progress.close()
         result = self.result
         result.loss = cadence.loss
-        if result.status == "completed":
-            self._finish(result)
+        try:
+            if result.status == "completed":
+                self._finish(result)          # the final evaluation runs while the file is written
+        except BaseException:
+            self.saver.close(self.log.warning)
+            raise
         result.model = self.module
         # drop the DDP wrapper now, while the process group is alive: freed later (at interpreter
         # exit, after destroy_process_group) its reducer aborts the process now and then
         self.model = stepper.model = None
+        self.saver.wait(self._saving)          # the last checkpoint is complete, or this raises
         return result
 
     def _loop(self, cadence: Cadence, stepper: Stepper) -> None:
@@ -309,6 +329,7 @@ class Trainer:
         if pos.micro >= self.batches_per_epoch:   # the signal landed on an epoch's last step
             pos.epoch, pos.micro = pos.epoch + 1, 0
         self._save()
+        self.saver.wait(self._saving)          # complete before the job is requeued
         sig = signal_name(flag.received) if flag.received else None
         reason = classify(flag.received_at, self.end_time, self.cfg.preempt.timelimit_window_s,
                           flag.received)
