@@ -116,16 +116,21 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     (a barrier when distributed).  A failed earlier background write raises here.  Extras come
     back from `load`."""
     _check_plain(extra, "extras")
-    pending = None
+    pending, failed = None, None
     if _rank() == 0:
         state = {"model": unwrap(model).state_dict(),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "epoch": extra.get("epoch"), "batch_in_epoch": extra.get("batch_in_epoch"),
                  "extra": extra}
-        pending = _saver.save(directory, int(step), state, keep_last, blocking=blocking)
-    _last_saved[:] = [int(step)]
+        try:
+            pending = _saver.save(directory, int(step), state, keep_last, blocking=blocking)
+        except CheckpointError as e:
+            failed = e
     if group_initialized():
-        dist.barrier()
+        dist.barrier()               # every rank passes it, also when rank 0 raises below
+    if failed is not None:
+        raise failed
+    _last_saved[:] = [int(step)]
     if not blocking:
         return Saving(pending)
     return pending.path if pending is not None else None

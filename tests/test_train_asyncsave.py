@@ -169,24 +169,10 @@ def _launch(world: int, *args, timeout: float = 180):
 
 
 def _events(tmp: Path) -> list[dict]:
-    (f,) = (tmp / "logs").rglob("rank0.events.jsonl")
-    return [json.loads(line) for line in f.read_text().splitlines()]
-
-
-def test_the_end_of_training_waits_for_the_last_write(tmp_path):
-    # 96 samples / 2 ranks / batch 8 = 6 steps an epoch, 12 in all, a checkpoint after each
-    # epoch; a 50 MB frozen parameter makes each write take a while, so the last one is still
-    # under way when training ends
-    cfg = _cfg(str(tmp_path), "checkpoint.every_steps=0", "checkpoint.keep_last=1")
-    out = _launch(2, str(tmp_path), cfg, None, 12_500_000)
-    assert [o["status"] for o in out] == ["completed"] * 2
-    assert out[0]["saved_step"] == 12 and Path(out[0]["checkpoint"]).name == "ckpt-000000012.pt"
-    names = [(e["event"], e.get("step")) for e in _events(tmp_path)]
-    assert names.index(("checkpoint", 12)) < names.index(("end", 12))
-    saves = [e for e in _events(tmp_path) if e["event"] == "checkpoint"]
-    assert [e["step"] for e in saves] == [6, 12]
-    assert all(e["write_s"] > 0 and e["blocking_s"] >= 0 for e in saves)
-    assert [s for s, _ in list_checkpoints(tmp_path / "ckpt")] == [12]      # keep_last 1
+    """Rank 0's events of every run in ``tmp`` (a launch is a job of its own), in time order."""
+    out = [json.loads(line) for f in (tmp / "logs").rglob("rank0.events.jsonl")
+           for line in f.read_text().splitlines()]
+    return sorted(out, key=lambda e: e["time"])
 
 
 def _equal(a, b, where: str = "") -> None:
@@ -209,13 +195,14 @@ BALLAST = 4_000_000
 
 
 @pytest.mark.timeout(300)
-def test_usr2_waits_for_the_write_and_an_async_checkpoint_resumes_like_a_synchronous_one(tmp_path):
+def test_usr2_and_the_end_wait_for_the_write_and_async_checkpoints_resume_like_synchronous_ones(tmp_path):
+    # 96 samples / 2 ranks / batch 8 = 6 steps an epoch, 12 in all; a 16 MB frozen parameter
+    # makes each write take a while: it is still under way when the ranks stop
     runs = {}
     for mode in ("true", "false"):
         tmp = str(tmp_path / mode)
         cfg = _cfg(tmp, f"checkpoint.async={mode}", "checkpoint.every_steps=0")
         # SIGUSR2 on rank 1 after step 3; the ranks agree one step later: stop after step 4
-        # a 16 MB frozen parameter: the write is still under way when the ranks stop
         cut = _launch(2, tmp, cfg, 3, BALLAST)
         assert [o["status"] for o in cut] == ["preempted"] * 2 and cut[0]["saved_step"] == 4
         names = [(e["event"], e.get("step")) for e in _events(Path(tmp))]
@@ -223,11 +210,19 @@ def test_usr2_waits_for_the_write_and_an_async_checkpoint_resumes_like_a_synchro
         runs[mode] = cut[0]["saved"]
     _equal(runs["true"], runs["false"])     # the same step-4 state, whichever way it was written
     ends = {}
-    for mode in ("true", "false"):
+    for mode in ("true", "false"):          # resumed, checkpoints every 2 steps, to the end
         tmp = str(tmp_path / mode)
         end = _launch(2, tmp, _cfg(tmp, f"checkpoint.async={mode}"), None, BALLAST)
         assert end[0]["status"] == "completed" and end[0]["step"] == 12
         assert Path(end[0]["resumed_from"]).name == "ckpt-000000004.pt"
+        assert end[0]["saved_step"] == 12      # complete when fit returned: the end waited for it
+        events = _events(Path(tmp))
+        names = [(e["event"], e.get("step")) for e in events]
+        assert names.index(("checkpoint", 12)) < names.index(("end", 12))
+        saves = [e for e in events if e["event"] == "checkpoint"]
+        assert [e["step"] for e in saves] == [4, 6, 8, 10, 12]
+        assert all(e["write_s"] > 0 and e["blocking_s"] > 0 for e in saves)
+        assert [s for s, _ in list_checkpoints(Path(tmp) / "ckpt")] == [12, 10, 8]   # keep_last 3
         ends[mode] = end[0]["saved"]
     _equal(ends["true"], ends["false"])
 
