@@ -122,6 +122,7 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "epoch": extra.get("epoch"), "batch_in_epoch": extra.get("batch_in_epoch"),
                  "extra": extra}
+        rank_log()         # opened here, on the caller's thread: the writer's thread only writes
         try:
             pending = _saver.save(directory, int(step), state, keep_last, blocking=blocking)
         except CheckpointError as e:

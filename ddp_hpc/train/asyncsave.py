@@ -96,8 +96,8 @@ class Snapshot:
 def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy a contiguous CPU tensor's bytes with one single-threaded memcpy (numpy's, without the
     GIL): torch's ``copy_`` splits a large copy over its intra-op threads, which on cores busy
-    with training (other ranks, data workers) waits for them and copies 2-5x slower
-    (bench/checkpoint.py)."""
+    with other work (other ranks, data workers) wait for each other: 150 MB took 0.23-0.52 s that
+    way against 0.04-0.14 s here, on 2 loaded cores."""
     np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
 
 
