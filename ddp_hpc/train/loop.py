@@ -257,17 +257,13 @@ class Trainer:
             progress.close()
         result = self.result
         result.loss = cadence.loss
-        try:
-            if result.status == "completed":
-                self._finish(result)          # the final evaluation runs while the file is written
-        except BaseException:
-            self.saver.close(self.log.warning)
-            raise
+        self.saver.wait(self._saving)          # the last checkpoint is complete, or this raises
+        if result.status == "completed":
+            self._finish(result)
         result.model = self.module
         # drop the DDP wrapper now, while the process group is alive: freed later (at interpreter
         # exit, after destroy_process_group) its reducer aborts the process now and then
         self.model = stepper.model = None
-        self.saver.wait(self._saving)          # the last checkpoint is complete, or this raises
         return result
 
     def _loop(self, cadence: Cadence, stepper: Stepper) -> None:
