@@ -95,6 +95,7 @@ def _newest_step(log_dir: Path) -> int:
     return max(steps, default=0)
 
 
+@pytest.mark.slow
 def test_goodput_of_a_real_2_process_job_killed_and_resumed(tmp_path):
     """examples/preemptible.py on 2 gloo ranks, a checkpoint every 6 steps, SIGKILLed once rank 0
     reported step 9..11, then run again (restart number 1): it resumes from step 6, so the steps
