@@ -97,15 +97,15 @@ def goodput_text(st: JobStatus) -> str:
     return f"{100 * g['goodput']:.1f}%" if g and g.get("goodput") is not None else "-"
 
 
-def table_row(st: JobStatus, optional: tuple[str, ...] = ()) -> list[str]:
+def table_row(st: JobStatus, optional: tuple[str, ...] = (), goodput: bool = False) -> list[str]:
     p = st.progress
     per = "-" if st.gpus_per_node is None else str(st.gpus_per_node)
-    extra = {"EVAL": eval_text, "OVERRIDES": overrides_text, GOODPUT: goodput_text}
+    extra = {"EVAL": eval_text, "OVERRIDES": overrides_text}
     return [
         st.id, st.name or "-", st.backend or "-", state_text(st),
         f"{st.nodes or st.node_range or '-'}x{per}" + ("cpu" if st.device == "cpu" else ""),
         f"{st.elapsed or '-'}/{st.time_limit or '-'}",
-        str(st.restarts), progress_text(st),
+        str(st.restarts), *([goodput_text(st)] if goodput else []), progress_text(st),
         _num(p.loss if p else None, ".4g"), _num(p.samples_per_s if p else None, ".1f"),
         (format_duration(p.eta_s) if p and p.eta_s is not None and not st.job_state.terminal else "-"),
     ] + [extra[c](st) for c in optional] + [st.log_dir or "-"]
@@ -114,22 +114,23 @@ def table_row(st: JobStatus, optional: tuple[str, ...] = ()) -> list[str]:
 def render_table(statuses: Iterable[JobStatus], width: int | None = None) -> str:
     """The jobs as a table within ``width`` columns (None: as wide as its cells): the log
     directory gives way first (its middle cut), then overrides, eval metrics, names and states.
-    A GOODPUT column (before EVAL) where some job has a goodput and the table has room for it
+    A GOODPUT column (after RESTARTS) where some job has a goodput and the table has room for it
     without cutting any other cell further."""
     statuses = list(statuses)
     optional = tuple(c for c, have in zip(OPTIONAL, (any(s.eval_metrics for s in statuses),
                                                      any(s.overrides for s in statuses))) if have)
-    text = _table(statuses, optional, width)
     if any(s.goodput for s in statuses):
-        wider = _table(statuses, (GOODPUT, *optional), None)
+        wider = _table(statuses, optional, None, goodput=True)
         if width is None or max(map(len, wider.splitlines())) <= width:
             return wider
-    return text
+    return _table(statuses, optional, width)
 
 
-def _table(statuses: list[JobStatus], optional: tuple[str, ...], width: int | None) -> str:
-    columns = list(COLUMNS[:-1]) + list(optional) + [COLUMNS[-1]]
-    rows = [columns] + [table_row(s, optional) for s in statuses]
+def _table(statuses: list[JobStatus], optional: tuple[str, ...], width: int | None, goodput: bool = False) -> str:
+    at_restarts = COLUMNS.index("RESTARTS") + 1
+    columns = (list(COLUMNS[:at_restarts]) + ([GOODPUT] if goodput else []) + list(COLUMNS[at_restarts:-1])
+               + list(optional) + [COLUMNS[-1]])
+    rows = [columns] + [table_row(s, optional, goodput) for s in statuses]
     if len(rows) == 1:
         return f"no ddp_hpc jobs recorded (submit one with {prog('submit')})\n"
     at = {c: i for i, c in enumerate(columns)}
