@@ -2,7 +2,8 @@
 a fault stop every rank, judge what failed from the run logs (the evidence ``ddp-hpc status``
 uses: ``ddp_hpc.judge.attribution``), exclude what failed and start the ranks again, up to
 ``--max-restarts`` times. `judge` returns a `Judgement`: the `Finding` (what ended the step, what
-failed) and the next `NodePlan`, or why not.
+failed) and the next `NodePlan`, or why not. Before every start (``Settings.health_check``, on in
+the command line) the step's nodes are checked (``supervise.health``) and a failing one excluded.
 
 Every restart is appended to ``restarts.jsonl`` in the log directory and to the job's record; a
 step the supervisor stopped and did not restart is a line of ``restarts.jsonl`` too (`stop_row`),
