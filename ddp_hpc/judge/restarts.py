@@ -15,7 +15,8 @@ from pathlib import Path
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE
 
-__all__ = ["read_restarts", "read_stops", "read_restarts_and_stops", "sched_index", "first_step_at", "time_lost"]
+__all__ = ["read_restarts", "read_stops", "read_health", "read_restarts_and_stops", "sched_index", "first_step_at",
+           "time_lost"]
 
 
 def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
@@ -28,6 +29,12 @@ def read_stops(log_dir: str | Path | None, job_id: str | None = None) -> list[di
     """The steps the supervisor stopped without restarting them (`runlogs.restarts.append_stop`),
     in order."""
     return _numbered(_lines(log_dir, job_id), "stopped_run")
+
+
+def read_health(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
+    """The health checks that excluded nodes before a start (``ddp_hpc.supervise.health``), in
+    order."""
+    return _numbered(_lines(log_dir, job_id), "health_check")
 
 
 def read_restarts_and_stops(log_dir: str | Path | None, job_id: str | None = None,

@@ -1,6 +1,7 @@
 """In-allocation restarts as the run logs keep them, written: the supervisor in the batch step
 (``ddp_hpc.supervise``) appends one JSON object per restart (`schema.ALLOC_RESTART_KEYS`), and one
-per step it stopped without restarting (`schema.ALLOC_STOP_KEYS`), to ``restarts.jsonl`` in the
+per step it stopped without restarting (`schema.ALLOC_STOP_KEYS`) and one per health check that
+excluded nodes (`schema.ALLOC_HEALTH_KEYS`), to ``restarts.jsonl`` in the
 run's log directory; ``ddp_hpc.judge.restarts`` reads them back.
 """
 from __future__ import annotations
@@ -9,9 +10,9 @@ import json
 import os
 from pathlib import Path
 
-from ddp_hpc.runlogs.schema import ALLOC_RESTART_KEYS, ALLOC_RESTARTS_FILE, ALLOC_STOP_KEYS
+from ddp_hpc.runlogs.schema import ALLOC_HEALTH_KEYS, ALLOC_RESTART_KEYS, ALLOC_RESTARTS_FILE, ALLOC_STOP_KEYS
 
-__all__ = ["append_restart", "append_stop"]
+__all__ = ["append_restart", "append_stop", "append_health"]
 
 
 def append_restart(log_dir: str | Path, entry: dict) -> None:
@@ -23,6 +24,11 @@ def append_stop(log_dir: str | Path, entry: dict) -> None:
     """Append a step the supervisor stopped and did not restart (`ALLOC_STOP_KEYS`: no
     ``restart``, so `read_restarts` and the restart counts leave it out)."""
     _append(log_dir, {k: entry.get(k) for k in ALLOC_STOP_KEYS})
+
+
+def append_health(log_dir: str | Path, entry: dict) -> None:
+    """Append a health check that excluded nodes before a start (`ALLOC_HEALTH_KEYS`)."""
+    _append(log_dir, {k: entry.get(k) for k in ALLOC_HEALTH_KEYS})
 
 
 def _append(log_dir: str | Path, rec: dict) -> None:

@@ -17,8 +17,9 @@ Files in a run's log directory, per rank R:
                             lines), local jobs only.
 - ``restarts.jsonl``:       the in-allocation restarts (``ddp_hpc.supervise``): one JSON object per
                             restart (`ALLOC_RESTART_KEYS`), and one for a step the supervisor
-                            stopped without restarting it (`ALLOC_STOP_KEYS`), written by the
-                            batch step.
+                            stopped without restarting it (`ALLOC_STOP_KEYS`), and one for a
+                            health check that excluded nodes (`ALLOC_HEALTH_KEYS`), written by
+                            the batch step.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ ALLOC_RESTART_KEYS = ("restart", "job_id", "fault_at", "detected_at", "trigger",
 #: what failed (as a restart's), and why it did not restart
 ALLOC_STOP_KEYS = ("stopped_run", "job_id", "fault_at", "detected_at", "trigger", "stop", "why", "kind",
                    "rank", "node", "basis", "not_restarted")
+#: the keys of a health check that excluded nodes before a start (``ddp_hpc.supervise.health``; a
+#: line of restarts.jsonl with neither ``restart`` nor ``stopped_run``): the run about to start,
+#: the job, when, how long the check took, node -> why it was excluded, the nodes the run starts
+#: on, and why it did not start (too few healthy nodes; None: it started)
+ALLOC_HEALTH_KEYS = ("health_check", "job_id", "time", "seconds", "excluded", "nodes_after", "not_started")
 
 EVENTS_RE = re.compile(r"^rank(\d+)\.events\.jsonl$")
 OUT_RE = re.compile(r"^rank(\d+)\.out$")

@@ -338,6 +338,24 @@ class SlurmCLI:
             raise SlurmError(argv, None, problem, CONF_HINT, status="not run")
         return subprocess.Popen(argv, env=dict(env))
 
+    def run_step(self, args: Sequence[str], env: Mapping[str, str], timeout: float) -> tuple[int | None, str]:
+        """``srun ARGS...`` waited for at most ``timeout`` s: (its exit status, None when it was
+        killed at the timeout; its stdout so far). A failed task is no error: the caller reads
+        every task's output (the supervisor's health check of a step's nodes); srun's stderr
+        goes where this process's does."""
+        argv = ["srun", *[str(a) for a in args]]
+        problem = config_problem(env)
+        if problem:
+            raise SlurmError(argv, None, problem, CONF_HINT, status="not run")
+        with subprocess.Popen(argv, env=dict(env), stdout=subprocess.PIPE, text=True) as proc:
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+                return proc.returncode, out
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+                return None, out or ""
+
     def show_hostnames(self, expr: str) -> list[str]:
         """Slurm's own expansion of a host list (``scontrol show hostnames EXPR``)."""
         if not isinstance(expr, str) or not expr.strip() or expr.lstrip().startswith("-"):

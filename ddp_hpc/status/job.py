@@ -51,6 +51,9 @@ class JobStatus:
     eval_step: int | None = None
     overrides: list[str] | None = None  # an array task's overrides (the record's array[i])
     node_range: str | None = None  # "2-4": submitted with --nodes MIN-MAX
+    #: useful step time / wall time since the first step, and the rest by part
+    #: (ddp_hpc.judge.goodput.Goodput.to_dict); a row has it when it read every run of rank 0
+    goodput: dict | None = None
     # -- the detail view's facts (a row leaves them empty)
     last_events: dict[int, dict] = field(default_factory=dict)
     failure: Failure | None = None

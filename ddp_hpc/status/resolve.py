@@ -44,6 +44,7 @@ from ddp_hpc import records
 from ddp_hpc.judge import flightrec, kept, timing
 from ddp_hpc.judge.consequences import compress as compress_ranks
 from ddp_hpc.judge.consequences import ranks_text
+from ddp_hpc.judge.goodput import goodput
 from ddp_hpc.judge.kept import KeptLogs
 from ddp_hpc.judge.reader import RunLogs, RunSummary
 from ddp_hpc.judge.restarts import read_restarts
@@ -174,8 +175,11 @@ class Resolved:
     keep: dict | None = None
 
     def row(self) -> JobStatus:
-        """The table's view: who, state, shape, time, progress, stall."""
-        return self._status({}, self.notes)
+        """The table's view: who, state, shape, time, progress, stall, and goodput where the row
+        read every run of rank 0 (the table reads only the newest run of a job that has several)."""
+        zero = self.logs.ranks.get(0) if isinstance(self.logs, RunLogs) else None
+        whole = zero is not None and not zero.newest_only
+        return self._status({"goodput": _goodput(self.logs, [])} if whole else {}, self.notes)
 
     def detail(self) -> JobStatus:
         """The detail view: the row's facts, then the failure, every rank's ending, exit codes,
@@ -199,7 +203,7 @@ class Resolved:
             runs=run_causes(logs, logs.runs(), sched, base, inside), rank_endings=rank_endings(logs),
             rank_classification={str(r): e.to_dict() for r, e in endings.items()},
             timing=timing.stragglers(*self._per_rank_hosts()), flight=flight, staging=stage_rows(logs),
-            alloc_restarts=inside, tensorboard=logs.tensorboard), notes)
+            alloc_restarts=inside, tensorboard=logs.tensorboard, goodput=_goodput(logs, inside)), notes)
 
     def _status(self, detail: dict, notes: list[str]) -> JobStatus:
         s, logs, sched = self.sources, self.logs, self.state
@@ -292,6 +296,13 @@ class Resolved:
                 self.keep["logs"] = summary
             return self.keep
         return src.final_to_keep(self.state, self.logs, s.now, s.final)
+
+
+def _goodput(logs: RunLogs | KeptLogs, restarts: list[dict]) -> dict | None:
+    """The job's goodput from its logs (`judge.goodput`, the restarts' phases where recorded);
+    None from kept facts, or before a step."""
+    g = goodput(logs.ranks, restarts) if isinstance(logs, RunLogs) else None
+    return g.to_dict() if g is not None else None
 
 
 def _from_record(rec: JobRecord | None) -> dict:

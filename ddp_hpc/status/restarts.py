@@ -3,29 +3,32 @@ rank, the node, the evidence; and, when the supervisor stopped the step, why it 
 excluded, the world size before and after, and the time lost from the fault to the first training
 step after the restart. From the run's ``restarts.jsonl``, else (the logs gone) from the job's
 record. A step the supervisor stopped and did not restart (a stop line of ``restarts.jsonl``, with
-``stopped_run`` and no ``restart``) is shown too: the supervisor, not a rank, ended it."""
+``stopped_run`` and no ``restart``) is shown too: the supervisor, not a rank, ended it. So is a
+health check that excluded nodes before a start (``health_check``: ``ddp_hpc.supervise.health``):
+``n2 excluded: /tmp full (0.1 GB free, checkpoint needs 1.5 GB)``."""
 from __future__ import annotations
 
 import time
 
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import read_restarts_and_stops, time_lost
+from ddp_hpc.judge.restarts import read_health, read_restarts_and_stops, time_lost
 from ddp_hpc.parsing import to_float
 from ddp_hpc.records import JobRecord
 
-__all__ = ["alloc_restarts", "restart_lines", "supervisor_stop"]
+__all__ = ["alloc_restarts", "restart_lines", "health_lines", "supervisor_stop"]
 
 
 def alloc_restarts(rec: JobRecord | None, log_dir: str | None, logs: RunLogs) -> list[dict]:
     """Each restart's record with ``lost_s`` (None while no step followed it yet), then each step
-    the supervisor stopped without restarting it (``stopped_run``: no ``restart`` key)."""
+    the supervisor stopped without restarting it (``stopped_run``: no ``restart`` key), then each
+    health check that excluded nodes (``health_check``)."""
     rows, stops = read_restarts_and_stops(log_dir)
     rows = rows or [dict(r) for r in ((rec.alloc_restarts if rec is not None else None) or [])]
     out = []
     for row in rows:
         lost = time_lost(row, logs) if logs.ranks else row.get("lost_s")
         out.append({**row, "lost_s": lost})
-    return out + stops
+    return out + stops + read_health(log_dir)
 
 
 def supervisor_stop(rows: list[dict], restart: int) -> dict | None:
@@ -41,9 +44,9 @@ def _when(t) -> str:
 def restart_lines(rows: list[dict]) -> list[str]:
     """The detail view's section (nothing without restarts or a stop of the supervisor's)."""
     stops = [r for r in rows if r.get("restart") is None and r.get("stopped_run") is not None]
-    rows = [r for r in rows if r.get("restart") is not None]
-    out = [f"Restarts inside the allocation: {len(rows)}"] if rows else []
-    for r in rows:
+    restarts = [r for r in rows if r.get("restart") is not None]
+    out = [f"Restarts inside the allocation: {len(restarts)}"] if restarts else []
+    for r in restarts:
         who = f"rank {r['rank']}" if r.get("rank") is not None else "no rank named"
         where = f" on {r['node']}" if r.get("node") else ""
         excluded = f"excluded {', '.join(r['excluded'])}" if r.get("excluded") else "nothing excluded"
@@ -63,4 +66,20 @@ def restart_lines(rows: list[dict]) -> list[str]:
         out.append(f"Supervisor: stopped the step of restart {r.get('stopped_run')} at {_when(r.get('detected_at'))} "
                    f"because {r.get('stop') or r.get('trigger')}; not restarted: {r.get('not_restarted') or '-'}")
         out.append(f"  what it found then: {who}{where}: {r.get('why') or '-'} ({r.get('basis') or '-'})")
+    return out + health_lines(rows)
+
+
+def health_lines(rows: list[dict]) -> list[str]:
+    """The health checks that excluded nodes: before which start, each node and why, where the
+    run started (or why it did not)."""
+    out = []
+    for r in (r for r in rows if r.get("health_check") is not None and r.get("restart") is None):
+        run = r["health_check"]
+        excluded = r.get("excluded") if isinstance(r.get("excluded"), dict) else {}
+        when = f"restart {run}" if run else "the first start"
+        out.append(f"Health check before {when} at {_when(r.get('time'))} "
+                   f"({to_float(r.get('seconds')) or 0:.1f} s): "
+                   + "; ".join(f"{n} excluded: {why}" for n, why in excluded.items()))
+        started = ", ".join(r.get("nodes_after") or [])
+        out.append(f"  not started: {r['not_started']}" if r.get("not_started") else f"  started on {started or '-'}")
     return out

@@ -32,6 +32,11 @@ COLUMNS = ("ID", "NAME", "BACKEND", "STATE", "NODESxGPUS", "ELAPSED/LIMIT", "RES
 #: columns shown only when some job has them, before LOG DIR: final eval metrics, sweep overrides
 OPTIONAL = ("EVAL", "OVERRIDES")
 CELL_MAX = 40  # characters of an EVAL / OVERRIDES cell
+#: shown where some job has it and the terminal has room for it beside the other columns
+GOODPUT = "GOODPUT"
+#: the parts of the time lost besides useful steps, as the detail view names them (judge.goodput.PARTS)
+LOST_NAMES = {"restarts": "restarts", "redone": "steps trained twice", "checkpoint": "checkpoints",
+              "data": "data wait", "stalls": "stalls", "eval": "eval", "other": "other"}
 #: the columns that give way to fit the terminal, in that order, and their narrowest widths
 SHRINK = (("LOG DIR", 16), ("OVERRIDES", 12), ("EVAL", 12), ("NAME", 8), ("STATE", 9))
 
@@ -86,7 +91,13 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def table_row(st: JobStatus, optional: tuple[str, ...] = ()) -> list[str]:
+def goodput_text(st: JobStatus) -> str:
+    """``87.3%``: the GOODPUT cell, or ``-``."""
+    g = st.goodput
+    return f"{100 * g['goodput']:.1f}%" if g and g.get("goodput") is not None else "-"
+
+
+def table_row(st: JobStatus, optional: tuple[str, ...] = (), goodput: bool = False) -> list[str]:
     p = st.progress
     per = "-" if st.gpus_per_node is None else str(st.gpus_per_node)
     extra = {"EVAL": eval_text, "OVERRIDES": overrides_text}
@@ -94,7 +105,7 @@ def table_row(st: JobStatus, optional: tuple[str, ...] = ()) -> list[str]:
         st.id, st.name or "-", st.backend or "-", state_text(st),
         f"{st.nodes or st.node_range or '-'}x{per}" + ("cpu" if st.device == "cpu" else ""),
         f"{st.elapsed or '-'}/{st.time_limit or '-'}",
-        str(st.restarts), progress_text(st),
+        str(st.restarts), *([goodput_text(st)] if goodput else []), progress_text(st),
         _num(p.loss if p else None, ".4g"), _num(p.samples_per_s if p else None, ".1f"),
         (format_duration(p.eta_s) if p and p.eta_s is not None and not st.job_state.terminal else "-"),
     ] + [extra[c](st) for c in optional] + [st.log_dir or "-"]
@@ -102,12 +113,24 @@ def table_row(st: JobStatus, optional: tuple[str, ...] = ()) -> list[str]:
 
 def render_table(statuses: Iterable[JobStatus], width: int | None = None) -> str:
     """The jobs as a table within ``width`` columns (None: as wide as its cells): the log
-    directory gives way first (its middle cut), then overrides, eval metrics, names and states."""
+    directory gives way first (its middle cut), then overrides, eval metrics, names and states.
+    A GOODPUT column (after RESTARTS) where some job has a goodput and the table has room for it
+    without cutting any other cell further."""
     statuses = list(statuses)
     optional = tuple(c for c, have in zip(OPTIONAL, (any(s.eval_metrics for s in statuses),
                                                      any(s.overrides for s in statuses))) if have)
-    columns = list(COLUMNS[:-1]) + list(optional) + [COLUMNS[-1]]
-    rows = [columns] + [table_row(s, optional) for s in statuses]
+    if any(s.goodput for s in statuses):
+        wider = _table(statuses, optional, None, goodput=True)
+        if width is None or max(map(len, wider.splitlines())) <= width:
+            return wider
+    return _table(statuses, optional, width)
+
+
+def _table(statuses: list[JobStatus], optional: tuple[str, ...], width: int | None, goodput: bool = False) -> str:
+    at_restarts = COLUMNS.index("RESTARTS") + 1
+    columns = (list(COLUMNS[:at_restarts]) + ([GOODPUT] if goodput else []) + list(COLUMNS[at_restarts:-1])
+               + list(optional) + [COLUMNS[-1]])
+    rows = [columns] + [table_row(s, optional, goodput) for s in statuses]
     if len(rows) == 1:
         return f"no ddp_hpc jobs recorded (submit one with {prog('submit')})\n"
     at = {c: i for i, c in enumerate(columns)}
@@ -145,7 +168,7 @@ def files_guide() -> str:
 
 def render_detail(st: JobStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
-    out = _head_lines(st, now) + stage_lines(st.staging) + _exit_lines(st) + _failure_lines(st)
+    out = _head_lines(st, now) + goodput_lines(st) + stage_lines(st.staging) + _exit_lines(st) + _failure_lines(st)
     out += restart_lines(st.alloc_restarts) + _timing_lines(st)
     out += [("Flight rec: " if i == 0 else "            ") + ln for i, ln in enumerate(st.flight)]
     out += _event_lines(st, now) + _history_lines(st) + [f"Note: {n}" for n in st.notes]
@@ -190,6 +213,31 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
             out.append(f"TensorBoard: tensorboard --logdir {shlex.quote(st.log_dir)}")
     if st.node_list:
         out.append(f"Nodes:      {st.node_list}")
+    return out
+
+
+def goodput_lines(st: JobStatus) -> list[str]:
+    """``Goodput:   87.3% of 6 min 52 s since the first step`` and where the rest went."""
+    g = st.goodput
+    if not g:
+        return []
+    lost = g.get("lost_s") or {}
+    out = [f"Goodput:    {100 * g['goodput']:.1f}% of {g['wall_s']:.1f} s since the first step were useful steps "
+           f"({g['useful_s']:.1f} s)"]
+    parts = []
+    for key, name in LOST_NAMES.items():
+        secs = lost.get(key) or 0.0
+        if secs < 0.05:
+            continue
+        text = f"{name} {secs:.1f} s"
+        if key == "restarts" and g.get("restart_phases"):
+            text += " (" + " + ".join(f"{k} {v:.1f}" for k, v in g["restart_phases"].items()) + ")"
+        if key == "redone" and g.get("steps_redone"):
+            text += f" ({plural(g['steps_redone'], 'step')})"
+        parts.append(text)
+    out.append("            lost: " + (", ".join(parts) if parts else "nothing"))
+    if g.get("estimated"):
+        out.append(f"            estimated: {', '.join(g['estimated'])}")
     return out
 
 

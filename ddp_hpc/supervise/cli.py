@@ -24,6 +24,8 @@ def parser() -> argparse.ArgumentParser:
                    help="restart after an error raised by the code too")
     p.add_argument("--stall-timeout", type=float, default=0.0, metavar="S",
                    help="stop and restart a step with no training step for S seconds (0: off)")
+    p.add_argument("--no-health-check", dest="health_check", action="store_false",
+                   help="start the ranks without checking their nodes first (ddp_hpc.supervise.health)")
     p.add_argument("--log-dir", required=True, help="the run's log directory")
     p.add_argument("--srun-arg", action="append", default=[], metavar="WORD",
                    help="one word of the user's srun options (repeatable)")
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                         max_restarts=args.max_restarts, spare_nodes=args.spare_nodes,
                         min_nodes=args.min_nodes, restart_on_error=args.restart_on_error)
         return supervise(Settings(policy=policy, log_dir=args.log_dir, command=tuple(command),
-                                  srun_args=tuple(args.srun_arg), stall_timeout_s=args.stall_timeout))
+                                  srun_args=tuple(args.srun_arg), stall_timeout_s=args.stall_timeout,
+                                  health_check=args.health_check))
     except HintError as exc:
         report(prog("supervise"), exc)
         return 2

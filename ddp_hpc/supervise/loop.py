@@ -2,7 +2,8 @@
 a fault stop every rank, judge what failed from the run logs (the evidence ``ddp-hpc status``
 uses: ``ddp_hpc.judge.attribution``), exclude what failed and start the ranks again, up to
 ``--max-restarts`` times. `judge` returns a `Judgement`: the `Finding` (what ended the step, what
-failed) and the next `NodePlan`, or why not.
+failed) and the next `NodePlan`, or why not. Before every start (``Settings.health_check``, on in
+the command line) the step's nodes are checked (``supervise.health``) and a failing one excluded.
 
 Every restart is appended to ``restarts.jsonl`` in the log directory and to the job's record; a
 step the supervisor stopped and did not restart is a line of ``restarts.jsonl`` too (`stop_row`),
@@ -25,10 +26,11 @@ from ddp_hpc.exits import EX_TEMPFAIL, exit_status_of_returncode
 from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import read_restarts
-from ddp_hpc.runlogs.restarts import append_restart, append_stop
+from ddp_hpc.runlogs.restarts import append_health, append_restart, append_stop
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, rank_out
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import compress, expand
+from ddp_hpc.supervise.health import check_nodes, health_row
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
 from ddp_hpc.supervise.watch import FAILED_GRACE_S, EventTail, StepEnd, Watch, node_health, stop_step, watch_step
 
@@ -45,6 +47,7 @@ class Settings:
     command: tuple[str, ...]
     srun_args: tuple[str, ...] = ()     # the user's srun options, one word each
     stall_timeout_s: float = 0.0
+    health_check: bool = False          # check the step's nodes before each start (supervise.health)
 
 
 def _say(text: str) -> None:
@@ -93,6 +96,10 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
     before = len(read_restarts(s.log_dir, key))   # earlier runs' restarts (a requeued job)
     done, restart = 0, facts.restart_count + before
     while True:
+        if s.health_check:
+            plan = _healthy(s, cli, plan, step_env(s, environ, before + done), done, restart, key)
+            if plan is None:
+                return 1
         proc = cli.start_step(step_args(s, plan.active, again=done > 0), step_env(s, environ, before + done))
         end = watch_step(proc, EventTail(s.log_dir, restart), cli,
                          Watch(tuple(plan.active), s.stall_timeout_s), lambda: stop.asked)
@@ -113,6 +120,18 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
         _keep(append_restart, s.log_dir, row)
         _to_record(key, row)
         done, restart, plan = done + 1, restart + 1, j.plan
+
+
+def _healthy(s: Settings, cli, plan: NodePlan, env: dict, done: int, run: int, key) -> NodePlan | None:
+    """The plan after the health check of its nodes (`supervise.health`); None: too few healthy."""
+    c = check_nodes(cli, plan, s.policy, env, done > 0, s.log_dir)
+    why = "; ".join(f"{n} excluded: {w}" for n, w in c.failed.items())
+    when = f"restart {done} (restart number {run})" if done else "the first start"
+    _say(f"health check of {len(plan.active)} node(s) before {when}: {c.seconds:.1f} s, {c.rounds} round(s); "
+         + (f"{why}; {c.change}" if c.failed else c.change or "all passed"))
+    if c.failed:
+        _keep(append_health, s.log_dir, health_row(c, run, key))
+    return c.plan
 
 
 def _wait(proc, timeout: float = 60.0) -> int | None:
