@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path", metavar="PATH", help="the LMDB folder to check")
     images, stage_ = _add_make_images(sub), _add_stage(sub)
     b = sub.add_parser("sbcast", formatter_class=HelpFormatter,
-                       help="in a batch script: sbcast a file or LMDB to every node of the job")
-    b.add_argument("src", metavar="SRC", help="file or LMDB folder on the shared filesystem")
+                       help="in a batch script: sbcast a file, LMDB or folder (as one archive) to every node "
+                            "of the job")
+    b.add_argument("src", metavar="SRC", help="file, LMDB folder or folder on the shared filesystem")
     b.add_argument("--to", default="auto", help=_TO_HELP + " (the same path on every node)")
     for q in (pack, v, images, stage_, b):
         q.add_argument("--json", action="store_true", help="print the result as JSON")
