@@ -9,8 +9,9 @@ allocation) and written here, in key order, so the LMDB does not depend on their
 (:mod:`ddp_hpc.data.packsources`, which also reads WebDataset shards).  Appended in key order,
 in large write transactions (committed every ``txn_bytes``); the map starts at ``map_size`` and
 doubles whenever LMDB reports it full (the pending transaction is replayed).  Every image is
-decoded first (unless ``check_images=False``), so a corrupt file is refused by name instead of
-failing mid-training.  Atomic: written to a temporary sibling, renamed when complete.
+checked first (unless ``check_images=False``: :mod:`ddp_hpc.data.imagecheck`, a PNG by its
+chunks' CRCs and complete image data, other formats by decoding), so a corrupt file is refused
+by name instead of failing mid-training.  Atomic: written to a temporary sibling, renamed when complete.
 """
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 
 from ddp_hpc.data import fsio
 from ddp_hpc.data.errors import PackError
-from ddp_hpc.data.images import IMAGE_SUFFIXES, decode_image
+from ddp_hpc.data.imagecheck import check_image
+from ddp_hpc.data.images import IMAGE_SUFFIXES
 from ddp_hpc.env import job_facts
 
 __all__ = ["open_source", "read_in_order", "allocation_cpus", "CHUNK_FILES"]
@@ -120,7 +121,7 @@ def _work(task: tuple[list, bool]) -> tuple[list[bytes], tuple[int, int], str | 
             break
         if check:
             try:
-                decode_image(payload)
+                check_image(payload)
             except Exception as e:  # pillow raises several types for broken files
                 problem = (f"pack: {name!r} is not a readable image ({type(e).__name__}: {e})\0"
                            "remove or replace the file, or pack with --no-check")

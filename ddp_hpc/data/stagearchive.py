@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
+
+import xxhash
 
 from ddp_hpc.data import fsio
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.data.hashing import file_hash
 
-__all__ = ["make_archive", "unpack_archive", "folder_census"]
+__all__ = ["make_archive", "unpack_archive", "folder_census", "copy_folder"]
 
 
 def _members(src: str) -> tuple[list[str], list[str], int]:
@@ -91,3 +94,43 @@ def unpack_archive(archive: str, dst: str, manifest: dict) -> None:
         raise StageError(f"stage: unpacked {got[0]} files / {got[1]} bytes from {archive!r}, the manifest "
                          f"says {want[0]} / {want[1]}", "the node-local disk may be full or faulty; the node "
                          "copies from the source instead")
+
+
+def copy_folder(src: str, dst: str, progress, chunk: int = 8 << 20) -> dict:
+    """One node's copy of the folder ``src`` into the empty folder ``dst``: ``tar`` reads each
+    regular file once and a second ``tar`` unpacks the stream here; this process only passes the
+    stream on, ``chunk`` bytes at a time (hashing it, ``progress(bytes)``).  The files and bytes
+    that came out are counted against the source's.  -> ``{"bytes", "files", "xxh3_64"}`` (of the stream)."""
+    names, files, payload = _members(src)
+    with tempfile.NamedTemporaryFile("wb", dir=os.path.dirname(dst), prefix=".names-") as listing:
+        listing.write(b"\0".join(n.encode() for n in names) + b"\0")
+        listing.flush()
+        reader = subprocess.Popen(["tar", "-C", src, "--no-recursion", "--null", "-T", listing.name, "-cf", "-"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        writer = subprocess.Popen(["tar", "-C", dst, "--no-same-owner", "--no-same-permissions", "-xf", "-"],
+                                  stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+        h = xxhash.xxh3_64()
+        try:
+            while data := reader.stdout.read(chunk):
+                h.update(data)
+                writer.stdin.write(data)
+                progress(len(data))
+        except BrokenPipeError:
+            pass   # the unpacking tar died: its exit status says why
+        finally:
+            writer.stdin.close()
+            problems = [(what, p.wait(), p.stderr.read().decode(errors="replace").strip()[:500])
+                        for what, p in (("read", reader), ("unpack", writer))]
+            reader.stdout.close()
+    for what, rc, err in problems:
+        if rc != 0:
+            raise StageError(f"stage: tar could not {what} {src!r} -> {dst!r} (exit {rc}): {err}",
+                             "check read permissions on the source and free space on the node-local disk")
+    for n in files:   # tar opened each once, outside this process: counted here
+        fsio.note_open(os.path.join(src, n))
+    fsio.note_bytes(src + "/", payload)
+    got = folder_census(dst)
+    if got != (len(files), payload):
+        raise StageError(f"stage: copied {got[0]} files / {got[1]} bytes from {src!r}, expected {len(files)} / "
+                         f"{payload} (source changed while copying?)", "stage again once it is stable")
+    return {"bytes": payload, "files": len(files), "xxh3_64": h.intdigest()}
