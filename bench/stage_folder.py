@@ -12,7 +12,10 @@ every node's ``stage`` (adopts and unpacks it; on one node it copies), checks it
 the source (a hash of every file), gives it back (the last one out removes it) and checks it is
 gone.  The shared folder's opens are counted by inotify (``IN_OPEN`` on every file below it, from
 any process: tar, sbcast, the nodes) for the whole job.  In the same run a job times ``cp -r`` of
-the folder to one node's local disk (best of 2).  Staging time = the sbcast step + the slowest
+the folder to one node's local disk (best of 2), and, on several nodes, the other way to fan the
+archive out: rank 0 writes it and a gloo broadcast over the job's network gives it to every node,
+which writes it to its local disk (``archive + gloo broadcast``, against ``archive + sbcast``).
+Staging time = the sbcast step + the slowest
 node's ``stage`` (on one node: its ``stage``), without srun's start-up.  Prints a table and
 writes ``--json``.
 """
@@ -122,6 +125,45 @@ def cp(src: str, local: str) -> None:
     print(json.dumps({"node": os.environ.get("SLURMD_NODENAME"), "seconds": best}), flush=True)
 
 
+def bcast(src: str, local: str) -> None:
+    """The other way to fan the archive out: global rank 0 writes it (as sbcast's step does) and
+    a gloo broadcast over the job's network gives it to every rank, which writes it to its local
+    disk; -> one JSON line per rank (archive, broadcast and write seconds)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_hpc.data.stagearchive import make_archive
+    from ddp_hpc.dist import cleanup_ddp, setup_ddp
+
+    ctx = setup_ddp(timeout=timedelta(seconds=120))
+    rank = ctx.env.rank
+    path = os.path.join(local, f"bcast-bench-{os.environ.get('SLURM_JOB_ID')}.tar")
+    dist.barrier()
+    t0 = time.monotonic()
+    if rank == 0:
+        make_archive(src, path)
+        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()])
+    else:
+        size = torch.tensor([0])
+    t_archive = time.monotonic() - t0
+    dist.broadcast(size, 0)
+    if rank != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, 0)
+    t_bcast = time.monotonic() - t0 - t_archive
+    if rank != 0:
+        Path(path).write_bytes(data.numpy().tobytes())
+    dist.barrier()
+    total = time.monotonic() - t0
+    os.remove(path)
+    print(json.dumps({"rank": rank, "archive_s": t_archive, "bcast_s": t_bcast, "total_s": total,
+                      "bytes": int(size.item())}), flush=True)
+    cleanup_ddp()
+
+
 def _sbatch(script: str, nodes: int, out: Path) -> None:
     path = out / f"job-{nodes}.sh"
     path.write_text(script)
@@ -145,6 +187,12 @@ def _one(src: str, local: str, nodes: int, out: Path) -> dict:
     opens = counter.stop()
     _sbatch(f"#!/bin/bash\nsrun -N1 --output={q['out']}/cp-{nodes}.json {py} {me} cp {q['src']} {q['local']}\n",
             1, out)
+    fan = None
+    if nodes > 1:   # the group broadcast instead of sbcast, timed the same way (not counted)
+        _sbatch(f"#!/bin/bash\ncd {shlex.quote(str(REPO))}\nsrun -N{nodes} --ntasks-per-node=1 "
+                f"--output={q['out']}/bcast-{nodes}-%t.json {py} {me} bcast {q['src']} {q['local']}\n", nodes, out)
+        fan = max(json.loads((out / f"bcast-{nodes}-{t}.json").read_text().strip().splitlines()[-1])["total_s"]
+                  for t in range(nodes))
     nodes_out = [json.loads((out / f"node-{nodes}-{t}.json").read_text().strip().splitlines()[-1])
                  for t in range(nodes)]
     sb = json.loads((out / f"sbcast-{nodes}.json").read_text()) if nodes > 1 else {"seconds": 0.0}
@@ -152,13 +200,13 @@ def _one(src: str, local: str, nodes: int, out: Path) -> dict:
     cp_s = json.loads((out / f"cp-{nodes}.json").read_text().strip().splitlines()[-1])["seconds"]
     return {"nodes": nodes, "shared_opens": opens, "overflow": counter.overflow, "sbcast_s": sb["seconds"],
             "node_stage_s": [n["seconds"] for n in nodes_out], "stage_s": stage_s, "cp_s": cp_s,
-            "stage_over_cp": stage_s / cp_s, "methods": [n["method"] for n in nodes_out],
+            "stage_over_cp": stage_s / cp_s, "archive_bcast_s": fan, "methods": [n["method"] for n in nodes_out],
             "digests": [n["digest"] for n in nodes_out], "gone": [n["gone"] for n in nodes_out]}
 
 
 def main(argv=None) -> int:
-    if argv is None and len(sys.argv) > 1 and sys.argv[1] in ("node", "cp"):
-        (node if sys.argv[1] == "node" else cp)(sys.argv[2], sys.argv[3])
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] in ("node", "cp", "bcast"):
+        {"node": node, "cp": cp, "bcast": bcast}[sys.argv[1]](sys.argv[2], sys.argv[3])
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shared", required=True, help="a folder on the cluster's shared filesystem")
@@ -179,10 +227,12 @@ def main(argv=None) -> int:
     rows = [_one(str(src), args.local, int(n), out) for n in args.nodes.split(",")]
     result = {"files": want[0], "bytes": want[1], "source_digest": list(want), "rows": rows}
     print(f"{want[0]} files ({want[1] / 1e6:.1f} MB); shared opens counted by inotify for the whole staging job")
-    print("| nodes | methods | shared opens | sbcast s | slowest node s | staging s | cp -r s | staging / cp |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| nodes | methods | shared opens | archive + sbcast s | archive + gloo broadcast s | slowest node s "
+          "| staging s | cp -r s | staging / cp |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['nodes']} | {','.join(r['methods'])} | {r['shared_opens']} | {r['sbcast_s']:.2f} | "
+        fan = "-" if r["archive_bcast_s"] is None else f"{r['archive_bcast_s']:.2f}"
+        print(f"| {r['nodes']} | {','.join(r['methods'])} | {r['shared_opens']} | {r['sbcast_s']:.2f} | {fan} | "
               f"{max(r['node_stage_s']):.2f} | {r['stage_s']:.2f} | {r['cp_s']:.2f} | {r['stage_over_cp']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

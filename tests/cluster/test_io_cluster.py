@@ -121,7 +121,7 @@ srun -N2 --ntasks-per-node=1 --output={shlex.quote(str(work / 'stage%t.out'))} \
 
 
 def test_a_folder_staged_for_three_nodes_is_read_once_whatever_the_node_count(slurm_cluster):
-    """bench/stage_folder.py with 300 small files on 1, 2 and 3 nodes: every node's copy has the
+    """bench/stage_folder.py with 300 small images on 1, 2 and 3 nodes: every node's copy has the
     source's bytes, the copies are gone afterwards, and the shared folder saw one open per file
     (inotify, any process) for each node count: sbcast's one archive on 2 and 3 nodes."""
     c = slurm_cluster
@@ -133,10 +133,10 @@ def test_a_folder_staged_for_three_nodes_is_read_once_whatever_the_node_count(sl
     assert p.returncode == 0, p.stdout + p.stderr
     out = json.loads((work / "out.json").read_text())
     print(p.stdout)
-    assert out["files"] == 300
+    assert out["files"] >= 300          # the images and make-images' own note of them
     for row in out["rows"]:
         assert not row["overflow"], row
-        assert row["shared_opens"] == 300, row
+        assert row["shared_opens"] == out["files"], row
         assert row["methods"] == (["copy"] if row["nodes"] == 1 else ["sbcast"] * row["nodes"]), row
         assert row["digests"] == [out["source_digest"]] * row["nodes"] and all(row["gone"]), row
     for node in ("n1", "n2", "n3", "n4"):   # no archive or copy left on any node's disk
