@@ -25,7 +25,9 @@ drop_last=False)``'s samples for the epoch, in order, from batch ``start_batch``
 from __future__ import annotations
 
 import logging
+import os
 import weakref
+import zlib
 from datetime import timedelta
 
 import torch
@@ -96,15 +98,19 @@ def _stage_dataset(data_cfg, ctx, dataset_factory):
 def _sbcast_to_nodes(src: str, dest: str, env, group) -> None:
     """On several Slurm nodes, when a node leader has no copy of this attempt's source yet (a
     first start, a spare that joined): global rank 0 reads the source once and Slurm's ``sbcast``
-    puts it on every node (:mod:`ddp_hpc.data.sbcast`), for the node leaders to adopt.  A failed
-    sbcast is a warning: the nodes then copy as usual."""
+    puts it on every node (:mod:`ddp_hpc.data.sbcast`), for the node leaders to adopt.  Not when
+    the nodes stage to different paths (sbcast writes one path on every node).  A failed sbcast
+    is a warning: the nodes then copy as usual."""
     if group is None or env.num_nodes < 2 or not env.in_slurm or not env.job_id:
         return
-    need = torch.zeros(1)
+    place = zlib.crc32(os.path.abspath(dest).encode())   # sbcast needs one path on every node
+    facts = torch.tensor([0.0, float(place), -float(place)], dtype=torch.float64)
     if env.local_rank == 0:
-        need[0] = float(not staged_here(src, dest, env.job_id))
-    dist.all_reduce(need, op=dist.ReduceOp.MAX, group=group)
-    if need.item() and env.rank == 0:
+        facts[0] = float(not staged_here(src, dest, env.job_id))
+    dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=group)
+    if facts[1] != -facts[2]:
+        log.info("stage: the nodes stage to different folders (%s here); each node copies %s", dest, src)
+    elif facts[0] and env.rank == 0:
         try:
             out = sbcast_stage(src, dest)
             log.info("stage: sbcast %s (%d bytes) to every node in %.2f s", src, out["bytes"], out["seconds"])

@@ -87,10 +87,11 @@ def _staged_ok(folder: str, marker: dict, recheck: bool) -> bool:
 
 
 def staged_here(src: str, dest: str, job_id: str | None) -> bool:
-    """A complete copy of ``src`` for job ``job_id`` is below ``dest`` on this node (its marker)."""
+    """A complete copy of ``src`` for job ``job_id`` is below ``dest`` on this node (its marker),
+    or an ``sbcast`` copy of it waits there to be adopted (its manifest)."""
     src, dest = os.path.abspath(src), os.path.abspath(dest)
-    root = private_root(dest)
-    return _read_marker(os.path.join(root, stage_key(src, job_id))) is not None
+    key = stage_key(src, job_id)
+    return _read_marker(os.path.join(private_root(dest), key)) is not None or owned(sbcast_paths(dest, key)[1])
 
 
 def sbcast_paths(dest: str, key: str) -> tuple[str, str]:
