@@ -18,8 +18,8 @@ shared file), best of ``--rounds`` interleaved rounds:
   TMPDIR (its "local disk") and counts every process's shared opens with ``fsio``, the staging
   wrappers' included.  Samples/s per rank = samples / (the node leader's staging seconds, from its
   ``stage`` event + the script's open + epoch).  Staging a folder copies it as one tar stream:
-  tar's opens happen outside Python, so the bench adds one open per file and, on simfs, the
-  delay per file to the staging time (modelled, said in the table);
+  tar opens each file outside Python, and the staging process counts those opens with ``fsio``
+  once tar is done (and, on simfs, sleeps the delay for each: the staging time includes it);
 * ddp_hpc's own loop (``open_train_data`` / ``make_train_batches``, data.io=lmdb and stage) and the
   peers, through bench/peers.py's rank runner: one ``launch_distributed`` run of ``--rounds``
   interleaved rounds (its cells time open/stage + epoch the same way), between the script's first
@@ -73,19 +73,14 @@ def _warm(path: str) -> None:
                     pass
 
 
-def _stage_seconds(cell: str, delay_s: float) -> tuple[dict, int, int]:
-    """({node: staging s of its leader}, copies made, files tar opened) from the stage events;
-    a folder copy's seconds get ``files x delay`` (tar's opens are outside fsio)."""
-    per_node, copies, tar_files = {}, 0, 0
+def _stage_seconds(cell: str) -> dict:
+    """{node: staging s of its leader} from the stage events."""
+    per_node = {}
     for path in glob.glob(os.path.join(cell, "runs", "*", "rank*.events.jsonl")):
         for ev in map(json.loads, open(path)):
-            if ev["event"] != "stage":
-                continue
-            extra = ev["files"] * delay_s if (ev["method"] == "copy" and ev["files"] > 1) else 0.0
-            per_node[ev["node"].split("@")[0]] = per_node.get(ev["node"].split("@")[0], 0.0) + ev["seconds"] + extra
-            copies += ev["method"] == "copy"
-            tar_files += ev["files"] if (ev["method"] == "copy" and ev["files"] > 1) else 0
-    return per_node, copies, tar_files
+            if ev["event"] == "stage":
+                per_node[ev["node"].split("@")[0]] = per_node.get(ev["node"].split("@")[0], 0.0) + ev["seconds"]
+    return per_node
 
 
 def script_cell(a: dict, cure: tuple, scen: str, delay_s: float, rnd: int) -> dict:
@@ -109,14 +104,13 @@ def script_cell(a: dict, cure: tuple, scen: str, delay_s: float, rnd: int) -> di
     if p.returncode:
         raise SystemExit(f"{label} ({scen}) failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     ranks = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(cell, "out", "rank*.json")))]
-    stage_s, copies, tar_files = _stage_seconds(cell, delay_s)
+    stage_s = _stage_seconds(cell)
     counts = [json.load(open(f)) for f in glob.glob(os.path.join(cell, "counts", "*.json"))]
     rates = [r["samples"] / (stage_s.get(f"node{r['node']}", 0.0) + r["open_s"] + r["epoch_s"]) for r in ranks]
     return {"scenario": scen, "technique": f"script: {label}", "round": rnd,
             "samples": sum(r["samples"] for r in ranks), "samples_per_s_rank": sum(rates) / len(rates),
             "stage_s": stage_s,
-            "opens": sum(c["opens"] for c in counts) - (copies if tar_files else 0) + tar_files,
-            "bytes": sum(c["bytes"] for c in counts), "tar_files_modelled": tar_files,
+            "opens": sum(c["opens"] for c in counts), "bytes": sum(c["bytes"] for c in counts),
             "epoch_only_samples_per_s_rank": sum(r["samples"] / r["epoch_s"] for r in ranks) / len(ranks),
             "samples_per_cpu_s_rank": sum(r["samples"] / (r["open_cpu_s"] + r["epoch_cpu_s"])
                                           for r in ranks) / len(ranks)}
@@ -175,8 +169,7 @@ def report(script_rows: list[dict], other_rows: list[dict], a: dict) -> tuple[st
     cpu = lambda r: f"{r['samples_per_cpu_s_rank']:.0f}" if r and r.get("samples_per_cpu_s_rank") else "-"  # noqa: E731
     for t in techs:
         w, s = get.get(("warm", t)), get.get(("simfs", t))
-        mod = " (tar: modelled)" if s and s.get("tar_files_modelled") else ""
-        out.append(f"| {t} | {s['opens'] if s else '-'}{mod} | {w['samples_per_s_rank']:.0f} | "
+        out.append(f"| {t} | {s['opens'] if s else '-'} | {w['samples_per_s_rank']:.0f} | "
                    f"{s['samples_per_s_rank']:.0f} | {cpu(w)} | {cpu(s)} |")
     ratios = {}
     for scen in ("warm", "simfs"):

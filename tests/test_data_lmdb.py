@@ -3,6 +3,7 @@ persistent), map growth, corrupt inputs and corrupt files refused, the CLI's exi
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,3 +242,104 @@ def _read_inherited():
     before = _INHERITED._pid  # forgotten at fork
     value = _INHERITED.raw_item(5)
     return before, os.getpid(), value, _INHERITED._pid
+
+
+def test_parallel_pack_is_byte_identical_to_one_worker_and_refuses_a_corrupt_image(images, tmp_path):
+    """3 worker processes write the same data.mdb, byte for byte, as 1 (the records in key order,
+    whatever worker read them); a corrupt image among many chunks is refused by name with
+    nothing written; the shared opens are counted once per file across the workers."""
+    import shutil
+
+    from ddp_hpc.data import fsio
+
+    src = tmp_path / "imgs"
+    shutil.copytree(images, src)
+    for i in range(300):   # several chunks per worker
+        shutil.copy(src / "class_00" / sorted(os.listdir(src / "class_00"))[0], src / "class_02" / f"more{i:03d}.png")
+    fsio.watch(src)
+    try:
+        one = pack(src, tmp_path / "one.lmdb", progress=False, workers=1)
+        assert fsio.snapshot()["opens"] == 340
+        fsio.reset()
+        many = pack(src, tmp_path / "many.lmdb", progress=False, workers=3)
+        assert fsio.snapshot()["opens"] == 340
+    finally:
+        fsio.unwatch()
+    assert (one["workers"], many["workers"], many["count"]) == (1, 3, 340)
+    assert (tmp_path / "one.lmdb" / "data.mdb").read_bytes() == (tmp_path / "many.lmdb" / "data.mdb").read_bytes()
+    (src / "class_02" / "more250.png").write_bytes(b"\x89PNG\r\n\x1a\nbroken")
+    with pytest.raises(PackError, match="more250.png.*not a readable image"):
+        pack(src, tmp_path / "bad.lmdb", progress=False, workers=3)
+    assert not (tmp_path / "bad.lmdb").exists()
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp-pack")] == []
+
+
+def test_pack_from_webdataset_shards_keeps_samples_labels_and_order(images, tmp_path):
+    """WebDataset shards (KEY.png + KEY.cls, two .tar files in a folder) pack to the same images
+    and labels, in shard and key order; `ddp-hpc data verify` passes on the result."""
+    import io
+    import tarfile
+
+    from ddp_hpc.data.images import list_image_folder
+    from ddp_hpc.data.lmdb import LMDBDataset, verify
+
+    _, listing = list_image_folder(str(images))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    want = []
+    for s in range(2):
+        with tarfile.open(shards / f"train-{s:04d}.tar", "w") as tf:
+            for k, (rel, label) in enumerate(listing[s * 20:(s + 1) * 20]):
+                data = (Path(images) / rel).read_bytes()
+                for ext, payload in (("png", data), ("cls", str(label).encode())):
+                    info = tarfile.TarInfo(f"s{k:05d}.{ext}")
+                    info.size = len(payload)
+                    tf.addfile(info, io.BytesIO(payload))
+                want.append((data, label))
+    out = pack(shards, tmp_path / "wds.lmdb", progress=False, workers=2)
+    assert (out["count"], out["kind"]) == (40, "images")
+    ds = LMDBDataset(tmp_path / "wds.lmdb")
+    assert [ds.raw_item(i) for i in range(40)] == want
+    assert verify(tmp_path / "wds.lmdb")["count"] == 40
+    ds.close()
+    one = pack(shards / "train-0001.tar", tmp_path / "one.lmdb", progress=False, workers=1)
+    assert one["count"] == 20
+
+
+def test_image_check_refuses_damaged_pngs_and_passes_every_png_pillow_reads():
+    """pack's PNG check (chunk CRCs, complete image data) against Pillow: every mode Pillow
+    writes passes (interlaced ones go to Pillow), and a cut or a flipped byte anywhere is
+    refused wherever Pillow refuses it too (and never passes where Pillow fails)."""
+    import io
+
+    from PIL import Image
+
+    from ddp_hpc.data.imagecheck import check_image
+    from ddp_hpc.data.images import decode_image
+
+    pngs = []
+    for mode in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16"):
+        for interlace in (0, 1):
+            buf = io.BytesIO()
+            Image.new(mode, (13, 7), color=1).save(buf, "PNG", interlace=interlace)
+            pngs.append(buf.getvalue())
+    for data in pngs:
+        check_image(data)
+    for data in pngs:
+        for cut in (len(data) - 1, len(data) // 2, 20):
+            with pytest.raises((ValueError, OSError, SyntaxError)):   # ours, or Pillow's
+                check_image(data[:cut])
+        for at in range(8, len(data), 3):
+            bad = bytearray(data)
+            bad[at] ^= 0x04
+            try:
+                decode_image(bytes(bad))
+                pillow = True
+            except Exception:
+                pillow = False
+            try:
+                check_image(bytes(bad))
+                ours = True
+            except Exception:
+                ours = False
+            assert pillow or not ours, (at, data[:40])

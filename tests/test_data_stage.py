@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -222,7 +223,7 @@ def test_a_copy_damaged_while_written_is_refused(tmp_path, monkeypatch, mib):
     assert open(good, "rb").read() == open(src, "rb").read()
 
 
-def test_sbcast_refuses_outside_an_allocation_and_for_folders(tmp_path):
+def test_sbcast_refuses_outside_an_allocation(tmp_path):
     from ddp_hpc.data.sbcast import sbcast_stage
     from ddp_hpc.slurm.cli import SlurmCLI
 
@@ -231,8 +232,8 @@ def test_sbcast_refuses_outside_an_allocation_and_for_folders(tmp_path):
     with pytest.raises(StageError, match="SLURM_JOB_ID is not set\nHINT: run"):
         sbcast_stage(f, str(tmp_path), environ={})
     (tmp_path / "folder").mkdir()
-    with pytest.raises(StageError, match="folder\nHINT: pack it into one LMDB"):
-        sbcast_stage(tmp_path / "folder", str(tmp_path), environ={"SLURM_JOB_ID": "7"})
+    with pytest.raises(StageError, match="SLURM_JOB_ID is not set"):
+        sbcast_stage(tmp_path / "folder", str(tmp_path), environ={})
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     done = subprocess.run([sys.executable, "-m", "ddp_hpc.data", "sbcast", str(f), "--to", str(tmp_path)],
                           env=env, capture_output=True, text=True)
@@ -431,3 +432,64 @@ def test_stage_result_names_copy_sbcast_and_reuse_and_waiters_wait_for_their_lea
     assert (waited.method, waited.path) == ("waited", first.path)
     plain = stage_result(StageRequest(src, str(dest), job_id="78"))
     assert plain.method == "copy" and plain.users == () and plain.copy_seconds > 0
+
+
+def _local_sbcast(nodes):
+    """A SlurmCLI whose ``sbcast`` writes the file to the same path below each pretend node's
+    own folder (what Slurm's sbcast does across real nodes; the real one runs in
+    tests/cluster/test_io_cluster.py)."""
+    import shutil
+
+    from ddp_hpc.slurm.cli import SlurmCLI
+
+    def runner(argv, **kw):
+        src, dst = argv[-2], argv[-1]
+        for node in nodes:
+            shutil.copyfile(src, dst.replace(str(nodes[0]), str(node)))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+    return SlurmCLI(runner=runner)
+
+
+def test_a_folder_goes_by_sbcast_as_one_archive_read_once_and_each_node_unpacks_it(tmp_path):
+    """sbcast of a folder: the shared files are opened once in all (counted), each pretend node
+    adopts the archive (same bytes, same file count, no shared open) and a node whose archive
+    was damaged on the way copies from the source instead."""
+    from ddp_hpc.data.sbcast import sbcast_stage
+    from ddp_hpc.data.stage import StageRequest, stage_result
+
+    src = tmp_path / "shared" / "imgs"
+    for i in range(30):
+        (src / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        (src / f"c{i % 3}" / f"{i}.bin").write_bytes(os.urandom(100 + i * 37))
+    (src / "top.txt").write_text("top")
+    os.symlink(src / "top.txt", src / "link.txt")          # links stay behind, as a copy leaves them
+    nodes = [tmp_path / f"node{k}" for k in range(3)]
+    for n in nodes:
+        n.mkdir(mode=0o700)
+    fsio.watch(tmp_path / "shared")
+    try:
+        out = sbcast_stage(src, str(nodes[0]), cli=_local_sbcast(nodes), environ={"SLURM_JOB_ID": "5"})
+        assert out["kind"] == "dir" and fsio.snapshot()["opens"] == 31
+        with open(out["data"].replace(str(nodes[0]), str(nodes[2])), "r+b") as f:
+            f.seek(700)
+            f.write(b"X")                                  # damaged on node 2's way
+        fsio.reset()
+        got = {}
+        for k, n in enumerate(nodes[:2]):
+            res = stage_result(StageRequest(src, str(n), job_id="5", user=f"node{k}"))
+            got[k] = res
+        assert fsio.snapshot()["opens"] == 0               # adopting reads no shared file
+        third = stage_result(StageRequest(src, str(nodes[2]), job_id="5", user="node2"))
+        assert fsio.snapshot()["opens"] > 0                # that one copied from the source
+    finally:
+        fsio.unwatch()
+    want = {p.relative_to(src): p.read_bytes() for p in src.rglob("*") if p.is_file() and not p.is_symlink()}
+    for res in (got[0], got[1], third):
+        copy = Path(res.path)
+        assert {p.relative_to(copy): p.read_bytes() for p in copy.rglob("*") if p.is_file()} == want
+        assert not (copy / "link.txt").exists() and res.files == 31
+    assert [r.method for r in (got[0], got[1], third)] == ["sbcast", "sbcast", "copy"]
+    assert got[0].bytes == sum(len(b) for b in want.values())
+    assert [n.name for n in nodes if list(n.glob(".*.sbcast*"))] == []   # archives gone once adopted
+    for res, k in ((got[0], 0), (got[1], 1), (third, 2)):
+        assert cleanup_staged(res.path, f"node{k}") == ("removed", [])

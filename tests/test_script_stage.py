@@ -72,7 +72,7 @@ def test_items_names_and_their_checks(images, tmp_path):
         parse_stage_items([str(folder), f"{folder}=OTHER"])
 
 
-def test_the_batch_script_quotes_the_request_and_sbcasts_files_and_lmdbs(images, tmp_path):
+def test_the_batch_script_quotes_the_request_and_sbcasts_files_lmdbs_and_folders(images, tmp_path):
     odd = tmp_path / "it's $(touch pwned) `x`"
     odd.mkdir()
     (odd / "f.bin").write_bytes(b"x" * 10)
@@ -86,7 +86,8 @@ def test_the_batch_script_quotes_the_request_and_sbcasts_files_and_lmdbs(images,
     assert [(i.src, i.name) for i in items] == [(str(images / "imgs.lmdb"), "TRAIN"),
                                                 (str(odd), "IT_S___TOUCH_PWNED___X_"), (str(odd / "f.bin"), "F")]
     sb = [ln for ln in p.stdout.splitlines() if "-m ddp_hpc.data sbcast" in ln]
-    assert len(sb) == 2 and "--stage TRAIN failed" in sb[0] and "--stage F failed" in sb[1]  # not the folder
+    assert len(sb) == 3 and "--stage TRAIN failed" in sb[0] and "--stage F failed" in sb[2]
+    assert "--stage IT_S___TOUCH_PWNED___X_ failed" in sb[1]    # the folder too, as one archive
     assert not (tmp_path / "pwned").exists()
     one = _cli(["--backend", "sbatch", "--dry-run", "--stage", str(images / "imgs.lmdb"), FAST], tmp_path)
     assert one.returncode == 0 and "sbcast" not in one.stdout  # one node: nothing to fan out

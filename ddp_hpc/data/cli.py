@@ -46,16 +46,20 @@ def _size(text: str) -> int:
 
 def _add_pack(sub) -> argparse.ArgumentParser:
     a = sub.add_parser("pack", formatter_class=HelpFormatter,
-                       help="pack a folder of files (or class-per-folder images) into one LMDB",
+                       help="pack a folder of files (or class-per-folder images, or WebDataset shards) into one LMDB",
                        description="Pack every file below SRC into one LMDB at OUT (atomically: OUT "
                                    "appears only once complete).")
-    a.add_argument("src", metavar="SRC", help="folder of files, or a class-per-folder tree SRC/<class>/<file>")
+    a.add_argument("src", metavar="SRC", help="folder of files, a class-per-folder tree SRC/<class>/<file>, or "
+                   "WebDataset shards (a .tar file or a folder of them; KEY.png + KEY.cls per sample)")
     a.add_argument("out", metavar="OUT", help="the LMDB folder to create, e.g. /shared/imgs.lmdb")
     a.add_argument("--map-size", type=_size, default="64M", metavar="BYTES",
                    help="initial LMDB map size like 64M or 2G; it doubles on demand")
     a.add_argument("--txn-size", type=_size, default="64M", metavar="BYTES",
                    help="bytes of records per write transaction")
     a.add_argument("--no-check", action="store_true", help="do not decode images before packing")
+    a.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="processes that read and check the files (default: the CPUs of the allocation, "
+                        "$SLURM_CPUS_PER_TASK or this process's CPU affinity); the LMDB is the same for any N")
     a.add_argument("--overwrite", action="store_true", help="replace an existing OUT (only after a complete pack)")
     return a
 
@@ -88,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path", metavar="PATH", help="the LMDB folder to check")
     images, stage_ = _add_make_images(sub), _add_stage(sub)
     b = sub.add_parser("sbcast", formatter_class=HelpFormatter,
-                       help="in a batch script: sbcast a file or LMDB to every node of the job")
-    b.add_argument("src", metavar="SRC", help="file or LMDB folder on the shared filesystem")
+                       help="in a batch script: sbcast a file, LMDB or folder (as one archive) to every node "
+                            "of the job")
+    b.add_argument("src", metavar="SRC", help="file, LMDB folder or folder on the shared filesystem")
     b.add_argument("--to", default="auto", help=_TO_HELP + " (the same path on every node)")
     for q in (pack, v, images, stage_, b):
         q.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -102,7 +107,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, str]:
         from ddp_hpc.data.pack import pack  # lmdb, torch: loaded only for the commands that use them
 
         out = pack(args.src, args.out, map_size=args.map_size, txn_bytes=args.txn_size,
-                   check_images=not args.no_check, overwrite=args.overwrite)
+                   check_images=not args.no_check, overwrite=args.overwrite, workers=args.workers)
         return out, f"packed {out['count']} files ({out['bytes']} bytes, {out['kind']}) into {out['path']}"
     if args.cmd == "verify":
         from ddp_hpc.data.lmdb import verify

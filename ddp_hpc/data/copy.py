@@ -2,11 +2,11 @@
 
 What is copied (:func:`source_kind`): a file (in-kernel, hashed: :func:`copy_file`); an LMDB
 folder (its ``data.mdb`` only: readers open with ``lock=False``); any other folder as one ``tar``
-stream (one sequential reader on the shared side) unpacked here with a hash manifest re-checked
-from disk (:func:`copy_dir_tar`).  Each copy returns ``{"bytes", "xxh3_64", "files"}`` and
-raises :class:`StageError` when the copy does not match its source. A copy is written private
-(0600, folders 0700) and given its source's permissions once complete (:func:`kept_mode`: never
-wider than the source, nor than the umask allows).
+stream read and unpacked by GNU ``tar`` (one open per file on the shared side), the files and
+bytes that came out counted against the source (:func:`copy_dir_tar`). Each copy returns
+``{"bytes", "xxh3_64", "files"}`` and raises :class:`StageError` when the copy does not match its
+source. A copy is written private (0600, folders 0700) and given its source's permissions once
+complete (:func:`kept_mode`: never wider than the source, nor than the umask allows).
 
 The protocol around a copy (markers, locks, reuse) is :mod:`ddp_hpc.data.stage`'s.
 """
@@ -16,8 +16,6 @@ import errno
 import logging
 import os
 import queue
-import subprocess
-import tarfile
 import threading
 import time
 
@@ -26,7 +24,8 @@ from tqdm import tqdm
 
 from ddp_hpc.data import fsio
 from ddp_hpc.data.errors import StageError
-from ddp_hpc.data.hashing import file_hash, manifest_hash, manifest_line
+from ddp_hpc.data.hashing import file_hash
+from ddp_hpc.data.stagearchive import copy_folder
 from ddp_hpc.fsutil import umask
 
 __all__ = ["source_kind", "source_size", "copy_file", "copy_dir_tar", "kept_mode", "CopyProgress", "CHUNK",
@@ -189,45 +188,13 @@ def copy_file(src: str, dst: str, total: int, progress) -> dict:
 
 
 def copy_dir_tar(src: str, dst: str, total: int, files: int, progress) -> dict:
-    """One ``tar -c`` stream from the shared side, unpacked here with a hash manifest."""
-    fsio.note_open(src)  # counted as one stream open; tar's own opens happen outside this process
-    proc = subprocess.Popen(["tar", "-C", src, "-cf", "-", "--", "."], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    manifest, nbytes, nfiles = xxhash.xxh3_64(), 0, 0
-    names, modes = [], {}
-    try:
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
-            for m in tf:
-                name = os.path.normpath(m.name)
-                if name.startswith("..") or os.path.isabs(name):
-                    raise StageError(f"stage: unsafe member {m.name!r} in the tar stream of {src!r}")
-                target = os.path.join(dst, name)
-                if m.isdir():
-                    os.makedirs(target, 0o700, exist_ok=True)
-                    modes[os.path.normpath(target)] = kept_mode(m.mode)    # set once its files are in
-                elif m.isfile():
-                    os.makedirs(os.path.dirname(target), 0o700, exist_ok=True)
-                    n, h = _copy_stream(tf.extractfile(m), target, m.size, progress)
-                    os.chmod(target, kept_mode(m.mode))
-                    manifest.update(manifest_line(name, n, h))
-                    names.append(name)
-                    nbytes += n
-                    nfiles += 1
-    finally:
-        rc = proc.wait()
-        err = proc.stderr.read().decode(errors="replace").strip()
-        proc.stderr.close()
-    fsio.note_bytes(src + "/", nbytes)
-    if rc != 0:
-        raise StageError(f"stage: tar of {src!r} failed (exit {rc}): {err}", "check read permissions on the source")
-    if (nbytes, nfiles) != (total, files):
-        raise StageError(f"stage: unpacked {nfiles} files / {nbytes} bytes from {src!r}, expected {files} / "
-                         f"{total} (source changed while copying?)", "stage again once it is stable")
-    if manifest_hash(dst, names) != manifest.intdigest():  # re-read from disk: what we use is what was sent
-        raise StageError(f"stage: manifest checksum of {dst!r} differs from the stream's", _FAULTY_DISK)
-    for folder in sorted(modes, key=lambda p: p.count(os.sep), reverse=True):   # the deepest first
-        os.chmod(folder, modes[folder])
-    return {"bytes": nbytes, "xxh3_64": manifest.intdigest(), "files": nfiles}
+    """One ``tar -c`` stream from the shared side, unpacked here by ``tar -x``, the files and
+    bytes counted (:func:`ddp_hpc.data.stagearchive.copy_folder`)."""
+    info = copy_folder(src, dst, progress, CHUNK)
+    if (info["bytes"], info["files"]) != (total, files):
+        raise StageError(f"stage: copied {info['files']} files / {info['bytes']} bytes from {src!r}, expected "
+                         f"{files} / {total} (source changed while copying?)", "stage again once it is stable")
+    return info
 
 
 class CopyProgress:

@@ -17,7 +17,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["IOCounts", "watch", "unwatch", "reset", "snapshot", "read_bytes", "open_counted", "note_open", "note_bytes"]
+__all__ = ["IOCounts", "watch", "unwatch", "reset", "snapshot", "read_bytes", "open_counted", "note_open", "note_bytes",
+           "add"]
 
 
 @dataclass
@@ -72,6 +73,13 @@ def note_open(path: str) -> bool:
     if STATE.delay_s:
         time.sleep(STATE.delay_s)
     return True
+
+
+def add(opens: int, nbytes: int) -> None:
+    """Add what another process (a pack worker) counted below the same root: no delay here."""
+    with _lock:
+        _counts.opens += int(opens)
+        _counts.bytes += int(nbytes)
 
 
 def note_bytes(path: str, n: int) -> None:

@@ -25,7 +25,9 @@ drop_last=False)``'s samples for the epoch, in order, from batch ``start_batch``
 from __future__ import annotations
 
 import logging
+import os
 import weakref
+import zlib
 from datetime import timedelta
 
 import torch
@@ -37,7 +39,8 @@ from ddp_hpc.data.errors import IOConfigError, StageError
 from ddp_hpc.data.lmdb import LMDBDataset
 from ddp_hpc.data.nodestage import node_user, rank_user, release_on_node, stage_log_entry, stage_on_node, write_run_log
 from ddp_hpc.data.samplers import ResumableDistributedSampler
-from ddp_hpc.data.stage import StageResult, resolve_stage_dir
+from ddp_hpc.data.sbcast import sbcast_stage
+from ddp_hpc.data.stage import StageResult, resolve_stage_dir, staged_here
 from ddp_hpc.dist import group_has_peers, group_initialized
 
 __all__ = ["open_train_data", "make_train_batches", "close_train_data", "take_stage_log", "IOConfigError",
@@ -79,7 +82,9 @@ def _stage_dataset(data_cfg, ctx, dataset_factory):
             raise IOConfigError(f"data.io=stage without data.lmdb_path needs a dataset with a .root folder "
                                 f"and .relocated(path); {type(base).__name__} has neither",
                                 "set data.lmdb_path to a packed LMDB (python -m ddp_hpc.data pack)")
-    res = stage_on_node(src, resolve_stage_dir(data_cfg.stage_to), env, wait_timeout=STAGE_WAIT.total_seconds())
+    dest = resolve_stage_dir(data_cfg.stage_to)
+    _sbcast_to_nodes(src, dest, env, group)
+    res = stage_on_node(src, dest, env, wait_timeout=STAGE_WAIT.total_seconds())
     if group is not None:
         dist.barrier(group=group)  # every node staged before anyone enters a training collective
         dist.destroy_process_group(group)
@@ -88,6 +93,30 @@ def _stage_dataset(data_cfg, ctx, dataset_factory):
     if env.local_rank == 0:
         _log_stage(ds, res, env)
     return ds
+
+
+def _sbcast_to_nodes(src: str, dest: str, env, group) -> None:
+    """On several Slurm nodes, when a node leader has no copy of this attempt's source yet (a
+    first start, a spare that joined): global rank 0 reads the source once and Slurm's ``sbcast``
+    puts it on every node (:mod:`ddp_hpc.data.sbcast`), for the node leaders to adopt.  Not when
+    the nodes stage to different paths (sbcast writes one path on every node).  A failed sbcast
+    is a warning: the nodes then copy as usual."""
+    if group is None or env.num_nodes < 2 or not env.in_slurm or not env.job_id:
+        return
+    place = zlib.crc32(os.path.abspath(dest).encode())   # sbcast needs one path on every node
+    facts = torch.tensor([0.0, float(place), -float(place)], dtype=torch.float64)
+    if env.local_rank == 0:
+        facts[0] = float(not staged_here(src, dest, env.job_id))
+    dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=group)
+    if facts[1] != -facts[2]:
+        log.info("stage: the nodes stage to different folders (%s here); each node copies %s", dest, src)
+    elif facts[0] and env.rank == 0:
+        try:
+            out = sbcast_stage(src, dest)
+            log.info("stage: sbcast %s (%d bytes) to every node in %.2f s", src, out["bytes"], out["seconds"])
+        except (StageError, OSError) as e:
+            log.warning("stage: sbcast of %s failed, every node copies it: %s", src, e)
+    dist.barrier(group=group)
 
 
 def _log_stage(ds, res: StageResult, env) -> None:

@@ -41,12 +41,13 @@ from dataclasses import dataclass, replace
 from ddp_hpc.data.copy import CopyProgress, copy_dir_tar, copy_file, kept_mode, source_kind, source_size
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.data.hashing import file_hash
+from ddp_hpc.data.stagearchive import unpack_archive
 from ddp_hpc.data.stagedir import owned, private_root, resolve_stage_dir
 from ddp_hpc.data.stagefolder import MARKER, USERS, folder_lock, read_users, register_user, unregister_and_remove
 from ddp_hpc.fsutil import atomic_write_json
 
 __all__ = ["stage", "stage_result", "StageRequest", "StageResult", "resolve_stage_dir", "cleanup_staged", "StageError",
-           "stage_key", "sbcast_paths"]
+           "stage_key", "sbcast_paths", "staged_here"]
 
 log = logging.getLogger("ddp_hpc.data.stage")
 FAILED = "FAILED.json"
@@ -85,6 +86,14 @@ def _staged_ok(folder: str, marker: dict, recheck: bool) -> bool:
         return False
 
 
+def staged_here(src: str, dest: str, job_id: str | None) -> bool:
+    """A complete copy of ``src`` for job ``job_id`` is below ``dest`` on this node (its marker),
+    or an ``sbcast`` copy of it waits there to be adopted (its manifest)."""
+    src, dest = os.path.abspath(src), os.path.abspath(dest)
+    key = stage_key(src, job_id)
+    return _read_marker(os.path.join(private_root(dest), key)) is not None or owned(sbcast_paths(dest, key)[1])
+
+
 def sbcast_paths(dest: str, key: str) -> tuple[str, str]:
     """(data, manifest) that ``ddp_hpc.data.sbcast`` leaves in ``dest`` on each node for ``key``."""
     data = os.path.join(dest, f".{key}.sbcast")
@@ -118,8 +127,19 @@ def _adopt_sbcast(req: StageRequest, kind: str, folder: str) -> dict | None:
         return None
     name = os.path.basename(src.rstrip("/"))
     _clear_leftovers(folder)
-    if kind == "lmdb":
-        tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
+    tmp = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
+    if kind == "dir":   # one tar archive of the folder (ddp_hpc.data.stagearchive)
+        try:
+            unpack_archive(data, tmp, m)
+        except StageError as e:
+            log.warning("stage: ignoring the sbcast archive %s: %s; copying instead", data, e.problem)
+            _clear_leftovers(folder)
+            for p in (data, manifest):
+                os.remove(p)
+            return None
+        os.rename(tmp, os.path.join(folder, name))
+        os.remove(data)
+    elif kind == "lmdb":
         os.mkdir(tmp, 0o700)
         os.chmod(data, kept_mode(os.path.join(src, "data.mdb")))
         os.rename(data, os.path.join(tmp, "data.mdb"))
@@ -129,7 +149,8 @@ def _adopt_sbcast(req: StageRequest, kind: str, folder: str) -> dict | None:
         os.chmod(data, kept_mode(src))
         os.rename(data, os.path.join(folder, name))
     os.remove(manifest)
-    marker = {"bytes": got[0], "xxh3_64": got[1], "files": 1, "name": name, "kind": kind, "src": src,
+    nbytes, files = (m["payload"], m["files"]) if kind == "dir" else (got[0], 1)
+    marker = {"bytes": nbytes, "xxh3_64": got[1], "files": files, "name": name, "kind": kind, "src": src,
               "attempt": req.attempt, "method": "sbcast", "seconds": time.monotonic() - t0,
               "host": os.uname().nodename, "created": time.time()}
     atomic_write_json(os.path.join(folder, MARKER), marker, indent=None)

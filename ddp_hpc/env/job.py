@@ -47,6 +47,8 @@ class JobFacts:
     restart_base: int = 0
     #: DDP_HPC_ALLOC_RESTARTS: restarts of the ranks inside the allocation (ddp_hpc.supervise)
     alloc_restarts: int = 0
+    #: SLURM_CPUS_PER_TASK: the CPUs each task of this job step was given (None outside Slurm)
+    cpus_per_task: int | None = None
 
     @property
     def requeues(self) -> int:
@@ -104,4 +106,5 @@ def job_facts(environ: Mapping[str, str] | None = None) -> JobFacts:
         exclude_failed_nodes=env.get("DDP_HPC_EXCLUDE_FAILED_NODES", "1").strip().lower()
         not in ("0", "false", "no", "off"),
         restart_base=base, alloc_restarts=alloc,
+        cpus_per_task=_digits(env.get("SLURM_CPUS_PER_TASK"), 0) or None,
     )

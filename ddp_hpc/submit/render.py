@@ -155,9 +155,10 @@ def srun_args(spec: JobSpec) -> list[str]:
 
 
 def stage_sbcast_lines(spec: JobSpec) -> list[str]:
-    """``--stage`` of a file or LMDB on several nodes: Slurm's sbcast reads it once and puts it on
-    every node, where the ranks adopt it (``ddp_hpc.data.sbcast``); a failed sbcast only means
-    each node copies it. First runs only: a requeue reuses the nodes' copies."""
+    """``--stage`` on several nodes (a file, an LMDB, a folder as one archive): Slurm's sbcast
+    reads it once and puts it on every node, where the ranks adopt it (``ddp_hpc.data.sbcast``);
+    a failed sbcast only means each node copies it. First runs only: a requeue reuses the nodes'
+    copies."""
     items = spec.stage_sbcast()
     if not items:
         return []

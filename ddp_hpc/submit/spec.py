@@ -178,8 +178,8 @@ class JobSpec:
 
     def stage_sbcast(self) -> tuple[StageItem, ...]:
         """The ``--stage`` sources the batch script sends to every node with Slurm's sbcast
-        before srun: files and LMDBs (sbcast moves single files) of a job on several nodes."""
-        return tuple(i for i in self.stage if i.kind != "dir") if self.nodes > 1 else ()
+        before srun, for a job on several nodes: files, LMDBs and folders (as one archive)."""
+        return tuple(self.stage) if self.nodes > 1 else ()
 
     def base_argv(self) -> list[str]:
         """What every task runs before its own sweep values: ``python -m ddp_hpc.run CONFIG

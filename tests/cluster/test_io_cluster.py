@@ -118,3 +118,29 @@ srun -N2 --ntasks-per-node=1 --output={shlex.quote(str(work / 'stage%t.out'))} \
         assert not list(backing.parent.parent.glob(".*.sbcast*")), "sbcast leftovers not cleaned up"
     assert methods == {"n1": "sbcast", "n2": "copy"}
     assert "ignoring the sbcast copy" in (work / "stage1.out").read_text()
+
+
+def test_a_folder_staged_for_three_nodes_is_read_once_whatever_the_node_count(slurm_cluster):
+    """bench/stage_folder.py with 300 small images on 1, 2 and 3 nodes: every node's copy has the
+    source's bytes, the copies are gone afterwards, and the shared folder saw one open per file
+    (inotify, any process) for each node count: sbcast's one archive on 2 and 3 nodes."""
+    c = slurm_cluster
+    work = c.shared_dir / "stagefolder"
+    work.mkdir(exist_ok=True)
+    p = c.run([sys.executable, str(REPO / "bench" / "stage_folder.py"), "--shared", str(work), "--local",
+               str(c.local_dir), "--files", "300", "--json", str(work / "out.json")], cwd=str(REPO),
+              env={**c.env, "PYTHONPATH": str(REPO)}, timeout=400)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads((work / "out.json").read_text())
+    print(p.stdout)
+    assert out["files"] >= 300          # the images and make-images' own note of them
+    for row in out["rows"]:
+        assert not row["overflow"], row
+        assert row["shared_opens"] == out["files"], row
+        assert row["methods"] == (["copy"] if row["nodes"] == 1 else ["sbcast"] * row["nodes"]), row
+        assert row["digests"] == [out["source_digest"]] * row["nodes"] and all(row["gone"]), row
+    for node in ("n1", "n2", "n3", "n4"):   # no archive or copy left on any node's disk
+        backing = c.state_dir / "local" / node
+        left = [p.name for pat in ("ddp_hpc-stage-*", ".ddp_hpc-stage-*", "*/ddp_hpc-stage-*", "*/.ddp_hpc-stage-*")
+                for p in backing.glob(pat)]
+        assert left == [], (node, left)

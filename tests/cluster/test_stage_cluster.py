@@ -1,7 +1,8 @@
 """``ddp-hpc submit --stage`` on the real test cluster: a plain script (examples/fast_data.py) reads
 a staged LMDB (sbatch backend, 2 nodes x 2 tasks: the batch script sbcasts it and each node adopts
 the copy) while a Lightning DataModule (examples/lightning_data.py) reads a staged image folder
-(submitit backend, 2 nodes x 1 task: each node copies it).  Each node's TMPDIR is the cluster's
+(submitit backend, 2 nodes x 1 task: the batch script sbcasts it as one archive, each node
+unpacks it).  Each node's TMPDIR is the cluster's
 node-local folder (the same path on every node, each node's own disk behind it): one copy per
 node, the path in DDP_HPC_STAGE_TRAIN, and no copy left on any node's disk after the job."""
 
@@ -63,7 +64,7 @@ def test_a_plain_script_and_a_lightning_datamodule_read_staged_data_on_two_nodes
         done = {k: pool.submit(_job, c, d, env, args) for k, (d, args) in jobs.items()}
         results = {k: f.result() for k, f in done.items()}
     for kind, tag, methods in (("plain", "fast_data", ["sbcast", "sbcast"]), ("lightning", "lightning_data",
-                                                                              ["copy", "copy"])):
+                                                                              ["sbcast", "sbcast"])):
         _, log_dir, job_id = results[kind]
         out = (Path(log_dir) / "rank0.out").read_text()
         [line] = [x for x in out.splitlines() if x.startswith(f"{tag}: ")]
