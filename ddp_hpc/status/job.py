@@ -51,6 +51,7 @@ class JobStatus:
     eval_step: int | None = None
     overrides: list[str] | None = None  # an array task's overrides (the record's array[i])
     node_range: str | None = None  # "2-4": submitted with --nodes MIN-MAX
+    gpu_percent: float | None = None  # mean utilisation of the ranks' newest GPU samples (judge.gpu)
     # -- the detail view's facts (a row leaves them empty)
     last_events: dict[int, dict] = field(default_factory=dict)
     failure: Failure | None = None
@@ -70,6 +71,7 @@ class JobStatus:
     #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
     alloc_restarts: list[dict] = field(default_factory=list)
     tensorboard: bool = False  # TensorBoard's event files in the log directory (runlogs.tboard)
+    gpus: dict | None = None  # each rank's newest GPU sample and the idle GPUs (judge.gpu.gpus)
 
     @property
     def job_state(self) -> JobState:
