@@ -51,7 +51,7 @@ class JobStatus:
     eval_step: int | None = None
     overrides: list[str] | None = None  # an array task's overrides (the record's array[i])
     node_range: str | None = None  # "2-4": submitted with --nodes MIN-MAX
-    gpu_percent: float | None = None  # mean utilisation of the ranks' newest GPU samples (judge.gpu)
+    gpu_percent: float | None = None  # a running job's mean GPU use, the ranks' newest samples (judge.gpu)
     # -- the detail view's facts (a row leaves them empty)
     last_events: dict[int, dict] = field(default_factory=dict)
     failure: Failure | None = None

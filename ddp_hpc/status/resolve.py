@@ -221,10 +221,9 @@ class Resolved:
             notes=notes + _read_notes(s.target, logs, sched), overrides=_overrides(s.target),
             eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
             **detail)
-        if st.device != "cpu" and logs.ranks:   # a script on a GPU node: the device is not told
-            st.gpu_percent = gpu.gpu_percent(self._per_rank_hosts()[0])
         if sched.state.state is JobState.RUNNING:
             per_rank, _ = self._per_rank_hosts()
+            st.gpu_percent = gpu.gpu_percent(per_rank)   # the GPUs' use now: running jobs only
             if (stall := timing.stall(per_rank, s.now)) is not None:
                 stacks, none = timing.silent_stacks(per_rank, stall["ranks"], s.now, stall["threshold_s"])
                 st.stall = {**stall, "stacks": stacks, "no_stack": none,
