@@ -182,6 +182,7 @@ def hook_cost(work: Path, number: int = 3000, repeat: int = 9) -> dict:
 
 class _NoTimer:
     """A `ComputeTimer` that does nothing: the hooks' cost without the compute timing."""
+    device = None
 
     def ready(self) -> None:
         pass

@@ -186,3 +186,13 @@ def test_status_shows_gpus_in_the_detail_and_a_gpu_column_in_the_table(tmp_path)
     row = collect([StatusTarget("88", None, str(tmp_path))], Squeue("RUNNING"), now=T0 + 95, brief=True)[0]
     head, line = render_table([row]).splitlines()
     assert "GPU%" in head and line.split()[head.split().index("GPU%")] == "49"
+
+
+def test_a_failing_device_lookup_ends_the_thread_with_one_line_not_a_traceback(capsys):
+    def device():
+        raise AttributeError("no device here")
+    s = gpu.GpuSampler(Log(), device, every_s=0.01, nvml=fake_nvml()).start()
+    s._thread.join(timeout=20)
+    err = capsys.readouterr().err
+    assert not s._thread.is_alive() and err == "ddp_hpc: GPU sampling stopped: AttributeError: no device here\n"
+    s.stop()

@@ -112,18 +112,17 @@ class GpuSampler:
             self._thread = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            if self.device() is None:     # no GPU used yet: NVML is not even loaded
-                continue
-            if self.nvml is None:
-                self.nvml = load_nvml()
-                if self.nvml is None:     # no pynvml, or no driver: nothing, no error
-                    return
-            try:
+        try:
+            while not self._stop.wait(self.every_s):
+                if self.device() is None:     # no GPU used yet: NVML is not even loaded
+                    continue
+                if self.nvml is None:
+                    self.nvml = load_nvml()
+                    if self.nvml is None:     # no pynvml, or no driver: nothing, no error
+                        return
                 self.once()
-            except Exception as exc:  # noqa: BLE001 - sampling must never take the rank down
-                print(f"ddp_hpc: GPU sampling stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-                return
+        except Exception as exc:  # noqa: BLE001 - sampling must never take the rank down
+            print(f"ddp_hpc: GPU sampling stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
     def once(self) -> dict | None:
         """Take one sample and write it as a ``gpu`` event (None: no GPU to sample yet)."""
