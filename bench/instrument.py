@@ -176,8 +176,27 @@ def hook_cost(work: Path, number: int = 3000, repeat: int = 9) -> dict:
           + f"; in all {sum(extra.values()):.2f} us", flush=True)
     print("  of which the compute timing (compute_s): " + ", ".join(f"{k} +{v:.2f} us" for k, v in compute.items())
           + f"; in all {sum(compute.values()):.2f} us", flush=True)
+    alone = timer_cost(number, repeat)
+    print(f"  the compute timer alone (one span a step: ready(), backward(), its share of take()): {alone:.2f} us "
+          "per step (these differences are within the noise of a busy machine; this one is not)", flush=True)
     return {"before_us": before, "after_us": after, "extra_us": extra, "total_us": sum(extra.values()),
-            "compute_timer_us": compute, "compute_timer_total_us": sum(compute.values())}
+            "compute_timer_us": compute, "compute_timer_total_us": sum(compute.values()), "timer_alone_us": alone}
+
+
+def timer_cost(number: int = 3000, repeat: int = 9) -> float:
+    """Microseconds of one step's compute timing on the CPU, the timer's own calls alone (a take
+    every 100 steps, as one step event a second does at 100 steps/s), the minimum of ``repeat``."""
+    import timeit
+
+    from ddp_hpc.instrument.compute import ComputeTimer
+    timer, loss = ComputeTimer(), object()
+
+    def step() -> None:
+        for _ in range(100):
+            timer.ready()
+            timer.backward(loss)
+        timer.take(100)
+    return 1e6 * min(timeit.repeat(step, number=number // 100, repeat=repeat)) / number
 
 
 class _NoTimer:
