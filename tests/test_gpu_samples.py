@@ -148,6 +148,7 @@ def test_an_idle_gpu_while_its_rank_trains_is_named_with_its_data_wait():
                             "it waits 0.3 s per step for data (60% of a step)"]
     assert out["ranks"]["1"]["xid_errors"] == [79] and out["ranks"]["0"]["util_percent"] == 91
     assert judge_gpu.gpu_percent(per_rank) == 49.0
+    assert judge_gpu.gpu_percent({0: [e for e in per_rank[0] if e["event"] != "gpu"], 1: per_rank[1]}) is None
 
 
 def test_an_idle_gpu_is_not_named_before_a_minute_or_when_the_rank_does_not_train():

@@ -78,11 +78,15 @@ def gpus(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict 
 
 
 def gpu_percent(per_rank: dict[int, list[dict]]) -> float | None:
-    """The mean utilisation of the ranks' newest ``gpu`` samples (the job table's GPU% cell)."""
+    """The mean utilisation of the ranks' newest ``gpu`` samples (the job table's GPU% cell);
+    None when the lowest rank wrote none (a job on CPUs, or without ``pynvml``: its other ranks
+    are not searched, which keeps a refresh over many running jobs cheap)."""
     newest = []
-    for evs in per_rank.values():
-        for e in reversed(evs):
-            if e.get("event") == "gpu" and (u := to_float(e.get("util_percent"))) is not None:
-                newest.append(u)
-                break
+    for _, evs in sorted(per_rank.items()):
+        u = next((u for e in reversed(evs) if e.get("event") == "gpu"
+                  and (u := to_float(e.get("util_percent"))) is not None), None)
+        if u is None and not newest:
+            return None
+        if u is not None:
+            newest.append(u)
     return round(statistics.mean(newest), 1) if newest else None
