@@ -10,6 +10,9 @@
    ``next()``, ``loss.backward()``) timed in this process before and after installing them
    (timeit, the minimum of 9 rounds: robust to a busy machine, unlike 1), in microseconds per
    step.
+   Of those, the compute timing's own cost (``compute_s``: a clock read when a batch is ready
+   and at ``backward()``, `ddp_hpc.instrument.compute`): the same operations with the timer
+   replaced by one that does nothing, the difference printed apart.
 3. Start-up: seconds from starting ``ddp-hpc submit ... --wait`` of a 2 x 2 local job to the end
    of the script's first optimizer step on rank 0, against ``torchrun --nproc-per-node 4`` of the
    same script; pairs alternate, the median ratio is printed.
@@ -17,6 +20,14 @@
     python bench/instrument.py                        # 5 + 3 pairs, 2-4 minutes on 2 cores
     python bench/instrument.py --pairs 7 --steps 600 --json runs/instrument.json
     python bench/instrument.py --off-pairs 7          # also instrumented vs DDP_HPC_INSTRUMENT=0
+    python bench/instrument.py --spans-only           # the compute spans compared (below)
+
+4. The compute spans compared (``--spans``, 2 x 2 local ranks, rank 2's forward busy 20 ms more
+   than the others'): per rank, the median of three candidate spans a step, timed in the script
+   itself: "forward" (the batch ready -> ``backward()`` called: what ``compute_s`` measures),
+   "forward+backward" (the batch ready -> the optimizer step done: holds the all-reduce) and
+   "step" (one optimizer step's end to the next). Printed: rank 2's over the median of the
+   others, for each. Only a span without a collective tells rank 2 apart.
 
 Both sides get OMP_NUM_THREADS=1 (torchrun's default with several processes). The wall-clock
 figures depend on the machine's load: the local backend starts each rank in a session of its own,
@@ -75,6 +86,61 @@ def worker(out: str, steps: int, warmup: int) -> None:
     dist.destroy_process_group()
 
 
+def spans_worker(out: str, steps: int, slow_rank: int, slow_s: float) -> None:
+    """The plain script of the span comparison: its own clock around three candidate spans."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = TensorDataset(torch.randn(64 * steps, 256), torch.randint(0, 10, (64 * steps,)))
+    spans: dict[str, list[float]] = {"forward": [], "forward+backward": [], "step": []}
+    last = None
+    clock = time.perf_counter
+    for x, y in DataLoader(data, batch_size=64):
+        ready = clock()
+        if rank == slow_rank:
+            end = ready + slow_s
+            while clock() < end:
+                pass
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        spans["forward"].append(clock() - ready)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        done = clock()
+        spans["forward+backward"].append(done - ready)
+        if last is not None:
+            spans["step"].append(done - last)
+        last = done
+    Path(f"{out}.{rank}").write_text(json.dumps({k: statistics.median(v[5:]) for k, v in spans.items()}))
+    del model, opt
+    dist.destroy_process_group()
+
+
+def compare_spans(work: Path, steps: int = 150, slow_s: float = 0.02) -> dict:
+    """Run `spans_worker` as a 2 x 2 local job; rank 2's ratio to the others' median per span."""
+    out = work / f"spans-{time.monotonic_ns()}"
+    env = _env(work / "home")
+    cmd = [str(BIN / "ddp-hpc"), "submit", "--backend", "local", "-N", "2", "-G", "2", "--wait", "--log-dir",
+           str(work / "runs"), str(Path(__file__).resolve()), "--spans-worker", str(out), "--steps", str(steps),
+           "--slow-s", str(slow_s)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=work, timeout=600)
+    if p.returncode != 0:
+        raise SystemExit(f"the span comparison failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    per = {r: json.loads(Path(f"{out}.{r}").read_text()) for r in range(4)}
+    ratios = {k: per[2][k] / statistics.median(per[r][k] for r in (0, 1, 3)) for k in per[0]}
+    print(f"compute spans, 2 x 2 ranks, rank 2's forward {1000 * slow_s:.0f} ms longer; rank 2 / median of "
+          "the others: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()), flush=True)
+    return {"per_rank_s": per, "rank2_ratio": ratios, "slow_s": slow_s, "steps": steps}
+
+
 def hook_cost(work: Path, number: int = 3000, repeat: int = 9) -> dict:
     """Microseconds the hooks add to one training step, in this process: the three operations
     they wrap (``optimizer.step()``, a DataLoader's ``next()``, ``loss.backward()``) timed with
@@ -99,12 +165,52 @@ def hook_cost(work: Path, number: int = 3000, repeat: int = 9) -> dict:
 
     before = timed()
     from ddp_hpc.instrument.steps import install
-    install(torch)
+    counter = install(torch)
     after = timed()
+    timer, counter.compute = counter.compute, _NoTimer()
+    untimed = timed()
+    counter.compute = timer
     extra = {k: after[k] - before[k] for k in ops}
+    compute = {k: after[k] - untimed[k] for k in ops}
     print("hooks' own cost per step: " + ", ".join(f"{k} +{v:.2f} us" for k, v in extra.items())
           + f"; in all {sum(extra.values()):.2f} us", flush=True)
-    return {"before_us": before, "after_us": after, "extra_us": extra, "total_us": sum(extra.values())}
+    print("  of which the compute timing (compute_s): " + ", ".join(f"{k} +{v:.2f} us" for k, v in compute.items())
+          + f"; in all {sum(compute.values()):.2f} us", flush=True)
+    alone = timer_cost(number, repeat)
+    print(f"  the compute timer alone (one span a step: ready(), backward(), its share of take()): {alone:.2f} us "
+          "per step (these differences are within the noise of a busy machine; this one is not)", flush=True)
+    return {"before_us": before, "after_us": after, "extra_us": extra, "total_us": sum(extra.values()),
+            "compute_timer_us": compute, "compute_timer_total_us": sum(compute.values()), "timer_alone_us": alone}
+
+
+def timer_cost(number: int = 3000, repeat: int = 9) -> float:
+    """Microseconds of one step's compute timing on the CPU, the timer's own calls alone (a take
+    every 100 steps, as one step event a second does at 100 steps/s), the minimum of ``repeat``."""
+    import timeit
+
+    from ddp_hpc.instrument.compute import ComputeTimer
+    timer, loss = ComputeTimer(), object()
+
+    def step() -> None:
+        for _ in range(100):
+            timer.ready()
+            timer.backward(loss)
+        timer.take(100)
+    return 1e6 * min(timeit.repeat(step, number=number // 100, repeat=repeat)) / number
+
+
+class _NoTimer:
+    """A `ComputeTimer` that does nothing: the hooks' cost without the compute timing."""
+    device = None
+
+    def ready(self) -> None:
+        pass
+
+    def backward(self, tensor) -> None:  # noqa: ANN001
+        pass
+
+    def take(self, steps: int) -> None:
+        return None
 
 
 def _env(home: Path) -> dict:
@@ -162,7 +268,11 @@ def report_pairs(thr: list[tuple[dict, dict]], other: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    ap.add_argument("--spans-worker", metavar="OUT", help=argparse.SUPPRESS)
+    ap.add_argument("--slow-s", type=float, default=0.02, help=argparse.SUPPRESS)
     ap.add_argument("--no-hooks", action="store_true", help="skip the measure of the hooks' own cost")
+    ap.add_argument("--spans", action="store_true", help="also compare the compute spans (item 4)")
+    ap.add_argument("--spans-only", action="store_true", help="only the hooks' cost and the span comparison")
     ap.add_argument("--pairs", type=int, default=5, help="throughput pairs (default 5)")
     ap.add_argument("--start-pairs", type=int, default=3, help="start-up pairs (default 3)")
     ap.add_argument("--off-pairs", type=int, default=0,
@@ -176,10 +286,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker(a.worker, a.steps, a.warmup)
         return 0
+    if a.spans_worker:
+        spans_worker(a.spans_worker, a.steps, 2, a.slow_s)
+        return 0
+    if a.spans_only:
+        a.spans, a.pairs, a.start_pairs = True, 0, 0
     work = Path(tempfile.mkdtemp(prefix="ddp_hpc_instrument_bench-"))
     figures: dict = {}
     if not a.no_hooks:
         figures["hooks"] = hook_cost(work)
+    if a.spans:
+        figures["spans"] = compare_spans(work, slow_s=a.slow_s)
     if a.pairs:
         print(f"throughput: {a.pairs} pairs, {a.procs} processes, steps {a.warmup}-{a.steps} timed", flush=True)
         thr = pairs(a.pairs, work, procs=a.procs, nodes=1, steps=a.steps, warmup=a.warmup)

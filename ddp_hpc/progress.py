@@ -36,8 +36,8 @@ MIN_INTERVAL_S = 1.0
 #: keywords with their own key in a step event (docs/architecture.md, "Run logs")
 STEP_KEYS = ("epoch", "lr", "samples_per_s")
 #: keys of the automatic step events written beside them when present: the rank's own mean wait
-#: for data per step, and steps per second
-OWN_KEYS = ("data_s", "steps_per_s")
+#: for data per step, steps per second, and its own compute per step (``ddp_hpc.instrument.compute``)
+OWN_KEYS = ("data_s", "steps_per_s", "compute_s")
 
 
 class _State:

@@ -19,7 +19,7 @@ DEMO = str(REPO / "jobs" / "demo.yaml")
 COMMON = {"time", "event", "rank", "job_id", "restart", "host"}
 EXTRA = {  # docs/architecture.md, "Run logs"
     "start": {"world_size", "num_nodes", "local_rank", "pid", "total_steps", "epochs", "launcher"},
-    "step": {"epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "rss_mb", "cpu_percent"},
+    "step": {"epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "rss_mb", "cpu_percent", "compute_s"},
     "epoch": {"epoch", "step", "loss", "samples_per_s"},
     "eval": {"epoch", "step", "metrics"},
     "checkpoint": {"step", "path"},
@@ -64,6 +64,7 @@ def test_demo_in_two_processes_writes_the_run_log_contract(tmp_path):
             assert EXTRA.get(e["event"], set()) <= e.keys(), e
         steps = [e for e in events if e["event"] == "step"]
         assert steps[-1]["step"] == steps[-1]["total_steps"] == events[0]["total_steps"]
+        assert all(e["compute_s"] > 0 for e in steps), steps     # the rank's own forward time
     # loss reduced across ranks: both ranks log the same numbers
     assert [e["loss"] for e in ev[0] if e["event"] == "step"] == \
            [e["loss"] for e in ev[1] if e["event"] == "step"]

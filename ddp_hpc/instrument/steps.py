@@ -11,8 +11,13 @@ torch (never before: a script that does not use torch runs as it would without u
 - **Data wait**: the time spent in ``next()`` on a ``DataLoader``'s iterator, per step (``data_s``,
   the rank's own time: what status compares to find a straggler), and the batches' sizes
   (``samples_per_s``: this rank's rate times the world size).
+- **Compute**: the rank's own forward time per step (``compute_s``,
+  `ddp_hpc.instrument.compute`): from its input being ready to ``backward()``, no collective in
+  it; what status compares to find a rank that computes slower than the others.
 - **Loss**: the one-element tensor ``.backward()`` was last called on (unscaled when it came from
   ``GradScaler.scale``); turned into a number only when an event is written.
+- **GPU samples**: ``gpu`` events from NVML every 10 s in a thread of their own
+  (`ddp_hpc.runlogs.gpu`), for the GPU the rank's ``backward()`` ran on; none without one.
 - **Collective timeout**: the timeout ``init_process_group`` was given (else PyTorch's default for
   the backend), so the watchdog writes every thread's stack before it runs out.
 """
@@ -24,7 +29,9 @@ import time
 from types import ModuleType
 from typing import Any
 
-from ddp_hpc.progress import auto_step, flush_step, hang_watch, world_size
+from ddp_hpc.instrument.compute import ComputeTimer
+from ddp_hpc.progress import auto_step, flush_step, hang_watch, rank_log, world_size
+from ddp_hpc.runlogs.gpu import GpuSampler, nvml_id
 from ddp_hpc.runlogs.watchdog import dump_after
 
 __all__ = ["StepCounter", "install"]
@@ -48,6 +55,7 @@ class StepCounter:
         self.samples = 0
         self.loss: Any = None
         self.scaled: tuple[Any, Any] | None = None   # (scaled, unscaled) from GradScaler.scale
+        self.compute = ComputeTimer(clock)
 
     def stepped(self, optimizer: Any) -> bool:
         """An optimizer stepped; True when that began a new training step."""
@@ -74,6 +82,8 @@ class StepCounter:
                 out["samples_per_s"] = round(self.samples * world_size / dt, 3)
         if self.fetched and self.steps:
             out["data_s"] = round(self.data_s / self.steps, 6)
+        if (compute_s := self.compute.take(self.steps)) is not None:
+            out["compute_s"] = round(compute_s, 6)
         self.since, self.steps, self.data_s, self.samples = now, 0, 0.0, 0
         return out
 
@@ -112,8 +122,11 @@ def install(torch: ModuleType, counter: StepCounter | None = None) -> StepCounte
     counter = counter or StepCounter()
     hang_watch()
     world = world_size()
+    if (log := rank_log()) is not None and log.active:   # the rank's GPU, once it used one
+        GpuSampler(log, lambda: nvml_id(counter.compute.device)).start()
 
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG001 - hook API
+        counter.compute.ready()
         if not counter.stepped(optimizer):
             return
         if counter.count > 1:
@@ -145,6 +158,7 @@ def _hook_loader(counter: StepCounter) -> None:
             counter.data_s += counter.clock() - t0
             counter.fetched = True
         counter.samples += _batch_size(batch)
+        counter.compute.ready()
         return batch
     cls.__next__ = __next__
 
@@ -154,6 +168,7 @@ def _hook_loss(torch: ModuleType, counter: StepCounter) -> None:
 
     @functools.wraps(real_backward)
     def backward(self, *args, **kwargs):  # noqa: ANN001
+        counter.compute.backward(self)
         if self.numel() == 1:
             scaled = counter.scaled
             counter.loss = scaled[1] if scaled is not None and scaled[0] is self else self.detach()

@@ -37,7 +37,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "start": ("world_size", "num_nodes", "local_rank", "pid", "total_steps", "epochs", "launcher",
               "device", "command"),
     "step": ("epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "data_s", "rss_mb",
-             "cpu_percent", "metrics", "steps_per_s"),
+             "cpu_percent", "metrics", "steps_per_s", "compute_s"),
     "epoch": ("epoch", "step", "loss", "samples_per_s"),
     "eval": ("epoch", "step", "metrics"),
     # written when the file is complete; blocking_s: seconds the training thread was blocked by
@@ -53,6 +53,10 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "progress": ("phase", "step"),
     # data.io=stage and submit --stage, on each node leader: how (copy | sbcast | reused), where,
     # bytes, time; for --stage also the script's variable (DDP_HPC_STAGE_<NAME>)
+    # each rank's GPU through NVML, at most every 10 s, from a thread of its own (runlogs/gpu.py):
+    # the GPU's NVML UUID and what NVML answers of (a field it does not answer is absent)
+    "gpu": ("gpu", "util_percent", "mem_used_mb", "mem_total_mb", "temp_c", "power_w", "ecc_errors",
+            "xid_errors"),
     "stage": ("method", "path", "src", "bytes", "files", "seconds", "mb_per_s", "copy_seconds", "made_by",
               "node", "users", "variable"),
 }

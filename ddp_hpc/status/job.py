@@ -54,6 +54,7 @@ class JobStatus:
     #: useful step time / wall time since the first step, and the rest by part
     #: (ddp_hpc.judge.goodput.Goodput.to_dict); a row has it when it read every run of rank 0
     goodput: dict | None = None
+    gpu_percent: float | None = None  # a running job's mean GPU use, the ranks' newest samples (judge.gpu)
     # -- the detail view's facts (a row leaves them empty)
     last_events: dict[int, dict] = field(default_factory=dict)
     failure: Failure | None = None
@@ -73,6 +74,7 @@ class JobStatus:
     #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
     alloc_restarts: list[dict] = field(default_factory=list)
     tensorboard: bool = False  # TensorBoard's event files in the log directory (runlogs.tboard)
+    gpus: dict | None = None  # each rank's newest GPU sample and the idle GPUs (judge.gpu.gpus)
 
     @property
     def job_state(self) -> JobState:

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
-from ddp_hpc.judge import flightrec, kept, timing
+from ddp_hpc.judge import flightrec, gpu, kept, timing
+from ddp_hpc.judge.compute import compute_stragglers, with_compute
 from ddp_hpc.judge.consequences import compress as compress_ranks
 from ddp_hpc.judge.consequences import ranks_text
 from ddp_hpc.judge.goodput import goodput
@@ -193,6 +194,7 @@ class Resolved:
         if not codes and sched.source == src.RECORD:
             codes = {int(r): c for r, c in (s.final or {}).get("rank_exit_codes", {}).items()}
         cur = logs.current_run()
+        per_hosts = self._per_rank_hosts()
         flight = []
         if s.target.log_dir:  # NCCL's flight recorder dumps of the current run
             since = cur.started if cur is not None else None
@@ -202,8 +204,9 @@ class Resolved:
             rank_exit_codes=codes, scheduler_history=sched.history, history_source=sched.history_source,
             runs=run_causes(logs, logs.runs(), sched, base, inside), rank_endings=rank_endings(logs),
             rank_classification={str(r): e.to_dict() for r, e in endings.items()},
-            timing=timing.stragglers(*self._per_rank_hosts()), flight=flight, staging=stage_rows(logs),
-            alloc_restarts=inside, tensorboard=logs.tensorboard, goodput=_goodput(logs, inside)), notes)
+            timing=with_compute(timing.stragglers(*per_hosts), compute_stragglers(*per_hosts)),
+            flight=flight, staging=stage_rows(logs), alloc_restarts=inside, tensorboard=logs.tensorboard,
+            goodput=_goodput(logs, inside), gpus=gpu.gpus(*per_hosts)), notes)
 
     def _status(self, detail: dict, notes: list[str]) -> JobStatus:
         s, logs, sched = self.sources, self.logs, self.state
@@ -224,6 +227,7 @@ class Resolved:
             **detail)
         if sched.state.state is JobState.RUNNING:
             per_rank, _ = self._per_rank_hosts()
+            st.gpu_percent = gpu.gpu_percent(per_rank)   # the GPUs' use now: running jobs only
             if (stall := timing.stall(per_rank, s.now)) is not None:
                 stacks, none = timing.silent_stacks(per_rank, stall["ranks"], s.now, stall["threshold_s"])
                 st.stall = {**stall, "stacks": stacks, "no_stack": none,

@@ -19,6 +19,7 @@ from ddp_hpc.judge.tails import follow_logs, log_line, logs_tail, rank_files, re
 from ddp_hpc.judge.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
 from ddp_hpc.slurm.times import format_duration
+from ddp_hpc.status.gpus import gpu_lines
 from ddp_hpc.status.job import JobStatus
 from ddp_hpc.status.restarts import restart_lines
 from ddp_hpc.status.staging import stage_lines
@@ -29,8 +30,9 @@ __all__ = ["render_table", "render_detail", "to_json", "files_guide", "watch", "
 
 COLUMNS = ("ID", "NAME", "BACKEND", "STATE", "NODESxGPUS", "ELAPSED/LIMIT", "RESTARTS",
            "PROGRESS", "LOSS", "SAMPLES/S", "ETA", "LOG DIR")
-#: columns shown only when some job has them, before LOG DIR: final eval metrics, sweep overrides
-OPTIONAL = ("EVAL", "OVERRIDES")
+#: columns shown only when some job has them, before LOG DIR: final eval metrics, sweep overrides,
+#: the mean GPU utilisation of the ranks' newest samples
+OPTIONAL = ("EVAL", "OVERRIDES", "GPU%")
 CELL_MAX = 40  # characters of an EVAL / OVERRIDES cell
 #: shown where some job has it and the terminal has room for it beside the other columns
 GOODPUT = "GOODPUT"
@@ -100,7 +102,8 @@ def goodput_text(st: JobStatus) -> str:
 def table_row(st: JobStatus, optional: tuple[str, ...] = (), goodput: bool = False) -> list[str]:
     p = st.progress
     per = "-" if st.gpus_per_node is None else str(st.gpus_per_node)
-    extra = {"EVAL": eval_text, "OVERRIDES": overrides_text}
+    extra = {"EVAL": eval_text, "OVERRIDES": overrides_text,
+             "GPU%": lambda s: _num(s.gpu_percent, ".0f")}
     return [
         st.id, st.name or "-", st.backend or "-", state_text(st),
         f"{st.nodes or st.node_range or '-'}x{per}" + ("cpu" if st.device == "cpu" else ""),
@@ -118,7 +121,8 @@ def render_table(statuses: Iterable[JobStatus], width: int | None = None) -> str
     without cutting any other cell further."""
     statuses = list(statuses)
     optional = tuple(c for c, have in zip(OPTIONAL, (any(s.eval_metrics for s in statuses),
-                                                     any(s.overrides for s in statuses))) if have)
+                                                     any(s.overrides for s in statuses),
+                                                     any(s.gpu_percent is not None for s in statuses))) if have)
     if any(s.goodput for s in statuses):
         wider = _table(statuses, optional, None, goodput=True)
         if width is None or max(map(len, wider.splitlines())) <= width:
@@ -169,7 +173,7 @@ def files_guide() -> str:
 def render_detail(st: JobStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
     out = _head_lines(st, now) + goodput_lines(st) + stage_lines(st.staging) + _exit_lines(st) + _failure_lines(st)
-    out += restart_lines(st.alloc_restarts) + _timing_lines(st)
+    out += restart_lines(st.alloc_restarts) + _timing_lines(st) + gpu_lines(st.gpus)
     out += [("Flight rec: " if i == 0 else "            ") + ln for i, ln in enumerate(st.flight)]
     out += _event_lines(st, now) + _history_lines(st) + [f"Note: {n}" for n in st.notes]
     return "\n".join(out) + "\n"

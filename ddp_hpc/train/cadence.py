@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ddp_hpc.config import JobConfig
+from ddp_hpc.instrument.compute import ComputeTimer
 from ddp_hpc.runlogs.writer import RunLog, StepBar
 from ddp_hpc.train.metrics import AsyncSum, ResourceSampler, all_reduce_sum
 from ddp_hpc.train.parts import RankPlace
@@ -73,6 +74,7 @@ class _Interval:
     steps: int
     lr: float
     data_s: float
+    compute_s: float | None
     resources: dict
     sums: AsyncSum
 
@@ -93,6 +95,8 @@ class Cadence:
         self.resources = ResourceSampler()
         self.loss: float | None = None       # mean loss of the newest log interval, all ranks
         self.data_wait = 0.0                 # this rank's seconds waiting for batches, this interval
+        #: this rank's own forward time (the `Stepper`'s ComputeTimer, set by the loop)
+        self.compute: ComputeTimer | None = None
         self._pending: _Interval | None = None
 
     def timed(self, batches):
@@ -128,7 +132,9 @@ class Cadence:
             w = self.interval
             data_s = self.data_wait / max(w.steps, 1)
             self.data_wait = 0.0
+            compute_s = self.compute.take(w.steps) if self.compute is not None else None
             self._pending = _Interval(step, epoch, w.steps, self.lr(), round(data_s, 6),
+                                      None if compute_s is None else round(compute_s, 6),
                                       self.resources.sample(), w.start_reduce())
             w.reset()
 
@@ -144,7 +150,8 @@ class Cadence:
             step_s = seconds / max(p.steps, 1)
             self.check_every = max(1, min(1000, int(PREEMPT_CHECK_S / max(step_s, 1e-9))))
         self.log.event("step", epoch=p.epoch, step=p.step, total_steps=self.total_steps,
-                       loss=self.loss, lr=p.lr, samples_per_s=sps, data_s=p.data_s, **p.resources)
+                       loss=self.loss, lr=p.lr, samples_per_s=sps, data_s=p.data_s, compute_s=p.compute_s,
+                       **p.resources)
         if self.progress.lines:
             self.log.info(f"epoch {p.epoch} step {p.step}/{self.total_steps} "
                           f"loss {self.loss:.4f} {sps:.0f} samples/s")

@@ -36,6 +36,7 @@ from ddp_hpc.config import ConfigError, JobConfig, config_to_dict
 from ddp_hpc.data.samplers import ResumableDistributedSampler
 from ddp_hpc.dist import group_has_peers
 from ddp_hpc.exits import signal_name
+from ddp_hpc.runlogs.gpu import GpuSampler, nvml_id
 from ddp_hpc.runlogs.watchdog import HangWatch, dump_after
 from ddp_hpc.runlogs.writer import RunLog, StepBar
 from ddp_hpc.train import checkpoint as ckpt
@@ -243,8 +244,11 @@ class Trainer:
         stepper = Stepper(self.model, self.parts, self.optimizer, self.scheduler,
                           precision=self.precision, train=cfg.train,
                           batches_per_epoch=self.batches_per_epoch, device=self.device)
+        cadence.compute = stepper.compute
         self.watch = HangWatch(self.log, dump_after(cfg.train.collective_timeout_s)).start()
         self.saver = AsyncSaver(on_written=self._written)
+        gpu = nvml_id(self.device)
+        sampler = GpuSampler(self.log, lambda: gpu).start() if gpu is not None else None
         try:
             self._loop(cadence, stepper)
             self.flag.drain()    # not on errors: a peer that died may never join that collective
@@ -253,6 +257,8 @@ class Trainer:
             raise
         finally:
             self.watch.stop()
+            if sampler is not None:
+                sampler.stop()
             self.flag.restore()
             progress.close()
         result = self.result

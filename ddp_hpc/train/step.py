@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hpc.config import TrainConfig
+from ddp_hpc.instrument.compute import ComputeTimer
 from ddp_hpc.train import checkpoint as ckpt
 from ddp_hpc.train.build import Precision
 from ddp_hpc.train.parts import TrainParts
@@ -36,6 +37,7 @@ class Stepper:
         self.params = list(self.module.parameters())
         self.can_skip_sync = isinstance(model, DDP)
         self.warm_up = self.can_skip_sync      # once per (re)start, identically on every rank
+        self.compute = ComputeTimer()          # this rank's own forward time (compute_s)
 
     def micro_batch(self, micro: int, inputs: torch.Tensor, targets: torch.Tensor
                     ) -> tuple[torch.Tensor, bool]:
@@ -51,9 +53,11 @@ class Stepper:
             self.warm_up = False
         sync = self.model.no_sync() if self.can_skip_sync and not last else contextlib.nullcontext()
         with sync:
+            self.compute.ready()
             with self.autocast():
                 loss = self.loss_fn(self.model(inputs), targets)
             scaled = loss / group_len if group_len > 1 else loss
+            self.compute.backward(loss)
             self.scaler.scale(scaled).backward()
         return loss.detach(), last
 

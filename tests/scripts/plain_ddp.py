@@ -8,6 +8,7 @@ DataLoader, SGD, gloo. What the instrumentation tests run under ``ddp_hpc.exec``
     --stuck-rank R     rank R stops answering at step --stuck-at (sleeps forever in stuck_in_user_code)
     --segv-rank R      rank R dies of SIGSEGV at step --stuck-at (in native code, crash_in_c)
     --teardown-abort   after a clean end, abort in the interpreter's teardown (SIGABRT)
+    --slow-rank R      rank R's forward does --slow-s seconds of extra work (a busy loop) each step
 """
 import argparse
 import ctypes
@@ -28,6 +29,8 @@ p.add_argument("--stuck-rank", type=int, default=-1)
 p.add_argument("--segv-rank", type=int, default=-1)
 p.add_argument("--stuck-at", type=int, default=3)
 p.add_argument("--teardown-abort", action="store_true")
+p.add_argument("--slow-rank", type=int, default=-1)
+p.add_argument("--slow-s", type=float, default=0.04)
 args = p.parse_args()
 
 
@@ -40,6 +43,20 @@ def crash_in_c():
     ctypes.string_at(0)
 
 
+class Model(torch.nn.Module):
+    """A linear layer whose forward first busies the CPU for ``extra_s`` seconds."""
+
+    def __init__(self, extra_s):
+        super().__init__()
+        self.linear, self.extra_s = torch.nn.Linear(4, 1), extra_s
+
+    def forward(self, x):
+        end = time.perf_counter() + self.extra_s
+        while time.perf_counter() < end:
+            pass
+        return self.linear(x)
+
+
 class NativeTeardown:
     """Stands for a C++ object whose destructor calls std::terminate at interpreter exit."""
 
@@ -50,7 +67,7 @@ class NativeTeardown:
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-model = DDP(torch.nn.Linear(4, 1))
+model = DDP(Model(args.slow_s if rank == args.slow_rank else 0.0))
 opts = [torch.optim.SGD(model.parameters(), lr=0.05)]
 if args.gan:
     opts.append(torch.optim.SGD(model.parameters(), lr=0.01))

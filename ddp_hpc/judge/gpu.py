@@ -1,0 +1,92 @@
+"""Each rank's GPU as its ``gpu`` events tell it (`ddp_hpc.runlogs.gpu`), and the GPUs that idle
+while their rank trains (docs/status.md, "GPUs").
+
+- A rank's GPU is its newest sample (utilisation, memory, temperature, power, ECC errors) and
+  every XID error its samples reported.
+- A GPU is **idle** when its samples of the newest ``IDLE_WINDOW_S`` seconds (the rank was
+  sampled for at least that long) average below ``IDLE_PERCENT`` % busy while the rank trains
+  (its step events in that window count steps forward). Its line says how long the rank waits
+  for data per step, the usual reason.
+"""
+from __future__ import annotations
+
+import statistics
+
+from ddp_hpc.parsing import to_float, to_int
+
+__all__ = ["IDLE_PERCENT", "IDLE_WINDOW_S", "gpus", "gpu_percent"]
+
+IDLE_PERCENT = 20.0
+IDLE_WINDOW_S = 60.0
+#: the fields of a sample status shows (the rest of a ``gpu`` event is its envelope)
+FIELDS = ("gpu", "util_percent", "mem_used_mb", "mem_total_mb", "temp_c", "power_w", "ecc_errors")
+
+
+def _samples(events: list[dict]) -> list[tuple[float, dict]]:
+    return [(t, e) for e in events if e.get("event") == "gpu" and (t := to_float(e.get("time"))) is not None]
+
+
+def _idle(events: list[dict], samples: list[tuple[float, dict]]) -> dict | None:
+    """The rank's idle GPU over the newest window (see the module docstring), or None."""
+    newest = samples[-1][0]
+    since = newest - IDLE_WINDOW_S
+    if samples[0][0] > since:
+        return None      # not watched for a whole window yet
+    busy = [u for t, e in samples if t >= since and (u := to_float(e.get("util_percent"))) is not None]
+    if not busy or statistics.mean(busy) >= IDLE_PERCENT:
+        return None
+    steps = [(t, s, e) for e in events if e.get("event") == "step" and (t := to_float(e.get("time"))) is not None
+             and t >= since and (s := to_int(e.get("step"), None)) is not None]
+    if len(steps) < 2 or steps[-1][1] <= steps[0][1]:
+        return None      # not training: an evaluation, a checkpoint, a stall
+    step_s = (steps[-1][0] - steps[0][0]) / (steps[-1][1] - steps[0][1])
+    data = [d for _, _, e in steps if (d := to_float(e.get("data_s"))) is not None]
+    data_s = statistics.mean(data) if data else None
+    return {"util_percent": round(statistics.mean(busy), 1), "window_s": IDLE_WINDOW_S,
+            "step_s": round(step_s, 6), "data_s": None if data_s is None else round(data_s, 6)}
+
+
+def _idle_line(rank: int, host: str | None, idle: dict) -> str:
+    where = f"rank {rank}" + (f" on {host}" if host else "")
+    line = f"{where}: its GPU was {idle['util_percent']:.0f}% busy over the last minute while it trained; "
+    if idle["data_s"] is None:
+        return line + "its wait for data is not recorded"
+    share = f" ({100 * idle['data_s'] / idle['step_s']:.0f}% of a step)" if idle["step_s"] else ""
+    return line + f"it waits {idle['data_s']:.3g} s per step for data{share}"
+
+
+def gpus(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict | None:
+    """rank -> its GPU's newest sample (``ranks``), the idle ones (``idle``: rank -> why) and
+    their ``lines``; None when no rank wrote a ``gpu`` event."""
+    ranks: dict[str, dict] = {}
+    idle: dict[str, dict] = {}
+    lines: list[str] = []
+    for r, evs in sorted(per_rank.items()):
+        samples = _samples(evs)
+        if not samples:
+            continue
+        newest = samples[-1][1]
+        row = {k: newest[k] for k in FIELDS if newest.get(k) is not None}
+        xids = sorted({int(x) for _, e in samples for x in (e.get("xid_errors") or [])})
+        ranks[str(r)] = {**row, "host": hosts.get(r), "time": samples[-1][0], **({"xid_errors": xids} if xids else {})}
+        if (why := _idle(evs, samples)) is not None:
+            idle[str(r)] = why
+            lines.append(_idle_line(r, hosts.get(r), why))
+    if not ranks:
+        return None
+    return {"ranks": ranks, "idle": idle, "lines": lines, "idle_percent": IDLE_PERCENT}
+
+
+def gpu_percent(per_rank: dict[int, list[dict]]) -> float | None:
+    """The mean utilisation of the ranks' newest ``gpu`` samples (the job table's GPU% cell);
+    None when the lowest rank wrote none (a job on CPUs, or without ``pynvml``: its other ranks
+    are not searched, which keeps a refresh over many running jobs cheap)."""
+    newest = []
+    for _, evs in sorted(per_rank.items()):
+        u = next((u for e in reversed(evs) if e.get("event") == "gpu"
+                  and (u := to_float(e.get("util_percent"))) is not None), None)
+        if u is None and not newest:
+            return None
+        if u is not None:
+            newest.append(u)
+    return round(statistics.mean(newest), 1) if newest else None
