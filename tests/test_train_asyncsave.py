@@ -194,6 +194,7 @@ def _equal(a, b, where: str = "") -> None:
 BALLAST = 4_000_000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_usr2_and_the_end_wait_for_the_write_and_async_checkpoints_resume_like_synchronous_ones(tmp_path):
     # 96 samples / 2 ranks / batch 8 = 6 steps an epoch, 12 in all; a 16 MB frozen parameter
