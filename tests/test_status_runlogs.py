@@ -222,3 +222,15 @@ def test_traceback_with_torch_rank_prefixes_is_read(tmp_path):
     block = traceback_in(p)
     assert block[0] == "Traceback (most recent call last):" and block[1].startswith("  File")
     assert exception_of(block) == ("RuntimeError", "rank 3 was told to fail")
+
+
+def test_run_ending_reads_the_newest_step_when_an_async_checkpoint_lands_after_newer_steps(tmp_path):
+    """An async save's checkpoint event is written when its file is complete, after steps that
+    came later: the run's step is the newest step, and the checkpoint found is the saved one."""
+    from ddp_hpc.judge.reader import run_ending
+    ckpt = tmp_path / "ckpt-000000020.pt"
+    ckpt.write_bytes(b"x")
+    write(tmp_path, 0, [start(0), ev(0, 1, "step", step=20), ev(0, 2, "step", step=21),
+                        ev(0, 3, "step", step=22), ev(0, 4, "checkpoint", step=20, path=str(ckpt))])
+    end = run_ending(tmp_path)
+    assert (end.step, end.checkpoint_step, end.checkpoint) == (22, 20, str(ckpt))

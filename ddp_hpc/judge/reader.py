@@ -96,8 +96,11 @@ def run_ending(log_dir: str | Path) -> RunEnding:
             status = str(e.get("status"))
         elif kind == "checkpoint" and e.get("path"):
             saved.append((to_int(e.get("step"), None), str(e["path"])))
-        if kind in ("step", "end", "checkpoint", "preempt"):
+        if kind in ("step", "end", "preempt"):
             step = to_int(e.get("step"), step)
+        elif kind == "checkpoint":   # written when its file is complete: steps may have passed since
+            saved_step = to_int(e.get("step"), None)
+            step = saved_step if step is None or (saved_step is not None and saved_step > step) else step
     found = next(((s, p) for s, p in reversed(saved) if Path(p).is_file()), (None, None))
     return RunEnding(status, step, found[1], found[0])
 
