@@ -70,6 +70,9 @@ class JobStatus:
     #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
     alloc_restarts: list[dict] = field(default_factory=list)
     tensorboard: bool = False  # TensorBoard's event files in the log directory (runlogs.tboard)
+    #: the run in time: samples/s and loss series, marks, and for --html the per-rank lanes
+    #: (ddp_hpc.judge.picture.build)
+    picture: dict | None = None
 
     @property
     def job_state(self) -> JobState:

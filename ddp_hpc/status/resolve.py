@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
-from ddp_hpc.judge import flightrec, kept, timing
+from ddp_hpc.judge import flightrec, kept, picture, timing
 from ddp_hpc.judge.consequences import compress as compress_ranks
 from ddp_hpc.judge.consequences import ranks_text
 from ddp_hpc.judge.kept import KeptLogs
@@ -177,9 +177,10 @@ class Resolved:
         """The table's view: who, state, shape, time, progress, stall."""
         return self._status({}, self.notes)
 
-    def detail(self) -> JobStatus:
+    def detail(self, lanes: bool = False) -> JobStatus:
         """The detail view: the row's facts, then the failure, every rank's ending, exit codes,
-        the scheduler's history, the runs, restarts, stragglers, staging, flight recorder."""
+        the scheduler's history, the runs, restarts, stragglers, staging, flight recorder, the
+        picture of the run (with every rank's lane for the page, ``lanes``)."""
         s, logs, sched = self.sources, self.logs, self.state
         base = records.first_restart(s.record)
         inside = alloc_restarts(s.record, s.target.log_dir, logs)
@@ -199,7 +200,8 @@ class Resolved:
             runs=run_causes(logs, logs.runs(), sched, base, inside), rank_endings=rank_endings(logs),
             rank_classification={str(r): e.to_dict() for r, e in endings.items()},
             timing=timing.stragglers(*self._per_rank_hosts()), flight=flight, staging=stage_rows(logs),
-            alloc_restarts=inside, tensorboard=logs.tensorboard), notes)
+            alloc_restarts=inside, tensorboard=logs.tensorboard,
+            picture=picture.build(logs, inside, lanes)), notes)
 
     def _status(self, detail: dict, notes: list[str]) -> JobStatus:
         s, logs, sched = self.sources, self.logs, self.state
