@@ -204,11 +204,13 @@ def _lane_svg(ax: _Axis, pic: dict) -> str:
         tip = f"{lane['label']}: ranks {lane['ranks']}" + (" (events read in part)" if lane.get("partial") else "")
         cells = "".join(f'<rect data-state="{STATES[s]}" x="{LEFT + a * cell_w:.2f}" y="{y}" width="{n * cell_w:.2f}" '
                         f'height="{h - 2}" fill="{COLORS[STATES[s]]}"/>' for a, n, s in lane["cells"])
-        points = "".join(_point(ax, p, y, h) for p in lane["points"])
+        # errors drawn last, on top of an ending or checkpoint in the same place
+        points = "".join(_point(ax, p, y, h) for p in sorted(lane["points"], key=lambda p: p["kind"] == "error"))
         a = _attrs(data_lane=i, data_ranks=lane["ranks"], data_label=lane["label"], data_y=y, data_h=h)
-        body.append(f'<g class="lane"{a}>'
-                    f'<title>{_e(tip)}</title><text x="{LEFT - 6}" y="{y + h - 3}" text-anchor="end" '
-                    f'font-size="{min(11, h - 2)}">{_e(lane["label"])}</text>{cells}{points}</g>')
+        # narrow lanes (beyond 64): every 4th labelled, the others by their tooltip
+        label = "" if h < 14 and i % 4 else (f'<text x="{LEFT - 6}" y="{y + h - 2}" text-anchor="end" '
+                                             f'style="font-size:{min(11, h + 1)}px">{_e(lane["label"])}</text>')
+        body.append(f'<g class="lane"{a}><title>{_e(tip)}</title>{label}{cells}{points}</g>')
     bottom = top + len(lanes) * h
     body.append(_marks_svg(ax, pic.get("marks", []), 0, bottom) + ax.ticks(bottom + 6))
     legend = "".join(f'<span><i style="background:{COLORS[s]}"></i>{s}</span>' for s in STATES[1:]) + "".join(
