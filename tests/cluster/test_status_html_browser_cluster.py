@@ -16,9 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+import picture_events as pe  # tests/ is on sys.path (pytest's rootdir insertion: tests/cluster is a package)
 import pytest
 
 from ddp_hpc.judge.reader import read_events
+from ddp_hpc.status.collect import collect
+from ddp_hpc.status.html import render_html
+from ddp_hpc.status.targets import StatusTarget
 
 pytestmark = pytest.mark.cluster
 
@@ -96,7 +100,7 @@ def test_the_page_of_a_failed_restarted_job_draws_the_restart_and_the_failing_ra
         assert ending, "rank 1 wrote neither an error nor an end event in its last run"
 
         assert _open(driver, page) == []
-        from selenium.webdriver.common.by import By
+        By = pytest.importorskip("selenium.webdriver.common.by").By  # noqa: N806 (Selenium's name)
         lanes = [g.get_attribute("data-ranks") for g in driver.find_elements(By.CSS_SELECTOR, "g.lane")]
         assert lanes == ["0", "1"]
         restarts = driver.find_elements(By.CSS_SELECTOR, f'svg line[data-kind="restart"][data-restart="{last}"]')
@@ -116,12 +120,6 @@ def test_the_page_of_a_failed_restarted_job_draws_the_restart_and_the_failing_ra
         assert "First failure: rank 1" in driver.find_element(By.CSS_SELECTOR, '[data-kind="diagnosis"]').text
 
         # the same session: a hand-written run with restart phases and a goodput object
-        sys.path.insert(0, str(REPO / "tests"))
-        import picture_events as pe
-
-        from ddp_hpc.status.collect import collect
-        from ddp_hpc.status.html import render_html
-        from ddp_hpc.status.targets import StatusTarget
         st = collect([StatusTarget(pe.JOB, None, str(pe.write_run(tmp_path / "logs")))], None, None,
                      history=True, lanes=True)[0]
         st.goodput = pe.GOODPUT
