@@ -14,6 +14,8 @@ one process, and times ddp_hpc's code on real-shaped inputs:
                 rank's ``rank<R>.events.jsonl`` in the writer's format (a first run that was
                 preempted and requeued, a second run in which one rank raised and the others lost
                 their peer), ``rank<R>.out`` and the batch output with srun's reports;
+                The same job's page, ``status JOBID --html`` (its time and ratio to the detail
+                view), and the page alone: drawn and written once its logs are read (HTML_GOAL_S);
 - ``table``:    ``python -m ddp_hpc.status`` (the table of the 20 newest jobs) and ``--limit 0``
                 (every job) over 8 ... 10,000 job records: a refresh, and the first view (before
                 the table's cache of ended jobs, ``ddp_hpc.status.rowcache``, holds their rows),
@@ -72,6 +74,7 @@ TABLE_SIZES = (8, 64, 512, 10000)
 PER_NODE = 8
 JOB_ID = "900001"
 STATUS_GOAL_S = 5.0
+HTML_GOAL_S = 2.0   # the page of a job (--html) drawn and written, its logs read
 GROWTH_OK = 2.0
 #: the table over many records, Slurm jobs and array tasks: the first view (no row kept yet) and a
 #: refresh within SCHED_GOAL_S (CPU seconds), one squeue and one sacct call however many
@@ -301,9 +304,9 @@ def run_status(argv: list[str]) -> str:
     return buf.getvalue()
 
 
-def bench_status(work: Path, ranks: int, n_events: int, reps: int) -> tuple[float, float, float, float]:
+def bench_status(work: Path, ranks: int, n_events: int, reps: int) -> tuple[float, float, float, float, dict]:
     """(seconds to write the logs, CPU seconds of ``status JOBID`` and of ``status JOBID --json``,
-    wall-clock seconds of ``status JOBID``) for one job."""
+    wall-clock seconds of ``status JOBID``, the page's figures: `bench_html`) for one job."""
     home, log_dir = work / f"home-{ranks}", work / f"logs-{ranks}"
     t0 = time.perf_counter()
     bad = write_logs(log_dir, ranks, n_events)
@@ -317,8 +320,29 @@ def bench_status(work: Path, ranks: int, n_events: int, reps: int) -> tuple[floa
         t_detail = best_of(lambda: run_status([JOB_ID]), reps)
         wall = LAST_WALL[0]
         t_json = best_of(lambda: run_status([JOB_ID, "--json"]), reps)
+        html = bench_html(work / f"report-{ranks}.html", bad, reps)
     shutil.rmtree(log_dir, ignore_errors=True)
-    return t_write, t_detail, t_json, wall
+    return t_write, t_detail, t_json, wall, html
+
+
+def bench_html(page: Path, bad: int, reps: int) -> dict:
+    """``status JOBID --html PAGE`` (CPU and wall seconds), and the page alone: drawn and written
+    from the job's status (`ddp_hpc.status.html.render_html`), the logs already read."""
+    from ddp_hpc.fsutil import atomic_write
+    from ddp_hpc.status.collect import collect
+    from ddp_hpc.status.html import render_html
+    from ddp_hpc.status.targets import job_targets
+    run_status([JOB_ID, "--html", str(page)])
+    assert f'data-kind="error" data-rank="{bad}"' in page.read_text(encoding="utf-8")
+    t_cmd = best_of(lambda: run_status([JOB_ID, "--html", str(page)]), reps)
+    wall = LAST_WALL[0]
+    st = collect(job_targets(JOB_ID, None, None), None, None, history=True, lanes=True)[0]
+    t_page = best_of(lambda: atomic_write(page, lambda f: f.write(render_html(st).encode("utf-8")), binary=True),
+                     reps)
+    out = {"html_s": t_cmd, "html_wall_s": wall, "page_s": t_page, "page_wall_s": LAST_WALL[0],
+           "page_kib": page.stat().st_size >> 10, "lanes": len(st.picture["lanes"])}
+    page.unlink()
+    return out
 
 
 def small_dirs(work: Path) -> list[Path]:
@@ -463,8 +487,8 @@ def measure(sizes: tuple[int, ...], table_sizes: tuple[int, ...], n_events: int,
         add("groups: node/leader/strided lists", n, "rank of the world", n, t_lists)
         add("groups: build_plan two_level", n, "rank of the world", n, t_plan)
         log(f"  {n} ranks: writing {n} x {n_events} events, then status ...")
-        t_write, t_detail, t_json, wall = bench_status(work, n, n_events, 2 if n <= 512 else 1)
-        add("status detail", n, "rank", n, t_detail, write_s=t_write, wall_s=wall)
+        t_write, t_detail, t_json, wall, html = bench_status(work, n, n_events, 2 if n <= 512 else 1)
+        add("status detail", n, "rank", n, t_detail, write_s=t_write, wall_s=wall, **html)
         add("status --json", n, "rank", n, t_json)
     for n in table_sizes:
         log(f"  {n} job records: status table ...")
@@ -536,7 +560,7 @@ def render(rows: list[dict], summary: dict) -> str:
         lines.append(f"  {s:<20}" + "  ".join(f"{r['size']:,}: {r['seconds']:.3f}" for r in got))
     env = sorted((r for r in rows if r["section"] == "env"), key=lambda r: r["size"])
     lines.append("  env per rank (us)   " + "  ".join(f"{r['size']:,}: {r['per_rank_us']:.1f}" for r in env))
-    lines += scheduler_lines(rows)
+    lines += scheduler_lines(rows) + html_lines(rows)
     lines.append("verdict:")
     for goal, ok in summary["goals"].items():
         if isinstance(ok, tuple):
@@ -544,6 +568,19 @@ def render(rows: list[dict], summary: dict) -> str:
         else:
             lines.append(f"  {goal}: {'yes' if ok else 'NO'}")
     return "\n".join(lines) + "\n"
+
+
+def html_lines(rows: list[dict]) -> list[str]:
+    """``status JOBID --html``: the command against the text detail view of the same job, and the
+    page alone (drawn and written, the logs read) against the goal."""
+    out = []
+    for r in sorted((r for r in rows if r["section"] == "status detail" and "html_s" in r), key=lambda r: r["size"]):
+        ok = "yes" if r["page_s"] < HTML_GOAL_S else "NO"
+        out.append(f"  status --html, {r['size']:,} ranks ({r['lanes']} lanes, {r['page_kib']} KiB): "
+                   f"{r['html_s']:.2f} s CPU ({r['html_wall_s']:.2f} s wall), x{r['html_s'] / r['seconds']:.2f} "
+                   f"of the text detail view's {r['seconds']:.2f} s; the page alone {r['page_s']:.3f} s CPU "
+                   f"({r['page_wall_s']:.3f} s wall), under {HTML_GOAL_S:g} s: {ok}")
+    return (["status --html (the page of one job):"] + out) if out else []
 
 
 def scheduler_lines(rows: list[dict]) -> list[str]:

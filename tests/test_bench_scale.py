@@ -27,6 +27,7 @@ def test_quick_run_prints_every_section(tmp_path, capsys):
     assert "cost per unit (us) by ranks:" in text and "cost per unit (us) by job records:" in text
     assert "growth" in text and "verdict:" in text and "linear or better:" in text
     assert "status of 64 ranks under 5 s:" in text
+    assert "status --html, 64 ranks (64 lanes," in text and "of the text detail view's" in text
     # the cold table (no row kept yet) against the goal, with the Slurm calls of a refresh
     assert "first status --limit 0 over 64 records, no scheduler within 5 s:" in text
     assert "first status --limit 0 over 40 array tasks, 1 in 5 running within 5 s:" in text

@@ -9,6 +9,7 @@
     ddp-hpc status 1234 --stacks            # ask a running job's ranks for their Python stacks
     ddp-hpc status --watch 5                # refresh the table every 5 s
     ddp-hpc status 1234 --source sacct-c    # ask one source only (compare them)
+    ddp-hpc status 1234 --html report.html  # one self-contained page: diagnosis, charts, timelines
     ... --json                              # every view as JSON
 
 Jobs are found through their job records (``$DDP_HPC_HOME/jobs``, written by ddp_hpc.submit), so
@@ -26,10 +27,12 @@ import time
 
 from ddp_hpc import records
 from ddp_hpc.errors import HintError, report
+from ddp_hpc.fsutil import atomic_write
 from ddp_hpc.runlogs.schema import rank_out, text_log
 from ddp_hpc.slurm.query import current_cluster, slurm_cli
 from ddp_hpc.status import view
 from ddp_hpc.status.collect import collect
+from ddp_hpc.status.html import render_html
 from ddp_hpc.status.stacks import ask_stacks, render_stacks, silence_causes
 from ddp_hpc.status.targets import StatusError, is_slurm_id, job_targets, recent_targets
 from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
@@ -71,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stacks", action="store_true",
                    help="ask every rank of a running job for the Python stacks of all its "
                         "threads (SIGURG to the ranks) and show where each one is")
+    p.add_argument("--html", metavar="FILE",
+                   help="write one self-contained HTML page of the job (no server or network needed "
+                        "to view it): the failure diagnosis, samples/s and loss over time, restart "
+                        "phases and goodput when known, every rank's timeline")
     p.add_argument("--log-dir", metavar="DIR",
                    help="log directory of a job that has no job record (e.g. a hand-written sbatch)")
     return p
@@ -89,6 +96,12 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--logs needs a job id: {me} JOBID --logs")
     if args.stacks and (args.job is None or args.logs or args.watch is not None):
         parser.error(f"--stacks needs a job id and goes alone: {me} JOBID --stacks")
+    if args.html is not None and (args.job is None or args.logs or args.stacks or args.watch is not None
+                                  or args.json):
+        parser.error(f"--html FILE needs a job id and goes alone: {me} JOBID --html report.html")
+    if args.html is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.html))):
+        parser.error(f"--html {args.html}: the folder {os.path.dirname(os.path.abspath(args.html))} does not "
+                     "exist; create it or give a FILE in an existing folder")
     if args.follow and args.watch is not None:
         parser.error("--follow and --watch do not combine: --follow already keeps printing")
     if args.lines < 0:
@@ -119,6 +132,8 @@ def run(args, me: str) -> int:
             return _logs(args, targets, cli, note)
         if args.stacks:
             return _stacks(args, targets, cli)
+        if args.html is not None:
+            return _html(args, targets, cli, note, only)
 
         def render():
             sts = collect(targets, cli, note, history=True, only=only)
@@ -136,6 +151,22 @@ def run(args, me: str) -> int:
         sys.stdout.write(render())
     else:
         view.watch(render, args.watch, args.count, header=not args.json)
+    return 0
+
+
+def _html(args, targets, cli, note, only) -> int:
+    """Write the page of one job (`ddp_hpc.status.html`) and say where it is."""
+    if len(targets) > 1:
+        raise StatusError(f"job {args.job} is an array of {len(targets)} tasks; --html draws one task",
+                          f"give a task id, e.g. {targets[0].id}")
+    st = collect(targets, cli, note, history=True, only=only, lanes=True)[0]
+    if _unknown(st) and targets[0].record is None and not args.log_dir:
+        raise StatusError(f"job {args.job!r}: no job record in {records.records_dir()} and no scheduler knows it",
+                          f"check the id with `{prog('status')}`; for a job submitted without ddp_hpc.submit "
+                          "pass --log-dir DIR")
+    page = render_html(st)
+    atomic_write(args.html, lambda f: f.write(page.encode("utf-8")), binary=True)
+    print(f"{args.html}: the page of job {st.id} ({st.state}, {len(page) >> 10} KiB)")
     return 0
 
 

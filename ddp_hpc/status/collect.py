@@ -24,14 +24,15 @@ __all__ = ["collect", "JobStatus", "StatusTarget"]
 
 
 def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, history: bool = False,
-            now: float | None = None, only: str | None = None, brief: bool = False) -> list[JobStatus]:
+            now: float | None = None, only: str | None = None, brief: bool = False,
+            lanes: bool = False) -> list[JobStatus]:
     """Status of every target; Slurm ones are queried in one batch per source (one squeue and
     one sacct call however many jobs and array tasks). ``only`` names the one source to ask
     (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal state the scheduler
     reports is kept in the job's record (`records.store_finals`, all at once). ``brief``: the
     table's rows (`Resolved.row`: no failure attribution, per-rank endings or step times; an
     ended job's from the kept facts or the row cache, `resolve.table_row`), else the detail view
-    (`Resolved.detail`)."""
+    (`Resolved.detail`; ``lanes``: with every rank's lane in its picture, for ``--html``)."""
     now = time.time() if now is None else now
     cluster, down = (cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
                      else (None, None))
@@ -57,7 +58,7 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
                 st, final = table_row(sources, cache)
             else:
                 job = resolve(sources)
-                st, final = job.detail(), job.final_to_keep()
+                st, final = job.detail(lanes), job.final_to_keep()
             if t.id in foreign:
                 st.notes.append(f"submitted on cluster {t.record.cluster!r}, not this one ({cluster!r}): "
                                 "the scheduler was not asked (job ids repeat across clusters)")

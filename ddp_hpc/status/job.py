@@ -75,6 +75,9 @@ class JobStatus:
     alloc_restarts: list[dict] = field(default_factory=list)
     tensorboard: bool = False  # TensorBoard's event files in the log directory (runlogs.tboard)
     gpus: dict | None = None  # each rank's newest GPU sample and the idle GPUs (judge.gpu.gpus)
+    #: the run in time: samples/s and loss series, marks, and for --html the per-rank lanes
+    #: (ddp_hpc.judge.picture.build)
+    picture: dict | None = None
 
     @property
     def job_state(self) -> JobState:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
-from ddp_hpc.judge import flightrec, gpu, kept, timing
+from ddp_hpc.judge import flightrec, gpu, kept, picture, timing
 from ddp_hpc.judge.compute import compute_stragglers, with_compute
 from ddp_hpc.judge.consequences import compress as compress_ranks
 from ddp_hpc.judge.consequences import ranks_text
@@ -182,9 +182,10 @@ class Resolved:
         whole = zero is not None and not zero.newest_only
         return self._status({"goodput": _goodput(self.logs, [])} if whole else {}, self.notes)
 
-    def detail(self) -> JobStatus:
+    def detail(self, lanes: bool = False) -> JobStatus:
         """The detail view: the row's facts, then the failure, every rank's ending, exit codes,
-        the scheduler's history, the runs, restarts, stragglers, staging, flight recorder."""
+        the scheduler's history, the runs, restarts, stragglers, staging, flight recorder, the
+        picture of the run (with every rank's lane for the page, ``lanes``)."""
         s, logs, sched = self.sources, self.logs, self.state
         base = records.first_restart(s.record)
         inside = alloc_restarts(s.record, s.target.log_dir, logs)
@@ -206,7 +207,8 @@ class Resolved:
             rank_classification={str(r): e.to_dict() for r, e in endings.items()},
             timing=with_compute(timing.stragglers(*per_hosts), compute_stragglers(*per_hosts)),
             flight=flight, staging=stage_rows(logs), alloc_restarts=inside, tensorboard=logs.tensorboard,
-            goodput=_goodput(logs, inside), gpus=gpu.gpus(*per_hosts)), notes)
+            goodput=_goodput(logs, inside), gpus=gpu.gpus(*per_hosts),
+            picture=picture.build(logs, inside, lanes)), notes)
 
     def _status(self, detail: dict, notes: list[str]) -> JobStatus:
         s, logs, sched = self.sources, self.logs, self.state

@@ -22,10 +22,11 @@ from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.status.gpus import gpu_lines
 from ddp_hpc.status.job import JobStatus
 from ddp_hpc.status.restarts import restart_lines
+from ddp_hpc.status.spark import spark_lines, unicode_ok
 from ddp_hpc.status.staging import stage_lines
 from ddp_hpc.text import fit_columns, plural, prog
 
-__all__ = ["render_table", "render_detail", "to_json", "files_guide", "watch", "compress_ranks",
+__all__ = ["render_table", "render_detail", "failure_lines", "to_json", "files_guide", "watch", "compress_ranks",
            "follow_logs", "log_line", "logs_tail", "rank_files", "render_logs"]
 
 COLUMNS = ("ID", "NAME", "BACKEND", "STATE", "NODESxGPUS", "ELAPSED/LIMIT", "RESTARTS",
@@ -170,9 +171,12 @@ def files_guide() -> str:
                      for kind, name in (("log", text_log("{R}")), ("out", rank_out("{R}"))))
 
 
-def render_detail(st: JobStatus, now: float | None = None) -> str:
+def render_detail(st: JobStatus, now: float | None = None, unicode: bool | None = None) -> str:
+    """One job's detail page; ``unicode``: draw the sparklines in Unicode blocks (None: if stdout
+    takes UTF-8)."""
     now = time.time() if now is None else now
-    out = _head_lines(st, now) + goodput_lines(st) + stage_lines(st.staging) + _exit_lines(st) + _failure_lines(st)
+    out = _head_lines(st, now) + spark_lines(st.picture, unicode_ok() if unicode is None else unicode)
+    out += goodput_lines(st) + stage_lines(st.staging) + _exit_lines(st) + failure_lines(st)
     out += restart_lines(st.alloc_restarts) + _timing_lines(st) + gpu_lines(st.gpus)
     out += [("Flight rec: " if i == 0 else "            ") + ln for i, ln in enumerate(st.flight)]
     out += _event_lines(st, now) + _history_lines(st) + [f"Note: {n}" for n in st.notes]
@@ -295,7 +299,7 @@ def _stall_lines(st: JobStatus) -> list[str]:
     return out
 
 
-def _failure_lines(st: JobStatus) -> list[str]:
+def failure_lines(st: JobStatus) -> list[str]:
     f = st.failure
     if f is None:
         return []
