@@ -16,8 +16,9 @@ RESTART_AT = T0 + 400.0     # the second run's start
 ERROR_AT = T0 + 580.0       # rank 3's error
 PHASES = {"detect": 2.0, "stop": 3.5, "start": 6.0, "import": 4.0, "rendezvous": 1.5, "restore": 2.5,
           "first_step": 3.0}
-GOODPUT = {"goodput": 0.71, "breakdown": {"training_s": 410.0, "restart_s": 22.5, "stall_s": 150.0,
-                                          "checkpoint_s": 4.0}}
+GOODPUT = {"goodput": 0.71, "wall_s": 600.0, "useful_s": 426.0,
+           "lost_s": {"restarts": 22.5, "stalls": 150.0, "checkpoint": 1.5}, "restart_phases": PHASES,
+           "steps_redone": 3, "step_s": 0.5, "estimated": []}   # judge.goodput.Goodput.to_dict's shape
 
 
 def _ev(rank: int, t: float, name: str, restart: int, **kw) -> dict:
