@@ -7,7 +7,9 @@ srun may wait long for a node that is gone; a rank's own error is left to srun, 
 step when that rank exits, with its exit report), when one of its nodes is lost (down, not
 responding, powered off), or when no rank showed a sign of life (`LIFE_EVENTS`: a training step, an
 epoch's end, an evaluation, a checkpoint, the evaluation's progress) for the stall timeout after
-steps had begun (a hang the ranks' own collective timeout did not end).
+steps had begun (a hang the ranks' own collective timeout did not end), or for the hang limit
+(``hang.StepClock``: a few times the run's own step time, 30 s at least) once the step times are
+known.
 
 A draining node (DRAIN, DRAINING, DRAINED, FAIL, FAILING, MAINT, REBOOT_*, INVAL: "no new work")
 is no reason to stop: Slurm lets the running step go on there. `node_health` tells it apart from
@@ -26,6 +28,7 @@ from ddp_hpc.judge.evidence import consequence_phrase
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import EVENTS_RE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
+from ddp_hpc.supervise.hang import StepClock
 
 __all__ = ["EventTail", "StepEnd", "Watch", "NodeHealth", "LIFE_EVENTS", "node_condition", "node_health",
            "watch_step", "stop_step", "down_nodes"]
@@ -90,16 +93,23 @@ class StepEnd:
     detected_at: float
     first_bad_at: float | None = None    # the first error event of a rank that lost a peer
     last_step_at: float | None = None    # the newest sign of life (`LIFE_EVENTS`) of any rank
+    stall_s: float | None = None         # "stalled": the limit it outlasted, seconds
     down: list[str] = field(default_factory=list)   # nodes sinfo called down / not responding
 
 
 @dataclass(frozen=True)
 class Watch:
-    """What to watch: the step's nodes, the stall timeout (0: off), how often to look."""
+    """What to watch: the step's nodes, the stall timeout (0: off), how often to look, the hang
+    limit's floor (``hang.StepClock``; 0: off); going on after the stacks showed every rank busy
+    outside a collective: the newest sign of life then and when they were asked (``busy_at``: no
+    hang limit until a step after it)."""
 
     nodes: tuple[str, ...]
     stall_timeout_s: float = 0.0
     every_s: float = 1.0
+    hang_floor_s: float = 0.0
+    last_step_at: float | None = None
+    busy_at: float | None = None
 
 
 def node_condition(state: str) -> str:
@@ -147,15 +157,21 @@ def down_nodes(cli: SlurmCLI, nodes) -> list[str]:
 def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Watch,
                stopping=lambda: False) -> StepEnd:
     """Wait until the step ended or needs stopping (`stopping()`: the supervisor was told to end)."""
-    first_bad = last_step = None
+    first_bad, last_step, quiet = None, watch.last_step_at, watch.busy_at
     next_nodes = time.monotonic() + NODE_EVERY_S
+    clock, ending = StepClock(watch.hang_floor_s), False   # ending: a rank ends (no hang limit then)
     while True:
         rc = proc.poll()
         for ev in tail.poll():
+            clock.add(ev)
+            ending = ending or ev.get("event") == "end" or (ev.get("event") == "progress"
+                                                              and ev.get("phase") == "exit")
             t = to_float(ev.get("time"))
             alive = ev.get("event") == "step" or (last_step is not None and ev.get("event") in LIFE_EVENTS)
             if alive and t is not None:
                 last_step = max(last_step or t, t)
+            if quiet is not None and ev.get("event") == "step" and (t or 0) > quiet:
+                quiet = None
             lost_peer = ev.get("event") == "error" and consequence_phrase(ev.get("message"), ev.get("exc_type"))
             if lost_peer and first_bad is None:
                 first_bad = t or time.time()
@@ -171,8 +187,9 @@ def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Wa
             if down := down_nodes(cli, watch.nodes):
                 end.trigger, end.down = "node down", down
                 return end
-        if watch.stall_timeout_s and last_step is not None and now - last_step > watch.stall_timeout_s:
-            end.trigger = "stalled"
+        limits = [x for x in (watch.stall_timeout_s, None if ending or quiet else clock.limit()) if x]
+        if limits and last_step is not None and now - last_step > min(limits):
+            end.trigger, end.stall_s = "stalled", min(limits)
             return end
         time.sleep(watch.every_s)
 
