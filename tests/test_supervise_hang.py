@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import PHASES, phases, read_restarts, time_lost
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.status.restarts import alloc_restarts, restart_lines
+from ddp_hpc.supervise import watch
 from ddp_hpc.supervise.hang import StepClock, all_busy, find_culprit
 from ddp_hpc.supervise.loop import Settings, supervise
 from ddp_hpc.supervise.plan import Policy
@@ -165,3 +167,26 @@ def test_the_culprit_is_the_rank_that_did_not_answer_else_the_one_outside_a_coll
     assert all_busy(busy, hosts)                                 # every rank works: no rank waits
     assert not all_busy({0: {"stack": sleeping}, 1: {"stack": sleeping}}, hosts)
     assert not all_busy({**busy, 1: {"stack": waiting}}, hosts)
+
+
+def test_ranks_that_all_ended_are_not_called_stalled_while_their_processes_tear_down(tmp_path):
+    """Every rank wrote its end event 30 s ago and its process still runs (torch's teardown on a
+    loaded machine): no stall, however short the stall timeout; the step ends by itself. A rank
+    that did not end yet keeps the stall check."""
+    now = time.time()
+    with (tmp_path / "rank0.events.jsonl").open("w") as f:
+        for e in ({"event": "step", "step": 1}, {"event": "eval"}, {"event": "end", "status": "completed"}):
+            f.write(json.dumps({**e, "rank": 0, "restart": 0, "time": now - 30}) + "\n")
+    proc = subprocess.Popen(["sleep", "1.5"])
+    end = watch.watch_step(proc, watch.EventTail(tmp_path, 0), _cli(tmp_path),
+                           watch.Watch(("n1",), stall_timeout_s=2.0, every_s=0.05))
+    assert end.trigger == "exited"
+    with (tmp_path / "rank1.events.jsonl").open("w") as f:
+        f.write(json.dumps({"event": "step", "step": 1, "rank": 1, "restart": 0, "time": now - 30}) + "\n")
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        end = watch.watch_step(proc, watch.EventTail(tmp_path, 0), _cli(tmp_path),
+                               watch.Watch(("n1",), stall_timeout_s=2.0, every_s=0.05))
+    finally:
+        proc.kill()
+    assert end.trigger == "stalled" and end.stall_s == 2.0

@@ -39,6 +39,10 @@ __all__ = ["Settings", "Finding", "Judgement", "supervise", "find", "judge", "re
            "step_env", "step_args"]
 
 PREFIX = "ddp_hpc supervise:"
+#: how long srun gets to end a step after its abort when a node of it is lost: its abort asked
+#: Slurm to kill every task at once, then it waits KillWait + 2 s for the lost node, which will not
+#: answer; the fault is certain and the next step overlaps this one, so srun is killed sooner
+LOST_NODE_STOP_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
             return exit_status_of_returncode(_wait(proc))
         if end.trigger == "exited" and end.returncode in (0, EX_TEMPFAIL):
             return end.returncode
-        rc = exit_status_of_returncode(stop_step(proc))
+        rc = exit_status_of_returncode(stop_step(proc, LOST_NODE_STOP_S if end.trigger == "node down" else 8.0))
         stopped_at = round(time.time(), 3)
         j = judge(s, cli, plan, end, restart, done, hang)
         if j.plan is None:
