@@ -190,3 +190,19 @@ def test_ranks_that_all_ended_are_not_called_stalled_while_their_processes_tear_
     finally:
         proc.kill()
     assert end.trigger == "stalled" and end.stall_s == 2.0
+
+
+def test_a_rank_process_start_is_on_the_wall_clock_between_its_launch_and_its_answer():
+    """``rendezvous.proc_start`` (the restart phases' start and import) is when the process began,
+    on the same clock as the events' times: between the moment it was launched and its answer
+    (to the kernel's clock tick), not /proc/stat's boot time, which drifts by seconds."""
+    code = "from ddp_hpc.runlogs.startup import process_start; print(process_start({}))"
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    t1 = time.time()
+    assert t0 - 0.02 <= float(out) <= t1
+    given = subprocess.run([sys.executable, "-c", "from ddp_hpc.runlogs.startup import process_start; "
+                            "print(process_start())"], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO), "DDP_HPC_PROC_START": "123.5"}).stdout
+    assert float(given) == 123.5                                 # the exec wrapper's start, handed down

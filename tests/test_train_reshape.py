@@ -45,6 +45,7 @@ def _worker(rank: int, world: int, run: str, ckpt: str, extra: list[str], signal
     def hook(step: int, epoch: int) -> None:   # a real signal: the ranks agree one step later
         if not rng:                            # the RNG state after the first step (no dropout: as restored)
             rng.append(torch.get_rng_state().numpy().tobytes())
+        torch.rand(1)                          # a draw per step, as dropout would: the state moves on
         if signal_at is not None and rank == world - 1 and step == signal_at:
             os.kill(os.getpid(), signal.SIGUSR2)
     res = fit(model, data, overrides=[*COMMON, f"log.dir={run}/logs", f"checkpoint.dir={ckpt}",

@@ -24,14 +24,17 @@ _marks: dict[str, float] = {}
 
 
 def _own_start() -> float | None:
-    """This process's start time (epoch seconds) from /proc (Linux), None elsewhere."""
+    """This process's start time (epoch seconds) from /proc (Linux), None elsewhere: its age on
+    the kernel's boot clock (the uptime now less its start in clock ticks since boot) taken from
+    the time now. Not /proc/stat's ``btime``, a whole second that drifts from the wall clock by
+    seconds on a long-running machine."""
     try:
         with open("/proc/self/stat", encoding="ascii") as f:
             ticks = int(f.read().rpartition(")")[2].split()[19])   # field 22: starttime
-        with open("/proc/stat", encoding="ascii") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return round(boot + ticks / os.sysconf("SC_CLK_TCK"), 3)
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return round(time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK")), 3)
+    except (OSError, ValueError, IndexError):
         return None
 
 
