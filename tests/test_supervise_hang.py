@@ -206,3 +206,28 @@ def test_a_rank_process_start_is_on_the_wall_clock_between_its_launch_and_its_an
                             "print(process_start())"], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONPATH": str(REPO), "DDP_HPC_PROC_START": "123.5"}).stdout
     assert float(given) == 123.5                                 # the exec wrapper's start, handed down
+
+
+def test_the_phases_take_the_restore_from_the_restored_event_and_the_slowest_rank(tmp_path):
+    """With the memsnap helper's ``restored`` event the restore is a phase of its own; each mark
+    is the newest over the ranks (the first step waits for the slowest one); a missing mark (no
+    ``stopped_at`` in an older restarts.jsonl) folds its seconds into the next phase."""
+    t = 1000.0
+    for rank, late in ((0, 0.0), (1, 0.5)):
+        with (tmp_path / f"rank{rank}.events.jsonl").open("w") as f:
+            for e in ({"event": "rendezvous", "proc_start": t + 3 + late, "called_at": t + 7 + late,
+                       "up_at": t + 8 + late, "time": t + 8 + late},
+                      {"event": "restored", "source": "memory", "seconds": 0.2, "time": t + 8.7 + late},
+                      {"event": "step", "step": 5, "time": t + 10}):
+                f.write(json.dumps({**e, "rank": rank, "restart": 1, "host": "n1"}) + "\n")
+    row = {"restart": 1, "fault_at": t, "detected_at": t + 1, "stopped_at": t + 2}
+    ph = phases(row, RunLogs(tmp_path))
+    assert ph == {"detect": 1.0, "stop": 1.0, "start": 1.5, "import": 4.0, "rendezvous": 1.0, "restore": 0.7,
+                  "first_step": 0.8}
+    assert sum(ph.values()) == pytest.approx(time_lost(row, RunLogs(tmp_path)))
+    old = phases({k: v for k, v in row.items() if k != "stopped_at"}, RunLogs(tmp_path))
+    assert "stop" not in old and old["start"] == 2.5
+    lines = restart_lines([{**row, "phases": ph, "rank": 3, "lost_s": 10.0}])
+    line = next(x for x in lines if x.strip().startswith("restart 1: "))
+    assert line.strip() == ("restart 1: 10.0 s = detect 1.0 + stop 1.0 + start 1.5 + import 4.0 + rendezvous 1.0 + "
+                            "restore 0.7 + step 0.8")
