@@ -231,3 +231,27 @@ def test_the_phases_take_the_restore_from_the_restored_event_and_the_slowest_ran
     line = next(x for x in lines if x.strip().startswith("restart 1: "))
     assert line.strip() == ("restart 1: 10.0 s = detect 1.0 + stop 1.0 + start 1.5 + import 4.0 + rendezvous 1.0 + "
                             "restore 0.7 + step 0.8")
+
+
+def test_no_hang_is_called_while_a_checkpoint_is_saved(tmp_path):
+    """Steps of 0.1 s, then the training core announced a save (progress, phase checkpoint) 5 s
+    ago and has not written its checkpoint event: under a hang floor of 1 s that is no hang (the
+    stall timeout still applies); once the save is done, the hang limit is back."""
+    now = time.time()
+    evs = [{"event": "step", "step": s, "time": now - 5.5 + s * 0.1} for s in range(1, 5)]
+    evs.append({"event": "progress", "phase": "checkpoint", "step": 4, "time": now - 5})
+    with (tmp_path / "rank0.events.jsonl").open("w") as f:
+        f.writelines(json.dumps({**e, "rank": 0, "restart": 0}) + "\n" for e in evs)
+    proc = subprocess.Popen(["sleep", "1"])
+    end = watch.watch_step(proc, watch.EventTail(tmp_path, 0), _cli(tmp_path),
+                           watch.Watch(("n1",), stall_timeout_s=60.0, every_s=0.05, hang_floor_s=1.0))
+    assert end.trigger == "exited"
+    with (tmp_path / "rank0.events.jsonl").open("a") as f:
+        f.write(json.dumps({"event": "checkpoint", "step": 4, "rank": 0, "restart": 0, "time": now - 4}) + "\n")
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        end = watch.watch_step(proc, watch.EventTail(tmp_path, 0), _cli(tmp_path),
+                               watch.Watch(("n1",), stall_timeout_s=60.0, every_s=0.05, hang_floor_s=1.0))
+    finally:
+        proc.kill()
+    assert end.trigger == "stalled" and end.stall_s == 1.0

@@ -9,7 +9,9 @@ responding, powered off), or when no rank showed a sign of life (`LIFE_EVENTS`: 
 epoch's end, an evaluation, a checkpoint, the evaluation's progress) for the stall timeout after
 steps had begun (a hang the ranks' own collective timeout did not end), or for the hang limit
 (``hang.StepClock``: a few times the run's own step time, 30 s at least) once the step times are
-known. Once every rank wrote its ``end`` event, neither applies: their processes get
+known, except while a checkpoint is being saved (its ``progress`` event of phase ``checkpoint``
+came, its ``checkpoint`` event not yet: a big save may take minutes; the stall timeout still
+applies). Once every rank wrote its ``end`` event, neither applies: their processes get
 `END_GRACE_S` to tear down (torch's teardown takes seconds, more on a loaded machine).
 
 A draining node (DRAIN, DRAINING, DRAINED, FAIL, FAILING, MAINT, REBOOT_*, INVAL: "no new work")
@@ -166,6 +168,7 @@ class _Seen:
         self.last_step, self.quiet = watch.last_step_at, watch.busy_at
         self.clock = StepClock(watch.hang_floor_s)
         self.exiting = False                 # a rank ended or its interpreter exits: no hang limit
+        self.saving = False                  # a checkpoint's save announced and not done: no hang limit
         self.ranks: set = set()
         self.ended: set = set()
         self.last_end: float | None = None
@@ -178,6 +181,8 @@ class _Seen:
             self.ended.add(ev.get("rank"))
             self.last_end = max(self.last_end or 0.0, t or time.time())
         self.exiting = self.exiting or name == "end" or (name == "progress" and ev.get("phase") == "exit")
+        if name in ("progress", "checkpoint", "step"):
+            self.saving = name == "progress" and ev.get("phase") == "checkpoint"
         alive = name == "step" or (self.last_step is not None and name in LIFE_EVENTS)
         if alive and t is not None:
             self.last_step = max(self.last_step or t, t)
@@ -192,7 +197,7 @@ class _Seen:
         rank ended, only `END_GRACE_S` after the last end (the processes tear down)."""
         if self.ranks and self.ended >= self.ranks:
             return END_GRACE_S if self.last_end is not None and now - self.last_end > END_GRACE_S else None
-        fast = None if self.exiting or self.quiet else self.clock.limit()
+        fast = None if self.exiting or self.quiet or self.saving else self.clock.limit()
         limits = [x for x in (watch.stall_timeout_s, fast) if x]
         if limits and self.last_step is not None and now - self.last_step > min(limits):
             return min(limits)
