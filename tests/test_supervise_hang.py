@@ -162,6 +162,8 @@ def test_the_culprit_is_the_rank_that_did_not_answer_else_the_one_outside_a_coll
     free = find_culprit({0: {"stack": waiting}, 1: {"stack": waiting}, 2: {"stack": sleeping}}, hosts)
     assert (free.rank, free.host) == (2, "n3") and "train.py:12" in free.why and "all_reduce" in free.basis
     assert find_culprit({0: {"stack": waiting}, 1: {"stack": waiting}, 2: {"stack": waiting}}, hosts) is None
+    late = find_culprit({0: {"stack": waiting}, 2: {"stack": sleeping}}, hosts)   # rank 1 slow to answer
+    assert late.rank == 2                                        # the rank seen outside the collective
     assert find_culprit({}, hosts) is None                       # nobody answered: nothing to go on
     busy = {0: {"stack": sleeping}, 1: {"stack": sleeping}, 2: {"stack": sleeping}}
     assert all_busy(busy, hosts)                                 # every rank works: no rank waits

@@ -12,9 +12,10 @@ wrote two step events: a run still loading is left to the stall timeout (a confi
 ``train.collective_timeout_s`` + 15 s).
 
 The culprit (`find_culprit`): before the step is stopped, every rank is asked for its stacks
-(SIGURG, as ``ddp-hpc status --stacks`` does), so the evidence survives the stop. A rank that does
-not answer is frozen (stopped, or a hang outside Python); else a rank whose main thread is not
-inside a collective while the others wait in one is the one that hangs. When every rank answered
+(SIGURG, as ``ddp-hpc status --stacks`` does), so the evidence survives the stop: up to 5 s, or
+2 s after the newest answer. A rank whose main thread is not inside a collective while the others
+wait in one is the one that hangs; else a rank that does not answer (frozen: stopped, or a hang
+outside Python). When every rank answered
 and none waits in a collective (`all_busy`: every rank evaluates, or saves, between two steps),
 no rank waits for another: that is no hang, and the supervisor watches on (the hang limit comes
 back with the next step).
@@ -40,6 +41,9 @@ HANG_FACTOR = 10.0
 EVENT_GAPS = 3.0
 #: how long the ranks get to answer the stack request, seconds
 STACK_WAIT_S = 5.0
+#: ... and how long the last ones get once no answer came for this long (a frozen rank never
+#: answers: the others' answers come together, within a second)
+ANSWER_GAP_S = 2.0
 #: intervals kept for the medians
 KEEP = 64
 
@@ -94,36 +98,38 @@ def ask_stacks(cli, job_id, tail, wait_s: float = STACK_WAIT_S) -> tuple[dict[in
     except (SlurmError, OSError):
         return {}, hosts
     answers: dict[int, dict] = {}
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not (hosts and set(answers) >= set(hosts)):
+    deadline = last = time.monotonic() + wait_s
+    while time.monotonic() < min(deadline, last) and not (hosts and set(answers) >= set(hosts)):
         time.sleep(0.2)
         for e in tail.poll():
             rank = to_int(e.get("rank"), None)
             if rank is not None and e.get("event") == "stack" and (to_float(e.get("time")) or 0) >= asked - 0.5:
                 answers[rank] = e
                 hosts.setdefault(rank, e.get("host"))
+                last = time.monotonic() + ANSWER_GAP_S
     return answers, hosts
 
 
 def find_culprit(answers: dict[int, dict], hosts: dict[int, str | None]) -> Hang | None:
-    """The rank that hangs, from the stack answers of the ranks in ``hosts``: one that did not
-    answer (frozen), else one not inside a collective while another waits in one; None when the
+    """The rank that hangs, from the stack answers of the ranks in ``hosts``: one not inside a
+    collective while another waits in one, else one that did not answer (frozen; a slow answer
+    on a loaded machine does not outweigh a rank seen outside the collective); None when the
     stacks name nobody (every rank silent, or every rank in a collective or none)."""
     ranks = sorted(hosts)
     waits = {r: collective(str(a.get("stack") or "")) for r, a in answers.items()}
     waiting = sorted({w for w in waits.values() if w})
     others = f"the others waited in {', '.join(waiting)}" if waiting else "the others answered"
-    silent = [r for r in ranks if r not in answers]
-    if silent and answers:
-        r = silent[0]
-        return Hang(r, hosts.get(r), "hung: it answered no stack request (frozen: stopped, or a hang "
-                    "outside Python)", f"its stacks: no answer to SIGURG while {others}")
     free = [r for r in ranks if r in waits and not waits[r]]
     if free and waiting:
         r = free[0]
         where = own_frame(str(answers[r].get("stack") or "")) or "outside a collective"
         return Hang(r, hosts.get(r), f"hung in {where}, not in a collective",
                     f"its stacks: not in a collective ({where}) while {others}")
+    silent = [r for r in ranks if r not in answers]
+    if silent and answers:
+        r = silent[0]
+        return Hang(r, hosts.get(r), "hung: it answered no stack request (frozen: stopped, or a hang "
+                    "outside Python)", f"its stacks: no answer to SIGURG while {others}")
     return None
 
 
