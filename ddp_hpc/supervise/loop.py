@@ -39,10 +39,11 @@ __all__ = ["Settings", "Finding", "Judgement", "supervise", "find", "judge", "re
            "step_env", "step_args"]
 
 PREFIX = "ddp_hpc supervise:"
-#: how long srun gets to end a step after its abort when a node of it is lost: its abort asked
-#: Slurm to kill every task at once, then it waits KillWait + 2 s for the lost node, which will not
-#: answer; the fault is certain and the next step overlaps this one, so srun is killed sooner
-LOST_NODE_STOP_S = 2.0
+#: how long srun gets to end a step after its abort when the supervisor stopped it (a lost node, a
+#: rank that lost a peer, a hang): the abort asked Slurm to kill every task at once; what srun
+#: still waits for is a node that does not answer (KillWait + 2 s: 8.6 s of the bench's lost-node
+#: restart), and the next step overlaps this one, so srun is killed sooner
+QUICK_STOP_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
             return exit_status_of_returncode(_wait(proc))
         if end.trigger == "exited" and end.returncode in (0, EX_TEMPFAIL):
             return end.returncode
-        rc = exit_status_of_returncode(stop_step(proc, LOST_NODE_STOP_S if end.trigger == "node down" else 8.0))
+        rc = exit_status_of_returncode(stop_step(proc, QUICK_STOP_S if end.trigger != "exited" else 8.0))
         stopped_at = round(time.time(), 3)
         j = judge(s, cli, plan, end, restart, done, hang)
         if j.plan is None:
