@@ -30,6 +30,7 @@ import dataclasses
 import gc
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_hpc.env import DistEnv, EnvError, detect, gpu_index, interface_for, route_interface, user_port, visible_gpus
+from ddp_hpc.runlogs.startup import mark_rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +215,10 @@ def setup_ddp(rank: int | None = None, world_size: int | None = None, *,
     if init_method == "env://":
         env.export()
     kwargs = {"device_id": device} if backend == "nccl" else {}
+    called = time.time()
     dist.init_process_group(backend=backend, init_method=init_method, rank=env.rank,
                             world_size=env.world_size, timeout=timeout, **kwargs)
+    mark_rendezvous(called)   # the restart phases' import and rendezvous (runlogs/startup.py)
     log.info("rank %d/%d (node %d, local %d) backend=%s device=%s init=%s", env.rank,
              env.world_size, env.node_rank, env.local_rank, backend, device, init_method)
     return DistContext(env, backend, device, init_method, ifname)

@@ -92,8 +92,11 @@ def test_unmodified_torchrun_script_2x2(tmp_path):
     assert not (tmp_path / "x").exists()
     for r in range(4):
         ev = events(log_dir, r)
-        assert [e["event"] for e in ev] == ["start", "end"], ev
-        start, end = ev
+        # the instrumentation adds when the process group came up (the restart phases) and that
+        # the script's interpreter ends (no hang is called while it tears down)
+        assert [e["event"] for e in ev] == ["start", "rendezvous", "progress", "end"], ev
+        start, rdzv, leaving, end = ev
+        assert rdzv["proc_start"] <= rdzv["called_at"] <= rdzv["up_at"] and leaving["phase"] == "exit"
         assert start["launcher"] == "exec/local" and start["world_size"] == 4 and start["num_nodes"] == 2
         assert start["local_rank"] == r % 2 and start["command"] == [sys.executable, str(script), *TRICKY_ARGS]
         assert start["job_id"] == "t-2x2" and isinstance(start["pid"], int)

@@ -224,6 +224,18 @@ def test_a_node_range_under_the_supervisor_goes_on_down_to_its_minimum():
     assert "#SBATCH --nodes=4\n" in text and "--nodes 3 " in text
 
 
+def test_the_hang_timeout_reaches_the_supervisor_and_needs_restarts():
+    """--hang-timeout S (slurm.hang_timeout): the supervisor's line gets it when it is not the
+    default 30 s (the default script stays as it was); without restarts it is refused."""
+    assert "--hang-timeout" not in render(_spec(max_restarts=2))
+    text = render(_spec(max_restarts=2, hang_timeout=12))
+    assert " --hang-timeout 12 " in text
+    with pytest.raises(Exception, match=r"--hang-timeout \(slurm.hang_timeout\) need restarts inside the allocation"):
+        SlurmOptions(nodes=2, max_restarts=0, hang_timeout=12)
+    with pytest.raises(Exception, match=r"slurm.hang_timeout -1 is negative"):
+        SlurmOptions(nodes=2, max_restarts=2, hang_timeout=-1)
+
+
 def test_spare_nodes_with_a_node_range_are_refused():
     with pytest.raises(Exception, match=r"--spare-nodes 1 \(slurm.spare_nodes\) with the node range --nodes 1-2"):
         SlurmOptions(nodes="1-2", max_restarts=1, spare_nodes=1)

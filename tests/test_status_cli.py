@@ -227,6 +227,21 @@ def test_logs_name_the_rank_once_and_say_which_file_is_which(home):
     assert "            rank{R}.out  raw stdout/stderr: tracebacks" in detail
 
 
+def test_a_range_job_shrunk_inside_its_allocation_shows_the_nodes_of_its_newest_run(home):
+    """--nodes 1-2, started on 2 nodes, restarted by the supervisor on 1 after a lost node: the
+    header counts the newest run's nodes (its start events), not the first run's or MAX."""
+    d = home / "logs" / "711"
+    for r in range(4):
+        write_events(d, r, [{**start(r, ws=4), "num_nodes": 2, "device": "cpu"}, step(r, 10, 5)])
+    for r in range(2):
+        write_events(d, r, [{**start(r, t=20, restart=1), "num_nodes": 1, "device": "cpu"}, step(r, 30, 8, restart=1)])
+    (d / "restarts.jsonl").write_text(json.dumps({"restart": 1, "job_id": "711", "trigger": "node down",
+                                                  "world_before": 4, "world_after": 2}) + "\n")
+    record(home, "711", d, nodes=2, min_nodes=1)
+    header = status(home, "711").stdout.splitlines()[0]
+    assert header == "Job 711 (demo), backend sbatch, 1 of 1-2 nodes x 2 processes on CPU"
+
+
 def test_one_duration_format_and_the_shape_of_a_cpu_run(home):
     d = home / "logs" / "707"
     for r in range(2):

@@ -2,7 +2,7 @@
 resumed on 1 x 2 and on 1 x 1 keeps the global batch (more accumulation steps), trains exactly the
 samples not seen yet, and ends with the uninterrupted run's weights and loss; a world size that
 cannot keep the global batch is refused with the numbers and the choices; checkpoints written
-before the layout fields existed still resume."""
+before the layout fields existed still resume; the ranks' RNG states are carried over."""
 from __future__ import annotations
 
 import io
@@ -18,7 +18,7 @@ import torch
 from ddp_hpc.config import ConfigError, TrainConfig
 from ddp_hpc.data.samplers import ResumableDistributedSampler, epoch_permutation
 from ddp_hpc.launch import RankFailedError, launch_distributed
-from ddp_hpc.train.reshape import plan_resume
+from ddp_hpc.train.reshape import plan_resume, rank_rng
 
 FAST = "forkserver"   # torch preloaded once: a launch costs ~0.2 s instead of seconds of imports
 mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
@@ -40,7 +40,12 @@ def _worker(rank: int, world: int, run: str, ckpt: str, extra: list[str], signal
     model = MLP(in_dim=8, hidden=16, num_classes=3)
     data = SyntheticClassification(size=SIZE, in_dim=8, num_classes=3, seed=1)
 
+    rng = []
+
     def hook(step: int, epoch: int) -> None:   # a real signal: the ranks agree one step later
+        if not rng:                            # the RNG state after the first step (no dropout: as restored)
+            rng.append(torch.get_rng_state().numpy().tobytes())
+        torch.rand(1)                          # a draw per step, as dropout would: the state moves on
         if signal_at is not None and rank == world - 1 and step == signal_at:
             os.kill(os.getpid(), signal.SIGUSR2)
     res = fit(model, data, overrides=[*COMMON, f"log.dir={run}/logs", f"checkpoint.dir={ckpt}",
@@ -48,13 +53,14 @@ def _worker(rank: int, world: int, run: str, ckpt: str, extra: list[str], signal
     buf = io.BytesIO()
     torch.save(res.model.state_dict(), buf)
     return {"status": res.status, "step": res.step, "loss": res.loss, "state": buf.getvalue(),
-            "resumed_from": res.resumed_from}
+            "resumed_from": res.resumed_from, "rng": rng[0] if rng else None}
 
 
 def _launch(world: int, nodes: int, run: Path, ckpt: Path, extra=(), signal_at=None) -> dict:
     out = launch_distributed(_worker, world, args=(str(run), str(ckpt), list(extra), signal_at),
                              nodes=nodes, start_method=FAST, timeout=120)
     out[0]["state"] = torch.load(io.BytesIO(out[0]["state"]), weights_only=True)
+    out[0]["rngs"] = [o["rng"] for o in out]
     return out[0]
 
 
@@ -113,6 +119,30 @@ def test_a_checkpoint_without_the_layout_fields_resumes_on_another_world_size(ru
     assert res["status"] == "completed" and res["step"] == STEPS
     assert "accumulation 1 -> 2 (global batch 16 kept)" in _rank0_log(run)
     assert _max_diff(res["state"], full["state"]) <= 1e-6
+
+
+def test_the_rng_states_are_carried_over_a_world_size_change(runs):
+    """Resumed on 2 ranks, ranks 0 and 1 go on from the RNG states ranks 0 and 1 of the 2 x 2 run
+    saved, exactly as a resume on the same 4 ranks does (before: seed + rank, a fresh stream)."""
+    tmp, _ = runs
+    same = _launch(4, 2, tmp / "rng4", _copy_cut(tmp, "rng4"))
+    fewer = _launch(2, 1, tmp / "rng2", _copy_cut(tmp, "rng2"))
+    assert same["resumed_from"] and fewer["resumed_from"]
+    assert fewer["rngs"] == same["rngs"][:2] and fewer["rngs"][0] != fewer["rngs"][1]
+    assert "the RNG states of 4 ranks carried onto 2: rank 0 goes on from the old rank's" in _rank0_log(tmp / "rng2")
+
+
+def test_a_rank_the_old_run_did_not_have_is_seeded_from_the_old_states_deterministically(runs):
+    """Growing (2 old ranks' states onto 4): ranks 0-1 keep theirs, ranks 2 and 3 get seeds of
+    their own, the same on every resume and changed by any old rank's state."""
+    tmp, _ = runs
+    state = torch.load(tmp / "cut_ckpt" / "ckpt-000000003.pt", weights_only=True)
+    old = state["rng"][:2]
+    got = [rank_rng(old, r) for r in range(4)]
+    assert got[0] is old[0] and got[1] is old[1]
+    assert isinstance(got[2], int) and isinstance(got[3], int) and got[2] != got[3]
+    assert [rank_rng(old, r) for r in (2, 3)] == got[2:]
+    assert rank_rng(state["rng"][1:3], 2) != got[2]
 
 
 def test_a_world_size_that_cannot_keep_the_global_batch_is_refused(runs):

@@ -77,6 +77,16 @@ def check_count(minimum: int, optional: bool = False) -> Callable[[Any, str], in
     return check
 
 
+def check_seconds(value: Any, label: str) -> float:
+    """A number of seconds >= 0 (0: off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"{label} must be a number of seconds, got {value!r}",
+                          f"write e.g. {label} 30 (0 turns it off)")
+    if value < 0:
+        raise ConfigError(f"{label} {value:g} is negative", f"use 0 or more seconds for {label} (0: off)")
+    return float(value)
+
+
 _NODES = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
 
 

@@ -25,6 +25,7 @@ from ddp_hpc.config.checks import (
     check_flag,
     check_nodes,
     check_plain,
+    check_seconds,
     check_signal,
     check_stage,
     check_text,
@@ -42,6 +43,8 @@ RESTARTS = "restarts inside the allocation (sbatch backend; docs/restarts.md)"
 TOP = ""
 #: in-allocation restarts of a job unless asked otherwise (--max-restarts)
 DEFAULT_MAX_RESTARTS = 2
+#: the floor of the supervisor's hang limit unless asked otherwise (--hang-timeout; supervise/hang.py)
+DEFAULT_HANG_TIMEOUT = 30.0
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
 _MEM = re.compile(r"\d+[KMGT]?", re.I)
@@ -211,6 +214,11 @@ class SlurmOptions:
     restart_on_error: bool = _opt(False, check_flag, "restart after an exception raised by the code "
                                   "(or its non-zero exit) too", flags=("--restart-on-error",),
                                   group=RESTARTS, action="store_true")
+    hang_timeout: float = _opt(
+        DEFAULT_HANG_TIMEOUT, check_seconds, "call a hang when no rank finished a step for max(S, 10x "
+        "the median step time) once steps are timed, and restart after taking the ranks' stacks "
+        "(0: only the stall timeout, train.collective_timeout_s + 15 s)", flags=("--hang-timeout",),
+        group=RESTARTS, type=float, metavar="S")
     stage: tuple = _opt((), check_stage, "before the job starts, copy SRC (a file, an LMDB or a folder) "
                         "once per node to node-local storage and give every rank the path in "
                         "$DDP_HPC_STAGE_<NAME> (NAME: SRC's base name, upper-cased); removed when the job "
@@ -251,9 +259,10 @@ def _check_restarts(o: SlurmOptions) -> None:
         raise ConfigError(f"--spare-nodes {o.spare_nodes} (slurm.spare_nodes) with the node range --nodes "
                           f"{o.nodes}: which of the nodes Slurm gives are spares would be a guess",
                           f"give a node count (--nodes {high}) with --spare-nodes, or the range without it")
-    if o.max_restarts == 0 and (o.spare_nodes or o.min_nodes is not None or o.restart_on_error):
+    hang = o.hang_timeout != DEFAULT_HANG_TIMEOUT
+    if o.max_restarts == 0 and (o.spare_nodes or o.min_nodes is not None or o.restart_on_error or hang):
         given = [w for w, on in (("--spare-nodes", o.spare_nodes), ("--min-nodes", o.min_nodes is not None),
-                                 ("--restart-on-error", o.restart_on_error)) if on]
+                                 ("--restart-on-error", o.restart_on_error), ("--hang-timeout", hang)) if on]
         raise ConfigError(f"{' and '.join(given)} (slurm.{given[0][2:].replace('-', '_')}) need "
                           "restarts inside the allocation, but --max-restarts is 0",
                           f"give --max-restarts 1 or more, or drop {' and '.join(given)}")

@@ -40,6 +40,7 @@ from ddp_hpc.exec.instrumented import (
 from ddp_hpc.exec.outcome import classify, error_fields, last_step
 from ddp_hpc.fsutil import file_size
 from ddp_hpc.runlogs.schema import error_file, events_file, rank_out
+from ddp_hpc.runlogs.startup import PROC_START_VAR, process_start
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
@@ -152,6 +153,8 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
     out_start = file_size(out_path)
     errfile = _torch_environ(child_env, env, log.dir)
     inst = Instrumentation.prepare(cmd, child_env, log.dir, env.rank)
+    if (began := process_start({})) is not None:   # the script's proc_start: when srun started us
+        child_env[PROC_START_VAR] = str(began)
     started = time.time()
     with _forwarding() as fwd:
         try:

@@ -30,8 +30,9 @@ from types import ModuleType
 from typing import Any
 
 from ddp_hpc.instrument.compute import ComputeTimer
-from ddp_hpc.progress import auto_step, flush_step, hang_watch, rank_log, world_size
+from ddp_hpc.progress import auto_step, flush_step, hang_watch, last_step, rank_log, world_size
 from ddp_hpc.runlogs.gpu import GpuSampler, nvml_id
+from ddp_hpc.runlogs.startup import mark_rendezvous, rendezvous_fields
 from ddp_hpc.runlogs.watchdog import dump_after
 
 __all__ = ["StepCounter", "install"]
@@ -140,8 +141,17 @@ def install(torch: ModuleType, counter: StepCounter | None = None) -> StepCounte
     _hook_loader(counter)
     _hook_loss(torch, counter)
     _hook_timeout()
-    atexit.register(flush_step)   # the last step, when the throttle held it back
+    atexit.register(_at_exit)
     return counter
+
+
+def _at_exit() -> None:
+    """The script's interpreter is ending: the last step (when the throttle held it back), then a
+    ``progress`` event of phase ``exit``: the supervisor calls no hang while a rank shuts down
+    (torch's teardown can take seconds)."""
+    flush_step()
+    if (log := rank_log()) is not None:
+        log.event("progress", phase="exit", step=last_step())
 
 
 def _hook_loader(counter: StepCounter) -> None:
@@ -199,7 +209,11 @@ def _hook_timeout() -> None:
 
     @functools.wraps(real)
     def init_process_group(*args, **kwargs):
+        called = time.time()
         out = real(*args, **kwargs)
+        mark_rendezvous(called)   # the restart phases' import and rendezvous (runlogs/startup.py)
+        if (log := rank_log()) is not None:
+            log.event("rendezvous", **(rendezvous_fields() or {}))
         timeout = kwargs.get("timeout", args[2] if len(args) > 2 else None)
         try:
             seconds = (timeout or c10d._get_default_timeout(c10d.get_backend())).total_seconds()  # noqa: SLF001

@@ -6,6 +6,14 @@ requeued run (which numbers its restarts on from the earlier runs').
 The scheduler's runs of a job (sacct's rows) and the logs' restart numbers: an in-allocation
 restart takes a restart number of its own but is no run of the scheduler's, so the scheduler's run
 of restart number R is ``R - base - (in-allocation restarts numbered <= R)`` (`sched_index`).
+
+Where a restart's seconds went (`phases`, docs/restarts.md): from the fault to the first training
+step of the new run, cut at the supervisor's marks (``detected_at``, ``stopped_at``) and the new
+run's rank events (``rendezvous``'s ``proc_start``, ``called_at``, ``up_at``; the ``restored``
+event; the first ``step``), each the newest over the ranks, since the first step waits for the
+slowest rank. A phase whose mark is missing is folded into the next one that has its mark (no
+``restored`` event: the restore counts in the first step), so the phases always add up to the
+time lost.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE
 
 __all__ = ["read_restarts", "read_stops", "read_health", "read_restarts_and_stops", "sched_index", "first_step_at",
-           "time_lost"]
+           "time_lost", "phases", "PHASES"]
 
 
 def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
@@ -88,3 +96,37 @@ def time_lost(entry: dict, logs) -> float | None:
     first = first_step_at(logs, to_int(entry.get("restart"), -1))
     fault = to_float(entry.get("fault_at")) or to_float(entry.get("detected_at"))
     return None if first is None or fault is None else round(first - fault, 1)
+
+
+#: a restart's phases in order, each named after the mark that ends it (`phases`)
+PHASES = ("detect", "stop", "start", "import", "rendezvous", "restore", "first_step")
+
+
+def _newest(events: list[dict], name: str, key: str) -> float | None:
+    vals = [t for e in events if e.get("event") == name and (t := to_float(e.get(key))) is not None]
+    return max(vals) if vals else None
+
+
+def phases(entry: dict, logs) -> dict[str, float]:
+    """Seconds of each phase (`PHASES`) of the restart ``entry`` (a line of restarts.jsonl), from
+    its marks and the new run's events in ``logs`` (a ``RunLogs``): detect (the fault to the
+    supervisor's decision), stop (the old ranks gone), start (the new step's processes started),
+    import (to ``init_process_group``), rendezvous (the process group up), restore (the
+    ``restored`` event), first_step. A phase without its mark is left out and its time counts in
+    the next phase that has one; a run with no step yet has no phases past its newest mark."""
+    restart = to_int(entry.get("restart"), -1)
+    events = [e for s in logs.ranks.values() for e in s.of_restart(restart)]
+    marks = (to_float(entry.get("detected_at")), to_float(entry.get("stopped_at")),
+             _newest(events, "rendezvous", "proc_start"), _newest(events, "rendezvous", "called_at"),
+             _newest(events, "rendezvous", "up_at"), _newest(events, "restored", "time"),
+             first_step_at(logs, restart))
+    before = to_float(entry.get("fault_at")) or marks[0]
+    out: dict[str, float] = {}
+    if before is None:
+        return out
+    for name, at in zip(PHASES, marks, strict=True):
+        if at is None:
+            continue
+        at = max(at, before)
+        out[name], before = round(at - before, 3), at
+    return out

@@ -48,8 +48,12 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),
     "end": ("status", "step", "exit_code", "signal", "duration_s", "teardown"),
     "stack": ("reason", "stack", "step"),
+    # once per rank when its process group is up (runlogs/startup.py): when its process started,
+    # when it called init_process_group, when that returned; a restart's phases come from these
+    "rendezvous": ("proc_start", "called_at", "up_at"),
     # the training core while it evaluates or saves a checkpoint (no step events then): phase
-    # ("eval" | "checkpoint"), the step: signs of life for the supervisor (at most one per 5 s)
+    # ("eval" | "checkpoint"), the step: signs of life for the supervisor (at most one per 5 s);
+    # phase "exit": an instrumented script's interpreter ends (no hang is called while it does)
     "progress": ("phase", "step"),
     # data.io=stage and submit --stage, on each node leader: how (copy | sbcast | reused), where,
     # bytes, time; for --stage also the script's variable (DDP_HPC_STAGE_<NAME>)
@@ -69,10 +73,11 @@ ALLOC_RESTARTS_FILE = "restarts.jsonl"
 TBOARD_GLOB = "events.out.tfevents.*"
 #: the keys of one in-allocation restart (docs/restarts.md): the new run's restart number, the
 #: job, when the fault happened and when the supervisor saw it, why (trigger, kind, rank, node,
-#: basis, the failure's summary), the nodes excluded, the nodes and world size before and after
+#: basis, the failure's summary), the nodes excluded, the nodes and world size before and after,
+#: when the old step's ranks were gone (``stopped_at``: the restart phases' stop, docs/restarts.md)
 ALLOC_RESTART_KEYS = ("restart", "job_id", "fault_at", "detected_at", "trigger", "stop", "why", "kind",
                       "rank", "node", "basis", "excluded", "nodes_before", "nodes_after", "world_before",
-                      "world_after")
+                      "world_after", "stopped_at")
 #: the keys of a step the supervisor stopped and did not restart (a line of restarts.jsonl with no
 #: ``restart``): the run stopped, the job, when, the trigger, why it stopped the step (``stop``),
 #: what failed (as a restart's), and why it did not restart

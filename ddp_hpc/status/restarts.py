@@ -1,9 +1,10 @@
 """The in-allocation restarts of a job (``ddp_hpc.supervise``) as status shows them: when, why (the
 rank, the node, the evidence; and, when the supervisor stopped the step, why it did), what was
-excluded, the world size before and after, and the time lost from the fault to the first training
-step after the restart. From the run's ``restarts.jsonl``, else (the logs gone) from the job's
-record. A step the supervisor stopped and did not restart (a stop line of ``restarts.jsonl``, with
-``stopped_run`` and no ``restart``) is shown too: the supervisor, not a rank, ended it. So is a
+excluded, the world size before and after, the time lost from the fault to the first training
+step after the restart, and where those seconds went (its phases, `judge.restarts.phases`). From
+the run's ``restarts.jsonl``, else (the logs gone) from the job's record. A step the supervisor
+stopped and did not restart (a stop line of ``restarts.jsonl``, with ``stopped_run`` and no
+``restart``) is shown too: the supervisor, not a rank, ended it. So is a
 health check that excluded nodes before a start (``health_check``: ``ddp_hpc.supervise.health``):
 ``n2 excluded: /tmp full (0.1 GB free, checkpoint needs 1.5 GB)``."""
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import time
 
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import read_health, read_restarts_and_stops, time_lost
+from ddp_hpc.judge.restarts import phases, read_health, read_restarts_and_stops, time_lost
 from ddp_hpc.parsing import to_float
 from ddp_hpc.records import JobRecord
 
-__all__ = ["alloc_restarts", "restart_lines", "health_lines", "supervisor_stop"]
+__all__ = ["alloc_restarts", "restart_lines", "health_lines", "supervisor_stop", "phase_line"]
 
 
 def alloc_restarts(rec: JobRecord | None, log_dir: str | None, logs: RunLogs) -> list[dict]:
@@ -27,13 +28,27 @@ def alloc_restarts(rec: JobRecord | None, log_dir: str | None, logs: RunLogs) ->
     out = []
     for row in rows:
         lost = time_lost(row, logs) if logs.ranks else row.get("lost_s")
-        out.append({**row, "lost_s": lost})
+        out.append({**row, "lost_s": lost, "phases": phases(row, logs) if logs.ranks else row.get("phases") or {}})
     return out + stops + read_health(log_dir)
 
 
 def supervisor_stop(rows: list[dict], restart: int) -> dict | None:
     """The stop line of run ``restart``, when the supervisor stopped its step and did not restart it."""
     return next((r for r in rows if r.get("stopped_run") == restart and r.get("restart") is None), None)
+
+
+#: the phases' words in the detail view (`judge.restarts.PHASES`)
+_PHASE_WORDS = {"first_step": "step"}
+
+
+def phase_line(r: dict) -> str:
+    """``restart 1: 9.8 s = detect 0.6 + stop 1.1 + ... + step 2.3``: where the restart's seconds went."""
+    ph = r.get("phases") or {}
+    parts = " + ".join(f"{_PHASE_WORDS.get(k, k)} {v:.1f}" for k, v in ph.items())
+    line = f"restart {r.get('restart')}: {sum(ph.values()):.1f} s = {parts}"
+    if "first_step" in ph and "restore" not in ph:
+        line += " (no restored event: the restore is counted in the step)"
+    return line
 
 
 def _when(t) -> str:
@@ -58,6 +73,8 @@ def restart_lines(rows: list[dict]) -> list[str]:
         out.append(f"    how we know: {r.get('basis') or '-'}; {excluded}; world size "
                    f"{r.get('world_before')} -> {r.get('world_after')} on "
                    f"{', '.join(r.get('nodes_after') or []) or '-'}; {lost}")
+        if r.get("phases"):
+            out.append(f"    {phase_line(r)}")
         if r.get("stop"):
             out.append(f"    the supervisor stopped the step because {r['stop']}")
     for r in stops:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import shlex
 
-from ddp_hpc.config.slurm_options import sbatch_items
+from ddp_hpc.config.slurm_options import DEFAULT_HANG_TIMEOUT, sbatch_items
 from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.runlogs.schema import batch_out, rank_out
 from ddp_hpc.submit.spec import JobSpec
@@ -143,6 +143,7 @@ def _step_line(spec: JobSpec) -> str:
     words += ["--min-nodes", least] if least is not None else []
     words += ["--restart-on-error"] if o.restart_on_error else []
     words += ["--stall-timeout", f"{spec.stall_timeout_s:g}"] if spec.stall_timeout_s else []
+    words += ["--hang-timeout", f"{o.hang_timeout:g}"] if o.hang_timeout != DEFAULT_HANG_TIMEOUT else []
     words += [f"--srun-arg={a}" for a in srun_args(spec)]
     return ("# the supervisor starts the ranks with srun and again after a fault (docs/restarts.md)\n"
             f'exec {_q(words)} --log-dir "$LOG_DIR" -- "${{ARGS[@]}}"')

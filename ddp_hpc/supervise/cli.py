@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddp_hpc.errors import HintError, report
+from ddp_hpc.supervise.hang import DEFAULT_HANG_S
 from ddp_hpc.supervise.loop import Settings, supervise
 from ddp_hpc.supervise.plan import Policy
 from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
@@ -26,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
                    help="stop and restart a step with no training step for S seconds (0: off)")
     p.add_argument("--no-health-check", dest="health_check", action="store_false",
                    help="start the ranks without checking their nodes first (ddp_hpc.supervise.health)")
+    p.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_S, metavar="S",
+                   help="call a hang when no rank finished a step for max(S, 10x the median step "
+                        "time) once steps are timed; its stacks name the rank (0: off)")
     p.add_argument("--log-dir", required=True, help="the run's log directory")
     p.add_argument("--srun-arg", action="append", default=[], metavar="WORD",
                    help="one word of the user's srun options (repeatable)")
@@ -43,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) < least:
                 raise HintError(f"--{name.replace('_', '-')} {getattr(args, name)} is not >= {least}",
                                 f"pass a number >= {least}")
+        if args.hang_timeout < 0:
+            raise HintError(f"--hang-timeout {args.hang_timeout:g} is negative",
+                            "pass seconds >= 0 (0 turns the fast hang detection off)")
         if args.min_nodes is not None and not 1 <= args.min_nodes <= args.nodes:
             raise HintError(f"--min-nodes {args.min_nodes} is not between 1 and --nodes {args.nodes}",
                             "pass how few nodes the job may go on with, at most --nodes")
@@ -51,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                         min_nodes=args.min_nodes, restart_on_error=args.restart_on_error)
         return supervise(Settings(policy=policy, log_dir=args.log_dir, command=tuple(command),
                                   srun_args=tuple(args.srun_arg), stall_timeout_s=args.stall_timeout,
-                                  health_check=args.health_check))
+                                  health_check=args.health_check,
+                                  hang_timeout_s=args.hang_timeout))
     except HintError as exc:
         report(prog("supervise"), exc)
         return 2

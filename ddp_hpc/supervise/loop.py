@@ -14,9 +14,11 @@ user set it.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -30,6 +32,7 @@ from ddp_hpc.runlogs.restarts import append_health, append_restart, append_stop
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, rank_out
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import compress, expand
+from ddp_hpc.supervise.hang import DEFAULT_HANG_S, Hang, all_busy, ask_stacks, find_culprit
 from ddp_hpc.supervise.health import check_nodes, health_row
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
 from ddp_hpc.supervise.watch import FAILED_GRACE_S, EventTail, StepEnd, Watch, node_health, stop_step, watch_step
@@ -38,6 +41,11 @@ __all__ = ["Settings", "Finding", "Judgement", "supervise", "find", "judge", "re
            "step_env", "step_args"]
 
 PREFIX = "ddp_hpc supervise:"
+#: how long srun gets to end a step after its abort when the supervisor stopped it (a lost node, a
+#: rank that lost a peer, a hang): the abort asked Slurm to kill every task at once; what srun
+#: still waits for is a node that does not answer (KillWait + 2 s: 8.6 s of the bench's lost-node
+#: restart), and the next step overlaps this one, so srun is killed sooner
+QUICK_STOP_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class Settings:
     srun_args: tuple[str, ...] = ()     # the user's srun options, one word each
     stall_timeout_s: float = 0.0
     health_check: bool = False          # check the step's nodes before each start (supervise.health)
+    hang_timeout_s: float = DEFAULT_HANG_S   # the hang limit's floor (hang.StepClock); 0: off
 
 
 def _say(text: str) -> None:
@@ -101,20 +110,21 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
             if plan is None:
                 return 1
         proc = cli.start_step(step_args(s, plan.active, again=done > 0), step_env(s, environ, before + done))
-        end = watch_step(proc, EventTail(s.log_dir, restart), cli,
-                         Watch(tuple(plan.active), s.stall_timeout_s), lambda: stop.asked)
+        end, hang = _watch(s, proc, cli, plan, restart, facts.job_id, lambda: stop.asked)
         if stop.asked:
             return exit_status_of_returncode(_wait(proc))
         if end.trigger == "exited" and end.returncode in (0, EX_TEMPFAIL):
             return end.returncode
-        rc = exit_status_of_returncode(stop_step(proc))
-        j = judge(s, cli, plan, end, restart, done)
+        rc = exit_status_of_returncode(stop_step(proc, QUICK_STOP_S if end.trigger != "exited" else 8.0))
+        stopped_at = round(time.time(), 3)
+        j = judge(s, cli, plan, end, restart, done, hang)
         if j.plan is None:
             _say(f"not restarting: {j.finding.why}: {j.change}")
             if j.finding.stop:   # the supervisor ended the step: status says so, and blames no rank for it
                 _keep(append_stop, s.log_dir, stop_row(j, restart, key))
             return rc or 1
-        row = restart_row(j.finding, plan, j.plan, restart + 1, key, s.policy.tasks_per_node)
+        row = {**restart_row(j.finding, plan, j.plan, restart + 1, key, s.policy.tasks_per_node),
+               "stopped_at": stopped_at}
         _say(f"restart {done + 1} of at most {s.policy.max_restarts} (restart number {restart + 1}): "
              f"{j.finding.why}; {j.change}; world size {row['world_before']} -> {row['world_after']}")
         _keep(append_restart, s.log_dir, row)
@@ -132,6 +142,26 @@ def _healthy(s: Settings, cli, plan: NodePlan, env: dict, done: int, run: int, k
     if c.failed:
         _keep(append_health, s.log_dir, health_row(c, run, key))
     return c.plan
+
+
+def _watch(s: Settings, proc, cli, plan: NodePlan, restart: int, job_id, stopping) -> tuple[StepEnd, Hang | None]:
+    """Watch the step until it ends or needs stopping. A stalled one: its ranks' stacks are
+    asked first (so the evidence survives the stop) and name the hung rank; when every rank
+    answered busy outside a collective, it is no hang and the watch goes on."""
+    tail = EventTail(s.log_dir, restart)
+    w = Watch(tuple(plan.active), s.stall_timeout_s, hang_floor_s=s.hang_timeout_s)
+    while True:
+        end = watch_step(proc, tail, cli, w, stopping)
+        if end.trigger != "stalled" or not job_id:
+            return end, None
+        answers, hosts = ask_stacks(cli, job_id, EventTail(s.log_dir, restart))
+        if all_busy(answers, hosts) and end.stall_s != s.stall_timeout_s:   # the hang limit's call
+            _say(f"no hang: after {end.stall_s:g} s without a step every rank answered busy outside a collective")
+            w = dataclasses.replace(w, last_step_at=end.last_step_at, busy_at=end.detected_at)
+            continue
+        hang = find_culprit(answers, hosts)
+        _say(f"hang: rank {hang.rank} {hang.why} ({hang.basis})" if hang else "hang: the ranks' stacks name no rank")
+        return end, hang
 
 
 def _wait(proc, timeout: float = 60.0) -> int | None:
@@ -185,19 +215,25 @@ def _stop_reason(end: StepEnd, down: list[str], stall_timeout_s: float) -> str |
     """Why the supervisor stopped the step, in words (None: srun ended it by itself)."""
     return {"node down": f"node(s) {', '.join(down)} stopped answering (sinfo: down or not responding)",
             "stalled": f"no rank showed a sign of life (a step, an eval, a checkpoint) for "
-                       f"{stall_timeout_s:g} s",
+                       f"{end.stall_s or stall_timeout_s:g} s",
             "rank failed": f"a rank lost a peer and srun had not ended the step {FAILED_GRACE_S:g} s later",
             }.get(end.trigger)
 
 
-def find(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int) -> Finding:
+def find(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, hang: Hang | None = None) -> Finding:
     """What ended run ``restart``'s step on ``plan.active``, from the run logs (the attribution
-    ``ddp-hpc status`` uses) and the nodes' states now."""
+    ``ddp-hpc status`` uses) and the nodes' states now; for a stalled step whose stacks named the
+    hung rank (``hang``), that rank."""
     health = node_health(cli, plan.active + plan.spare)
     down = sorted(set(end.down) | {n for n in health.lost if n in plan.active})
     failure, _ = attribute(RunLogs(s.log_dir), restart=restart, assume_failed=True,
                            sched=SchedulerFacts("NODE_FAIL" if down else None))
     stop = _stop_reason(end, down, s.stall_timeout_s)
+    if hang is not None and not down:
+        return Finding(trigger=end.trigger, why=hang.why, stop=stop, kind="stuck", rank=hang.rank,
+                       node=hang.host, basis=hang.basis, fault_at=_fault_at(None, end),
+                       detected_at=round(end.detected_at, 3), suspect=(hang.host,) if hang.host else (),
+                       draining=health.draining)
     kind = failure.kind if failure else None
     why = failure.summary if failure else {"stalled": f"no training step for {s.stall_timeout_s:g} s",
                                           "node down": f"node(s) {', '.join(down)} down"}.get(
@@ -212,10 +248,11 @@ def find(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int) -> Findin
         draining=health.draining)
 
 
-def judge(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, done: int) -> Judgement:
+def judge(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, done: int,
+          hang: Hang | None = None) -> Judgement:
     """Restart after the step of run ``restart`` ended (``done`` restarts behind), and on which
     nodes, or give up (`Judgement.plan` None, ``change`` says why)."""
-    f = find(s, cli, plan, end, restart)
+    f = find(s, cli, plan, end, restart, hang)
     v = verdict(f.kind, f.trigger, s.policy, done)
     if not v.restart:
         return Judgement(f, None, v.reason)

@@ -7,7 +7,12 @@ srun may wait long for a node that is gone; a rank's own error is left to srun, 
 step when that rank exits, with its exit report), when one of its nodes is lost (down, not
 responding, powered off), or when no rank showed a sign of life (`LIFE_EVENTS`: a training step, an
 epoch's end, an evaluation, a checkpoint, the evaluation's progress) for the stall timeout after
-steps had begun (a hang the ranks' own collective timeout did not end).
+steps had begun (a hang the ranks' own collective timeout did not end), or for the hang limit
+(``hang.StepClock``: a few times the run's own step time, 30 s at least) once the step times are
+known, except while a checkpoint is being saved (its ``progress`` event of phase ``checkpoint``
+came, its ``checkpoint`` event not yet: a big save may take minutes; the stall timeout still
+applies). Once every rank wrote its ``end`` event, neither applies: their processes get
+`END_GRACE_S` to tear down (torch's teardown takes seconds, more on a loaded machine).
 
 A draining node (DRAIN, DRAINING, DRAINED, FAIL, FAILING, MAINT, REBOOT_*, INVAL: "no new work")
 is no reason to stop: Slurm lets the running step go on there. `node_health` tells it apart from
@@ -26,6 +31,7 @@ from ddp_hpc.judge.evidence import consequence_phrase
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import EVENTS_RE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
+from ddp_hpc.supervise.hang import StepClock
 
 __all__ = ["EventTail", "StepEnd", "Watch", "NodeHealth", "LIFE_EVENTS", "node_condition", "node_health",
            "watch_step", "stop_step", "down_nodes"]
@@ -34,6 +40,8 @@ __all__ = ["EventTail", "StepEnd", "Watch", "NodeHealth", "LIFE_EVENTS", "node_c
 FAILED_GRACE_S = 5.0
 #: how often the nodes' states are asked (sinfo), seconds
 NODE_EVERY_S = 3.0
+#: once every rank wrote its end event, how long their processes get to tear down, seconds
+END_GRACE_S = 120.0
 #: events that show a rank is working: the stall timer starts at the first step and restarts at each
 LIFE_EVENTS = frozenset({"step", "epoch", "eval", "checkpoint", "progress"})
 #: sinfo's state suffixes (%T) of a node that does not answer: ``*`` not responding, ``~`` powered
@@ -90,16 +98,23 @@ class StepEnd:
     detected_at: float
     first_bad_at: float | None = None    # the first error event of a rank that lost a peer
     last_step_at: float | None = None    # the newest sign of life (`LIFE_EVENTS`) of any rank
+    stall_s: float | None = None         # "stalled": the limit it outlasted, seconds
     down: list[str] = field(default_factory=list)   # nodes sinfo called down / not responding
 
 
 @dataclass(frozen=True)
 class Watch:
-    """What to watch: the step's nodes, the stall timeout (0: off), how often to look."""
+    """What to watch: the step's nodes, the stall timeout (0: off), how often to look, the hang
+    limit's floor (``hang.StepClock``; 0: off); going on after the stacks showed every rank busy
+    outside a collective: the newest sign of life then and when they were asked (``busy_at``: no
+    hang limit until a step after it)."""
 
     nodes: tuple[str, ...]
     stall_timeout_s: float = 0.0
     every_s: float = 1.0
+    hang_floor_s: float = 0.0
+    last_step_at: float | None = None
+    busy_at: float | None = None
 
 
 def node_condition(state: str) -> str:
@@ -144,26 +159,65 @@ def down_nodes(cli: SlurmCLI, nodes) -> list[str]:
     return list(node_health(cli, nodes).lost)
 
 
+class _Seen:
+    """What the run's events told so far: the first rank that lost a peer, the newest sign of life,
+    the step times (`hang.StepClock`), the ranks heard from and those that ended."""
+
+    def __init__(self, watch: Watch) -> None:
+        self.first_bad: float | None = None
+        self.last_step, self.quiet = watch.last_step_at, watch.busy_at
+        self.clock = StepClock(watch.hang_floor_s)
+        self.exiting = False                 # a rank ended or its interpreter exits: no hang limit
+        self.saving = False                  # a checkpoint's save announced and not done: no hang limit
+        self.ranks: set = set()
+        self.ended: set = set()
+        self.last_end: float | None = None
+
+    def add(self, ev: dict) -> None:
+        self.clock.add(ev)
+        name, t = ev.get("event"), to_float(ev.get("time"))
+        self.ranks.add(ev.get("rank"))
+        if name == "end":
+            self.ended.add(ev.get("rank"))
+            self.last_end = max(self.last_end or 0.0, t or time.time())
+        self.exiting = self.exiting or name == "end" or (name == "progress" and ev.get("phase") == "exit")
+        if name in ("progress", "checkpoint", "step"):
+            self.saving = name == "progress" and ev.get("phase") == "checkpoint"
+        alive = name == "step" or (self.last_step is not None and name in LIFE_EVENTS)
+        if alive and t is not None:
+            self.last_step = max(self.last_step or t, t)
+        if self.quiet is not None and name == "step" and (t or 0) > self.quiet:
+            self.quiet = None
+        lost_peer = name == "error" and consequence_phrase(ev.get("message"), ev.get("exc_type"))
+        if lost_peer and self.first_bad is None:
+            self.first_bad = t or time.time()
+
+    def stalled(self, watch: Watch, now: float) -> float | None:
+        """The limit the run outlasted without a sign of life, None while it did not. Once every
+        rank ended, only `END_GRACE_S` after the last end (the processes tear down)."""
+        if self.ranks and self.ended >= self.ranks:
+            return END_GRACE_S if self.last_end is not None and now - self.last_end > END_GRACE_S else None
+        fast = None if self.exiting or self.quiet or self.saving else self.clock.limit()
+        limits = [x for x in (watch.stall_timeout_s, fast) if x]
+        if limits and self.last_step is not None and now - self.last_step > min(limits):
+            return min(limits)
+        return None
+
+
 def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Watch,
                stopping=lambda: False) -> StepEnd:
     """Wait until the step ended or needs stopping (`stopping()`: the supervisor was told to end)."""
-    first_bad = last_step = None
+    seen = _Seen(watch)
     next_nodes = time.monotonic() + NODE_EVERY_S
     while True:
         rc = proc.poll()
         for ev in tail.poll():
-            t = to_float(ev.get("time"))
-            alive = ev.get("event") == "step" or (last_step is not None and ev.get("event") in LIFE_EVENTS)
-            if alive and t is not None:
-                last_step = max(last_step or t, t)
-            lost_peer = ev.get("event") == "error" and consequence_phrase(ev.get("message"), ev.get("exc_type"))
-            if lost_peer and first_bad is None:
-                first_bad = t or time.time()
+            seen.add(ev)
         now = time.time()
-        end = StepEnd("exited", rc, now, first_bad, last_step)
+        end = StepEnd("exited", rc, now, seen.first_bad, seen.last_step)
         if rc is not None or stopping():
             return end
-        if first_bad is not None and now - first_bad > FAILED_GRACE_S:
+        if seen.first_bad is not None and now - seen.first_bad > FAILED_GRACE_S:
             end.trigger = "rank failed"
             return end
         if time.monotonic() >= next_nodes:
@@ -171,8 +225,8 @@ def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Wa
             if down := down_nodes(cli, watch.nodes):
                 end.trigger, end.down = "node down", down
                 return end
-        if watch.stall_timeout_s and last_step is not None and now - last_step > watch.stall_timeout_s:
-            end.trigger = "stalled"
+        if (limit := seen.stalled(watch, now)) is not None:
+            end.trigger, end.stall_s = "stalled", limit
             return end
         time.sleep(watch.every_s)
 

@@ -44,6 +44,7 @@ from ddp_hpc.examples.models import BUILTIN_MODELS
 from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import CONFIG_FILE
+from ddp_hpc.runlogs.startup import rendezvous_fields
 from ddp_hpc.runlogs.writer import RunLog, resolve_log_dir
 from ddp_hpc.text import plural
 from ddp_hpc.train.build import seed_everything
@@ -185,6 +186,8 @@ def _train(cfg: JobConfig, ctx, parts: TrainParts) -> TrainResult:
         atomic_write_text(log_dir / CONFIG_FILE, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     ckpt_dir = Path(cfg.checkpoint.dir).absolute() if cfg.checkpoint.dir else log_dir / "checkpoints"
     step, trainer = 0, None
+    if (marks := rendezvous_fields()) is not None:   # before the Trainer restores a checkpoint
+        log.event("rendezvous", **marks)
     try:
         trainer = Trainer(cfg, ctx, parts, log, checkpoint_dir=ckpt_dir)
         log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,

@@ -46,7 +46,7 @@ from ddp_hpc.train.cadence import Cadence
 from ddp_hpc.train.metrics import evaluate
 from ddp_hpc.train.parts import RankPlace, TrainParts
 from ddp_hpc.train.preempt import PreemptionFlag, classify, job_end_time, requeue_if_wanted
-from ddp_hpc.train.reshape import ResumePlan, plan_resume
+from ddp_hpc.train.reshape import ResumePlan, plan_resume, rank_rng
 from ddp_hpc.train.result import TrainResult
 from ddp_hpc.train.step import Stepper
 
@@ -144,11 +144,15 @@ class Trainer:
         pos, plan = self.pos, self.plan
         pos.step, pos.epoch = state["step"], state["epoch"]
         pos.micro = plan.samples // plan.layout.per_micro       # a step boundary of this layout
-        if plan.written.world == self.world:
-            ckpt.set_rng_state(state["rng"][self.rank])
+        rng = rank_rng(state.get("rng") or [], self.rank)   # reshape.py: another world size too
+        if isinstance(rng, dict):
+            ckpt.set_rng_state(rng)
         else:
-            self.log.info(f"the RNG states of {plan.written.world} ranks do not map onto "
-                          f"{self.world}: each rank's RNGs start from seed + rank")
+            seed_everything(rng)
+        if plan.written.world != self.world:
+            self.log.info(f"the RNG states of {plan.written.world} ranks carried onto {self.world}: "
+                          f"rank {self.rank} " + ("goes on from the old rank's" if isinstance(rng, dict)
+                                                  else "is seeded from the old ranks' states"))
         self.log.info(f"resumed from {resumed_from} at step {pos.step} (epoch {pos.epoch}, "
                       f"batch {pos.micro})")
 

@@ -16,15 +16,22 @@ with the accumulation nearest to G (the run goes on from the last step boundary 
 batch at or before the checkpoint's position); else it refuses with the numbers and the choices.
 Checkpoints written before these fields existed give their layout from their saved config (and
 their world size), else from the current config.
+
+The RNG states (`rank_rng`): a checkpoint keeps every rank's (Python, NumPy, torch, CUDA). On
+another number of ranks, rank r of the new run goes on from the state of rank r of the old one
+while there is one (fewer ranks: the first ones keep their streams); a rank the old run did not
+have is seeded from a hash of every old rank's torch state and its own rank, so each new rank
+gets a stream of its own, the same on every resume of the same checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from ddp_hpc.config import ConfigError, TrainConfig
 from ddp_hpc.config.batch import BatchLayout, divisors, keeping_layout
 
-__all__ = ["BatchLayout", "ResumePlan", "written_layout", "samples_done", "plan_resume"]
+__all__ = ["BatchLayout", "ResumePlan", "written_layout", "samples_done", "plan_resume", "rank_rng"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +108,18 @@ def plan_resume(state: dict, train: TrainConfig, world: int) -> ResumePlan:
     note = (f"resuming step {step} written by {written.world} ranks on {world} ranks: per-rank "
             f"batch {batch}, accumulation {written.grad_accum} -> {layout.grad_accum} ({kept_text})")
     return ResumePlan(written, layout, samples, note, warning)
+
+
+def rank_rng(states: list, rank: int) -> dict | int:
+    """Rank ``rank``'s RNGs on resuming a checkpoint whose ranks saved ``states``: the state of
+    the old rank of the same number (a dict for ``checkpoint.set_rng_state``), or for a rank the
+    old run did not have a seed (an int for ``seed_everything``) hashed from all old ranks' torch
+    states and ``rank``: deterministic, and another one for every new rank."""
+    if rank < len(states) and isinstance(states[rank], dict):
+        return states[rank]
+    h = hashlib.sha256()
+    for st in states:
+        torch_state = st.get("torch") if isinstance(st, dict) else None
+        h.update(bytes(torch_state.numpy().tobytes()) if torch_state is not None else b"-")
+    h.update(f"rank {rank}".encode())
+    return int.from_bytes(h.digest()[:8], "little") % 2**63

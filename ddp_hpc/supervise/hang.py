@@ -1,0 +1,139 @@
+"""A hang, found in seconds rather than after the collective timeout, and its culprit named from
+the ranks' stacks (docs/restarts.md, "A hang").
+
+The clock (`StepClock`): the ranks' ``step`` events (ddp_hpc's loop, and a plain script's through
+the instrumentation of ``ddp_hpc.exec``) give each rank's seconds per step (the time between two of
+its step events over the steps between them) and the gap between its events (a log interval of
+several steps). The step is hung when no rank showed a sign of life for
+``max(floor, HANG_FACTOR x the median seconds per step, EVENT_GAPS x the median gap)``: the floor
+is ``--hang-timeout`` (30 s by default; 0 turns the fast detection off), and the gaps keep a run
+that logs every N steps from being called hung between two of its events. No limit before a rank
+wrote two step events: a run still loading is left to the stall timeout (a config job's
+``train.collective_timeout_s`` + 15 s).
+
+The culprit (`find_culprit`): before the step is stopped, every rank is asked for its stacks
+(SIGURG, as ``ddp-hpc status --stacks`` does), so the evidence survives the stop: up to 5 s, or
+2 s after the newest answer. A rank whose main thread is not inside a collective while the others
+wait in one is the one that hangs; else a rank that does not answer (frozen: stopped, or a hang
+outside Python). When every rank answered
+and none waits in a collective (`all_busy`: every rank evaluates, or saves, between two steps),
+no rank waits for another: that is no hang, and the supervisor watches on (the hang limit comes
+back with the next step).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ddp_hpc.judge.stacks import collective, own_frame
+from ddp_hpc.parsing import to_float, to_int
+from ddp_hpc.slurm.cli import SlurmError
+
+__all__ = ["StepClock", "Hang", "find_culprit", "all_busy", "ask_stacks", "HANG_FACTOR", "EVENT_GAPS", "DEFAULT_HANG_S"]
+
+#: the floor of the hang limit by default (``--hang-timeout``), seconds
+DEFAULT_HANG_S = 30.0
+#: the hang limit is at least this many times the median seconds per step
+HANG_FACTOR = 10.0
+#: ... and this many times the median gap between a rank's step events
+EVENT_GAPS = 3.0
+#: how long the ranks get to answer the stack request, seconds
+STACK_WAIT_S = 5.0
+#: ... and how long the last ones get once no answer came for this long (a frozen rank never
+#: answers: the others' answers come together, within a second)
+ANSWER_GAP_S = 2.0
+#: intervals kept for the medians
+KEEP = 64
+
+
+class StepClock:
+    """The hang limit from the ranks' step events (`limit`)."""
+
+    def __init__(self, floor_s: float) -> None:
+        self.floor_s = floor_s
+        self._last: dict[int, tuple[float, int]] = {}
+        self._per_step: deque[float] = deque(maxlen=KEEP)
+        self._gaps: deque[float] = deque(maxlen=KEEP)
+
+    def add(self, ev: dict) -> None:
+        """Take a ``step`` event (others are ignored)."""
+        t, step, rank = to_float(ev.get("time")), to_int(ev.get("step"), None), to_int(ev.get("rank"), None)
+        if ev.get("event") != "step" or t is None or step is None or rank is None:
+            return
+        before = self._last.get(rank)
+        self._last[rank] = (t, step)
+        if before is not None and step > before[1] and t >= before[0]:
+            self._per_step.append((t - before[0]) / (step - before[1]))
+            self._gaps.append(t - before[0])
+
+    def limit(self) -> float | None:
+        """Seconds without a sign of life that make a hang; None: off, or no interval seen yet."""
+        if self.floor_s <= 0 or not self._per_step:
+            return None
+        return round(max(self.floor_s, HANG_FACTOR * statistics.median(self._per_step),
+                         EVENT_GAPS * statistics.median(self._gaps)), 1)
+
+
+@dataclass(frozen=True)
+class Hang:
+    """The rank that hangs, its node, what it was doing (``why``, without the rank), and how we know."""
+
+    rank: int
+    host: str | None
+    why: str
+    basis: str
+
+
+def ask_stacks(cli, job_id, tail, wait_s: float = STACK_WAIT_S) -> tuple[dict[int, dict], dict[int, str | None]]:
+    """Ask every rank of the job for its stacks (``scancel --signal=URG``) and wait up to
+    ``wait_s`` for their ``stack`` events. ``tail``: a new ``watch.EventTail`` of the run.
+    Returns (rank -> its answer, rank -> its host) for the ranks that wrote events in the run."""
+    hosts = {to_int(e.get("rank"), -1): e.get("host") for e in tail.poll()}
+    hosts.pop(-1, None)
+    asked = time.time()
+    try:
+        cli.cancel(job_id, signal="URG")
+    except (SlurmError, OSError):
+        return {}, hosts
+    answers: dict[int, dict] = {}
+    deadline = last = time.monotonic() + wait_s
+    while time.monotonic() < min(deadline, last) and not (hosts and set(answers) >= set(hosts)):
+        time.sleep(0.2)
+        for e in tail.poll():
+            rank = to_int(e.get("rank"), None)
+            if rank is not None and e.get("event") == "stack" and (to_float(e.get("time")) or 0) >= asked - 0.5:
+                answers[rank] = e
+                hosts.setdefault(rank, e.get("host"))
+                last = time.monotonic() + ANSWER_GAP_S
+    return answers, hosts
+
+
+def find_culprit(answers: dict[int, dict], hosts: dict[int, str | None]) -> Hang | None:
+    """The rank that hangs, from the stack answers of the ranks in ``hosts``: one not inside a
+    collective while another waits in one, else one that did not answer (frozen; a slow answer
+    on a loaded machine does not outweigh a rank seen outside the collective); None when the
+    stacks name nobody (every rank silent, or every rank in a collective or none)."""
+    ranks = sorted(hosts)
+    waits = {r: collective(str(a.get("stack") or "")) for r, a in answers.items()}
+    waiting = sorted({w for w in waits.values() if w})
+    others = f"the others waited in {', '.join(waiting)}" if waiting else "the others answered"
+    free = [r for r in ranks if r in waits and not waits[r]]
+    if free and waiting:
+        r = free[0]
+        where = own_frame(str(answers[r].get("stack") or "")) or "outside a collective"
+        return Hang(r, hosts.get(r), f"hung in {where}, not in a collective",
+                    f"its stacks: not in a collective ({where}) while {others}")
+    silent = [r for r in ranks if r not in answers]
+    if silent and answers:
+        r = silent[0]
+        return Hang(r, hosts.get(r), "hung: it answered no stack request (frozen: stopped, or a hang "
+                    "outside Python)", f"its stacks: no answer to SIGURG while {others}")
+    return None
+
+
+def all_busy(answers: dict[int, dict], hosts: dict[int, str | None]) -> bool:
+    """Every rank answered and none waits in a collective: they work, no rank waits for another."""
+    return bool(hosts) and set(answers) >= set(hosts) and not any(
+        collective(str(a.get("stack") or "")) for a in answers.values())
