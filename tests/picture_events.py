@@ -1,6 +1,7 @@
 """A hand-written run for the picture's tests (sparklines, the HTML page): 4 ranks on 2 nodes, a
 first run that stages data, steps, checkpoints and stalls 150 s, an in-allocation restart (with
-the restart phases and a goodput object, as the heal and health work provide them), and a second
+the marks its phases are read from: the supervisor's stopped_at, each rank's rendezvous and
+restored events; and a goodput object in goodput's shape), and a second
 run in which rank 3 raises and the others lose their peer. Every time is fixed (T0 + seconds),
 so what is drawn can be compared with a golden file."""
 from __future__ import annotations
@@ -14,10 +15,13 @@ HOSTS = {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
 FAIL_RANK = 3
 RESTART_AT = T0 + 400.0     # the second run's start
 ERROR_AT = T0 + 580.0       # rank 3's error
-PHASES = {"detect": 2.0, "stop": 3.5, "start": 6.0, "import": 4.0, "rendezvous": 1.5, "restore": 2.5,
-          "first_step": 3.0}
+#: the restart's phases as judge.restarts.phases reads them from the marks below: the fault at 340,
+#: detected at 342, the old step gone at 345.5, the new processes at 396, init_process_group at
+#: 400, up at 401.5, the state restored at 404, the first step at 420 (80 s in all)
+PHASES = {"detect": 2.0, "stop": 3.5, "start": 50.5, "import": 4.0, "rendezvous": 1.5, "restore": 2.5,
+          "first_step": 16.0}
 GOODPUT = {"goodput": 0.71, "wall_s": 600.0, "useful_s": 426.0,
-           "lost_s": {"restarts": 22.5, "stalls": 150.0, "checkpoint": 1.5}, "restart_phases": PHASES,
+           "lost_s": {"restarts": 80.0, "stalls": 150.0, "checkpoint": 1.5}, "restart_phases": PHASES,
            "steps_redone": 3, "step_s": 0.5, "estimated": []}   # judge.goodput.Goodput.to_dict's shape
 
 
@@ -26,7 +30,7 @@ def _ev(rank: int, t: float, name: str, restart: int, **kw) -> dict:
             "host": HOSTS[rank], **kw}
 
 
-def rank_events(rank: int) -> list[dict]:
+def rank_events(rank: int, marks: bool = True) -> list[dict]:
     out = [_ev(rank, 0.0, "start", 0, world_size=4, num_nodes=2, local_rank=rank % 2, pid=100 + rank,
                total_steps=800, epochs=1, launcher="slurm", device="cpu")]
     if rank % 2 == 0:   # the node leaders staged the data
@@ -44,6 +48,9 @@ def rank_events(rank: int) -> list[dict]:
     out.append(_ev(rank, 300.0, "end", 0, status="killed", step=step, exit_code=None, signal="SIGTERM"))
     out.append(_ev(rank, 400.0, "start", 1, world_size=4, num_nodes=2, local_rank=rank % 2, pid=200 + rank,
                    total_steps=800, epochs=1, launcher="slurm", device="cpu"))
+    if marks:
+        out += [_ev(rank, 401.5, "rendezvous", 1, proc_start=T0 + 396.0, called_at=T0 + 400.0, up_at=T0 + 401.5),
+                _ev(rank, 404.0, "restored", 1, step=295, source="file", path="/ckpt/step250.pt", seconds=2.5)]
     for i in range(80):
         out.append(_ev(rank, 420.0 + 2.0 * i, "step", 1, epoch=0, step=300 + 5 * i, total_steps=800,
                        loss=round(0.9 - 0.004 * i, 4), lr=0.1, samples_per_s=850.0 + 5 * (i % 4), data_s=0.01))
@@ -63,14 +70,14 @@ def restart_row(with_phases: bool = True) -> dict:
            "why": "no step for 150 s", "kind": "stuck", "rank": 2, "node": "n2", "basis": "step events",
            "excluded": [], "nodes_before": ["n1", "n2"], "nodes_after": ["n1", "n2"], "world_before": 4,
            "world_after": 4}
-    return {**row, "phases": PHASES} if with_phases else row
+    return {**row, "stopped_at": T0 + 345.5} if with_phases else row
 
 
 def write_run(log_dir: Path, phases: bool = True) -> Path:
     """The run's files in ``log_dir``: every rank's events and ``rank{R}.out``, restarts.jsonl."""
     log_dir.mkdir(parents=True, exist_ok=True)
     for r in HOSTS:
-        (log_dir / f"rank{r}.events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in rank_events(r)))
+        (log_dir / f"rank{r}.events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in rank_events(r, phases)))
         (log_dir / f"rank{r}.out").write_text("ValueError: bad batch 4711\n" if r == FAIL_RANK else "")
     (log_dir / "restarts.jsonl").write_text(json.dumps(restart_row(phases)) + "\n")
     return log_dir

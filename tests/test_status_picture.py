@@ -152,9 +152,11 @@ def test_html_page_is_self_contained_with_diagnosis_first_and_phases_when_presen
     assert "<h2>Goodput</h2>" in text   # judge.goodput reads it from the same events
 
 
-def test_html_without_phases_draws_none_and_goodput_when_the_status_has_it(tmp_path):
+def test_html_without_the_marks_draws_only_the_phases_read_and_goodput_when_the_status_has_it(tmp_path):
     st = _status(pe.write_run(tmp_path / "logs", phases=False), lanes=True)
-    assert 'data-kind="phase"' not in render_html(st, NOW)
+    drawn = _Page()
+    drawn.feed(render_html(st, NOW))   # no stopped_at, rendezvous or restored marks: their time is the step's
+    assert [a["data-phase"] for _, a in drawn.attrs if a.get("data-kind") == "phase"] == ["detect", "first_step"]
     st.goodput = pe.GOODPUT   # the health work's object, as JobStatus.to_dict will carry it
     page = render_html(st, NOW)
     assert "<h2>Goodput</h2>" in page and 'data-key="goodput"' in page and "71.0%" in page
