@@ -88,6 +88,8 @@ class CheckpointConfig:
     every_epochs: int = 1
     keep_last: int = 3
     resume: bool = True                  # resume from the newest valid checkpoint in dir
+    # node-memory snapshots (train/memsnap.py): every N steps; 0: auto (cost <= 1% of a step); -1: off
+    memory_every_steps: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,6 +153,8 @@ def _validate(cfg: JobConfig) -> None:
     _check(c.every_steps >= 0 and c.every_epochs >= 0, "checkpoint.every_steps/every_epochs",
            (c.every_steps, c.every_epochs), ">= 0")
     _check(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, ">= 1")
+    _check(c.memory_every_steps >= -1, "checkpoint.memory_every_steps", c.memory_every_steps,
+           ">= 1 (every N steps), 0 (auto: at most 1% of the step time) or -1 (off)")
     _check(0.0 <= d.eval_split < 1.0, "data.eval_split", d.eval_split, "in [0, 1)")
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")
     _check(d.broadcast_bucket_mb >= 0, "data.broadcast_bucket_mb", d.broadcast_bucket_mb, ">= 0")

@@ -40,6 +40,9 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "epoch": ("epoch", "step", "loss", "samples_per_s"),
     "eval": ("epoch", "step", "metrics"),
     "checkpoint": ("step", "path"),
+    # every rank, once it loaded its state at a (re)start (train/restore.py): the step, where it
+    # came from (source "memory" | "peer" | "file" | "none"), the node that held it, seconds, file
+    "restored": ("step", "source", "node", "seconds", "path"),
     "preempt": ("signal", "reason", "step"),
     "requeue": ("job_id",),
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),
