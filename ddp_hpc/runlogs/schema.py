@@ -41,8 +41,9 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "eval": ("epoch", "step", "metrics"),
     "checkpoint": ("step", "path"),
     # every rank, once it loaded its state at a (re)start (train/restore.py): the step, where it
-    # came from (source "memory" | "peer" | "file" | "none"), the node that held it, seconds, file
-    "restored": ("step", "source", "node", "seconds", "path"),
+    # came from (source "memory" | "peer" | "file" | "none"), the node that held it, seconds, file,
+    # and the nodes of the snapshot's run that no longer held it (lost)
+    "restored": ("step", "source", "node", "seconds", "path", "lost"),
     "preempt": ("signal", "reason", "step"),
     "requeue": ("job_id",),
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),

@@ -70,6 +70,8 @@ class JobStatus:
     #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
     alloc_restarts: list[dict] = field(default_factory=list)
     tensorboard: bool = False  # TensorBoard's event files in the log directory (runlogs.tboard)
+    #: where the current run's state came from (rank 0's ``restored`` event, judge.restarts.restored_text)
+    restored: str | None = None
 
     @property
     def job_state(self) -> JobState:

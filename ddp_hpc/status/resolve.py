@@ -57,7 +57,7 @@ from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.diagnose import diagnose, run_causes
 from ddp_hpc.status.job import JobStatus
-from ddp_hpc.status.restarts import alloc_restarts
+from ddp_hpc.status.restarts import alloc_restarts, current_restore
 from ddp_hpc.status.staging import stage_rows
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
@@ -199,7 +199,7 @@ class Resolved:
             runs=run_causes(logs, logs.runs(), sched, base, inside), rank_endings=rank_endings(logs),
             rank_classification={str(r): e.to_dict() for r, e in endings.items()},
             timing=timing.stragglers(*self._per_rank_hosts()), flight=flight, staging=stage_rows(logs),
-            alloc_restarts=inside, tensorboard=logs.tensorboard), notes)
+            alloc_restarts=inside, tensorboard=logs.tensorboard, restored=current_restore(logs, cur)), notes)
 
     def _status(self, detail: dict, notes: list[str]) -> JobStatus:
         s, logs, sched = self.sources, self.logs, self.state

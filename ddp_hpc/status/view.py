@@ -146,7 +146,9 @@ def files_guide() -> str:
 def render_detail(st: JobStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
     out = _head_lines(st, now) + stage_lines(st.staging) + _exit_lines(st) + _failure_lines(st)
-    out += restart_lines(st.alloc_restarts) + _timing_lines(st)
+    out += restart_lines(st.alloc_restarts) + ([f"Restored:   {st.restored.removeprefix('restored ')}"]
+                                               if st.restored else [])
+    out += _timing_lines(st)
     out += [("Flight rec: " if i == 0 else "            ") + ln for i, ln in enumerate(st.flight)]
     out += _event_lines(st, now) + _history_lines(st) + [f"Note: {n}" for n in st.notes]
     return "\n".join(out) + "\n"

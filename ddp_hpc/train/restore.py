@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_hpc.errors import HintError
+from ddp_hpc.judge.restarts import restored_text
 from ddp_hpc.train.checkpoint import CheckpointError, find_latest_valid, list_checkpoints, load_checkpoint
 from ddp_hpc.train.memsnap import NodeStore, comm_device, store_for
 
@@ -51,19 +52,13 @@ class Restored:
     state: dict | None = None
 
     def line(self) -> str:
-        """``restored step 212 from n1's memory (n2 was lost), 0.4 s``."""
-        if self.source == "none":
-            return "nothing to restore: starting at step 0"
-        where = f"{self.node}'s memory" if self.source in ("memory", "peer") else self.path
-        lost = ""
-        if self.lost:
-            lost = f" ({', '.join(self.lost)} {'was' if len(self.lost) == 1 else 'were'} lost)"
-        return f"restored step {self.step} from {where}{lost}, {self.seconds:.1f} s"
+        """``restored step 212 from n1's memory (n2 was lost), 0.4 s`` (judge.restarts' words)."""
+        return restored_text(self.event()) or "nothing to restore: starting at step 0"
 
     def event(self) -> dict:
         """The ``restored`` event's keys (runlogs/schema.py)."""
         return {"step": self.step, "source": self.source, "node": self.node,
-                "seconds": round(self.seconds, 3), "path": self.path}
+                "seconds": round(self.seconds, 3), "path": self.path, "lost": self.lost}
 
 
 def _gather(value: Any, distributed: bool) -> list:
