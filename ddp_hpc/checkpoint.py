@@ -6,6 +6,9 @@
     start = state["step"] if state else 0
     ...
     checkpoint.save(ckpt_dir, model, opt, step=step, epoch=epoch)   # any plain extras
+    checkpoint.snapshot(model, opt, step=step)              # every step: node memory, cheap
+    ...
+    checkpoint.discard_snapshots()                          # the clean end: the snapshots go
 
 The files are the training core's (``ddp_hpc.train.checkpoint``): ``ckpt-<step>.pt`` written
 atomically by rank 0 (a temporary file, fsync, rename), the newest ``keep_last`` kept, read with
@@ -14,6 +17,12 @@ The model's state dict is saved without DDP's ``module.`` prefix (the model is u
 checkpoint loads into a plain model as well as into a DDP one.  When torch.distributed is
 initialised, ``save`` ends with a barrier (no rank runs ahead of the file) and in ``load`` rank 0
 picks the checkpoint and every rank loads that one, so the directory must be one every node sees.
+
+``snapshot`` keeps the same state in node-local shared memory (``ddp_hpc.train.memsnap``: the
+node's local rank 0 writes it in a background thread, no file, no barrier); ``load`` takes the
+newest of the memory snapshots of every node and the files (``ddp_hpc.train.restore``: a node that
+holds it sends it to the ranks whose node does not), so a restart inside the allocation goes on
+from the last snapshot. ``discard_snapshots`` at the clean end removes them.
 """
 from __future__ import annotations
 
@@ -27,12 +36,15 @@ from torch import nn
 from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect
 from ddp_hpc.progress import rank_log
-from ddp_hpc.train.checkpoint import CheckpointError, find_latest_valid, load_checkpoint, save_checkpoint
+from ddp_hpc.train.checkpoint import CheckpointError, save_checkpoint
+from ddp_hpc.train.memsnap import MemSnapshots
+from ddp_hpc.train.restore import node_store, restore_run
 
-__all__ = ["save", "load", "last_saved_step", "unwrap", "CheckpointError"]
+__all__ = ["save", "load", "snapshot", "discard_snapshots", "last_saved_step", "unwrap", "CheckpointError"]
 
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
 _last_saved: list[int] = []
+_snaps: list[MemSnapshots] = []       # this process's snapshot writer, made by the first snapshot
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -92,37 +104,20 @@ def last_saved_step() -> int | None:
     return _last_saved[0] if _last_saved else None
 
 
-def _choose(directory_or_file: str | Path, map_location: Any) -> tuple[str | None, dict | None]:
-    """Rank 0's choice (path, state) of the newest valid checkpoint; others get only the path."""
-    src = Path(directory_or_file)
-    found = None
-    if _rank() == 0:
-        if src.is_file():
-            found = (src, load_checkpoint(src, map_location))
-        else:
-            log = rank_log()
-            found = find_latest_valid(src, warn=log.warning if log else None, map_location=map_location)
-    box = [str(found[0]) if found else None]
-    if group_initialized():
-        dist.broadcast_object_list(box, src=0)
-    return box[0], (found[1] if found else None)
-
-
 def load(directory_or_file: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          map_location: Any = "cpu") -> dict | None:
     """Load the newest valid checkpoint in a directory (or the given file) into ``model`` (plain
     or DDP; saved with or without ``module.``) and ``optimizer``; returns the extras saved with it
-    plus ``step``, or None when there is no checkpoint yet.  Call it on every rank."""
-    path, state = _choose(directory_or_file, map_location)
-    if path is None:
+    plus ``step``, or None when there is no checkpoint yet; a node's memory snapshot (`snapshot`)
+    newer than the newest file is taken instead of it.  Call it on every rank."""
+    if _snaps:
+        _snaps[0].wait()                # this process's last snapshot whole before the ranks compare
+    env = detect()
+    store = None if Path(directory_or_file).is_file() else node_store(env, 0, _warn, make=False)
+    got = restore_run(directory_or_file, store, _rank(), group_initialized(), rank_log(), map_location)
+    if got.state is None:
         return None
-    if state is None:
-        try:
-            state = load_checkpoint(path, map_location)
-        except Exception as exc:
-            raise CheckpointError(
-                f"rank {_rank()} cannot load checkpoint {path} that rank 0 chose: {type(exc).__name__}: {exc}",
-                f"keep checkpoints on a filesystem every node sees (not {directory_or_file})") from exc
+    state = got.state
     weights = state["model"]
     if weights and all(k.startswith("module.") for k in weights):
         weights = {k.removeprefix("module."): v for k, v in weights.items()}
@@ -130,3 +125,35 @@ def load(directory_or_file: str | Path, model: nn.Module, optimizer: torch.optim
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     return {**(state.get("extra") or {}), "step": int(state["step"])}
+
+
+def _warn(msg: str) -> None:
+    log = rank_log()
+    if log is not None:
+        log.warning(msg)
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
+             **extra: Any) -> None:
+    """Every rank: keep the state `save` would write in node-local shared memory (the node's
+    local rank 0 copies the model and optimizer, each rank its RNG states; written in the
+    background, at most one snapshot in flight). No file, no barrier: call it every step or so."""
+    _check_plain(extra, "extras")
+    if not _snaps:
+        env = detect()
+        store = node_store(env, 0, _warn)
+        if store is None:
+            return
+        device = next(iter(unwrap(model).parameters()), torch.empty(0)).device
+        _snaps.append(MemSnapshots(store, rank=_rank(), local_rank=env.local_rank, every=1, device=device,
+                                   distributed=group_initialized(), warn=_warn))
+    _snaps[0].take(int(step), lambda: {
+        "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "epoch": extra.get("epoch"), "batch_in_epoch": extra.get("batch_in_epoch"), "extra": extra})
+
+
+def discard_snapshots() -> None:
+    """Every rank, at the clean end of training: the snapshots' writes end, then each node's go
+    (a barrier when distributed). A failed run keeps them for the restart."""
+    if _snaps:
+        _snaps.pop().finish()

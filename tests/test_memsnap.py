@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, job: str, run: str, ckpt: str, extra: list[st
 
 def _launch(world: int, nodes: int, job: str, run: Path, ckpt: Path, extra=(), fail_at=None) -> dict:
     out = launch_distributed(_worker, world, args=(job, str(run), str(ckpt), list(extra), fail_at),
-                             nodes=nodes, start_method=FAST, timeout=120)
+                             nodes=nodes, start_method=FAST, timeout=300)
     out[0]["state"] = torch.load(io.BytesIO(out[0]["state"]), weights_only=True)
     return out[0]
 
@@ -184,3 +184,34 @@ def test_a_rank_killed_while_it_writes_leaves_its_node_snapshot_whole(tmp_path):
         assert part is None or part["step"] == step
         seen.append(step)
     assert len(set(seen)) > 1, seen
+
+
+def _script_worker(rank: int, world: int, job: str, ckpt: str) -> dict:
+    from ddp_hpc import checkpoint
+    from ddp_hpc.dist import cleanup_ddp, setup_ddp
+    os.environ["DDP_HPC_JOB_ID"] = job
+    setup_ddp()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), 0.1)
+    for step in range(1, 4):
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        checkpoint.snapshot(model, opt, step=step, epoch=0)
+        if step == 2:
+            checkpoint.save(ckpt, model, opt, step=step, epoch=0)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh, fresh_opt = torch.nn.Linear(4, 2), torch.optim.Adam(torch.nn.Linear(4, 2).parameters(), 0.1)
+    got = checkpoint.load(ckpt, fresh, fresh_opt)           # step 3: the memory is newer than the file
+    same = all(torch.equal(fresh.state_dict()[k], want[k]) for k in want)
+    checkpoint.discard_snapshots()
+    after = checkpoint.load(ckpt, torch.nn.Linear(4, 2))     # the snapshots gone: the file of step 2
+    cleanup_ddp()
+    return {"got": got, "same": same, "after": after, "gone": not job_folder(job).exists()}
+
+
+def test_a_script_loads_the_newest_of_its_memory_snapshots_and_files(tmp_path, job):
+    out = launch_distributed(_script_worker, 2, args=(job, str(tmp_path / "ckpt")), start_method=FAST, timeout=120)
+    for res in out:
+        assert res["got"] == {"epoch": 0, "step": 3} and res["same"], res
+        assert res["after"] == {"epoch": 0, "step": 2} and res["gone"], res

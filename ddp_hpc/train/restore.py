@@ -159,14 +159,15 @@ def freshest(files: str | Path | None, store: NodeStore | None, *, rank: int, di
     return Restored(int(state["step"]), "file", None, time.perf_counter() - t0, path, [], nodes, state)
 
 
-def node_store(env, every: int, warn: Callable[[str], None]) -> NodeStore | None:
-    """This node's snapshot folder, None when snapshots are off (``every`` -1) or the folder
-    cannot be made (warned: the file tier goes on alone)."""
+def node_store(env, every: int, warn: Callable[[str], None], make: bool = True) -> NodeStore | None:
+    """This node's snapshot folder (made, with ``make``), None when snapshots are off (``every``
+    -1) or the folder cannot be made (warned: the file tier goes on alone)."""
     if every < 0:
         return None
     try:
         store = store_for(env)
-        store.make()
+        if make:
+            store.make()
         return store
     except (OSError, HintError) as exc:
         warn(f"memory snapshots off: {exc}")

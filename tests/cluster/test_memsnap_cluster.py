@@ -26,8 +26,8 @@ def test_a_dead_node_restores_from_a_surviving_nodes_memory_with_at_most_one_ste
     d.mkdir()
     files_every = [o.replace("checkpoint.every_steps=3", "checkpoint.every_steps=1000") for o in FAST]
     job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--spare-nodes", "1", "--max-restarts", "1",
-                          "-J", "memsnap", str(REPO / "jobs" / "demo.yaml"), "--", f"log.dir={d / 'runs'}", *files_every,
-                          "checkpoint.memory_every_steps=1")
+                          "-J", "memsnap", str(REPO / "jobs" / "demo.yaml"), "--", f"log.dir={d / 'runs'}",
+                          *files_every, "checkpoint.memory_every_steps=1")
     log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("memsnap-*"), None), 60)
     starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 5), 180)
     dead, kept = starts0[3]["host"], starts0[0]["host"]
@@ -37,6 +37,8 @@ def test_a_dead_node_restores_from_a_surviving_nodes_memory_with_at_most_one_ste
     finally:
         c.revive_node(dead)
     state, status, _ = _finish(c, job, env)
+    # a step's event is written with the next step's (its numbers are all-reduced in the background),
+    # so the last step trained before the fault is the newest step event, or one past it
     last = max(e["step"] for r in range(4) for e in _events(log_dir, r, 0) if e["event"] == "step")
     restored = {r: next(e for e in _events(log_dir, r, 1) if e["event"] == "restored") for r in range(4)}
     print(f"last step before the fault {last}; restored {restored}\n{status}")
@@ -45,7 +47,7 @@ def test_a_dead_node_restores_from_a_surviving_nodes_memory_with_at_most_one_ste
     step = restored[0]["step"]
     assert {e["step"] for e in restored.values()} == {step} and {e["node"] for e in restored.values()} == {kept}
     assert [restored[r]["source"] for r in range(4)] == ["memory", "memory", "peer", "peer"], restored
-    assert 0 <= last - step <= 1, (last, step)               # steps trained twice
+    assert -1 <= last - step <= 1, (last, step)              # steps trained twice: 0 or 1
     line = f"restored step {step} from {kept}'s memory ({dead} was lost)"
     assert re.search(re.escape(line) + r", \d+\.\d s", (log_dir / "rank0.log").read_text())
     assert f"    state: {line}" in status, status
