@@ -262,9 +262,12 @@ class MemSnapshots:
         self.pool.shutdown(wait=True)
 
     def finish(self) -> None:
-        """The run's clean end: every rank's writes done, then each node's folder removed."""
+        """The run's clean end: every rank's writes done, then each node's folder removed (no
+        rank goes on before, so none reads a folder while it goes)."""
         self.close()
         if self.distributed:
             dist.barrier()
         if self.writes_model:
             self.store.remove()
+        if self.distributed:
+            dist.barrier()
