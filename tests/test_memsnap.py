@@ -96,8 +96,8 @@ def _same(a, b) -> bool:
 def job():
     name = f"memsnap-test-{uuid.uuid4().hex[:8]}"
     yield name
-    shutil.rmtree(job_folder(name), ignore_errors=True)
-    shutil.rmtree(job_folder(name + "-w2"), ignore_errors=True)
+    for folder in job_folder(name).parent.glob(f"{job_folder(name).name}*"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -106,7 +106,7 @@ def test_a_restore_from_memory_or_a_peer_equals_the_file_restore_bitwise_also_on
     with pytest.raises(RankFailedError) as info:          # rank 3 fails at step 5: both tiers hold step 3
         _launch(4, 2, job, tmp_path / "first", ckpt, ["checkpoint.memory_every_steps=3"], fail_at=5)
     assert info.value.exc_type == "Boom"
-    folder = job_folder(job)
+    folder = job_folder(job, key=str(ckpt))      # the run's checkpoint directory keys its snapshots
     host = sorted(p.name for p in folder.iterdir())
     assert len(host) == 2 and all(sorted(x.name for x in (folder / n).iterdir() if not x.name.startswith("."))
                                   == sorted(["ckpt-000000003.pt", f"rank{2 * i}-000000003.pt",
@@ -118,15 +118,18 @@ def test_a_restore_from_memory_or_a_peer_equals_the_file_restore_bitwise_also_on
     for r in range(4):
         part = torch.load(folder / host[r // 2] / f"rank{r}-000000003.pt", weights_only=True)
         assert _same(part["rng"], file_state["rng"][r]), r
-    shutil.copytree(folder / host[0], job_folder(job + "-w2") / socket.gethostname())   # for 2 ranks on 1 node
+    ckpt2 = tmp_path / "ckpt2"                          # for 2 ranks on 1 node, from memory only
+    shutil.copytree(folder / host[0], job_folder(job + "-w2", key=str(ckpt2)) / socket.gethostname())
 
     # the file tier alone (snapshots off) from the file of step 3
-    by_file = _launch(4, 2, job + "-f", tmp_path / "file", ckpt, ["checkpoint.memory_every_steps=-1"])
+    shutil.copytree(ckpt, tmp_path / "files")
+    by_file = _launch(4, 2, job, tmp_path / "file", tmp_path / "files", ["checkpoint.memory_every_steps=-1"])
     assert _restored(tmp_path / "file")[0]["source"] == "file"
     # node 1's snapshot gone (its ranks' parts kept): ranks 0, 1 read their memory, 2 and 3 get it
     # from rank 0 over the process group
     (folder / host[1] / "ckpt-000000003.pt").unlink()
-    by_mem = _launch(4, 2, job, tmp_path / "mem", tmp_path / "empty")
+    (ckpt / "ckpt-000000003.pt").unlink()                # and no file: the memory is all there is
+    by_mem = _launch(4, 2, job, tmp_path / "mem", ckpt)
     ev = _restored(tmp_path / "mem")
     assert [ev[r]["source"] for r in range(4)] == ["memory", "memory", "peer", "peer"], ev
     assert {ev[r]["step"] for r in range(4)} == {3} and {ev[r]["node"] for r in range(4)} == {host[0]}
@@ -136,7 +139,7 @@ def test_a_restore_from_memory_or_a_peer_equals_the_file_restore_bitwise_also_on
     assert not folder.exists()                  # the clean end removed the job's snapshots
 
     # a world size change from a memory snapshot: 2 ranks, accumulation 2, the same global batch
-    on2 = _launch(2, 1, job + "-w2", tmp_path / "on2", tmp_path / "empty2")
+    on2 = _launch(2, 1, job + "-w2", tmp_path / "on2", ckpt2)
     assert _restored(tmp_path / "on2")[0]["source"] == "memory"
     log = _rank0_log(tmp_path / "on2")
     assert "resuming step 3 written by 4 ranks on 2 ranks: per-rank batch 4, accumulation 1 -> 2" in log

@@ -22,6 +22,7 @@ Exactness rules kept here:
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -119,7 +120,8 @@ class Trainer:
         self.snaps, self.restored = None, None
         if not self.cfg.checkpoint.resume:
             return None, None
-        store = node_store(self.ctx.env, self.cfg.checkpoint.memory_every_steps, self.log.warning)
+        store = node_store(self.ctx.env, self.cfg.checkpoint.memory_every_steps, self.log.warning,
+                           key=os.path.abspath(self.ckpt_dir))    # this run's, not another run's
         self.restored = restore_run(self.ckpt_dir, store, self.rank, self.distributed, self.log)
         if store is not None:
             self.snaps = MemSnapshots(store, rank=self.rank, local_rank=self.ctx.env.local_rank,

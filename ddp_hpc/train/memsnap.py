@@ -24,6 +24,7 @@ removed at the loop's clean end (`MemSnapshots.finish`).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import pwd
@@ -65,17 +66,20 @@ def _user() -> str:
         return str(os.getuid())
 
 
-def job_folder(job_id: str | None, environ=None) -> Path:
-    """``<private root>/ddp_hpc-memsnap-<user>-<job>``: the job's snapshots, one folder per node."""
+def job_folder(job_id: str | None, environ=None, key: str | None = None) -> Path:
+    """``<private root>/ddp_hpc-memsnap-<user>-<job>[-<hash of key>]``: the job's snapshots, one
+    folder per node. ``key``: the run's checkpoint directory (ddp_hpc's loop), so that two runs
+    in one allocation (a sweep's tasks) never take each other's snapshots."""
     facts = job_facts(environ)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else (facts.node_tmpdir or tempfile.gettempdir())
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(job_id or "nojob"))
-    return Path(private_root(base)) / f"ddp_hpc-memsnap-{_user()}-{safe}"
+    tail = f"-{hashlib.sha1(key.encode()).hexdigest()[:10]}" if key else ""
+    return Path(private_root(base)) / f"ddp_hpc-memsnap-{_user()}-{safe}{tail}"
 
 
-def store_for(env, environ=None) -> NodeStore:
-    """The node folder of this rank's job (``env``: its DistEnv)."""
-    return NodeStore(job_folder(env.job_id, environ) / node_label(env), node_label(env))
+def store_for(env, environ=None, key: str | None = None) -> NodeStore:
+    """The node folder of this rank's job (``env``: its DistEnv; ``key``: see `job_folder`)."""
+    return NodeStore(job_folder(env.job_id, environ, key) / node_label(env), node_label(env))
 
 
 def comm_device() -> torch.device:

@@ -108,7 +108,9 @@ def _from_memory(store: NodeStore, table: list[dict], step: int, rank: int, dist
             state, source = load_checkpoint(io.BytesIO(data.numpy().tobytes()), map_location), "peer"
     first_here = min(r for r, held in enumerate(table) if held["node"] == table[rank]["node"])
     parts: dict[int, dict] = {}
-    for held in _gather(store.parts(step) if mine and first_here == rank else {}, distributed):
+    # the first rank of each node reads the parts its node holds (also a node whose model snapshot
+    # is older or gone: its ranks' RNG states may still be there)
+    for held in _gather(store.parts(step) if store is not None and first_here == rank else {}, distributed):
         parts.update(held)
     written = int(state.get("world_size") or len(table))
     state["rng"] = [parts.get(r, {}).get("rng") for r in range(written)]
@@ -159,13 +161,15 @@ def freshest(files: str | Path | None, store: NodeStore | None, *, rank: int, di
     return Restored(int(state["step"]), "file", None, time.perf_counter() - t0, path, [], nodes, state)
 
 
-def node_store(env, every: int, warn: Callable[[str], None], make: bool = True) -> NodeStore | None:
-    """This node's snapshot folder (made, with ``make``), None when snapshots are off (``every``
-    -1) or the folder cannot be made (warned: the file tier goes on alone)."""
+def node_store(env, every: int, warn: Callable[[str], None], make: bool = True,
+               key: str | None = None) -> NodeStore | None:
+    """This node's snapshot folder (made, with ``make``; ``key``: memsnap.job_folder's), None when
+    snapshots are off (``every`` -1) or the folder cannot be made (warned: the file tier goes on
+    alone)."""
     if every < 0:
         return None
     try:
-        store = store_for(env)
+        store = store_for(env, key=key)
         if make:
             store.make()
         return store
