@@ -3,7 +3,8 @@ inside the allocation goes on from the last step instead of the last file checkp
 
 Where: ``/dev/shm`` (``$SLURM_TMPDIR`` when set and /dev/shm is absent), in this user's private
 folder (``data.stagedir.private_root``: ``ddp_hpc-<uid>``, 0700, refused when anybody else could
-have made it), then ``ddp_hpc-memsnap-<user>-<job id>/<node>/`` (0700). One folder per node: the
+have made it), then ``ddp_hpc-memsnap-<user>-<job id>[-<hash of the checkpoint directory>]/<node>/``
+(0700). One folder per node: the
 node's local rank 0 writes the model and optimizer state as ``ckpt-<step>.pt`` (the file
 checkpoints' own format, ``train/checkpoint.py``), every rank writes its small part
 (``rank<R>-<step>.pt``: its RNG states; the sampler position is global and in the state).
