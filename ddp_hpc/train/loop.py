@@ -47,7 +47,7 @@ from ddp_hpc.train.metrics import evaluate
 from ddp_hpc.train.parts import RankPlace, TrainParts
 from ddp_hpc.train.preempt import PreemptionFlag, classify, job_end_time, requeue_if_wanted
 from ddp_hpc.train.reshape import ResumePlan, plan_resume
-from ddp_hpc.train.restore import node_store, restore_run
+from ddp_hpc.train.restore import announce, node_store, restore_run
 from ddp_hpc.train.result import TrainResult
 from ddp_hpc.train.step import Stepper
 
@@ -122,7 +122,7 @@ class Trainer:
             return None, None
         store = node_store(self.ctx.env, self.cfg.checkpoint.memory_every_steps, self.log.warning,
                            key=os.path.abspath(self.ckpt_dir))    # this run's, not another run's
-        self.restored = restore_run(self.ckpt_dir, store, self.rank, self.distributed, self.log)
+        self.restored = restore_run(self.ckpt_dir, store, self.rank, self.distributed, self.log, now=False)
         if store is not None:
             self.snaps = MemSnapshots(store, rank=self.rank, local_rank=self.ctx.env.local_rank,
                                       every=self.cfg.checkpoint.memory_every_steps, device=self.device,
@@ -220,6 +220,8 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg, resumed_from, state = self.cfg, self.resumed_from, self._resume_state
         self._resume_state = None
+        if self.restored is not None:           # after the start event (run logs' contract)
+            announce(self.restored, self.log, self.rank)
         if state is not None:
             self.module.load_state_dict(state["model"])
         self.model = self._wrap()

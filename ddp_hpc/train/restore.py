@@ -33,7 +33,7 @@ from ddp_hpc.judge.restarts import restored_text
 from ddp_hpc.train.checkpoint import CheckpointError, find_latest_valid, list_checkpoints, load_checkpoint
 from ddp_hpc.train.memsnap import NodeStore, comm_device, store_for
 
-__all__ = ["Restored", "freshest", "node_store", "restore_run"]
+__all__ = ["Restored", "freshest", "node_store", "restore_run", "announce"]
 
 
 @dataclass
@@ -179,14 +179,20 @@ def node_store(env, every: int, warn: Callable[[str], None], make: bool = True,
 
 
 def restore_run(files: str | Path, store: NodeStore | None, rank: int, distributed: bool, log,
-                map_location: Any = "cpu") -> Restored:
-    """`freshest` for the training loop (or a script: ``log`` may be None): rank 0 logs where the
-    state came from, every rank writes its ``restored`` event."""
+                map_location: Any = "cpu", now: bool = True) -> Restored:
+    """`freshest` for the training loop (or a script: ``log`` may be None); ``now``: `announce`
+    it at once (the loop does it after its ``start`` event)."""
     got = freshest(files, store, rank=rank, distributed=distributed, map_location=map_location,
                    warn=log.warning if log is not None else None,
                    hint=f"keep checkpoints on a filesystem every node sees (checkpoint.dir is {files})")
+    if now:
+        announce(got, log, rank)
+    return got
+
+
+def announce(got: Restored, log, rank: int) -> None:
+    """Every rank writes its ``restored`` event; rank 0 logs where the state came from."""
     if log is not None:
         log.event("restored", **got.event())
         if rank == 0:
             log.info(got.line())
-    return got
