@@ -162,18 +162,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.manual_seed(0)
     rows = []
-    for mb in [int(s) for s in args.sizes.split(",")]:
-        model, width = _model(mb)
-        rows.append(_one(f"~{mb} MB", model, width, args, "adam"))
-    demo_args = argparse.Namespace(**{**vars(args), "batch": 128})
-    rows.append(_one("demo", *_demo(), demo_args, "sgd"))
     print(f"{'state':>8} {'MB':>7} {'step s':>8} {'save s':>8} {'snap s':>8} {'of step':>8} {'every':>6} "
-          f"{'file s':>8} {'memory s':>9} {'mem/file':>9} {'peer s':>8} {'peer/file':>10}")
-    for r in rows:
+          f"{'file s':>8} {'memory s':>9} {'mem/file':>9} {'peer s':>8} {'peer/file':>10}", flush=True)
+    demo_args = argparse.Namespace(**{**vars(args), "batch": 128})
+    cases = [("demo", *_demo(), demo_args, "sgd")] + \
+        [(f"~{mb} MB", *_model(mb), args, "adam") for mb in [int(s) for s in args.sizes.split(",")]]
+    for case in cases:
+        rows.append(r := _one(*case))
         print(f"{r['label']:>8} {r['state_mb']:7.1f} {r['step_s']:8.4f} {r['file_save_s']:8.4f} "
               f"{r['snapshot_block_s']:8.4f} {r['snapshot_of_step']:8.1%} {int(r['auto_every_steps']):6d} "
               f"{r['restore_file_s']:8.4f} {r['restore_memory_s']:9.4f} {r['memory_vs_file']:9.2f} "
-              f"{r['restore_peer_s']:8.4f} {r['peer_vs_file']:10.2f}")
+              f"{r['restore_peer_s']:8.4f} {r['peer_vs_file']:10.2f}", flush=True)
     print(f"snapshot cost target: <= {TARGET:.0%} of a step; 'every': the interval checkpoint.memory_every_steps=0 "
           "chooses for that cost (this machine may be loaded by other work)")
     if args.json:
