@@ -100,12 +100,12 @@ def _from_memory(store: NodeStore, table: list[dict], step: int, rank: int, dist
     mine = store is not None and table[rank]["mem"] == step
     path = store.folder / f"ckpt-{step:09d}.pt" if store is not None else None
     state, source = None, "memory"
-    if mine:
-        state = load_checkpoint(path, map_location)
-    if any(held["mem"] != step for held in table):
+    if any(held["mem"] != step for held in table):   # first the bytes to the ranks that lack them
         data = _broadcast_file(path if rank == src else None, table[src]["size"], src)
         if not mine:
             state, source = load_checkpoint(io.BytesIO(data.numpy().tobytes()), map_location), "peer"
+    if mine:
+        state = load_checkpoint(path, map_location)
     first_here = min(r for r, held in enumerate(table) if held["node"] == table[rank]["node"])
     parts: dict[int, dict] = {}
     # the first rank of each node reads the parts its node holds (also a node whose model snapshot
