@@ -8,6 +8,9 @@
     checkpoint.save(ckpt_dir, model, opt, step=step, epoch=epoch)   # any plain extras
     saving = checkpoint.save(ckpt_dir, model, opt, step=step, blocking=False)   # in the background
     saving.wait()                                           # the file is complete (or this raises)
+    checkpoint.snapshot(model, opt, step=step)              # every step: node memory, cheap
+    ...
+    checkpoint.discard_snapshots()                          # the clean end: the snapshots go
 
 The files are the training core's (``ddp_hpc.train.checkpoint``): ``ckpt-<step>.pt`` written
 atomically by rank 0 (a temporary file, fsync, rename), the newest ``keep_last`` kept, read with
@@ -23,6 +26,12 @@ between saves and a background thread writes the file; ``save`` returns a `Savin
 save is in flight at a time (the next ``save`` waits for it); a failed write raises on the next
 ``save``, on ``wait()`` or the handle's ``wait()``, and is printed at exit otherwise; ``load``,
 `ddp_hpc.preemption.requeue` and the interpreter's exit wait for the write.
+
+``snapshot`` keeps the same state in node-local shared memory (``ddp_hpc.train.memsnap``: the
+node's local rank 0 writes it in a background thread, no file, no barrier); ``load`` takes the
+newest of the memory snapshots of every node and the files (``ddp_hpc.train.restore``: a node that
+holds it sends it to the ranks whose node does not), so a restart inside the allocation goes on
+from the last snapshot. ``discard_snapshots`` at the clean end removes them.
 """
 from __future__ import annotations
 
@@ -39,12 +48,16 @@ from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect
 from ddp_hpc.progress import rank_log
 from ddp_hpc.train.asyncsave import AsyncSaver, PendingSave
-from ddp_hpc.train.checkpoint import CheckpointError, find_latest_valid, load_checkpoint
+from ddp_hpc.train.checkpoint import CheckpointError
+from ddp_hpc.train.memsnap import MemSnapshots
+from ddp_hpc.train.restore import node_store, restore_run
 
-__all__ = ["save", "load", "wait", "last_saved_step", "unwrap", "Saving", "CheckpointError"]
+__all__ = ["save", "load", "wait", "snapshot", "discard_snapshots", "last_saved_step", "unwrap", "Saving",
+           "CheckpointError"]
 
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
 _last_saved: list[int] = []
+_snaps: list[MemSnapshots] = []       # this process's snapshot writer, made by the first snapshot
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -160,38 +173,21 @@ def last_saved_step() -> int | None:
     return _last_saved[0] if _last_saved else None
 
 
-def _choose(directory_or_file: str | Path, map_location: Any) -> tuple[str | None, dict | None]:
-    """Rank 0's choice (path, state) of the newest valid checkpoint; others get only the path."""
-    src = Path(directory_or_file)
-    found = None
-    if _rank() == 0:
-        if src.is_file():
-            found = (src, load_checkpoint(src, map_location))
-        else:
-            log = rank_log()
-            found = find_latest_valid(src, warn=log.warning if log else None, map_location=map_location)
-    box = [str(found[0]) if found else None]
-    if group_initialized():
-        dist.broadcast_object_list(box, src=0)
-    return box[0], (found[1] if found else None)
-
-
 def load(directory_or_file: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          map_location: Any = "cpu") -> dict | None:
     """Load the newest valid checkpoint in a directory (or the given file) into ``model`` (plain
     or DDP; saved with or without ``module.``) and ``optimizer``; returns the extras saved with it
-    plus ``step``, or None when there is no checkpoint yet.  Call it on every rank."""
+    plus ``step``, or None when there is no checkpoint yet; a node's memory snapshot (`snapshot`)
+    newer than the newest file is taken instead of it.  Call it on every rank."""
     _saver.join()                     # this process's background save first
-    path, state = _choose(directory_or_file, map_location)
-    if path is None:
+    if _snaps:
+        _snaps[0].wait()                # this process's last snapshot whole before the ranks compare
+    env = detect()
+    store = None if Path(directory_or_file).is_file() else node_store(env, 0, _warn, make=False)
+    got = restore_run(directory_or_file, store, _rank(), group_initialized(), rank_log(), map_location)
+    if got.state is None:
         return None
-    if state is None:
-        try:
-            state = load_checkpoint(path, map_location)
-        except Exception as exc:
-            raise CheckpointError(
-                f"rank {_rank()} cannot load checkpoint {path} that rank 0 chose: {type(exc).__name__}: {exc}",
-                f"keep checkpoints on a filesystem every node sees (not {directory_or_file})") from exc
+    state = got.state
     weights = state["model"]
     if weights and all(k.startswith("module.") for k in weights):
         weights = {k.removeprefix("module."): v for k, v in weights.items()}
@@ -199,3 +195,35 @@ def load(directory_or_file: str | Path, model: nn.Module, optimizer: torch.optim
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     return {**(state.get("extra") or {}), "step": int(state["step"])}
+
+
+def _warn(msg: str) -> None:
+    log = rank_log()
+    if log is not None:
+        log.warning(msg)
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
+             **extra: Any) -> None:
+    """Every rank: keep the state `save` would write in node-local shared memory (the node's
+    local rank 0 copies the model and optimizer, each rank its RNG states; written in the
+    background, at most one snapshot in flight). No file, no barrier: call it every step or so."""
+    _check_plain(extra, "extras")
+    if not _snaps:
+        env = detect()
+        store = node_store(env, 0, _warn)
+        if store is None:
+            return
+        device = next(iter(unwrap(model).parameters()), torch.empty(0)).device
+        _snaps.append(MemSnapshots(store, rank=_rank(), local_rank=env.local_rank, every=1, device=device,
+                                   distributed=group_initialized(), warn=_warn))
+    _snaps[0].take(int(step), lambda: {
+        "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "epoch": extra.get("epoch"), "batch_in_epoch": extra.get("batch_in_epoch"), "extra": extra})
+
+
+def discard_snapshots() -> None:
+    """Every rank, at the clean end of training: the snapshots' writes end, then each node's go
+    (a barrier when distributed). A failed run keeps them for the restart."""
+    if _snaps:
+        _snaps.pop().finish()

@@ -71,6 +71,7 @@ def test_config_is_frozen_and_round_trips():
     (["train.batch_size=-4"], ["'train.batch_size' = -4 is invalid", "positive integer"]),
     (["train.collective_timeout_s=0"], ["'train.collective_timeout_s' = 0", "> 0 seconds"]),
     (["checkpoint.keep_last=0"], ["'checkpoint.keep_last' = 0", ">= 1"]),
+    (["checkpoint.memory_every_steps=-2"], ["'checkpoint.memory_every_steps' = -2", "0 (auto", "-1 (off)"]),
     (["preempt.signal=USR9"], ["'preempt.signal'", "USR9", "USR2"]),
     (["train.batch_size"], ["not of the form key=value"]),
 ])

@@ -91,6 +91,8 @@ class CheckpointConfig:
     # the key `async` (a Python keyword): the training thread only copies the state, a background
     # thread writes the file (train/asyncsave.py); false: the training thread writes it
     async_: bool = field(default=True, metadata={"key": "async"})
+    # node-memory snapshots (train/memsnap.py): every N steps; 0: auto (cost <= 1% of a step); -1: off
+    memory_every_steps: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +156,8 @@ def _validate(cfg: JobConfig) -> None:
     _check(c.every_steps >= 0 and c.every_epochs >= 0, "checkpoint.every_steps/every_epochs",
            (c.every_steps, c.every_epochs), ">= 0")
     _check(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, ">= 1")
+    _check(c.memory_every_steps >= -1, "checkpoint.memory_every_steps", c.memory_every_steps,
+           ">= 1 (every N steps), 0 (auto: at most 1% of the step time) or -1 (off)")
     _check(0.0 <= d.eval_split < 1.0, "data.eval_split", d.eval_split, "in [0, 1)")
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, ">= 0")
     _check(d.broadcast_bucket_mb >= 0, "data.broadcast_bucket_mb", d.broadcast_bucket_mb, ">= 0")

@@ -24,7 +24,7 @@ from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE
 
 __all__ = ["read_restarts", "read_stops", "read_health", "read_restarts_and_stops", "sched_index", "first_step_at",
-           "time_lost", "phases", "PHASES"]
+           "time_lost", "phases", "PHASES", "restored_text", "restored_event"]
 
 
 def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
@@ -130,3 +130,25 @@ def phases(entry: dict, logs) -> dict[str, float]:
         at = max(at, before)
         out[name], before = round(at - before, 3), at
     return out
+
+
+def restored_text(event: dict) -> str | None:
+    """A ``restored`` event in words: ``restored step 212 from n1's memory (n2 was lost), 0.4 s``
+    (None for a start with nothing to restore)."""
+    source = event.get("source")
+    if source not in ("memory", "peer", "file"):
+        return None
+    where = f"{event.get('node')}'s memory" if source in ("memory", "peer") else event.get("path")
+    lost = [str(n) for n in event.get("lost") or []]
+    gone = f" ({', '.join(lost)} {'was' if len(lost) == 1 else 'were'} lost)" if lost else ""
+    seconds = to_float(event.get("seconds"))
+    took = f", {seconds:.1f} s" if seconds is not None else ""
+    return f"restored step {event.get('step')} from {where}{gone}{took}"
+
+
+def restored_event(logs, restart: int) -> dict | None:
+    """Rank 0's ``restored`` event of run ``restart`` (a ``RunLogs``), None without one."""
+    stream = logs.ranks.get(0)
+    if stream is None:
+        return None
+    return next((e for e in reversed(stream.of_restart(restart)) if e.get("event") == "restored"), None)

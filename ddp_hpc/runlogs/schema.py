@@ -43,6 +43,10 @@ EVENTS: dict[str, tuple[str, ...]] = {
     # written when the file is complete; blocking_s: seconds the training thread was blocked by
     # this save (a copy of the state, or all of a blocking save), write_s: the write's own seconds
     "checkpoint": ("step", "path", "blocking_s", "write_s"),
+    # every rank, once it loaded its state at a (re)start (train/restore.py): the step, where it
+    # came from (source "memory" | "peer" | "file" | "none"), the node that held it, seconds, file,
+    # and the nodes of the snapshot's run that no longer held it (lost)
+    "restored": ("step", "source", "node", "seconds", "path", "lost"),
     "preempt": ("signal", "reason", "step"),
     "requeue": ("job_id",),
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),

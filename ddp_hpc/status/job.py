@@ -78,6 +78,8 @@ class JobStatus:
     #: the run in time: samples/s and loss series, marks, and for --html the per-rank lanes
     #: (ddp_hpc.judge.picture.build)
     picture: dict | None = None
+    #: where the current run's state came from (rank 0's ``restored`` event, judge.restarts.restored_text)
+    restored: str | None = None
 
     @property
     def job_state(self) -> JobState:

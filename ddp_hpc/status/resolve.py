@@ -59,7 +59,7 @@ from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.diagnose import diagnose, run_causes
 from ddp_hpc.status.job import JobStatus
-from ddp_hpc.status.restarts import alloc_restarts
+from ddp_hpc.status.restarts import alloc_restarts, current_restore
 from ddp_hpc.status.staging import stage_rows
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
@@ -208,7 +208,7 @@ class Resolved:
             timing=with_compute(timing.stragglers(*per_hosts), compute_stragglers(*per_hosts)),
             flight=flight, staging=stage_rows(logs), alloc_restarts=inside, tensorboard=logs.tensorboard,
             goodput=_goodput(logs, inside), gpus=gpu.gpus(*per_hosts),
-            picture=picture.build(logs, inside, lanes)), notes)
+            picture=picture.build(logs, inside, lanes), restored=current_restore(logs, cur)), notes)
 
     def _status(self, detail: dict, notes: list[str]) -> JobStatus:
         s, logs, sched = self.sources, self.logs, self.state

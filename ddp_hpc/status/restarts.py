@@ -2,9 +2,10 @@
 rank, the node, the evidence; and, when the supervisor stopped the step, why it did), what was
 excluded, the world size before and after, the time lost from the fault to the first training
 step after the restart, and where those seconds went (its phases, `judge.restarts.phases`). From
-the run's ``restarts.jsonl``, else (the logs gone) from the job's record. A step the supervisor
-stopped and did not restart (a stop line of ``restarts.jsonl``, with ``stopped_run`` and no
-``restart``) is shown too: the supervisor, not a rank, ended it. So is a
+the run's ``restarts.jsonl``, else (the logs gone) from the job's record; and where each restarted
+run's state came from (rank 0's ``restored`` event: a node's memory, a peer's, or a file). A step
+the supervisor stopped and did not restart (a stop line of ``restarts.jsonl``, with
+``stopped_run`` and no ``restart``) is shown too: the supervisor, not a rank, ended it. So is a
 health check that excluded nodes before a start (``health_check``: ``ddp_hpc.supervise.health``):
 ``n2 excluded: /tmp full (0.1 GB free, checkpoint needs 1.5 GB)``."""
 from __future__ import annotations
@@ -12,11 +13,18 @@ from __future__ import annotations
 import time
 
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import phases, read_health, read_restarts_and_stops, time_lost
+from ddp_hpc.judge.restarts import (
+    phases,
+    read_health,
+    read_restarts_and_stops,
+    restored_event,
+    restored_text,
+    time_lost,
+)
 from ddp_hpc.parsing import to_float
 from ddp_hpc.records import JobRecord
 
-__all__ = ["alloc_restarts", "restart_lines", "health_lines", "supervisor_stop", "phase_line"]
+__all__ = ["alloc_restarts", "restart_lines", "health_lines", "supervisor_stop", "phase_line", "current_restore"]
 
 
 def alloc_restarts(rec: JobRecord | None, log_dir: str | None, logs: RunLogs) -> list[dict]:
@@ -28,8 +36,18 @@ def alloc_restarts(rec: JobRecord | None, log_dir: str | None, logs: RunLogs) ->
     out = []
     for row in rows:
         lost = time_lost(row, logs) if logs.ranks else row.get("lost_s")
-        out.append({**row, "lost_s": lost, "phases": phases(row, logs) if logs.ranks else row.get("phases") or {}})
+        ev = restored_event(logs, row.get("restart")) if logs.ranks else None
+        out.append({**row, "lost_s": lost, "phases": phases(row, logs) if logs.ranks else row.get("phases") or {},
+                    **({"restored": restored_text(ev)} if ev and restored_text(ev) else {})})
     return out + stops + read_health(log_dir)
+
+
+def current_restore(logs, cur) -> str | None:
+    """Where the current run's state came from, in words (rank 0's ``restored`` event)."""
+    if cur is None or not getattr(logs, "ranks", None):
+        return None
+    ev = restored_event(logs, cur.restart)
+    return restored_text(ev) if ev else None
 
 
 def supervisor_stop(rows: list[dict], restart: int) -> dict | None:
@@ -77,6 +95,8 @@ def restart_lines(rows: list[dict]) -> list[str]:
             out.append(f"    {phase_line(r)}")
         if r.get("stop"):
             out.append(f"    the supervisor stopped the step because {r['stop']}")
+        if r.get("restored"):
+            out.append(f"    state: {r['restored']}")
     for r in stops:
         who = f"rank {r['rank']}" if r.get("rank") is not None else "no rank named"
         where = f" on {r['node']}" if r.get("node") else ""

@@ -177,7 +177,9 @@ def render_detail(st: JobStatus, now: float | None = None, unicode: bool | None 
     now = time.time() if now is None else now
     out = _head_lines(st, now) + spark_lines(st.picture, unicode_ok() if unicode is None else unicode)
     out += goodput_lines(st) + stage_lines(st.staging) + _exit_lines(st) + failure_lines(st)
-    out += restart_lines(st.alloc_restarts) + _timing_lines(st) + gpu_lines(st.gpus)
+    out += restart_lines(st.alloc_restarts) + ([f"Restored:   {st.restored.removeprefix('restored ')}"]
+                                               if st.restored else [])
+    out += _timing_lines(st) + gpu_lines(st.gpus)
     out += [("Flight rec: " if i == 0 else "            ") + ln for i, ln in enumerate(st.flight)]
     out += _event_lines(st, now) + _history_lines(st) + [f"Note: {n}" for n in st.notes]
     return "\n".join(out) + "\n"

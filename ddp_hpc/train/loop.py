@@ -22,6 +22,7 @@ Exactness rules kept here:
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,10 +44,12 @@ from ddp_hpc.train import checkpoint as ckpt
 from ddp_hpc.train.asyncsave import AsyncSaver, PendingSave
 from ddp_hpc.train.build import make_optimizer, make_precision, make_scheduler, seed_everything
 from ddp_hpc.train.cadence import Cadence
+from ddp_hpc.train.memsnap import MemSnapshots
 from ddp_hpc.train.metrics import evaluate
 from ddp_hpc.train.parts import RankPlace, TrainParts
 from ddp_hpc.train.preempt import PreemptionFlag, classify, job_end_time, requeue_if_wanted
 from ddp_hpc.train.reshape import ResumePlan, plan_resume, rank_rng
+from ddp_hpc.train.restore import announce, node_store, restore_run
 from ddp_hpc.train.result import TrainResult
 from ddp_hpc.train.step import Stepper
 
@@ -114,26 +117,20 @@ class Trainer:
         return self.module
 
     def _resume(self) -> tuple[str | None, dict | None]:
-        """Rank 0 picks the newest valid checkpoint and tells the others; each rank loads it."""
+        """The freshest state held anywhere (a node's memory or the newest file checkpoint, a
+        collective: train/restore.py); each rank gets it."""
+        self.snaps, self.restored = None, None
         if not self.cfg.checkpoint.resume:
             return None, None
-        found = ckpt.find_latest_valid(self.ckpt_dir, warn=self.log.warning) if self.rank == 0 else None
-        box = [str(found[0]) if found else None]
-        if self.distributed:
-            dist.broadcast_object_list(box, src=0)
-        path = box[0]
-        if path is None:
-            return None, None
-        if self.rank == 0:
-            return path, found[1]
-        try:
-            return path, ckpt.load_checkpoint(path)
-        except Exception as e:
-            raise ckpt.CheckpointError(
-                f"rank {self.rank} cannot load checkpoint {path} that rank 0 chose: "
-                f"{type(e).__name__}: {e}",
-                f"checkpoint.dir must be on a filesystem every node sees (it is {self.ckpt_dir})"
-            ) from e
+        store = node_store(self.ctx.env, self.cfg.checkpoint.memory_every_steps, self.log.warning,
+                           key=os.path.abspath(self.ckpt_dir))    # this run's, not another run's
+        self.restored = restore_run(self.ckpt_dir, store, self.rank, self.distributed, self.log, now=False)
+        if store is not None:
+            self.snaps = MemSnapshots(store, rank=self.rank, local_rank=self.ctx.env.local_rank,
+                                      every=self.cfg.checkpoint.memory_every_steps, device=self.device,
+                                      distributed=self.distributed, warn=self.log.warning,
+                                      nodes=self.restored.nodes)
+        return self.restored.path, self.restored.state
 
     def _restore(self, state: dict, resumed_from: str) -> None:
         """Optimizer, schedule, scaler, position and this rank's RNG state from a checkpoint."""
@@ -153,6 +150,9 @@ class Trainer:
             self.log.info(f"the RNG states of {plan.written.world} ranks carried onto {self.world}: "
                           f"rank {self.rank} " + ("goes on from the old rank's" if isinstance(rng, dict)
                                                   else "is seeded from the old ranks' states"))
+        elif not isinstance(rng, dict):
+            self.log.info(f"rank {self.rank}'s RNG states went with its node: it is seeded from the "
+                          "other ranks' states")
         self.log.info(f"resumed from {resumed_from} at step {pos.step} (epoch {pos.epoch}, "
                       f"batch {pos.micro})")
 
@@ -180,15 +180,24 @@ class Trainer:
             rngs = [rng]
         if self.rank != 0:
             return None
+        return {**self._state_core(self.pos.epoch, self.pos.micro), "rng": rngs}
+
+    def _state_core(self, epoch: int, micro: int) -> dict:
+        """The state every rank holds alike (no RNG states): a checkpoint's, a memory snapshot's."""
         t = self.cfg.train
-        return {"epoch": self.pos.epoch, "batch_in_epoch": self.pos.micro,
+        return {"epoch": epoch, "batch_in_epoch": micro,
                 "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.scaler.state_dict() or None,   # {} from a disabled scaler
-                "rng": rngs, "world_size": self.world, "config": config_to_dict(self.cfg),
+                "world_size": self.world, "config": config_to_dict(self.cfg),
                 "batch_size": t.batch_size, "grad_accum": t.grad_accum,
-                "samples_in_epoch": self.pos.micro * t.batch_size * self.world,
+                "samples_in_epoch": micro * t.batch_size * self.world,
                 "time": time.time()}
+
+    def _snapshot_state(self) -> dict:
+        """A memory snapshot's state: an epoch's last step counts as the next epoch's start."""
+        end = self.pos.micro >= self.batches_per_epoch
+        return self._state_core(self.pos.epoch + 1 if end else self.pos.epoch, 0 if end else self.pos.micro)
 
     def _save(self) -> None:
         """Checkpoint the current position (a collective); rank 0 writes it, with checkpoint.async
@@ -227,6 +236,8 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg, resumed_from, state = self.cfg, self.resumed_from, self._resume_state
         self._resume_state = None
+        if self.restored is not None:           # after the start event (run logs' contract)
+            announce(self.restored, self.log, self.rank)
         if state is not None:
             self.module.load_state_dict(state["model"])
         self.model = self._wrap()
@@ -256,10 +267,14 @@ class Trainer:
         try:
             self._loop(cadence, stepper)
             self.flag.drain()    # not on errors: a peer that died may never join that collective
+            if self.snaps is not None:
+                self.snaps.finish()     # the clean end: the node's snapshots go
         except BaseException:
             self.saver.close(self.log.warning)   # the last copy still lands; its failure is told
             raise
         finally:
+            if self.snaps is not None:
+                self.snaps.close()
             self.watch.stop()
             if sampler is not None:
                 sampler.stop()
@@ -318,6 +333,8 @@ class Trainer:
             stepper.optimizer_step()
             pos.step += 1
             cadence.after_step(pos.step, pos.epoch)
+            if self.snaps is not None:
+                self.snaps.after_step(pos.step, self._snapshot_state)
             if cadence.checkpoint_due(pos.step) and pos.micro < self.batches_per_epoch:
                 self._save()
             if pos.step >= self.total_steps:

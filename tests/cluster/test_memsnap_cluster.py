@@ -1,0 +1,53 @@
+"""A restart inside the allocation restores from a surviving node's memory (train/memsnap.py,
+train/restore.py) on the real test cluster: a 2x2 job with a spare node snapshots every step, the
+node of rank 3 dies, and the restarted ranks go on from the newest snapshot (rank 0's node held it
+in memory, the spare got it over the process group) with at most one step trained again; status
+names where the state came from. Runs in the partition ``spare`` like the other restart tests."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from ddp_hpc.judge.restarts import read_restarts
+
+from .script_helpers import wait_for
+from .test_restart_cluster import FAST, REPO, _events, _finish, _stepping, _submit
+
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("spare")]
+
+
+def test_a_dead_node_restores_from_a_surviving_nodes_memory_with_at_most_one_step_redone(slurm_cluster):
+    c = slurm_cluster
+    c.need_node_failure()
+    d = c.shared_dir / f"memsnap-{time.monotonic_ns()}"
+    d.mkdir()
+    files_every = [o.replace("checkpoint.every_steps=3", "checkpoint.every_steps=1000") for o in FAST]
+    job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--spare-nodes", "1", "--max-restarts", "1",
+                          "-J", "memsnap", str(REPO / "jobs" / "demo.yaml"), "--", f"log.dir={d / 'runs'}",
+                          *files_every, "checkpoint.memory_every_steps=1")
+    log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("memsnap-*"), None), 60)
+    starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 5), 180)
+    dead, kept = starts0[3]["host"], starts0[0]["host"]
+    try:
+        c.fail_node(dead)
+        wait_for("steps after the restart on the spare", lambda: _stepping(log_dir, 1, 4), 120)
+    finally:
+        c.revive_node(dead)
+    state, status, _ = _finish(c, job, env)
+    # a step's event is written with the next step's (its numbers are all-reduced in the background),
+    # so the last step trained before the fault is the newest step event, or one past it
+    last = max(e["step"] for r in range(4) for e in _events(log_dir, r, 0) if e["event"] == "step")
+    restored = {r: next(e for e in _events(log_dir, r, 1) if e["event"] == "restored") for r in range(4)}
+    print(f"last step before the fault {last}; restored {restored}\n{status}")
+    assert state == "COMPLETED", status
+    assert read_restarts(log_dir)[0]["excluded"] == [dead]
+    step = restored[0]["step"]
+    assert {e["step"] for e in restored.values()} == {step} and {e["node"] for e in restored.values()} == {kept}
+    assert [restored[r]["source"] for r in range(4)] == ["memory", "memory", "peer", "peer"], restored
+    assert -1 <= last - step <= 1, (last, step)              # steps trained twice: 0 or 1
+    line = f"restored step {step} from {kept}'s memory ({dead} was lost)"
+    assert re.search(re.escape(line) + r", \d+\.\d s", (log_dir / "rank0.log").read_text())
+    assert f"    state: {line}" in status, status
