@@ -50,7 +50,7 @@ def rank_events(rank: int, marks: bool = True) -> list[dict]:
                    total_steps=800, epochs=1, launcher="slurm", device="cpu"))
     if marks:
         out += [_ev(rank, 401.5, "rendezvous", 1, proc_start=T0 + 396.0, called_at=T0 + 400.0, up_at=T0 + 401.5),
-                _ev(rank, 404.0, "restored", 1, step=295, source="file", path="/ckpt/step250.pt", seconds=2.5)]
+                _ev(rank, 404.0, "restored", 1, step=250, source="file", path="/ckpt/step250.pt", seconds=2.5)]
     for i in range(80):
         out.append(_ev(rank, 420.0 + 2.0 * i, "step", 1, epoch=0, step=300 + 5 * i, total_steps=800,
                        loss=round(0.9 - 0.004 * i, 4), lr=0.1, samples_per_s=850.0 + 5 * (i % 4), data_s=0.01))
