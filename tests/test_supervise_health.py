@@ -119,6 +119,16 @@ def test_check_process_reports_its_node_in_one_json_line(tmp_path):
     assert rec["problems"] == [f"{tmp_path / 'tmp'} not writable (Not a directory)"]
 
 
+def test_the_check_task_sees_every_gpu_of_its_node_and_passes(tmp_path):
+    """The check step runs one task per node, which sees all the node's GPUs: not the training
+    step's one-task-per-GPU layout that `ddp_hpc.env.detect` insists on (it failed every GPU node)."""
+    cmd = [sys.executable, "-m", "ddp_hpc.supervise.nodecheck", "--dir", str(tmp_path)]
+    env = _task_env("n4", str(tmp_path), CUDA_VISIBLE_DEVICES="0,1", SLURM_GPUS_ON_NODE="2",
+                    SLURM_JOB_GPUS="0,1", SLURM_GPUS_PER_NODE="2")
+    rec = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60).stdout)
+    assert rec["node"] == "n4" and rec["ok"], rec["problems"]
+
+
 # -- the supervisor's side -----------------------------------------------------------------------
 
 def test_checkpoint_need_is_the_newest_checkpoints_size(tmp_path):

@@ -30,7 +30,8 @@ import tempfile
 import time
 from collections.abc import Mapping
 
-from ddp_hpc.env import DistEnv, EnvError, detect, job_facts
+from ddp_hpc.env import DistEnv, EnvError, job_facts
+from ddp_hpc.env.sources import derive
 
 __all__ = ["gpu_problems", "space_problem", "reach_problem", "scratch_dir", "check", "main"]
 
@@ -160,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", action="append", default=[], help="a folder that must take a checkpoint")
     p.add_argument("--need-bytes", type=int, default=0, help="free space one checkpoint needs")
     args = p.parse_args(argv)
-    try:
-        env = detect()
-    except EnvError as exc:
+    try:   # the task's place, not `detect`'s checks: one check task per node sees all the node's GPUs
+        env = derive(os.environ)
+    except (EnvError, ValueError) as exc:
         print(json.dumps({"node": socket.gethostname(), "ok": False, "problems": [f"task environment: {exc}"],
                           "skipped": [], "seconds": 0.0}), flush=True)
         return 0
