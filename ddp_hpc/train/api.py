@@ -186,13 +186,13 @@ def _train(cfg: JobConfig, ctx, parts: TrainParts) -> TrainResult:
         atomic_write_text(log_dir / CONFIG_FILE, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     ckpt_dir = Path(cfg.checkpoint.dir).absolute() if cfg.checkpoint.dir else log_dir / "checkpoints"
     step, trainer = 0, None
-    if (marks := rendezvous_fields()) is not None:   # before the Trainer restores a checkpoint
-        log.event("rendezvous", **marks)
     try:
         trainer = Trainer(cfg, ctx, parts, log, checkpoint_dir=ckpt_dir)
         log.event("start", world_size=env.world_size, num_nodes=env.num_nodes,
                   local_rank=env.local_rank, pid=os.getpid(), total_steps=trainer.total_steps,
                   epochs=cfg.train.epochs, launcher=env.launcher, device=str(ctx.device))
+        if (marks := rendezvous_fields()) is not None:   # a run's first event is its start; the
+            log.event("rendezvous", **marks)            # marks carry their own times
         log.info(f"start: {plural(env.world_size, 'rank')} on {plural(env.num_nodes, 'node')}, launcher "
                  f"{env.launcher}, device {ctx.device}, {trainer.total_steps} steps, log dir "
                  f"{log_dir}, checkpoints {ckpt_dir}")
