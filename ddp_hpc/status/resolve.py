@@ -178,9 +178,9 @@ class Resolved:
     def row(self) -> JobStatus:
         """The table's view: who, state, shape, time, progress, stall, and goodput where the row
         read every run of rank 0 (the table reads only the newest run of a job that has several)."""
-        zero = self.logs.ranks.get(0) if isinstance(self.logs, RunLogs) else None
-        whole = zero is not None and not zero.newest_only
-        return self._status({"goodput": _goodput(self.logs, [])} if whole else {}, self.notes)
+        logs = self.logs
+        g = logs.summary.get("goodput") if isinstance(logs, KeptLogs) else kept.table_goodput(logs)
+        return self._status({"goodput": g} if g is not None else {}, self.notes)
 
     def detail(self, lanes: bool = False) -> JobStatus:
         """The detail view: the row's facts, then the failure, every rank's ending, exit codes,
@@ -307,7 +307,7 @@ class Resolved:
 def _goodput(logs: RunLogs | KeptLogs, restarts: list[dict]) -> dict | None:
     """The job's goodput from its logs (`judge.goodput`, the restarts' phases where recorded);
     None from kept facts, or before a step."""
-    g = goodput(logs.ranks, restarts) if isinstance(logs, RunLogs) else None
+    g = None if isinstance(logs, KeptLogs) else goodput(logs.ranks, restarts)
     return g.to_dict() if g is not None else None
 
 
