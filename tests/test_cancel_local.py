@@ -79,7 +79,7 @@ def wait_steps(job_id, timeout=120):
     while time.monotonic() < end:
         rec = records.load_record(job_id)
         evs = [Path(rec.log_dir) / f"rank{r}.events.jsonl" for r in (0, 1)]
-        if len(rec.pids or []) == 3 and all(p.exists() and '"step"' in p.read_text() for p in evs):
+        if len(rec.pids or []) == 3 and all(p.exists() and '"event": "step"' in p.read_text() for p in evs):
             return rec
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} did not start: {records.load_record(job_id)}")

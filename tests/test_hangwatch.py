@@ -126,7 +126,7 @@ def test_status_stacks_on_a_running_local_job(tmp_path):
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:   # until training is under way on both ranks
-            if all(any('"step"' in ln for ln in (log_dir / f"rank{r}.events.jsonl").read_text().splitlines())
+            if all(any('"event": "step"' in ln for ln in (log_dir / f"rank{r}.events.jsonl").read_text().splitlines())
                    for r in (0, 1) if (log_dir / f"rank{r}.events.jsonl").exists()) and \
                     (log_dir / "rank1.events.jsonl").exists():
                 break

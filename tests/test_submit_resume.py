@@ -38,7 +38,7 @@ def _env(tmp_path) -> dict:
 
 
 def _steps(run_dir: Path) -> int:
-    return sum('"step"' in ln for ln in (run_dir / "rank0.events.jsonl").read_text().splitlines())
+    return sum('"event": "step"' in ln for ln in (run_dir / "rank0.events.jsonl").read_text().splitlines())
 
 
 def test_the_same_local_submit_resumes_its_interrupted_run(tmp_path):

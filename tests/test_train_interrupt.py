@@ -32,7 +32,7 @@ def test_sigint_checkpoints_and_the_same_command_resumes(tmp_path):
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:      # until a few steps are done
         events = list((tmp_path / "runs").glob("*/rank0.events.jsonl"))
-        if events and sum('"step"' in ln for ln in events[0].read_text().splitlines()) >= 3:
+        if events and sum('"event": "step"' in ln for ln in events[0].read_text().splitlines()) >= 3:
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
