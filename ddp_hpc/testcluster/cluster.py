@@ -133,12 +133,26 @@ def _start_slurmctld(spec: ClusterSpec, clean: bool) -> None:
                      pidfile=spec.path("run", "slurmctld.pid"), program="slurmctld", log=log)
 
 
+#: a node's resolver in the netns layout: a node's namespace has no route to the machine's DNS
+#: server, so every DNS query there waited out its timeouts (5 s x 2). torch's TCPStore formats
+#: each peer's address, IPv4-mapped IPv6 (``::ffff:10.77.0.11``), by a reverse lookup /etc/hosts
+#: cannot answer: 10 s per rendezvous connection. Names still resolve from /etc/hosts; DNS fails
+#: at once (nothing listens on the node's loopback port 53).
+NODE_RESOLV_CONF = "# ddp_hpc testcluster: names from /etc/hosts, no DNS inside the cluster\n" \
+                   "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
+
+
 def _start_slurmd(spec: ClusterSpec, i: int, node: str) -> None:
     # a private mount namespace: this node's local/NODE appears at nodelocal/ for slurmd and its
     # job steps only (propagation private, so nothing leaks to the host or the other nodes)
     inner = (f"mount --bind {shlex.quote(str(spec.local_backing(node)))} {shlex.quote(str(spec.local_dir))} && "
              f"hostname {shlex.quote(node)} && exec slurmd -f {shlex.quote(str(spec.slurm_conf))} "
              f"-N {shlex.quote(node)}")
+    if spec.layout == "netns":
+        resolv = spec.path("etc", "resolv.conf")
+        resolv.write_text(NODE_RESOLV_CONF)
+        bind = f"mount --bind {shlex.quote(str(resolv))} /etc/resolv.conf"
+        inner = f"{{ [ ! -e /etc/resolv.conf ] || {bind}; }} && {inner}"
     argv = ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", inner]
     if spec.layout == "netns":
         argv = ["nsenter", f"--net=/run/netns/{spec.netns_name(node)}", *argv]

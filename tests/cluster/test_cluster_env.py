@@ -109,6 +109,21 @@ def test_each_task_runs_on_its_own_node_with_its_own_address(slurm_cluster):
         assert addrs == [socket.gethostbyname(n) for n in c.nodes]  # ... the one its name resolves to
 
 
+@pytest.mark.cluster
+def test_a_node_resolves_names_from_hosts_and_asks_no_unreachable_dns(slurm_cluster):
+    """In the netns layout a node's DNS server is unreachable: the node's resolver points at its
+    own loopback, so a reverse lookup /etc/hosts cannot answer (torch's TCPStore does one per
+    connection) fails at once instead of waiting out the timeouts; names still resolve."""
+    c = slurm_cluster
+    if c.layout != "netns":
+        pytest.skip(f"the {c.layout} layout shares the machine's resolver")
+    p = c.run(["srun", "-N1", "-w", c.nodes[1], "sh", "-c",
+               f"cat /etc/resolv.conf; getent hosts {c.nodes[0]}"], timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "nameserver 127.0.0.1" in p.stdout.splitlines()
+    assert p.stdout.split()[-1] == c.nodes[0] and socket.gethostbyname(c.nodes[0]) in p.stdout
+
+
 # GPU indexes are asserted: under xdist other jobs would hold the debug nodes' first GPUs, so this
 # runs on the spare partition's nodes, on one worker with the node-failure test that uses them too.
 @pytest.mark.xdist_group("spare")
