@@ -132,8 +132,9 @@ def test_the_page_of_a_failed_restarted_job_draws_the_restart_and_the_failing_ra
         widths = {r.get_attribute("data-phase"): r.rect["width"] for r in
                   driver.find_elements(By.CSS_SELECTOR, 'rect[data-kind="phase"]')}
         assert list(widths) == list(pe.PHASES) and all(w > 0 for w in widths.values())
-        # drawn in proportion to the seconds: start (6 s) is 4x rendezvous (1.5 s)
-        assert abs(widths["start"] / widths["rendezvous"] - 4.0) < 0.05
+        # drawn in proportion to the seconds: start (50.5 s) to the first step (16 s)
+        want = pe.PHASES["start"] / pe.PHASES["first_step"]
+        assert abs(widths["start"] / widths["first_step"] - want) < 0.05 * want
         assert driver.find_element(By.CSS_SELECTOR, 'tr[data-key="goodput"]').text.endswith("71.0%")
     finally:
         driver.quit()
