@@ -104,11 +104,17 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
     key = facts.key or facts.job_id
     before = len(read_restarts(s.log_dir, key))   # earlier runs' restarts (a requeued job)
     done, restart = 0, facts.restart_count + before
+    decided = None   # a restart decided: recorded once the health check settled its nodes
     while True:
         if s.health_check:
             plan = _healthy(s, cli, plan, step_env(s, environ, before + done), done, restart, key)
-            if plan is None:
-                return 1
+        if decided is not None:
+            finding, old, new, stopped_at = decided
+            _record_restart(s, key, {**restart_row(finding, old, plan or new, restart, key, s.policy.tasks_per_node),
+                                     "stopped_at": stopped_at})
+            decided = None
+        if plan is None:
+            return 1
         proc = cli.start_step(step_args(s, plan.active, again=done > 0), step_env(s, environ, before + done))
         end, hang = _watch(s, proc, cli, plan, restart, facts.job_id, lambda: stop.asked)
         if stop.asked:
@@ -123,13 +129,17 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
             if j.finding.stop:   # the supervisor ended the step: status says so, and blames no rank for it
                 _keep(append_stop, s.log_dir, stop_row(j, restart, key))
             return rc or 1
-        row = {**restart_row(j.finding, plan, j.plan, restart + 1, key, s.policy.tasks_per_node),
-               "stopped_at": stopped_at}
+        g = s.policy.tasks_per_node
         _say(f"restart {done + 1} of at most {s.policy.max_restarts} (restart number {restart + 1}): "
-             f"{j.finding.why}; {j.change}; world size {row['world_before']} -> {row['world_after']}")
-        _keep(append_restart, s.log_dir, row)
-        _to_record(key, row)
+             f"{j.finding.why}; {j.change}; world size {len(plan.active) * g} -> {len(j.plan.active) * g}")
+        decided = (j.finding, plan, j.plan, stopped_at)
         done, restart, plan = done + 1, restart + 1, j.plan
+
+
+def _record_restart(s: Settings, key, row: dict) -> None:
+    """The restart's line of restarts.jsonl and the job record's restarts."""
+    _keep(append_restart, s.log_dir, row)
+    _to_record(key, row)
 
 
 def _healthy(s: Settings, cli, plan: NodePlan, env: dict, done: int, run: int, key) -> NodePlan | None:

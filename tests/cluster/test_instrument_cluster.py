@@ -25,7 +25,10 @@ def test_a_plain_script_whose_rank3_hangs_is_stalled_naming_rank3_with_its_stack
     d = c.shared_dir / f"instrument-{time.monotonic_ns()}"
     d.mkdir()
     env = dict(c.env, DDP_HPC_HOME=str(d / "home"), PYTHONPATH=str(REPO))
+    # no restarts: the supervisor's hang limit would heal the hang (tests/cluster/test_hang_cluster.py);
+    # this is what status shows of a hang that nothing heals
     p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10",
+               "--max-restarts", "0",
                "--log-dir", str(d / "runs"), SCRIPT, "--stuck-rank", "3", "--stuck-at", "14",
                "--steps", "100000", "--step-sleep", "0.25"], cwd=str(d), env=env)
     assert p.returncode == 0, p.stderr
