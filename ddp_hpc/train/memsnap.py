@@ -44,6 +44,7 @@ from ddp_hpc.data.stagedir import private_root
 from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import job_facts
 from ddp_hpc.fsutil import locked
+from ddp_hpc.train.asyncsave import Snapshot
 from ddp_hpc.train.checkpoint import FORMAT, checkpoint_path, list_checkpoints, rng_state
 
 __all__ = ["NodeStore", "MemSnapshots", "store_for", "node_label", "RETUNE_STEPS", "TARGET_FRACTION"]
@@ -160,23 +161,6 @@ class NodeStore:
             pass
 
 
-def _copy_into(value: Any, buf: Any, pinned: bool) -> Any:
-    """``value`` copied into ``buf`` (its earlier copy, reused when the shapes match) on the CPU."""
-    if isinstance(value, torch.Tensor):
-        if not (isinstance(buf, torch.Tensor) and buf.shape == value.shape and buf.dtype == value.dtype):
-            buf = torch.empty(value.shape, dtype=value.dtype, device="cpu",
-                              pin_memory=pinned and value.is_cuda)
-        return buf.copy_(value.detach(), non_blocking=value.is_cuda)
-    if isinstance(value, dict):
-        old = buf if isinstance(buf, dict) else {}
-        return {k: _copy_into(v, old.get(k), pinned) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        old = buf if isinstance(buf, (list, tuple)) and len(buf) == len(value) else [None] * len(value)
-        out = [_copy_into(v, b, pinned) for v, b in zip(value, old)]
-        return out if isinstance(value, list) else tuple(out)
-    return value
-
-
 class MemSnapshots:
     """The loop's snapshots: `after_step` on every rank after each optimizer step."""
 
@@ -187,10 +171,9 @@ class MemSnapshots:
         self.nodes = list(nodes or [store.node])      # this run's nodes: a restore names the lost
         self.auto, self.every = every == 0, max(every, 1)
         self.device, self.distributed, self.warn = device, distributed, warn
-        self.pinned = device.type == "cuda"
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ddp_hpc-memsnap")
         self.pending: Future | None = None
-        self.buf: Any = None
+        self.copies = Snapshot()              # buffers kept between snapshots (pinned on CUDA)
         self.cost_s = self.step_s = 0.0       # the newest snapshot's cost; the step time (EMA)
         self.start_step: int | None = None
         self.last_t: float | None = None
@@ -239,9 +222,8 @@ class MemSnapshots:
         part = {"rng": rng_state()}
         copy = None
         if self.writes_model:
-            self.buf = copy = _copy_into({**state(), "nodes": self.nodes}, self.buf, self.pinned)
-            if self.pinned:
-                torch.cuda.synchronize()
+            copy = self.copies.take({**state(), "nodes": self.nodes})
+            self.copies.ready()
         self.pending = self.pool.submit(self._write, step, copy, part)
 
     def _write(self, step: int, copy: dict | None, part: dict) -> None:
