@@ -13,6 +13,7 @@ import pytest
 
 from ddp_hpc.env import job_facts
 from ddp_hpc.slurm.cli import SlurmArgumentError, SlurmCLI
+from ddp_hpc.runlogs.restarts import append_health
 from ddp_hpc.supervise.avoid import REQUEUED, check_placement, failed_nodes
 
 T0 = 1_760_000_000.0
@@ -128,3 +129,19 @@ def test_a_resumed_jobs_first_run_asks_nothing_and_its_requeue_checks(tmp_path):
     rec, out = Recorder(stdout="JobId=78 JobName=demo ExcNodeList=(null) Restarts=1\n"), io.StringIO()
     assert check_placement(tmp_path, requeued, SlurmCLI(runner=rec), out=out) == REQUEUED
     assert "restart 2 landed on n2, which failed an earlier run" in out.getvalue()
+
+
+def test_a_node_the_health_check_excluded_is_avoided_by_a_requeue(tmp_path):
+    """The supervisor's health check excluded n2 (a full scratch) before the first start, and the
+    job was requeued later (preempted): the requeued run that lands on n2 leaves it."""
+    append_health(tmp_path, {"health_check": 0, "job_id": "77", "time": T0, "seconds": 0.3,
+                             "excluded": {"n2": "/tmp full (0.0 GB free, checkpoint needs 0.1 GB)"},
+                             "nodes_after": ["n1", "n3"], "not_started": None})
+    assert failed_nodes(tmp_path) == ["n2"]                   # before any rank logged
+    for r in range(4):
+        write(tmp_path, r, run(r, 5))
+    assert failed_nodes(tmp_path, job_id="77") == ["n2"]
+    assert failed_nodes(tmp_path, job_id="76") == []          # another job's check
+    rec, out = Recorder(stdout="JobId=77 JobName=demo ExcNodeList=(null) Restarts=1\n"), io.StringIO()
+    assert check_placement(tmp_path, _facts("n[1-2]"), SlurmCLI(runner=rec), out=out) == REQUEUED
+    assert rec.scontrol()[-1] == ["scontrol", "update", "JobId=77", "ExcNodeList=n2"]

@@ -10,6 +10,7 @@ back in service and a later run of the same job may land on it again.
 What this adds, from the job's own evidence (the run logs name the node whose ranks vanished, or
 srun's "Node failure on n2"; ``sacct -D`` says which runs ended NODE_FAIL):
 
+- the nodes the supervisor's health check excluded before a start count as failed too;
 - every requeue ddp_hpc makes (preemption, and the check below) adds those nodes to the job's
   ``ExcNodeList`` (``scontrol update`` right after ``scontrol requeue``, while the job pends);
 - at the start of each restart, the batch script runs ``python -m ddp_hpc.supervise.avoid LOG_DIR``:
@@ -27,7 +28,7 @@ from ddp_hpc.env import job_facts
 from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.judge.attribution import SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import read_restarts, sched_index
+from ddp_hpc.judge.restarts import read_health, read_restarts, sched_index
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import expand
 from ddp_hpc.slurm.query import query_slurm
@@ -71,14 +72,18 @@ def _history(job_id: str, cli) -> list[str]:
 def failed_nodes(log_dir: str | Path | None, job_id: str | None = None, before: int | None = None,
                  cli=None, base: int = 0) -> list[str]:
     """Nodes whose failure ended an earlier run of this job (restarts < ``before``; default all):
-    the node named by the runs' attribution (its ranks vanished) and srun's "Node failure on".
+    the node named by the runs' attribution (its ranks vanished) and srun's "Node failure on",
+    and every node the supervisor's health check excluded (``supervise.health``).
     ``base``: the restart number of ``job_id``'s first run (a job that resumed a stopped run in
     the same log directory); the scheduler's history of ``job_id`` is matched to the runs from
     there, and the runs before it (another job's) are judged by their logs alone."""
+    # nodes the supervisor's health check excluded (a full scratch, a GPU that does not answer):
+    # known before any rank logged, so read first
+    nodes: set[str] = {n for h in read_health(log_dir, job_id) for n in (h.get("excluded") or {})}
     logs = RunLogs(log_dir)
     if not logs.ranks:
-        return []
-    nodes: set[str] = set(logs.node_failures()[1])
+        return sorted(nodes)
+    nodes.update(logs.node_failures()[1])
     inside = read_restarts(log_dir, job_id)   # lost nodes the supervisor left behind count too
     nodes.update(e["node"] for e in inside if e.get("node") and (e.get("kind") == "vanished"
                                                                  or e.get("trigger") == "node down"))
