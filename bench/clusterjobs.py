@@ -143,7 +143,12 @@ def torchrun_script(log_dir: Path, name: str, overrides: list[str], nnodes: str,
     --rdzv-backend c10d`` on each of 2 nodes, in one ``srun --nodes=2 --ntasks-per-node=1`` step,
     running ``python -m ddp_hpc.run jobs/demo.yaml`` with every rank's run log in ``log_dir``.
     SLURM_RESTART_COUNT is taken out of the agents' environment (ddp_hpc numbers the runs of a
-    Slurm job by it before torchrun's TORCHELASTIC_RESTART_COUNT)."""
+    Slurm job by it before torchrun's TORCHELASTIC_RESTART_COUNT), and
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set: with the agents' store shared by the workers
+    (torch's default since 2.5), the restarted workers of torch 2.13 failed their gloo rendezvous
+    on the test cluster ("Gloo connectFullMesh failed ... Connection refused": the new workers
+    read addresses of the old ones; pytorch/pytorch#135712, #167288) until the restarts were used
+    up; with the flag each run's rank 0 serves a store of its own, as before torch 2.5."""
     torchrun = Path(PY).with_name("torchrun")
     agent = [str(torchrun), "--nnodes", nnodes, "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
              "--rdzv-backend", "c10d", "--rdzv-id", "bench"]
@@ -157,6 +162,7 @@ def torchrun_script(log_dir: Path, name: str, overrides: list[str], nnodes: str,
         "set -eu",
         f"cd {shlex.quote(str(ROOT))}",
         f"export DDP_HPC_LOG_DIR={shlex.quote(str(log_dir))} PYTHONPATH={shlex.quote(str(ROOT))}",
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
         'echo "torchrun agents on $SLURM_JOB_NODELIST, rendezvous at $HEAD"',
         f"srun --nodes=2 --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0 --output={log_dir}/agent%t.out "
