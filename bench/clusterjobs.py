@@ -128,10 +128,12 @@ def finished(got) -> float | None:
 
 def submit_ddp_hpc(work: Path, name: str, flags: list[str], overrides: list[str], env: dict,
                    nodes: int = 2) -> tuple[str, Path]:
-    """``python -m ddp_hpc.submit --backend sbatch -N nodes -G 2 FLAGS -J name demo.yaml -- log.dir=...
-    OVERRIDES``: the job id and its log directory (once it exists)."""
-    p = subprocess.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-N", str(nodes), "-G", "2", "-t", "30",
-                        *flags, "-J", name, str(DEMO), "--", f"log.dir={work / 'runs'}", *overrides],
+    """``python -m ddp_hpc.submit --backend sbatch --fresh -N nodes -G 2 FLAGS -J name demo.yaml --
+    log.dir=... OVERRIDES``: the job id and its log directory (once it exists). ``--fresh``: the
+    same command as an earlier scenario's (the same overrides, another fault) must not resume
+    that run from its checkpoints."""
+    p = subprocess.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "--fresh", "-N", str(nodes), "-G", "2",
+                        "-t", "30", *flags, "-J", name, str(DEMO), "--", f"log.dir={work / 'runs'}", *overrides],
                        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=120)
     if p.returncode:
         raise SystemExit(p.stderr)

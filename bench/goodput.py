@@ -163,12 +163,12 @@ def one_run(work: Path, run: str, env: dict, args) -> dict:
 
 
 def _print(rows: list[dict]) -> None:
-    ref = next((r["wall_s"] for r in rows if r["run"] == "reference" and r["wall_s"]), None)
+    ref_row = next((r for r in rows if r["run"] == "reference" and r["wall_s"]), None)
+    ref, ref_top = (ref_row["wall_s"], ref_row["last_step"]) if ref_row else (None, None)
     print(f"\n{'run':<12} {'wall s':>7} {'goodput':>8} {'restarts':>8} {'fault->step':>11} {'recomputed':>10}  "
           f"{'judge.goodput':>13}  state", flush=True)
     for r in rows:
-        r["goodput"] = round(ref / r["wall_s"], 4) if ref and r["wall_s"] and r["last_step"] == rows[0]["last_step"] \
-            else None
+        r["goodput"] = round(ref / r["wall_s"], 4) if ref and r["wall_s"] and r["last_step"] == ref_top else None
         j = r["judge"] or {}
         fts = f"{r['mean_fault_to_step_s']:.1f}" if r["mean_fault_to_step_s"] is not None else "-"
         print(f"{r['run']:<12} {r['wall_s'] or 0:>7.1f} {r['goodput'] or 0:>8.3f} {r['restarts']:>8} {fts:>11} "

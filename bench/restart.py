@@ -58,6 +58,7 @@ import clusterjobs as cj
 
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import phases, read_restarts
+from ddp_hpc.slurm.hostlist import expand
 from ddp_hpc.testcluster.nodefail import revive_node
 from ddp_hpc.testcluster.spec import DEFAULT_STATE_DIR
 
@@ -143,6 +144,10 @@ def scenario(work: Path, baseline: str, layout: str, fault: str | None, env: dic
     row["step_s"] = bigstate.step_s(cj.steps(first_life))
     if fault and not over():
         t_fault, dead = cj.inject(INJECT[fault], log_dir, 3, args.state_dir)
+        if dead:
+            row["node_failed"] = dead
+            if baseline == "torchrun":   # the c10d store of the agents' rendezvous lives on the job's first node
+                row["rendezvous_host"] = expand(cj.job_fields(job, env).get("NodeList", ""))[0]
         try:
             first = cj.finished(cj.step_or_end(log_dir, 4, t_fault, job, env, HEAL_TIMEOUT_S))
         finally:
@@ -151,7 +156,9 @@ def scenario(work: Path, baseline: str, layout: str, fault: str | None, env: dic
         if first is not None:
             _after_fault(row, baseline, log_dir, t_fault, first)
         else:
-            row["outcome"] = f"no step after the fault (job {cj.job_fields(job, env).get('JobState')})"
+            state = cj.job_fields(job, env).get("JobState")
+            row["outcome"] = f"no step after the fault (job {state})" + (
+                ": no recovery without submitting it again" if baseline == "requeue" and state == "FAILED" else "")
             cj.slurm(["scancel", job], env)
     final = cj.end(job, env)
     row["final_loss"], row["final_step"] = _final(log_dir)
@@ -174,7 +181,9 @@ def _print(r: dict) -> None:
           f"recomputed {r['steps_recomputed']:>2} steps  world {r['world']}  restored from {r['restored_from']}  "
           f"final loss {r['final_loss']:.6f} (|diff| {diff})  job {r['job']} {r['state']}, Slurm restarts "
           f"{r['slurm_restarts']}", flush=True)
-    print(f"{'':<9} phases: " + " + ".join(f"{k} {v:.1f}" for k, v in r["phases"].items()), flush=True)
+    node = f"; node {r['node_failed']} failed" if r.get("node_failed") else ""
+    rdzv = f" (the agents' rendezvous on {r['rendezvous_host']})" if r.get("rendezvous_host") else ""
+    print(f"{'':<9} phases: " + " + ".join(f"{k} {v:.1f}" for k, v in r["phases"].items()) + node + rdzv, flush=True)
 
 
 def _plan(args) -> list[tuple[str, str, str | None]]:
@@ -217,7 +226,7 @@ def main() -> int:
             r["loss_diff"] = abs(r["final_loss"] - base)
         rows.append(r)
         _print(r)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")   # what ran so far, should a later row fail
     print(f"wrote {args.out}; load average {os.getloadavg()[0]:.1f}")
     return 0
 
