@@ -53,7 +53,8 @@ import bigstate
 import clusterjobs as cj
 
 from ddp_hpc.judge.goodput import goodput
-from ddp_hpc.judge.restarts import phases
+from ddp_hpc.judge.reader import RunLogs
+from ddp_hpc.judge.restarts import PHASES, phases, read_restarts
 from ddp_hpc.testcluster.spec import DEFAULT_STATE_DIR
 
 RUNS = ("reference", "checkpoints", "ddp_hpc", "torchrun")
@@ -123,8 +124,17 @@ def _fault(log_dir: Path, job: str, env: dict, args, rank: int, last_fault: floa
     restored = [e.get("source") for ls in new.values() for life in ls[:1] for e in life if e["event"] == "restored"]
     fault.update(fault_to_step_s=round(first - t_fault, 2), steps_recomputed=max(before - resumed, 0),
                  restored_from=sorted(set(map(str, restored))),
-                 phases=phases({"restart": 1, "fault_at": t_fault}, cj.LivesView(log_dir, 4, t_fault)))
+                 phases=_phases(log_dir, t_fault))
     return fault
+
+
+def _phases(log_dir: Path, t_fault: float) -> dict[str, float]:
+    """The phases of the restart after the fault at ``t_fault``: from its line of restarts.jsonl
+    (ddp_hpc's supervisor: with its detect and stop marks), else from the events alone."""
+    entry = min(read_restarts(log_dir), default=None, key=lambda e: abs((e.get("fault_at") or 0) - t_fault))
+    if entry is not None and abs((entry.get("fault_at") or 0) - t_fault) < 30:
+        return phases(entry, RunLogs(log_dir))
+    return phases({"restart": 1, "fault_at": t_fault}, cj.LivesView(log_dir, 4, t_fault))
 
 
 def _wall(log_dir: Path, t0: float) -> tuple[float | None, int | None]:
@@ -147,6 +157,7 @@ def _judge(run: str, job: str, log_dir: Path, faults: list[dict], env: dict) -> 
 
 
 def one_run(work: Path, run: str, env: dict, args) -> dict:
+    load_before = round(os.getloadavg()[0], 1)
     job, log_dir = _submit(work, run, env, args)
     t0 = _first_step(log_dir, job, env)
     faults = _faults(log_dir, job, env, args, t0) if run in ("ddp_hpc", "torchrun") else []
@@ -159,7 +170,8 @@ def one_run(work: Path, run: str, env: dict, args) -> dict:
             "checkpoint_bytes": bigstate.checkpoint_bytes(log_dir), "faults": faults, "restarts": len(healed),
             "mean_fault_to_step_s": statistics.mean(f["fault_to_step_s"] for f in healed) if healed else None,
             "steps_recomputed": sum(f["steps_recomputed"] for f in healed),
-            "judge": _judge(run, job, log_dir, faults, env)}
+            "judge": _judge(run, job, log_dir, faults, env),
+            "load_average": [load_before, round(os.getloadavg()[0], 1)]}
 
 
 def _print(rows: list[dict]) -> None:
@@ -173,11 +185,13 @@ def _print(rows: list[dict]) -> None:
         fts = f"{r['mean_fault_to_step_s']:.1f}" if r["mean_fault_to_step_s"] is not None else "-"
         print(f"{r['run']:<12} {r['wall_s'] or 0:>7.1f} {r['goodput'] or 0:>8.3f} {r['restarts']:>8} {fts:>11} "
               f"{r['steps_recomputed']:>10}  {j.get('goodput', 0):>13.3f}  {r['state']} (job {r['job']}, step "
-              f"{r['step_s'] or 0:.3f} s, checkpoint {r['checkpoint_bytes']} bytes, last step {r['last_step']})")
+              f"{r['step_s'] or 0:.3f} s, checkpoint {r['checkpoint_bytes']} bytes, last step {r['last_step']}, load "
+              f"{r['load_average'][0]} -> {r['load_average'][1]})")
     for r in rows:
         j = r["judge"] or {}
         lost = ", ".join(f"{k} {v:.1f}" for k, v in (j.get("lost_s") or {}).items() if v)
-        ph = ", ".join(f"{k} {v:.1f}" for k, v in (j.get("restart_phases") or {}).items())
+        rp = j.get("restart_phases") or {}
+        ph = ", ".join(f"{k} {rp[k]:.1f}" for k in PHASES if k in rp)
         print(f"{r['run']:<12} judge: useful {j.get('useful_s', 0):.1f} of {j.get('wall_s', 0):.1f} s; lost: "
               f"{lost or '-'}; restart phases: {ph or '-'}; redone {j.get('steps_redone', 0)} steps")
         for f in r["faults"]:
