@@ -57,7 +57,7 @@ import bigstate
 import clusterjobs as cj
 
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import phases, read_restarts
+from ddp_hpc.judge.restarts import PHASES, phases, read_restarts
 from ddp_hpc.slurm.hostlist import expand
 from ddp_hpc.testcluster.nodefail import revive_node
 from ddp_hpc.testcluster.spec import DEFAULT_STATE_DIR
@@ -186,6 +186,21 @@ def _print(r: dict) -> None:
     print(f"{'':<9} phases: " + " + ".join(f"{k} {v:.1f}" for k, v in r["phases"].items()) + node + rdzv, flush=True)
 
 
+def _table(rows: list[dict]) -> None:
+    """Every faulted row as one markdown table, with its phases (a missing phase: "-")."""
+    print("\n| baseline | layout | fault | fault -> step | " + " | ".join(PHASES) + " | recomputed | world | "
+          "restored from | job end, Slurm restarts |")
+    print("|---" * (len(PHASES) + 8) + "|")
+    for r in rows:
+        if r["fault"] == "none":
+            continue
+        took = f"{r['fault_to_step_s']:.1f} s" if r["fault_to_step_s"] is not None else r.get("outcome", "-")
+        ph = [f"{r['phases'][k]:.1f}" if k in r.get("phases", {}) else "-" for k in PHASES]
+        print(f"| {r['baseline']} | {r['layout']} | {r['fault']} | {took} | " + " | ".join(ph)
+              + f" | {r.get('steps_recomputed', '-')} | {r.get('world', '-')} | {r.get('restored_from', '-')} | "
+              f"{r['state']}, {r['slurm_restarts']} |")
+
+
 def _plan(args) -> list[tuple[str, str, str | None]]:
     """(baseline, layout, fault) in run order; the uninterrupted runs first."""
     out = []
@@ -227,6 +242,7 @@ def main() -> int:
         rows.append(r)
         _print(r)
         args.out.write_text(json.dumps(rows, indent=1) + "\n")   # what ran so far, should a later row fail
+    _table(rows)
     print(f"wrote {args.out}; load average {os.getloadavg()[0]:.1f}")
     return 0
 
