@@ -18,8 +18,10 @@ size and the step time are printed). Baselines (``--baseline``, repeatable; defa
   job (FAILED: no recovery without submitting it again), and the row says so;
 - ``torchrun``: ``torchrun --nnodes 2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d``
   running ``python -m ddp_hpc.run jobs/demo.yaml`` in one ``srun --nodes=2 --ntasks-per-node=1``
-  step of an sbatch job (bench/clusterjobs.py writes the script); for a lost node
-  ``--nnodes 1:2``, so the agent that is left may go on alone (``--nnodes 2`` cannot form again).
+  step of an sbatch job (bench/clusterjobs.py writes the script, with
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it torch 2.13's restarted workers failed their
+  gloo rendezvous here); for a lost node ``--nnodes 1:2``, so the agent that is left may go on
+  alone (``--nnodes 2`` cannot form again).
 
 Faults (``--fault``), each in a job of its own once every rank did 12 steps: rank 3's process
 SIGKILLed; every process of rank 3's node killed (``ddp_hpc.testcluster.nodefail``, its slurmd
@@ -104,12 +106,11 @@ def _submit(work: Path, baseline: str, layout: str, fault: str | None, env: dict
 
 
 def _restored(log_dir: Path, t: float) -> str | None:
-    """The ``source`` of the first ``restored`` event of a process started after ``t``."""
-    for ls in cj.lives_after(log_dir, 4, t).values():
-        for life in ls[:1]:
-            if ev := next((e for e in life if e.get("event") == "restored"), None):
-                return ev.get("source")
-    return None
+    """The ``source``s of the ``restored`` events of the processes started after ``t`` (a checkpoint
+    file, a node's memory snapshot, a peer's)."""
+    got = {str(e.get("source")) for ls in cj.lives_after(log_dir, 4, t).values() for life in ls[:1]
+           for e in life if e.get("event") == "restored"}
+    return ", ".join(sorted(got)) or None
 
 
 def _after_fault(row: dict, baseline: str, log_dir: Path, t_fault: float, first: float) -> None:
