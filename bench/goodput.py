@@ -219,7 +219,7 @@ def main() -> int:
     if "SLURM_CONF" not in os.environ:
         raise SystemExit("bench/goodput.py runs on the test cluster: " + __doc__.splitlines()[4].strip())
     work = Path(tempfile.mkdtemp(prefix="ddp_hpc-goodput-bench-"))
-    env = dict(os.environ, DDP_HPC_HOME=str(work / "home"), PYTHONPATH=str(cj.ROOT))
+    env = cj.bench_environ(work)
     print(f"state {args.state_mb:g} MB ({' '.join(bigstate.overrides(args.state_mb)) or 'the demo model'}), "
           f"{args.steps} steps, a killed rank every {args.every:g} s ({args.faults} faults, ranks {args.ranks}); "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)

@@ -230,7 +230,7 @@ def main() -> int:
     if "SLURM_CONF" not in os.environ:
         raise SystemExit("bench/restart.py runs on the test cluster: " + __doc__.splitlines()[4].strip())
     work = Path(tempfile.mkdtemp(prefix="ddp_hpc-restart-bench-"))
-    env = dict(os.environ, DDP_HPC_HOME=str(work / "home"), PYTHONPATH=str(cj.ROOT))
+    env = cj.bench_environ(work)
     print(f"state: {args.state_mb:g} MB ({' '.join(bigstate.overrides(args.state_mb)) or 'the demo model'}); "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     rows, base = [], None
