@@ -37,9 +37,12 @@ Per scenario it prints:
   same samples in the same order, so it is equal up to float noise);
 - the job id, its end state and Slurm's restart count (0: no requeue);
 - the restart's phases (``ddp_hpc.judge.restarts.phases``: detect, stop, start, import,
-  rendezvous, restore, first step; docs/restarts.md, "Where the seconds go"). Without a line in
-  restarts.jsonl (a requeue, torchrun) there are no detect and stop marks: ``start`` is then
-  the fault to the new processes' start (Slurm's or the agents' detection, stop and relaunch);
+  rendezvous, restore, first step; docs/restarts.md, "Where the seconds go"), counted from the
+  restart record's ``fault_at``; for a stopped rank that is where the peers' collective timeout
+  ended, and the final table's "before fault_at" column is the time from the SIGSTOP to it.
+  Without a line in restarts.jsonl (a requeue, torchrun) there are no detect and stop marks:
+  ``start`` is then the fault to the new processes' start (Slurm's or the agents' detection,
+  stop and relaunch);
 - where the state came from (the ``restored`` event's ``source``: a checkpoint file, a node's
   memory snapshot).
 
@@ -189,15 +192,18 @@ def _print(r: dict) -> None:
 
 def _table(rows: list[dict]) -> None:
     """Every faulted row as one markdown table, with its phases (a missing phase: "-")."""
-    print("\n| baseline | layout | fault | fault -> step | " + " | ".join(PHASES) + " | recomputed | world | "
-          "restored from | job end, Slurm restarts |")
-    print("|---" * (len(PHASES) + 8) + "|")
+    print("\n| baseline | layout | fault | fault -> step | before fault_at | " + " | ".join(PHASES)
+          + " | recomputed | world | restored from | job end, Slurm restarts |")
+    print("|---" * (len(PHASES) + 9) + "|")
     for r in rows:
         if r["fault"] == "none":
             continue
         took = f"{r['fault_to_step_s']:.1f} s" if r["fault_to_step_s"] is not None else r.get("outcome", "-")
         ph = [f"{r['phases'][k]:.1f}" if k in r.get("phases", {}) else "-" for k in PHASES]
-        print(f"| {r['baseline']} | {r['layout']} | {r['fault']} | {took} | " + " | ".join(ph)
+        # a stopped rank's restart record puts the fault where the peers' collective timeout ended
+        before = r["fault_to_step_s"] - sum(r["phases"].values()) if r["fault_to_step_s"] is not None else None
+        lead = f"{before:.1f}" if before is not None and before >= 0.05 else "-"
+        print(f"| {r['baseline']} | {r['layout']} | {r['fault']} | {took} | {lead} | " + " | ".join(ph)
               + f" | {r.get('steps_recomputed', '-')} | {r.get('world', '-')} | {r.get('restored_from', '-')} | "
               f"{r['state']}, {r['slurm_restarts']} |")
 
