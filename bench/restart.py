@@ -137,6 +137,22 @@ def _after_fault(row: dict, baseline: str, log_dir: Path, t_fault: float, first:
                restarts=rows, world=f"4 -> {world}", restored_from=_restored(log_dir, t_fault))
 
 
+def _measure(row: dict, baseline: str, job: str, log_dir: Path, env: dict, t_fault: float, dead: str | None) -> None:
+    """The run after the fault at ``t_fault`` (``dead``: the node failed, if any), into ``row``."""
+    if dead:
+        row["node_failed"] = dead
+        if baseline == "torchrun":   # the c10d store of the agents' rendezvous lives on the job's first node
+            row["rendezvous_host"] = expand(cj.job_fields(job, env).get("NodeList", ""))[0]
+    first = cj.finished(cj.step_or_end(log_dir, 4, t_fault, job, env, HEAL_TIMEOUT_S))
+    if first is not None:
+        _after_fault(row, baseline, log_dir, t_fault, first)
+        return
+    state = cj.job_fields(job, env).get("JobState")
+    row["outcome"] = f"no step after the fault (job {state})" + (
+        ": no recovery without submitting it again" if baseline == "requeue" and state == "FAILED" else "")
+    cj.slurm(["scancel", job], env)
+
+
 def scenario(work: Path, baseline: str, layout: str, fault: str | None, env: dict, args) -> dict:
     job, log_dir = _submit(work, baseline, layout, fault, env, args.state_mb)
     row: dict = {"baseline": baseline, "layout": layout, "fault": fault or "none", "job": job,
@@ -146,25 +162,17 @@ def scenario(work: Path, baseline: str, layout: str, fault: str | None, env: dic
         len(cj.steps(cj.events(log_dir, r))) >= 12 for r in range(4)), 600)
     first_life = (cj.lives(log_dir, 0) or [[]])[0]
     row["step_s"] = bigstate.step_s(cj.steps(first_life))
-    if fault and not over():
-        t_fault, dead = cj.inject(INJECT[fault], log_dir, 3, args.state_dir)
+    # A failed node comes back once the job is over: revived beside the requeued run of a lost node,
+    # that run got a SIGTERM 2 s after its first step (the job then FAILED).
+    dead = None
+    try:
+        if fault and not over():
+            t_fault, dead = cj.inject(INJECT[fault], log_dir, 3, args.state_dir)
+            _measure(row, baseline, job, log_dir, env, t_fault, dead)
+        final = cj.end(job, env)
+    finally:
         if dead:
-            row["node_failed"] = dead
-            if baseline == "torchrun":   # the c10d store of the agents' rendezvous lives on the job's first node
-                row["rendezvous_host"] = expand(cj.job_fields(job, env).get("NodeList", ""))[0]
-        try:
-            first = cj.finished(cj.step_or_end(log_dir, 4, t_fault, job, env, HEAL_TIMEOUT_S))
-        finally:
-            if dead:
-                revive_node(args.state_dir, dead)
-        if first is not None:
-            _after_fault(row, baseline, log_dir, t_fault, first)
-        else:
-            state = cj.job_fields(job, env).get("JobState")
-            row["outcome"] = f"no step after the fault (job {state})" + (
-                ": no recovery without submitting it again" if baseline == "requeue" and state == "FAILED" else "")
-            cj.slurm(["scancel", job], env)
-    final = cj.end(job, env)
+            revive_node(args.state_dir, dead)
     row["final_loss"], row["final_step"] = _final(log_dir)
     row.update(state=final.get("JobState"), slurm_restarts=int(final.get("Restarts", -1)),
                checkpoint_bytes=bigstate.checkpoint_bytes(log_dir))
