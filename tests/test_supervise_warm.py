@@ -15,7 +15,7 @@ import pytest
 
 from ddp_hpc.env.sources import derive
 from ddp_hpc.judge.srun import task_reports
-from ddp_hpc.supervise.standby import IMPORTS_VAR, eligible
+from ddp_hpc.supervise.standby import IMPORTS_VAR, eligible, preload
 from ddp_hpc.supervise.warm import Relay, Warm, step_variables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,3 +169,10 @@ def test_only_a_python_module_or_script_can_stand_by():
     for cmd in (["torchrun", "train.py"], ["python", "-u", "train.py"], ["bash", "run.sh"], ["python"],
                 ["apptainer", "exec", "img", "python", "train.py"], ["python", "-m"]):
         assert not eligible(cmd), cmd
+
+
+def test_preload_names_what_failed_and_leaves_the_process_priority_alone():
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    assert preload(["python", "-m", "pkg.train"], {IMPORTS_VAR: "json, no_such_module_here"}) == [
+        "no_such_module_here"]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before      # only the import thread was niced

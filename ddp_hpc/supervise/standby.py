@@ -29,6 +29,7 @@ import os
 import runpy
 import socket
 import sys
+import threading
 import time
 
 from ddp_hpc.env.sources import derive
@@ -63,20 +64,33 @@ def eligible(command) -> bool:
 
 def preload(command, environ=None) -> list[str]:
     """Import what a rank of ``command`` will need (`BASE_MODULES`; for a ``ddp_hpc`` module also
-    `OWN_MODULES`; `IMPORTS_VAR` when set instead); the names that failed to import (they will
-    fail again, loudly, in the run)."""
+    `OWN_MODULES`; `IMPORTS_VAR` when set instead) at the lowest CPU priority, so that the cores of
+    a node that trains go to the training first: in a thread of its own with nice 19 (Linux keeps a
+    nice value per thread; the process itself, which becomes the rank, keeps its priority, which an
+    unprivileged process could not raise again). The names that failed to import (they will fail
+    again, loudly, in the run)."""
     env = os.environ if environ is None else environ
     names = list(BASE_MODULES)
     if len(command) >= 3 and command[1] == "-m" and str(command[2]).split(".")[0] == "ddp_hpc":
         names += OWN_MODULES
     if IMPORTS_VAR in env:
         names = [n.strip() for n in env[IMPORTS_VAR].split(",") if n.strip()]
-    failed = []
-    for name in names:
+    failed: list[str] = []
+
+    def imports() -> None:
         try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the run itself reports a broken import
-            failed.append(name)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass                      # not Linux: the imports run at the process's priority
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the run itself reports a broken import
+                failed.append(name)
+
+    t = threading.Thread(target=imports, name="ddp_hpc-standby-imports")
+    t.start()
+    t.join()
     return failed
 
 
