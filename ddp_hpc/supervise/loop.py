@@ -43,11 +43,12 @@ __all__ = ["Settings", "Finding", "Judgement", "supervise", "find", "judge", "re
            "step_env", "step_args"]
 
 PREFIX = "ddp_hpc supervise:"
-#: how long srun gets to end a step after its abort when the supervisor stopped it (a lost node, a
-#: rank that lost a peer, a hang): the abort asked Slurm to kill every task at once; what srun
+#: how long srun gets to end a step after its abort when the supervisor stopped it (a lost node,
+#: a rank that lost a peer, a hang): its tasks were already SIGKILLed (`_stop`), and what srun
 #: still waits for is a node that does not answer (KillWait + 2 s: 8.6 s of the bench's lost-node
-#: restart), and the next step overlaps this one, so srun is killed sooner
-QUICK_STOP_S = 2.0
+#: restart) or the step's end from the controller (2 s of the killed-rank restart); the next step
+#: overlaps this one, so srun is killed sooner
+QUICK_STOP_S = 1.0
 
 
 @dataclass(frozen=True)
