@@ -3,6 +3,7 @@ bytes, and where the loader's time goes.
 
     .venv/bin/python bench/framing.py                 # ~1 minute on 2 cores
     .venv/bin/python bench/framing.py --files 20000 --reps 11 --profile
+    .venv/bin/python bench/framing.py --alone            # the reader's work alone: seconds, no ranks
 
 The same measurement ``bench/io.py`` makes in its run (:func:`delivery`, imported there): 4 ranks
 as 2 pretend nodes of 2, node groups, the samples in memory (no reads, no decode), one epoch's
@@ -13,12 +14,16 @@ steps of 64 samples.  Cases, interleaved over ``--reps`` repetitions, best and m
 * ``bare_bucketed``: a bare ``dist.broadcast`` of the same bytes in the same buckets, prebuilt
   (the framing overhead alone is ``bare_bucketed / ours``, target >= 0.6);
 * ``bare_broadcast``: one bare broadcast per step (what a hand-written loader does);
+* ``floor``: the least any loader does: gather each step's samples by index and copy them back
+  to back into the bucket's buffer (one C loop), the bare broadcast of the previous bucket in
+  flight meanwhile; members take the buffer as it comes (``floor / ours``: how close we are);
 * ``ours_unbucketed`` and ``bare_scatter`` for information.
 
 ``--profile`` then times the loader's phases per bucket on the reader (preparing: the bulk read
 and :func:`ddp_hpc.data.wire.raw_bundle`; framing: the join into the send buffer; starting the
 collective; waiting for it) and on the members (the collective; slicing), and prints the reader's
-and a member's top functions under cProfile.  Writes ``bench/framing.json``.
+and a member's top functions under cProfile; and the reader's work per bucket alone, in one process
+with no collective (:func:`alone`), against the floor's.  Writes ``bench/framing.json``.
 """
 from __future__ import annotations
 
@@ -246,6 +251,74 @@ def profiled(cases, top=14) -> str:
     return buf.getvalue()
 
 
+def alone(imgs, reps=30) -> dict:
+    """The reader's work per bucket in one process, with no collective and no other rank taking
+    turns on the cores: ``BroadcastDataset._prepare`` (bulk reads, headers, the join into the send
+    buffer) of rank 0's node group (ranks 0 and 1 of 4) against the floor's gather and one copy of
+    the same samples (microseconds per bucket, best and median of ``reps`` epochs)."""
+    import torch
+
+    from ddp_hpc.data.broadcast import BroadcastDataset, GroupPlan
+    from ddp_hpc.data.images import list_image_folder
+    from ddp_hpc.data.samplers import batches_per_rank, epoch_permutation
+
+    _, samples = list_image_folder(imgs)
+    blobs = [(open(os.path.join(imgs, rel), "rb").read(), label) for rel, label in samples]
+    values, labels = [v for v, _ in blobs], [label for _, label in blobs]
+
+    class Mem:
+        def __len__(self):
+            return len(blobs)
+
+        def raw_item(self, i):
+            return blobs[i]
+
+        def raw_batch(self, idx):
+            return list(map(values.__getitem__, idx)), list(map(labels.__getitem__, idx))
+
+        def decode_item(self, data, label):
+            return data, label
+
+    world, members = 4, [0, 1]
+    plan = GroupPlan("node", 0, world, (None, members), None, members, [0, 2], torch.device("cpu"))
+    ds, mem = BroadcastDataset(Mem(), plan), Mem()
+    steps = batches_per_rank(len(blobs), world, BATCH)
+    full = epoch_permutation(len(blobs), world, 0, 0)
+    perm = {r: full[r::world] for r in members}
+    spans, b = [], 0
+    while b < steps:   # the buckets ours makes, replayed by the floor
+        b_next, framed = ds._prepare(perm, b, steps, BATCH, None)
+        spans.append([perm[r][j * BATCH:(j + 1) * BATCH] for j in range(b, b_next) for r in members])
+        b = b_next
+    del framed
+    bios = [io.BytesIO(bytes(2 << 20)) for _ in spans]
+
+    def ours():
+        b = 0
+        while b < steps:
+            b, _ = ds._prepare(perm, b, steps, BATCH, None)
+
+    def floor():
+        for bio, idxs in zip(bios, spans):
+            bio.seek(0)
+            for idx in idxs:
+                bio.writelines(mem.raw_batch(idx)[0])
+            t = torch.frombuffer(bio.getbuffer(), dtype=torch.uint8)
+            del t
+
+    times = {"ours": [], "floor": []}
+    for _ in range(reps):
+        for k, fn in (("ours", ours), ("floor", floor)):
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    out = {"buckets": len(spans)}
+    for k, v in times.items():
+        out[f"{k}_best_us"] = round(min(v) / len(spans) * 1e6, 1)
+        out[f"{k}_median_us"] = round(sorted(v)[len(v) // 2] / len(spans) * 1e6, 1)
+    return out
+
+
 def _rank(rank, world_size, a):
     import torch
 
@@ -267,6 +340,7 @@ def main(argv=None) -> int:
     p.add_argument("--files", type=int, default=20000, help="images in the dataset (default: 20000)")
     p.add_argument("--reps", type=int, default=11, help="interleaved repetitions (default: 11)")
     p.add_argument("--profile", action="store_true", help="also time the phases and print cProfile's top")
+    p.add_argument("--alone", action="store_true", help="only the reader's work alone (one process, seconds)")
     p.add_argument("--workdir", default="/tmp/ddp_hpc_io_bench", help="where the images go (bench/io.py's)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "framing.json"))
     args = p.parse_args(argv)
@@ -275,6 +349,9 @@ def main(argv=None) -> int:
 
     imgs = make_images(os.path.join(args.workdir, "shared", "imgs"), count=args.files, classes=10, size=16,
                        progress=False)
+    if args.alone:
+        print(f"load average {os.getloadavg()[0]:.2f}; the reader's work alone, us per bucket: {alone(imgs)}")
+        return 0
     a = {"imgs": imgs, "reps": args.reps, "profile": args.profile}
     load = os.getloadavg()
     per_rank = launch_distributed(_rank, 4, args=(a,), nodes=2, timeout=900)
@@ -291,13 +368,17 @@ def main(argv=None) -> int:
           f"{d['bare_bucketed_median_s'] / d['floor_median_s']:.2f} medians")
     print(f"vs one bare broadcast per step: {d['bare_broadcast_s'] / d['ours_s']:.2f} best (target >= 0.8)")
     if args.profile:
+        one = alone(imgs)
+        print(f"\nthe reader's work alone (one process, no collective), us per bucket: ours "
+              f"{one['ours_best_us']} best, {one['ours_median_us']} median; floor {one['floor_best_us']} best, "
+              f"{one['floor_median_us']} median")
         for r in (0, 1):
             role = "reader" if r == 0 else "member"
             print(f"\nrank {r} ({role}), us per bucket: {per_rank[r]['phases_us_per_bucket']}")
         for r in (0, 1):
             print(f"\nrank {r} cProfile, 5 epochs of ours:\n{per_rank[r]['cprofile']}")
     with open(args.out, "w") as f:
-        json.dump({"load_before": load, "per_rank": per_rank}, f, indent=1)
+        json.dump({"load_before": load, "per_rank": per_rank, "alone": one if args.profile else None}, f, indent=1)
     return 0
 
 
