@@ -6,8 +6,8 @@ bytes, and where the loader's time goes.
     .venv/bin/python bench/framing.py --alone            # the reader's work alone: seconds, no ranks
 
 The same measurement ``bench/io.py`` makes in its run (:func:`delivery`, imported there): 4 ranks
-as 2 pretend nodes of 2, node groups, the samples in memory (no reads, no decode), one epoch's
-steps of 64 samples.  Cases, interleaved over ``--reps`` repetitions, best and median kept:
+as 2 pretend nodes of 2 (``--ranks``, ``--nodes``), node groups, the samples in memory (no reads,
+no decode), one epoch's steps of 64 samples.  Cases, interleaved over ``--reps`` repetitions, best and median kept:
 
 * ``ours``: ``BroadcastDataset.messages`` (bulk read, headers, framing into the send buffer, the
   bucketed broadcast, the members' slicing), 1 MiB buckets;
@@ -340,6 +340,8 @@ def main(argv=None) -> int:
     p.add_argument("--files", type=int, default=20000, help="images in the dataset (default: 20000)")
     p.add_argument("--reps", type=int, default=11, help="interleaved repetitions (default: 11)")
     p.add_argument("--profile", action="store_true", help="also time the phases and print cProfile's top")
+    p.add_argument("--ranks", type=int, default=4, help="ranks (default: 4)")
+    p.add_argument("--nodes", type=int, default=2, help="pretend nodes they make (default: 2; node groups)")
     p.add_argument("--alone", action="store_true", help="only the reader's work alone (one process, seconds)")
     p.add_argument("--workdir", default="/tmp/ddp_hpc_io_bench", help="where the images go (bench/io.py's)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "framing.json"))
@@ -354,9 +356,10 @@ def main(argv=None) -> int:
         return 0
     a = {"imgs": imgs, "reps": args.reps, "profile": args.profile}
     load = os.getloadavg()
-    per_rank = launch_distributed(_rank, 4, args=(a,), nodes=2, timeout=900)
+    per_rank = launch_distributed(_rank, args.ranks, args=(a,), nodes=args.nodes, timeout=900)
     d = per_rank[0]["delivery"]
-    print(f"load average before: {load[0]:.2f}; after: {os.getloadavg()[0]:.2f} (2 CPUs, 4 ranks)")
+    print(f"load average before: {load[0]:.2f}; after: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs, "
+          f"{args.ranks} ranks on {args.nodes} pretend nodes)")
     print(f"{d['steps']} steps, {d['buckets']} buckets, {d['group_bytes'] / 1e6:.1f} MB per group")
     for k in ("ours_s", "bare_bucketed_s", "floor_s", "bare_broadcast_s", "ours_unbucketed_s", "bare_scatter_s"):
         print(f"  {k:20s} best {d[k] * 1e3:7.2f} ms   median {d[k.replace('_s', '_median_s')] * 1e3:7.2f} ms")
@@ -378,7 +381,8 @@ def main(argv=None) -> int:
         for r in (0, 1):
             print(f"\nrank {r} cProfile, 5 epochs of ours:\n{per_rank[r]['cprofile']}")
     with open(args.out, "w") as f:
-        json.dump({"load_before": load, "per_rank": per_rank, "alone": one if args.profile else None}, f, indent=1)
+        json.dump({"load_before": load, "ranks": args.ranks, "nodes": args.nodes, "per_rank": per_rank,
+                   "alone": one if args.profile else None}, f, indent=1)
     return 0
 
 
