@@ -116,3 +116,29 @@ def test_without_datasets_installed_the_error_names_the_folder_and_the_install(h
     err = capsys.readouterr().err
     assert src in err and "Hugging Face datasets folder" in err and "pip install datasets" in err
     assert os.listdir(tmp_path) == []
+
+
+def test_arrow_rows_stay_views_of_the_file_until_their_chunk_is_read(hf):
+    """The source's samples are views of the memory-mapped Arrow file, not copies; read_in_order
+    copies them to bytes one chunk (CHUNK_FILES samples) at a time, as the chunk is taken."""
+    import pyarrow as pa
+
+    from ddp_hpc.data.packsources import CHUNK_FILES, open_source, read_in_order
+
+    src, images, _ = hf
+    _, _, samples = open_source(src)
+    assert all(isinstance(where, pa.Buffer) for _, _, where in samples)
+
+    class Counted:
+        copied = 0
+
+        def __init__(self, where):
+            self.where = where
+
+        def __bytes__(self):
+            Counted.copied += 1
+            return bytes(self.where)
+
+    payloads = read_in_order([(n, y, Counted(w)) for n, y, w in samples], check=True, workers=1)
+    assert next(payloads) == images[0] and Counted.copied == CHUNK_FILES
+    assert list(payloads) == images[1:] and Counted.copied == len(images)

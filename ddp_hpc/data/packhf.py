@@ -13,8 +13,10 @@ Such a folder holds ``state.json``, ``dataset_info.json`` and the Arrow files; i
 * records keep row order and are named ``FOLDER/ROW``, plus ``:FILE`` when the image column
   kept the name of the file it came from.
 
-The bytes are read from the memory-mapped Arrow files on the packing process (their opens are
-counted with :mod:`ddp_hpc.data.fsio`), then checked by the pack workers like a shard's members.
+Each sample's ``where`` is a zero-copy view (a ``pyarrow.Buffer``) of the memory-mapped Arrow
+files (their opens are counted with :mod:`ddp_hpc.data.fsio`): the packing process copies a
+chunk's bytes out only as it hands the chunk to a pack worker
+(:func:`ddp_hpc.data.packsources.read_in_order`), so a dataset larger than memory packs.
 A ``DatasetDict`` folder (``dataset_dict.json``, one sub-folder per split) is refused with its
 splits named: pack one split folder at a time.
 """
@@ -97,7 +99,7 @@ def _label_column(features) -> tuple[str | None, list[str] | None]:
     return (ints[0] if ints else None), None
 
 
-def hf_source(src: str) -> tuple[str, list[str], list[tuple[str, int, bytes]]]:
+def hf_source(src: str) -> tuple[str, list[str], list[tuple[str, int, object]]]:
     """``(kind, classes, samples)`` of the ``save_to_disk`` folder ``src`` (see the module text)."""
     ds = _load(src)
     for f in ds.cache_files:
@@ -106,11 +108,9 @@ def hf_source(src: str) -> tuple[str, list[str], list[tuple[str, int, bytes]]]:
     label, classes = _label_column(ds.features)
     table = ds.select_columns([c for c in (image, label) if c]).with_format("arrow")[:]
     column = table.column(image)
-    if is_struct:
-        payloads = [b for chunk in column.chunks for b in chunk.field("bytes").to_pylist()]
-        paths = [p for chunk in column.chunks for p in chunk.field("path").to_pylist()]
-    else:
-        payloads, paths = column.to_pylist(), [None] * len(column)
+    chunks = [c.field("bytes") for c in column.chunks] if is_struct else column.chunks
+    payloads = [v.as_buffer() for c in chunks for v in c]  # views of the mapped file, no copy
+    paths = [p for c in column.chunks for p in c.field("path").to_pylist()] if is_struct else [None] * len(payloads)
     labels = [-1 if y is None else int(y) for y in table.column(label).to_pylist()] if label else [-1] * len(payloads)
     base, width = os.path.basename(src.rstrip(os.sep)), len(str(max(len(payloads) - 1, 0)))
     samples = []

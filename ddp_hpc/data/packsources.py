@@ -6,8 +6,9 @@ before its first dot; the sample's payload is its image member, its label the in
 ``.cls`` member, -1 without one), or a Hugging Face ``datasets`` folder written by
 ``save_to_disk`` (:mod:`ddp_hpc.data.packhf`, mapped the same way).  Each gives
 ``(kind, classes, samples)``, where a sample is ``(name, label, where)``: ``where`` a path to
-read, or for a tar member or an Arrow row the bytes already read (a shard is one sequential
-read on the packing process).
+read, for a tar member the bytes already read (a shard is one sequential read on the packing
+process), or for an Arrow row a buffer of the memory-mapped file, copied to bytes as its chunk
+is handed out.
 
 :func:`read_in_order` reads (where needed) and checks the samples in ``workers`` processes, in
 chunks, and yields their payloads in sample order: the LMDB written from it does not depend
@@ -146,8 +147,10 @@ def _init_worker() -> None:
 
 def read_in_order(samples: list, check: bool, workers: int) -> Iterator[bytes]:
     """Each sample's payload, in order, read and checked by ``workers`` processes (1: here)."""
-    tasks = [([(name, where) for name, _, where in samples[i:i + CHUNK_FILES]], check)
-             for i in range(0, len(samples), CHUNK_FILES)]
+    # a generator: a chunk's buffers (Arrow rows) become bytes as the pool takes it, not all at once
+    tasks = (([(name, where if isinstance(where, (str, bytes)) else bytes(where))
+               for name, _, where in samples[i:i + CHUNK_FILES]], check)
+             for i in range(0, len(samples), CHUNK_FILES))
     pool = mp.get_context("fork").Pool(workers, initializer=_init_worker) if workers > 1 else None
     try:
         results = pool.imap(_work, tasks) if pool else map(_work, tasks)
