@@ -16,7 +16,8 @@ Such a folder holds ``state.json``, ``dataset_info.json`` and the Arrow files; i
 Each sample's ``where`` is a zero-copy view (a ``pyarrow.Buffer``) of the memory-mapped Arrow
 files (their opens are counted with :mod:`ddp_hpc.data.fsio`): the packing process copies a
 chunk's bytes out only as it hands the chunk to a pack worker
-(:func:`ddp_hpc.data.packsources.read_in_order`), so a dataset larger than memory packs.
+(:func:`ddp_hpc.data.packsources.read_in_order`), so it holds the chunks in flight, not the
+dataset's bytes.
 A ``DatasetDict`` folder (``dataset_dict.json``, one sub-folder per split) is refused with its
 splits named: pack one split folder at a time.
 """
