@@ -213,13 +213,19 @@ def test_killed_ranks_restart_from_the_warm_standby_and_srun_still_names_the_ran
                           "-J", "rs-warm", str(REPO / "jobs" / "demo.yaml"), "--",
                           f"log.dir={d / 'runs'}", *FAST, "data.kwargs.size=16384")
     log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("rs-warm-*"), None), 60)
-    starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 4), 180)
-    wait_for("the standby's 6 ranks", lambda: _ready(log_dir) >= 6, 120)
-    os.kill(int(starts0[3]["pid"]), signal.SIGKILL)
-    starts1 = wait_for("steps after the first restart", lambda: _stepping(log_dir, 1, 4), 120)
-    wait_for("the second standby's 4 ranks", lambda: _ready(log_dir) >= 10, 120)
-    os.kill(int(starts1[3]["pid"]), signal.SIGKILL)
-    wait_for("steps after the second restart", lambda: _stepping(log_dir, 2, 4), 120)
+    try:
+        starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 4), 180)
+        wait_for("the standby's 6 ranks", lambda: _ready(log_dir) >= 6, 120)
+        os.kill(int(starts0[3]["pid"]), signal.SIGKILL)
+        starts1 = wait_for("steps after the first restart", lambda: _stepping(log_dir, 1, 4), 120)
+        wait_for("the second standby's 4 ranks", lambda: _ready(log_dir) >= 10, 120)
+        os.kill(int(starts1[3]["pid"]), signal.SIGKILL)
+        wait_for("steps after the second restart", lambda: _stepping(log_dir, 2, 4), 120)
+    except BaseException:
+        for name in ("slurm-*.out", "standby.out", "restarts.jsonl", "rank3.out"):
+            for p in log_dir.glob(name):
+                print(f"--- {p.name}\n{p.read_text()[-4000:]}")
+        raise
     state, status, shown = _finish(c, job, env)
     rows = read_restarts(log_dir)
     batch = "".join(p.read_text() for p in log_dir.glob("slurm-*.out"))
