@@ -247,6 +247,7 @@ def test_raw_bundle_is_the_bundle_of_the_steps_messages():
             at += c
         joined = b"".join(pieces)
         assert joined == bundle(steps) and pieces.nbytes == len(joined)
+        assert b"".join(raw_bundle(values, labels, counts, [len(v) for v in values])) == joined
         assert [bytes(m) for m in unbundle(joined)] == steps
         nested = bundle_pieces([pieces, b"xy"])  # a bundle of bundles (two_level's per-node message)
         assert isinstance(nested, Pieces) and b"".join(nested) == bundle([joined, b"xy"])

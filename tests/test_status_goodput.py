@@ -98,3 +98,18 @@ def test_table_has_a_goodput_column_where_the_terminal_is_wide_enough(tmp_path):
     assert "GOODPUT" in wide[0].split() and "90.0%" in wide[1].split()
     narrow = render_table([row], width=max(map(len, wide)) - 1).splitlines()
     assert "GOODPUT" not in narrow[0] and "90.0%" not in narrow[1]
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_restart_from_the_warm_standby_says_so_beside_its_phases(tmp_path, warm):
+    d = tmp_path / "run"
+    _write(d, "57", [(0, 0.0, 1, 10), (1, 30.0, 7, 20)])
+    _mark_restart(d, 1, {"proc_start": T0 + 20, "called_at": T0 + 20.1, "up_at": T0 + 20.5, "warm": warm},
+                  T0 + 20.6)
+    (d / "restarts.jsonl").write_text(json.dumps({
+        "restart": 1, "job_id": "57", "fault_at": T0 + 9.5, "detected_at": T0 + 11, "stopped_at": T0 + 13,
+        "trigger": "exited", "why": "rank 1 killed", "kind": "killed", "rank": 1, "node": "n1", "excluded": [],
+        "nodes_before": ["n1"], "nodes_after": ["n1"], "world_before": 2, "world_after": 2}) + "\n")
+    st = collect([StatusTarget("57", None, str(d))], _sched("57"), history=True, now=T0 + 100)[0]
+    line = next(ln for ln in render_detail(st, now=T0 + 100).splitlines() if ln.strip().startswith("restart 1:"))
+    assert line.endswith("(warm standby: the ranks had imported torch before the fault)") is warm, line

@@ -12,8 +12,8 @@ import subprocess
 import pytest
 
 from ddp_hpc.env import job_facts
-from ddp_hpc.slurm.cli import SlurmArgumentError, SlurmCLI
 from ddp_hpc.runlogs.restarts import append_health
+from ddp_hpc.slurm.cli import SlurmArgumentError, SlurmCLI
 from ddp_hpc.supervise.avoid import REQUEUED, check_placement, failed_nodes
 
 T0 = 1_760_000_000.0

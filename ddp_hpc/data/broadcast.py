@@ -160,16 +160,18 @@ class BroadcastDataset(torch.utils.data.Dataset):
         """Reader: steps b.. (one bucket, see :meth:`takes_another`) -> (first step after it, the
         bucket framed for sending); raw samples are read in bulk and laid out by :func:`raw_bundle`."""
         p, b0, nbytes, last, counts = self.plan, b, 0, 0, []
-        cols = {r: ([], []) for r in p.serves}
+        cols = {r: ([], [], []) for r in p.serves}  # values, labels, their lengths (measured once)
         msgs = {r: [] for r in p.serves}
         while b < steps and (b == b0 or self.takes_another(nbytes, last, b - b0)):
             lo, hi, before = b * batch_size, (b + 1) * batch_size, nbytes
             for r in p.serves:
                 if self.raw:
                     values, labels = self._read_raw(perm[r][lo:hi], pool)
+                    lens = list(map(len, values))
                     cols[r][0].extend(values)
                     cols[r][1].extend(labels)
-                    nbytes += sum(map(len, values))
+                    cols[r][2].extend(lens)
+                    nbytes += sum(lens)
                 else:
                     idx = perm[r][lo:hi]
                     msgs[r].append(encode_samples(list(pool.map(self.inner.__getitem__, idx) if pool is not None
@@ -179,7 +181,7 @@ class BroadcastDataset(torch.utils.data.Dataset):
             last = nbytes - before
             b += 1
         if self.raw:
-            pieces = {r: raw_bundle(*cols[r], counts) for r in p.serves}
+            pieces = {r: raw_bundle(cols[r][0], cols[r][1], counts, cols[r][2]) for r in p.serves}
         else:
             pieces = {r: bundle_pieces(msgs[r]) for r in p.serves}
         if p.mode != "two_level":

@@ -46,11 +46,13 @@ def _size(text: str) -> int:
 
 def _add_pack(sub) -> argparse.ArgumentParser:
     a = sub.add_parser("pack", formatter_class=HelpFormatter,
-                       help="pack a folder of files (or class-per-folder images, or WebDataset shards) into one LMDB",
+                       help="pack a folder of files (or class-per-folder images, WebDataset shards or a Hugging Face "
+                            "save_to_disk folder) into one LMDB",
                        description="Pack every file below SRC into one LMDB at OUT (atomically: OUT "
                                    "appears only once complete).")
     a.add_argument("src", metavar="SRC", help="folder of files, a class-per-folder tree SRC/<class>/<file>, or "
-                   "WebDataset shards (a .tar file or a folder of them; KEY.png + KEY.cls per sample)")
+                   "WebDataset shards (a .tar file or a folder of them; KEY.png + KEY.cls per sample), or a "
+                   "Hugging Face datasets folder written by save_to_disk (one split; needs `pip install datasets`)")
     a.add_argument("out", metavar="OUT", help="the LMDB folder to create, e.g. /shared/imgs.lmdb")
     a.add_argument("--map-size", type=_size, default="64M", metavar="BYTES",
                    help="initial LMDB map size like 64M or 2G; it doubles on demand")

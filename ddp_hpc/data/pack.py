@@ -6,7 +6,8 @@ reads and verifies it.
 
 The files are read and checked by worker processes (``workers``, default the CPUs of the
 allocation) and written here, in key order, so the LMDB does not depend on their number
-(:mod:`ddp_hpc.data.packsources`, which also reads WebDataset shards).  Appended in key order,
+(:mod:`ddp_hpc.data.packsources`, which also reads WebDataset shards and, with
+:mod:`ddp_hpc.data.packhf`, Hugging Face ``save_to_disk`` folders).  Appended in key order,
 in large write transactions (committed every ``txn_bytes``); the map starts at ``map_size`` and
 doubles whenever LMDB reports it full (the pending transaction is replayed).  Every image is
 checked first (unless ``check_images=False``: :mod:`ddp_hpc.data.imagecheck`, a PNG by its
@@ -92,13 +93,15 @@ def _publish(tmp: str, out: str, overwrite: bool) -> None:
 def pack(src: str | os.PathLike, out: str | os.PathLike, *, map_size: int = 64 << 20,
          txn_bytes: int = 64 << 20, check_images: bool = True, progress: bool | None = None,
          overwrite: bool = False, workers: int | None = None) -> dict:
-    """Pack the files under ``src`` (a folder, or WebDataset ``.tar`` shards) into a new LMDB
+    """Pack the files under ``src`` (a folder, WebDataset ``.tar`` shards or a Hugging Face
+    ``save_to_disk`` folder) into a new LMDB
     environment at ``out``, read and checked by ``workers`` processes (default: the CPUs of the
     allocation, :func:`ddp_hpc.data.packsources.allocation_cpus`); returns the metadata.  The
     LMDB is the same, byte for byte, whatever the number of workers."""
     src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
     if not os.path.exists(src):
-        raise PackError(f"pack: source {src!r} does not exist", "pass the dataset folder or .tar shards as SRC")
+        raise PackError(f"pack: source {src!r} does not exist",
+                        "pass the dataset folder, .tar shards or a save_to_disk folder as SRC")
     if os.path.exists(out) and not overwrite:
         raise PackError(f"pack: output {out!r} already exists", "choose a new OUT path or pass --overwrite")
     workers = allocation_cpus() if workers is None else int(workers)

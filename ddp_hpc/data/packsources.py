@@ -1,11 +1,14 @@
 """What ``pack`` reads, and the worker processes that read and check it in parallel.
 
-Sources (:func:`open_source`): a folder of files or a class-per-folder tree, or a WebDataset
+Sources (:func:`open_source`): a folder of files or a class-per-folder tree, a WebDataset
 shard set (one ``.tar`` file, or a folder of them: members grouped by key, the part of the name
 before its first dot; the sample's payload is its image member, its label the integer in its
-``.cls`` member, -1 without one).  Each gives ``(kind, classes, samples)``, where a sample is
-``(name, label, where)``: ``where`` a path to read, or for a tar member the bytes already read
-(a shard is one sequential read on the packing process).
+``.cls`` member, -1 without one), or a Hugging Face ``datasets`` folder written by
+``save_to_disk`` (:mod:`ddp_hpc.data.packhf`, mapped the same way).  Each gives
+``(kind, classes, samples)``, where a sample is ``(name, label, where)``: ``where`` a path to
+read, for a tar member the bytes already read (a shard is one sequential read on the packing
+process), or for an Arrow row a buffer of the memory-mapped file, copied to bytes as its chunk
+is handed out.
 
 :func:`read_in_order` reads (where needed) and checks the samples in ``workers`` processes, in
 chunks, and yields their payloads in sample order: the LMDB written from it does not depend
@@ -23,6 +26,7 @@ from ddp_hpc.data import fsio
 from ddp_hpc.data.errors import PackError
 from ddp_hpc.data.imagecheck import check_image
 from ddp_hpc.data.images import IMAGE_SUFFIXES
+from ddp_hpc.data.packhf import hf_source, is_hf_folder
 from ddp_hpc.env import job_facts
 
 __all__ = ["open_source", "read_in_order", "allocation_cpus", "CHUNK_FILES"]
@@ -98,13 +102,17 @@ def _webdataset(shards: list[str]) -> tuple[str, list[str], list[tuple[str, int,
 
 
 def open_source(src: str) -> tuple[str, list[str], list[tuple[str, int, object]]]:
-    """``(kind, classes, samples)`` of a folder or a WebDataset shard set at ``src``."""
+    """``(kind, classes, samples)`` of a folder, a WebDataset shard set or a Hugging Face
+    ``save_to_disk`` folder at ``src``."""
     shards = _shards(src)
     if shards is not None:
         return _webdataset(shards)
     if not os.path.isdir(src):
         raise PackError(f"pack: source {src!r} is not a directory or a WebDataset .tar shard",
-                        "pass the dataset folder, a .tar shard or a folder of .tar shards as SRC")
+                        "pass the dataset folder, a .tar shard, a folder of .tar shards or a Hugging Face "
+                        "save_to_disk folder as SRC")
+    if is_hf_folder(src):
+        return hf_source(src)
     return _folder(src)
 
 
@@ -139,8 +147,10 @@ def _init_worker() -> None:
 
 def read_in_order(samples: list, check: bool, workers: int) -> Iterator[bytes]:
     """Each sample's payload, in order, read and checked by ``workers`` processes (1: here)."""
-    tasks = [([(name, where) for name, _, where in samples[i:i + CHUNK_FILES]], check)
-             for i in range(0, len(samples), CHUNK_FILES)]
+    # a generator: a chunk's buffers (Arrow rows) become bytes as the pool takes it, not all at once
+    tasks = (([(name, where if isinstance(where, (str, bytes)) else bytes(where))
+               for name, _, where in samples[i:i + CHUNK_FILES]], check)
+             for i in range(0, len(samples), CHUNK_FILES))
     pool = mp.get_context("fork").Pool(workers, initializer=_init_worker) if workers > 1 else None
     try:
         results = pool.imap(_work, tasks) if pool else map(_work, tasks)

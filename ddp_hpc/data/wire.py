@@ -102,30 +102,30 @@ def _nbytes(message) -> int:
     return message.nbytes if isinstance(message, Pieces) else len(message)
 
 
-def raw_bundle(values: list, labels: list, counts: list[int]) -> Pieces:
+def raw_bundle(values: list, labels: list, counts: list[int], lens: list[int] | None = None) -> Pieces:
     """The pieces of ``bundle([encode_samples(step, raw=True) for step in steps])`` (the same
-    bytes once joined), where step j is the next ``counts[j]`` of ``values``/``labels``: every
-    header of the bucket is laid out by numpy at once; the samples' bytes objects are pieces
-    themselves, copied only when the pieces are joined."""
+    bytes once joined), where step j is the next ``counts[j]`` of ``values``/``labels``
+    (``lens``: the values' lengths, where the caller has them already): every header of the
+    bucket is laid out by numpy at once, as rows of two int64s (a step's (count, 0), then each
+    of its samples' (length, label)); the samples' bytes objects are pieces themselves, copied
+    only when the pieces are joined."""
     k, n = len(counts), len(values)
     cnt = np.array(counts, dtype=np.int64)
-    lens = np.array(list(map(len, values)), dtype=np.int64)
-    ends = np.cumsum(cnt)
-    starts = ends - cnt
-    csum = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lens, out=csum[1:])
-    sizes = 16 + 16 * cnt + csum[ends] - csum[starts]  # each step's message
-    heads = np.zeros(2 * k + 2 * n, dtype=np.int64)  # the steps' headers, back to back
-    at = 2 * np.arange(k) + 2 * starts  # where step j's header starts
-    heads[at] = cnt
-    pos = 2 * np.repeat(np.arange(k), cnt) + 2 + 2 * np.arange(n)  # sample i's (length, label)
-    heads[pos] = lens
-    heads[pos + 1] = np.array(labels, dtype=np.int64)
-    hv = memoryview(heads).cast("B")
+    lens = np.array(list(map(len, values)) if lens is None else lens, dtype=np.int64)
+    step_of = np.repeat(np.arange(k), cnt)
+    rows = np.zeros((n + k, 2), dtype=np.int64)
+    rows[np.cumsum(cnt + 1) - cnt - 1, 0] = cnt  # step j's header row: after j headers and its samples
+    at = np.arange(n) + step_of + 1  # sample i's row: after its step's header and those before
+    rows[at, 0] = lens
+    rows[at, 1] = labels
+    sizes = 16 + 16 * cnt + np.bincount(step_of, weights=lens, minlength=k).astype(np.int64)
+    hv = memoryview(rows).cast("B")
     pieces = Pieces([np.concatenate(([k], sizes)).astype(np.int64).tobytes()])
-    for a, b, h in zip(starts.tolist(), ends.tolist(), at.tolist()):
-        pieces.append(hv[8 * h:8 * (h + 2 + 2 * (b - a))])
-        pieces += values[a:b]
+    a = 0
+    for j, c in enumerate(counts):
+        pieces.append(hv[16 * (a + j):16 * (a + j + c + 1)])
+        pieces += values[a:a + c]
+        a += c
     pieces.nbytes = 8 * (k + 1) + int(sizes.sum())
     return pieces
 
@@ -150,9 +150,11 @@ def bundle(messages: list[bytes]) -> bytes:
 def unbundle(buf) -> list[memoryview]:
     """Split a bundle into zero-copy views (``buf`` must not be reused: pass immutable bytes)."""
     (k,) = struct.unpack_from("<q", buf, 0)
-    ends = (8 * (k + 1) + np.cumsum(np.frombuffer(buf, np.int64, k, 8))).tolist()
-    view = memoryview(buf)
-    return [view[end - size:end] for end, size in zip(ends, np.diff([8 * (k + 1)] + ends).tolist())]
+    view, at, out = memoryview(buf), 8 * (k + 1), []
+    for size in struct.unpack_from(f"<{k}q", buf, 8):  # a few sizes: cheaper in Python than in numpy
+        out.append(view[at:at + size])
+        at += size
+    return out
 
 
 class _Buffers:

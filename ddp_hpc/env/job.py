@@ -49,6 +49,8 @@ class JobFacts:
     alloc_restarts: int = 0
     #: SLURM_CPUS_PER_TASK: the CPUs each task of this job step was given (None outside Slurm)
     cpus_per_task: int | None = None
+    #: SLURM_STEP_ID: this process's job step (None outside an srun step)
+    step_id: str | None = None
 
     @property
     def requeues(self) -> int:
@@ -107,4 +109,5 @@ def job_facts(environ: Mapping[str, str] | None = None) -> JobFacts:
         not in ("0", "false", "no", "off"),
         restart_base=base, alloc_restarts=alloc,
         cpus_per_task=_digits(env.get("SLURM_CPUS_PER_TASK"), 0) or None,
+        step_id=env.get("SLURM_STEP_ID") if (env.get("SLURM_STEP_ID") or "").isdigit() else None,
     )

@@ -24,7 +24,7 @@ from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE
 
 __all__ = ["read_restarts", "read_stops", "read_health", "read_restarts_and_stops", "sched_index", "first_step_at",
-           "time_lost", "phases", "PHASES", "restored_text", "restored_event"]
+           "time_lost", "phases", "PHASES", "restored_text", "restored_event", "warm_start"]
 
 
 def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
@@ -130,6 +130,13 @@ def phases(entry: dict, logs) -> dict[str, float]:
         at = max(at, before)
         out[name], before = round(at - before, 3), at
     return out
+
+
+def warm_start(logs, restart: int) -> bool:
+    """Whether every rank of run ``restart`` that wrote its ``rendezvous`` event started from the
+    supervisor's warm standby (``ddp_hpc.supervise.warm``): its start-up was paid before the fault."""
+    rdzv = [e for s in logs.ranks.values() for e in s.of_restart(restart) if e.get("event") == "rendezvous"]
+    return bool(rdzv) and all(e.get("warm") is True for e in rdzv)
 
 
 def restored_text(event: dict) -> str | None:

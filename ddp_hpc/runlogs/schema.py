@@ -54,7 +54,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "stack": ("reason", "stack", "step"),
     # once per rank when its process group is up (runlogs/startup.py): when its process started,
     # when it called init_process_group, when that returned; a restart's phases come from these
-    "rendezvous": ("proc_start", "called_at", "up_at"),
+    "rendezvous": ("proc_start", "called_at", "up_at", "step_id", "warm"),
     # the training core while it evaluates or saves a checkpoint (no step events then): phase
     # ("eval" | "checkpoint"), the step: signs of life for the supervisor (at most one per 5 s);
     # phase "exit": an instrumented script's interpreter ends (no hang is called while it does)

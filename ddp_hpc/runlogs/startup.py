@@ -5,16 +5,25 @@ Each rank writes one ``rendezvous`` event (`schema.EVENTS`) once its process gro
 ``proc_start`` (when the rank's process started: the process srun launched, so for a script run
 by ``ddp_hpc.exec`` the wrapper's, which it hands its child in `PROC_START_VAR`), ``called_at``
 (when the code called ``init_process_group``: the end of Python's start and the imports) and
-``up_at`` (when it returned). ddp_hpc's loop writes it from `dist.setup_ddp`'s marks
-(`mark_rendezvous`) as soon as its run log exists, before it restores a checkpoint; a script's
-instrumentation (``ddp_hpc.instrument.steps``) writes it from its ``init_process_group`` wrapper.
+``up_at`` (when it returned), and ``step_id``, the Slurm job step the rank runs in (the
+supervisor kills that step's tasks at once when it stops a broken step) and ``warm`` (the rank was
+the supervisor's warm standby, `WARM_START_VAR`). ddp_hpc's loop writes
+it from `dist.setup_ddp`'s marks (`mark_rendezvous`) as soon as its run log exists, before it
+restores a checkpoint; a script's instrumentation (``ddp_hpc.instrument.steps``) writes it from
+its ``init_process_group`` wrapper.
 """
 from __future__ import annotations
 
 import os
 import time
 
-__all__ = ["PROC_START_VAR", "process_start", "mark_rendezvous", "rendezvous_fields"]
+from ddp_hpc.env.job import job_facts
+
+__all__ = ["PROC_START_VAR", "WARM_START_VAR", "process_start", "mark_rendezvous", "rendezvous_fields"]
+
+#: set to 1 by the supervisor's warm standby (``supervise.standby``) in a rank it started: the
+#: process was waiting with torch imported, and ``proc_start`` is when it was handed its rank
+WARM_START_VAR = "DDP_HPC_WARM_START"
 
 #: set by ``ddp_hpc.exec`` for the script it starts: the wrapper's own start time (what srun
 #: launched), so a script's ``proc_start`` counts from there
@@ -58,4 +67,5 @@ def rendezvous_fields() -> dict | None:
     """The ``rendezvous`` event's keys, or None when no process group came up in this process."""
     if not _marks:
         return None
-    return {"proc_start": process_start(), **_marks}
+    return {"proc_start": process_start(), **_marks, "step_id": job_facts().step_id,
+            "warm": os.environ.get(WARM_START_VAR) == "1"}

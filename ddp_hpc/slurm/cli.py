@@ -238,6 +238,14 @@ class SlurmCLI:
         argv.append(validate_job_id(job_id))
         self._run(argv)
 
+    def kill_step(self, job_id: object, step_id: object) -> None:
+        """``scancel --signal=KILL JOB.STEP``: every task of one job step killed at once (the
+        supervisor ending a step it knows is broken; srun's own abort lets each task tear down)."""
+        step = str(step_id).strip()
+        if not step.isdigit():
+            raise SlurmArgumentError(f"invalid Slurm step id {step_id!r}", "a step id is a number, such as 1")
+        self._run(["scancel", "--signal=KILL", f"{validate_job_id(job_id)}.{step}"])
+
     def squeue(self, job_ids: Iterable[object] | None = None, user: str | None = None,
                *, all_states: bool = True) -> list[dict[str, str]]:
         """Jobs the controller still knows, one dict per job or array task, keyed by the squeue
@@ -330,13 +338,15 @@ class SlurmCLI:
         argv = ["sinfo", "--noheader", "--Node", "--nodes=" + compress(list(nodes)), "--format=%N" + SEP + "%T"]
         return {r["N"]: r["T"] for r in self._records(argv, self._run(argv).stdout, ("N", "T"), trailing=False)}
 
-    def start_step(self, args: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
-        """``srun ARGS...`` started, not waited for (a job step the caller supervises)."""
+    def start_step(self, args: Sequence[str], env: Mapping[str, str], stderr=None) -> subprocess.Popen:
+        """``srun ARGS...`` started, not waited for (a job step the caller supervises); srun's own
+        messages go to ``stderr`` (default: this process's; ``subprocess.PIPE``: read as text)."""
         argv = ["srun", *[str(a) for a in args]]
         problem = config_problem(env)
         if problem:
             raise SlurmError(argv, None, problem, CONF_HINT, status="not run")
-        return subprocess.Popen(argv, env=dict(env))
+        return subprocess.Popen(argv, env=dict(env), stderr=stderr,
+                                text=True if stderr is not None else None)
 
     def run_step(self, args: Sequence[str], env: Mapping[str, str], timeout: float) -> tuple[int | None, str]:
         """``srun ARGS...`` waited for at most ``timeout`` s: (its exit status, None when it was

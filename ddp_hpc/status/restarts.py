@@ -20,6 +20,7 @@ from ddp_hpc.judge.restarts import (
     restored_event,
     restored_text,
     time_lost,
+    warm_start,
 )
 from ddp_hpc.parsing import to_float
 from ddp_hpc.records import JobRecord
@@ -38,7 +39,8 @@ def alloc_restarts(rec: JobRecord | None, log_dir: str | None, logs: RunLogs) ->
         lost = time_lost(row, logs) if logs.ranks else row.get("lost_s")
         ev = restored_event(logs, row.get("restart")) if logs.ranks else None
         out.append({**row, "lost_s": lost, "phases": phases(row, logs) if logs.ranks else row.get("phases") or {},
-                    **({"restored": restored_text(ev)} if ev and restored_text(ev) else {})})
+                    **({"restored": restored_text(ev)} if ev and restored_text(ev) else {}),
+                    **({"warm": True} if logs.ranks and warm_start(logs, row.get("restart")) else {})})
     return out + stops + read_health(log_dir)
 
 
@@ -66,6 +68,8 @@ def phase_line(r: dict) -> str:
     line = f"restart {r.get('restart')}: {sum(ph.values()):.1f} s = {parts}"
     if "first_step" in ph and "restore" not in ph:
         line += " (no restored event: the restore is counted in the step)"
+    if r.get("warm"):
+        line += " (warm standby: the ranks had imported torch before the fault)"
     return line
 
 

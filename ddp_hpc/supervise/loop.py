@@ -18,6 +18,7 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -30,22 +31,24 @@ from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import read_restarts
 from ddp_hpc.runlogs.restarts import append_health, append_restart, append_stop
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, rank_out
-from ddp_hpc.slurm.cli import SlurmCLI
+from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.hostlist import compress, expand
 from ddp_hpc.supervise.hang import DEFAULT_HANG_S, Hang, all_busy, ask_stacks, find_culprit
 from ddp_hpc.supervise.health import check_nodes, health_row
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
+from ddp_hpc.supervise.warm import Warm
 from ddp_hpc.supervise.watch import FAILED_GRACE_S, EventTail, StepEnd, Watch, node_health, stop_step, watch_step
 
 __all__ = ["Settings", "Finding", "Judgement", "supervise", "find", "judge", "restart_row", "stop_row",
            "step_env", "step_args"]
 
 PREFIX = "ddp_hpc supervise:"
-#: how long srun gets to end a step after its abort when the supervisor stopped it (a lost node, a
-#: rank that lost a peer, a hang): the abort asked Slurm to kill every task at once; what srun
+#: how long srun gets to end a step after its abort when the supervisor stopped it (a lost node,
+#: a rank that lost a peer, a hang): its tasks were already SIGKILLed (`_stop`), and what srun
 #: still waits for is a node that does not answer (KillWait + 2 s: 8.6 s of the bench's lost-node
-#: restart), and the next step overlaps this one, so srun is killed sooner
-QUICK_STOP_S = 2.0
+#: restart) or the step's end from the controller (2 s of the killed-rank restart); the next step
+#: overlaps this one, so srun is killed sooner
+QUICK_STOP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class Settings:
     stall_timeout_s: float = 0.0
     health_check: bool = False          # check the step's nodes before each start (supervise.health)
     hang_timeout_s: float = DEFAULT_HANG_S   # the hang limit's floor (hang.StepClock); 0: off
+    warm_standby: bool = False          # keep a warm standby step for restarts (supervise.warm); the CLI's default
 
 
 def _say(text: str) -> None:
@@ -97,7 +101,18 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
     """Run the job's ranks until they end, restarting them after restartable faults; returns
     the exit status for the batch script."""
     environ = dict(os.environ if environ is None else environ)
-    cli, stop = cli or SlurmCLI(), _Stop()
+    cli = cli or SlurmCLI()
+    warm = (Warm(cli, s.command, s.log_dir, s.policy.tasks_per_node, s.srun_args, _say)
+            if s.warm_standby and Warm.serves(s.command) else None)
+    try:
+        return _supervise(s, cli, environ, warm)
+    finally:
+        if warm is not None:
+            warm.drop()
+
+
+def _supervise(s: Settings, cli, environ: dict, warm: Warm | None) -> int:
+    stop = _Stop()
     facts = job_facts(environ)
     hosts = expand(facts.node_list or "")
     plan = NodePlan(active=hosts[:s.policy.nodes], spare=hosts[s.policy.nodes:])
@@ -106,22 +121,27 @@ def supervise(s: Settings, cli: SlurmCLI | None = None, environ: Mapping[str, st
     done, restart = 0, facts.restart_count + before
     decided = None   # a restart decided: recorded once the health check settled its nodes
     while True:
+        env = step_env(s, environ, before + done)
         if s.health_check:
-            plan = _healthy(s, cli, plan, step_env(s, environ, before + done), done, restart, key)
+            plan = _healthy(s, cli, plan, env, done, restart, key)
+        lost: tuple[str, ...] = ()
         if decided is not None:
             finding, old, new, stopped_at = decided
             _record_restart(s, key, {**restart_row(finding, old, plan or new, restart, key, s.policy.tasks_per_node),
                                      "stopped_at": stopped_at})
-            decided = None
+            decided, lost = None, finding.lost
         if plan is None:
             return 1
-        proc = cli.start_step(step_args(s, plan.active, again=done > 0), step_env(s, environ, before + done))
-        end, hang = _watch(s, proc, cli, plan, restart, facts.job_id, lambda: stop.asked)
+        proc = warm.take(plan.active, {ALLOC_RESTARTS_VAR: env[ALLOC_RESTARTS_VAR]}, lost) if warm and done else None
+        if proc is None:
+            proc = cli.start_step(step_args(s, plan.active, again=done > 0), env)
+        standby = (lambda nodes=plan.active + plan.spare, env=env: warm.start(nodes, env)) if warm else None
+        end, hang = _watch(s, proc, cli, plan, restart, facts.job_id, lambda: stop.asked, standby)
         if stop.asked:
             return exit_status_of_returncode(_wait(proc))
         if end.trigger == "exited" and end.returncode in (0, EX_TEMPFAIL):
             return end.returncode
-        rc = exit_status_of_returncode(stop_step(proc, QUICK_STOP_S if end.trigger != "exited" else 8.0))
+        rc = exit_status_of_returncode(_stop(cli, proc, end, facts.job_id))
         stopped_at = round(time.time(), 3)
         j = judge(s, cli, plan, end, restart, done, hang)
         if j.plan is None:
@@ -154,14 +174,16 @@ def _healthy(s: Settings, cli, plan: NodePlan, env: dict, done: int, run: int, k
     return c.plan
 
 
-def _watch(s: Settings, proc, cli, plan: NodePlan, restart: int, job_id, stopping) -> tuple[StepEnd, Hang | None]:
-    """Watch the step until it ends or needs stopping. A stalled one: its ranks' stacks are
-    asked first (so the evidence survives the stop) and name the hung rank; when every rank
-    answered busy outside a collective, it is no hang and the watch goes on."""
+def _watch(s: Settings, proc, cli, plan: NodePlan, restart: int, job_id, stopping,
+           on_training=None) -> tuple[StepEnd, Hang | None]:
+    """Watch the step until it ends or needs stopping (``on_training``: called once its first
+    training step is seen). A stalled one: its ranks' stacks are asked first (so the evidence
+    survives the stop) and name the hung rank; when every rank answered busy outside a
+    collective, it is no hang and the watch goes on."""
     tail = EventTail(s.log_dir, restart)
     w = Watch(tuple(plan.active), s.stall_timeout_s, hang_floor_s=s.hang_timeout_s)
     while True:
-        end = watch_step(proc, tail, cli, w, stopping)
+        end = watch_step(proc, tail, cli, w, stopping, on_training)
         if end.trigger != "stalled" or not job_id:
             return end, None
         answers, hosts = ask_stacks(cli, job_id, EventTail(s.log_dir, restart))
@@ -172,6 +194,25 @@ def _watch(s: Settings, proc, cli, plan: NodePlan, restart: int, job_id, stoppin
         hang = find_culprit(answers, hosts)
         _say(f"hang: rank {hang.rank} {hang.why} ({hang.basis})" if hang else "hang: the ranks' stacks name no rank")
         return end, hang
+
+
+def _stop(cli, proc, end: StepEnd, job_id) -> int | None:
+    """End a step that needs stopping: one the supervisor stopped is broken for certain (a rank
+    lost a peer, a node is lost, a hang whose stacks were taken), so its tasks are killed at once
+    (``scancel --signal=KILL JOB.STEP``, the step named by the ranks' rendezvous events: srun's
+    abort would let each survivor tear down, about 2-3 s of Python and torch finalisation), then
+    srun's own abort."""
+    if end.trigger != "exited" and end.step_id and job_id and proc.poll() is None:
+        # in the background: scancel waits for the nodes' answers, 10 s and more for a lost one
+        threading.Thread(target=_kill_step, args=(cli, job_id, end.step_id), daemon=True).start()
+    return stop_step(proc, QUICK_STOP_S if end.trigger != "exited" else 8.0)
+
+
+def _kill_step(cli, job_id, step_id) -> None:
+    try:
+        cli.kill_step(job_id, step_id)
+    except (SlurmError, ValueError) as exc:
+        _say(f"could not kill step {job_id}.{step_id} at once ({exc}); srun's abort ends it")
 
 
 def _wait(proc, timeout: float = 60.0) -> int | None:

@@ -36,8 +36,11 @@ from ddp_hpc.supervise.hang import StepClock
 __all__ = ["EventTail", "StepEnd", "Watch", "NodeHealth", "LIFE_EVENTS", "node_condition", "node_health",
            "watch_step", "stop_step", "down_nodes"]
 
-#: after a rank wrote that it lost a peer, how long srun gets to end the step by itself
-FAILED_GRACE_S = 5.0
+#: after a rank wrote that it lost a peer, how long srun gets to end the step by itself: enough
+#: for srun's report of a rank killed by a signal (it comes at once), short since the step is
+#: broken either way (a killed rank: srun ended the step 3.4 s after its peers' errors as they tore
+#: down; a lost node: srun never does)
+FAILED_GRACE_S = 1.0
 #: how often the nodes' states are asked (sinfo), seconds
 NODE_EVERY_S = 3.0
 #: once every rank wrote its end event, how long their processes get to tear down, seconds
@@ -100,6 +103,7 @@ class StepEnd:
     last_step_at: float | None = None    # the newest sign of life (`LIFE_EVENTS`) of any rank
     stall_s: float | None = None         # "stalled": the limit it outlasted, seconds
     down: list[str] = field(default_factory=list)   # nodes sinfo called down / not responding
+    step_id: str | None = None           # the Slurm step the ranks run in (their rendezvous events)
 
 
 @dataclass(frozen=True)
@@ -172,10 +176,13 @@ class _Seen:
         self.ranks: set = set()
         self.ended: set = set()
         self.last_end: float | None = None
+        self.step_id: str | None = None
 
     def add(self, ev: dict) -> None:
         self.clock.add(ev)
         name, t = ev.get("event"), to_float(ev.get("time"))
+        if name == "rendezvous" and ev.get("step_id") is not None:
+            self.step_id = str(ev["step_id"])
         self.ranks.add(ev.get("rank"))
         if name == "end":
             self.ended.add(ev.get("rank"))
@@ -205,16 +212,20 @@ class _Seen:
 
 
 def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Watch,
-               stopping=lambda: False) -> StepEnd:
-    """Wait until the step ended or needs stopping (`stopping()`: the supervisor was told to end)."""
+               stopping=lambda: False, on_training=None) -> StepEnd:
+    """Wait until the step ended or needs stopping (`stopping()`: the supervisor was told to end);
+    ``on_training()`` is called once, when the first training step is seen."""
     seen = _Seen(watch)
     next_nodes = time.monotonic() + NODE_EVERY_S
     while True:
         rc = proc.poll()
         for ev in tail.poll():
             seen.add(ev)
+        if on_training is not None and seen.last_step is not None and rc is None:
+            on_training()
+            on_training = None
         now = time.time()
-        end = StepEnd("exited", rc, now, seen.first_bad, seen.last_step)
+        end = StepEnd("exited", rc, now, seen.first_bad, seen.last_step, step_id=seen.step_id)
         if rc is not None or stopping():
             return end
         if seen.first_bad is not None and now - seen.first_bad > FAILED_GRACE_S:
@@ -241,7 +252,7 @@ def stop_step(proc: subprocess.Popen, timeout: float = 8.0) -> int | None:
                 proc.send_signal(signal.SIGINT)
             except ProcessLookupError:
                 break
-            time.sleep(0.3)
+            time.sleep(0.1)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:

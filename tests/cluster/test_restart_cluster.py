@@ -23,6 +23,7 @@ import pytest
 from ddp_hpc import records
 from ddp_hpc.judge.reader import read_events
 from ddp_hpc.judge.restarts import read_restarts, read_stops
+from ddp_hpc.supervise.watch import FAILED_GRACE_S
 
 from .script_helpers import wait_for
 
@@ -97,7 +98,7 @@ def test_dead_node_and_hang_are_healed_in_one_job_on_a_spare(slurm_cluster):
     assert rows[1]["rank"] == 3 and rows[1]["kind"] == "stuck", rows[1]
     assert rows[1]["trigger"] in ("rank failed", "exited") and rows[1]["stop"] == (
         None if rows[1]["trigger"] == "exited" else
-        "a rank lost a peer and srun had not ended the step 5 s later"), rows[1]
+        f"a rank lost a peer and srun had not ended the step {FAILED_GRACE_S:g} s later"), rows[1]
     assert len({s["host"] for s in starts2.values()}) == 2
     assert re.search(r"resumed from \S+ckpt-\d+\.pt at step [1-9]", (log_dir / "rank0.log").read_text())
     assert "Restarts inside the allocation: 2" in status and f"excluded {dead}" in status, status
@@ -186,3 +187,58 @@ def test_a_drained_node_does_not_stop_a_supervised_job(slurm_cluster):
         if drained:
             c.run(["scontrol", "update", f"nodename={drained}", "state=resume"])
         c.run(["scancel", job])
+
+
+def _ready(log_dir: Path) -> int:
+    """How many standby ranks said they are ready (standby.out)."""
+    try:
+        return (log_dir / "standby.out").read_text().count(" ready in ")
+    except OSError:
+        return 0
+
+
+def _rendezvous(log_dir: Path, restart: int, ranks: int) -> list[dict]:
+    return [next(e for e in _events(log_dir, r, restart) if e["event"] == "rendezvous") for r in range(ranks)]
+
+
+def test_killed_ranks_restart_from_the_warm_standby_and_srun_still_names_the_rank(slurm_cluster):
+    """Two killed ranks in one job with a spare: each restart hands the warm standby (ranks that
+    imported torch before the fault) the new step. The second kill hits a rank the standby knew
+    as another task number (its task 5 on the spare became rank 3): srun's report, relayed by the
+    supervisor, still names rank 3, and so does the judgement."""
+    c = slurm_cluster
+    d = c.shared_dir / f"restart-warm-{time.monotonic_ns()}"
+    d.mkdir()
+    job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--spare-nodes", "1", "--max-restarts", "2",
+                          "-J", "rs-warm", str(REPO / "jobs" / "demo.yaml"), "--",
+                          f"log.dir={d / 'runs'}", *FAST, "data.kwargs.size=16384")
+    log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("rs-warm-*"), None), 60)
+    try:
+        starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 4), 180)
+        wait_for("the standby's 6 ranks", lambda: _ready(log_dir) >= 6, 120)
+        os.kill(int(starts0[3]["pid"]), signal.SIGKILL)
+        starts1 = wait_for("steps after the first restart", lambda: _stepping(log_dir, 1, 4), 120)
+        wait_for("the second standby's 4 ranks", lambda: _ready(log_dir) >= 10, 120)
+        os.kill(int(starts1[3]["pid"]), signal.SIGKILL)
+        wait_for("steps after the second restart", lambda: _stepping(log_dir, 2, 4), 120)
+    except BaseException:
+        for name in ("slurm-*.out", "standby.out", "restarts.jsonl", "rank3.out"):
+            for p in log_dir.glob(name):
+                print(f"--- {p.name}\n{p.read_text()[-4000:]}")
+        raise
+    state, status, shown = _finish(c, job, env)
+    rows = read_restarts(log_dir)
+    batch = "".join(p.read_text() for p in log_dir.glob("slurm-*.out"))
+    print(f"{json.dumps(rows, indent=1)}\n{status}\n{batch[-3000:]}")
+    assert state == "COMPLETED", status
+    assert re.search(r"\bRestarts=0\b", shown), shown
+    assert [r["restart"] for r in rows] == [1, 2]
+    for row in rows:
+        assert (row["rank"], row["kind"], row["basis"]) == (3, "killed", "srun exit report"), row
+    spare = rows[0]["nodes_after"][1]
+    assert starts1[3]["host"] == spare and spare not in rows[0]["nodes_before"]
+    assert f"srun: error: {spare}: task 3: Killed" in batch      # the standby's task 5, renumbered
+    for restart in (1, 2):
+        assert all(e["warm"] for e in _rendezvous(log_dir, restart, 4)), restart
+    assert "warm standby not used" not in batch
+    assert re.search(r"restart 2: [\d.]+ s = detect", status), status

@@ -1,0 +1,181 @@
+"""A warm standby rank: ``python -m ddp_hpc.supervise.standby --go HOST:PORT -- PYTHON -m MODULE ARGS...``
+(or ``-- PYTHON SCRIPT.py ARGS...``), one per task of the standby step the supervisor keeps
+beside the running one (``supervise.warm``).
+
+It pays a new rank's start-up before any fault: Python starts, torch and ``torch.distributed``
+are imported, and ``torch._dynamo`` too (DDP's constructor imports it: about 1.3 s of CPU on the
+test machine, about the import of torch itself); for ddp_hpc's own loop its modules as well.
+`IMPORTS_VAR` names other modules instead (a script's frameworks).
+Then it connects to the supervisor and waits, idle, on that connection for its go:
+
+- ``{"rank": null}`` or the connection closed: this process is not needed; it exits 0;
+- ``{"rank": R, "env": {...}, "out": PATH}``: it becomes rank R of the new step. The variables in
+  ``env`` replace its own (Slurm's task and step variables of the new step's layout, the
+  supervisor's restart count; a null value unsets one), its stdout and stderr go to the rank's
+  output file ``PATH`` (appended, as srun's ``--output`` would), `PROC_START_VAR` is set to now
+  (the restart's phases count its start from the go, not from the standby's start), and the
+  command runs in this process, as ``python -m MODULE`` or ``python SCRIPT`` would run it.
+
+The hello it sends first names its node and its place on the node (``ddp_hpc.env.derive`` of
+the standby step's own variables) and carries `TOKEN_VAR` from its environment (the supervisor's, passed on by
+srun; not on the command line, which other users can read), so a connection from anything else
+is ignored.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import socket
+import sys
+import threading
+import time
+
+from ddp_hpc.env.sources import derive
+from ddp_hpc.runlogs.startup import PROC_START_VAR, WARM_START_VAR
+
+__all__ = ["TOKEN_VAR", "WARM_VAR", "IMPORTS_VAR", "eligible", "preload", "main"]
+
+#: the secret a standby rank shows the supervisor in its hello
+TOKEN_VAR = "DDP_HPC_STANDBY_TOKEN"
+#: set to 1 in a rank that started from the warm standby (its ``rendezvous`` event says so)
+WARM_VAR = WARM_START_VAR
+#: how long a standby rank tries to reach the supervisor, seconds
+CONNECT_S = 60.0
+#: what every standby imports, whatever it will run
+BASE_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+#: the modules to import instead, comma-separated (e.g. ``torch,transformers,lightning`` for a
+#: script that uses them; empty: none)
+IMPORTS_VAR = "DDP_HPC_STANDBY_IMPORTS"
+#: what it imports more for ddp_hpc's own entry points
+OWN_MODULES = ("ddp_hpc.train.api", "ddp_hpc.exec.wrapper")
+
+
+def eligible(command) -> bool:
+    """Whether a standby can run ``command``: a Python interpreter with ``-m MODULE`` or a
+    ``.py`` script as its first argument (no interpreter options: they would not apply to this
+    process). Anything else (a shell script, torchrun, a container) starts cold."""
+    cmd = [str(c) for c in command]
+    if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
+        return False
+    return (cmd[1] == "-m" and len(cmd) >= 3) or (cmd[1].endswith(".py") and not cmd[1].startswith("-"))
+
+
+def preload(command, environ=None) -> list[str]:
+    """Import what a rank of ``command`` will need (`BASE_MODULES`; for a ``ddp_hpc`` module also
+    `OWN_MODULES`; `IMPORTS_VAR` when set instead) at the lowest CPU priority, so that the cores of
+    a node that trains go to the training first: in a thread of its own with nice 19 (Linux keeps a
+    nice value per thread; the process itself, which becomes the rank, keeps its priority, which an
+    unprivileged process could not raise again). The names that failed to import (they will fail
+    again, loudly, in the run)."""
+    env = os.environ if environ is None else environ
+    names = list(BASE_MODULES)
+    if len(command) >= 3 and command[1] == "-m" and str(command[2]).split(".")[0] == "ddp_hpc":
+        names += OWN_MODULES
+    if IMPORTS_VAR in env:
+        names = [n.strip() for n in env[IMPORTS_VAR].split(",") if n.strip()]
+    failed: list[str] = []
+
+    def imports() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass                      # not Linux: the imports run at the process's priority
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the run itself reports a broken import
+                failed.append(name)
+
+    t = threading.Thread(target=imports, name="ddp_hpc-standby-imports")
+    t.start()
+    t.join()
+    return failed
+
+
+def _connect(address: str) -> socket.socket | None:
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + CONNECT_S
+    while True:
+        try:
+            return socket.create_connection((host, int(port)), timeout=10)
+        except OSError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.5)
+
+
+def _wait_for_go(sock: socket.socket, place) -> dict | None:
+    """Send the hello (``place``: this standby rank's `DistEnv` in its own step), then wait for the
+    go line; None when the connection closed first."""
+    hello = {"token": os.environ.get(TOKEN_VAR, ""), "node": place.hostnames[place.node_rank],
+             "local": place.local_rank, "task": place.rank, "pid": os.getpid()}
+    sock.settimeout(None)
+    sock.sendall((json.dumps(hello) + "\n").encode())
+    with sock.makefile("r", encoding="utf-8") as f:
+        line = f.readline()
+    try:
+        go = json.loads(line) if line else None
+    except ValueError:
+        return None
+    return go if isinstance(go, dict) else None
+
+
+def _become(go: dict) -> None:
+    """Take the new rank's variables and output file (the module docstring)."""
+    for key, value in (go.get("env") or {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = str(value)
+    os.environ[PROC_START_VAR] = f"{time.time():.3f}"
+    os.environ[WARM_VAR] = "1"
+    os.environ.pop(TOKEN_VAR, None)
+    if go.get("out"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(go["out"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
+def _run(command: list[str]) -> None:
+    """Run ``command`` in this process as its interpreter would have (``-m`` or a script)."""
+    if command[1] == "-m":
+        sys.argv = [command[2], *command[3:]]
+        runpy.run_module(command[2], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = command[1:]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(command[1])))
+        runpy.run_path(command[1], run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 4 or args[0] != "--go" or args[2] != "--" or not eligible(args[3:]):
+        print("usage: python -m ddp_hpc.supervise.standby --go HOST:PORT -- PYTHON (-m MODULE | SCRIPT.py) "
+              "ARGS...", file=sys.stderr)
+        return 2
+    command = args[3:]
+    t0 = time.monotonic()
+    failed = preload(command)
+    place = derive(os.environ)
+    print(f"ddp_hpc standby: task {place.rank} on {place.hostnames[place.node_rank]} ready in "
+          f"{time.monotonic() - t0:.1f} s" + (f" (could not import {', '.join(failed)})" if failed else ""),
+          flush=True)
+    sock = _connect(args[1])
+    if sock is None:
+        return 0          # the supervisor is gone or moved on: nothing to stand by for
+    go = _wait_for_go(sock, place)
+    sock.close()
+    if not go or go.get("rank") is None:
+        return 0
+    _become(go)
+    _run(command)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

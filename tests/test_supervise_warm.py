@@ -1,0 +1,178 @@
+"""The warm standby (ddp_hpc.supervise.warm and .standby): real standby processes, started by a
+stand-in for srun that places tasks on pretend nodes the way srun does (block distribution, one
+output file, srun's exit report on its stderr), handed a new step on some of those nodes. The
+real-cluster run is tests/cluster/test_warm_cluster.py."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc.env.sources import derive
+from ddp_hpc.judge.srun import task_reports
+from ddp_hpc.supervise.standby import IMPORTS_VAR, eligible, preload
+from ddp_hpc.supervise.warm import Relay, Warm, step_variables
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: srun in small: tasks on the --nodelist's nodes, --ntasks-per-node each, every task's output to
+#: --output, and srun's report of a task that failed on its own stderr
+MINI_SRUN = textwrap.dedent("""
+    import os, subprocess, sys
+    from ddp_hpc.slurm.hostlist import compress, expand
+    opts, cmd = {}, sys.argv[1:]
+    while cmd and cmd[0].startswith("--"):
+        key, _, value = cmd.pop(0)[2:].partition("=")
+        opts[key] = value
+    nodes, g = expand(opts["nodelist"]), int(opts["ntasks-per-node"])
+    out = open(opts["output"], "a")
+    procs = []
+    for i, node in enumerate(nodes):
+        for local in range(g):
+            env = dict(os.environ, SLURM_JOB_ID="77", SLURM_STEP_ID="5", SLURM_PROCID=str(i * g + local),
+                       SLURM_LOCALID=str(local), SLURM_NODEID=str(i), SLURM_NTASKS=str(len(nodes) * g),
+                       SLURM_STEP_NODELIST=compress(nodes), SLURM_STEP_TASKS_PER_NODE=f"{g}(x{len(nodes)})",
+                       SLURM_JOB_NODELIST=compress(nodes), SLURMD_NODENAME=node)
+            procs.append((node, i * g + local, subprocess.Popen(cmd, env=env, stdout=out, stderr=out)))
+    worst = 0
+    for node, task, p in procs:
+        rc = p.wait()
+        if rc:
+            print(f"srun: error: {node}: task {task}: Exited with exit code {rc}", file=sys.stderr, flush=True)
+            worst = max(worst, rc)
+    sys.exit(worst)
+""")
+
+#: the user's script: what it saw of its place, and a failure on request
+TRAIN = textwrap.dedent("""
+    import json, os, sys
+    from ddp_hpc.env.sources import derive
+    from ddp_hpc.runlogs.startup import PROC_START_VAR
+    env = derive(os.environ)
+    seen = {"rank": env.rank, "local": env.local_rank, "node_rank": env.node_rank, "world": env.world_size,
+            "hosts": list(env.hostnames), "restart": env.restart_count, "argv": sys.argv,
+            "proc_start": os.environ.get(PROC_START_VAR), "warm": os.environ.get("DDP_HPC_WARM_START"),
+            "token": os.environ.get("DDP_HPC_STANDBY_TOKEN")}
+    open(os.path.join(os.path.dirname(sys.argv[0]), f"seen{env.rank}.json"), "w").write(json.dumps(seen))
+    print(f"hello from rank {env.rank}", flush=True)
+    if "--fail-rank" in sys.argv and env.rank == int(sys.argv[sys.argv.index("--fail-rank") + 1]):
+        sys.exit(3)
+""")
+
+
+class MiniSrunCLI:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def start_step(self, args, env, stderr=None):
+        return subprocess.Popen([sys.executable, str(self.path), *args], env=dict(env), stderr=stderr,
+                                text=True if stderr is not None else None)
+
+
+@pytest.fixture
+def standby(tmp_path):
+    (tmp_path / "srun.py").write_text(MINI_SRUN)
+    (tmp_path / "train.py").write_text(TRAIN)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    said: list[str] = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SLURMD_NODENAME": "127.0.0.1", "SLURM_JOB_ID": "77",
+           IMPORTS_VAR: "json"}     # no torch: these standby ranks run a plain script
+
+    def make(*args):
+        warm = Warm(MiniSrunCLI(tmp_path / "srun.py"), [sys.executable, str(tmp_path / "train.py"), *args],
+                    str(logs), 2, say=said.append)
+        warm.start(["n1", "n2", "n3"], env)
+        return warm
+    yield make, tmp_path, logs, said
+
+
+def _seen(tmp_path, rank):
+    return json.loads((tmp_path / f"seen{rank}.json").read_text())
+
+
+def test_the_standby_ranks_on_the_new_steps_nodes_become_its_ranks(standby):
+    make, tmp_path, logs, said = standby
+    warm = make("--lr", "0.1")
+    proc = warm.take(["n1", "n3"], {"DDP_HPC_ALLOC_RESTARTS": "1"})
+    assert proc is not None and proc.wait(60) == 0, said
+    assert sorted(p.name for p in tmp_path.glob("seen*.json")) == [f"seen{r}.json" for r in range(4)]
+    for rank, (node, local) in enumerate([("n1", 0), ("n1", 1), ("n3", 0), ("n3", 1)]):
+        seen = _seen(tmp_path, rank)
+        assert (seen["local"], seen["node_rank"], seen["world"]) == (local, rank // 2, 4)
+        assert seen["hosts"] == ["n1", "n3"] and seen["hosts"][seen["node_rank"]] == node
+        assert seen["restart"] == 1                       # the supervisor's restart count reached it
+        assert seen["argv"][1:] == ["--lr", "0.1"] and seen["warm"] == "1"
+        assert float(seen["proc_start"]) > 0 and seen["token"] is None   # the secret is not passed on
+        assert (logs / f"rank{rank}.out").read_text() == f"hello from rank {rank}\n"
+    assert said == []
+
+
+def test_srun_reports_of_a_handed_task_name_the_rank_it_became(standby, capsys):
+    make, tmp_path, logs, said = standby
+    warm = make("--fail-rank", "3")
+    proc = warm.take(["n1", "n3"], {"DDP_HPC_ALLOC_RESTARTS": "1"})
+    assert proc.wait(60) == 3
+    err = ""
+    for _ in range(100):                                  # the relay thread writes it
+        err += capsys.readouterr().err
+        if "Exited" in err:
+            break
+        time.sleep(0.05)
+    # the standby's task 5 (n3's second) became rank 3: the batch output says task 3, as a cold step would
+    assert "srun: error: n3: task 3: Exited with exit code 3" in err
+    (logs / "slurm-77.out").write_text(err)
+    assert {t: r.exit_code for t, r in task_reports([logs / "slurm-77.out"]).items()} == {3: 3}
+
+
+def test_a_standby_that_cannot_serve_is_dropped_and_says_why(standby):
+    make, tmp_path, logs, said = standby
+    warm = make()
+    assert warm.take(["n1", "n4"], {}) is None
+    assert said == ["warm standby not used: it does not cover n4; starting the ranks cold"]
+    warm = make()
+    assert warm.take(["n1", "n3"], {}, lost=["n2"]) is None
+    assert said[-1] == "warm standby not used: a node of it was lost (n2); starting the ranks cold"
+    warm.drop()
+    assert not list(tmp_path.glob("seen*.json"))          # no standby rank ran the script
+
+
+def test_the_relay_renumbers_only_after_the_hand_over():
+    relay = Relay(iter(()), "/dev/null")
+    line = "srun: error: n3: tasks 4-5: Exited with exit code 1\n"
+    assert relay.line(line) == ("standby", line)          # standing by: srun's words stay with it
+    relay.ranks = {0: 0, 1: 1, 4: 2, 5: 3}
+    assert relay.line(line) == ("step", "srun: error: n3: tasks 2-3: Exited with exit code 1\n")
+    assert relay.line("srun: error: n1: task 0: Killed\n") == ("step", "srun: error: n1: task 0: Killed\n")
+    assert relay.line("srun: error: n2: task 2: Exited with exit code 1\n")[0] == "standby"   # no rank
+    assert relay.line("srun: error: Node failure on n2\n") == ("step", "srun: error: Node failure on n2\n")
+
+
+def test_step_variables_give_the_place_srun_would():
+    for node_index, local in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        env = {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "3", **step_variables(["n1", "n3"], 2, node_index, local)}
+        d = derive(env)
+        assert (d.rank, d.local_rank, d.node_rank, d.world_size, d.hostnames) == (
+            node_index * 2 + local, local, node_index, 4, ("n1", "n3"))
+    one = step_variables(["n5"], 4, 0, 3)
+    assert one["SLURM_STEP_TASKS_PER_NODE"] == "4" and derive({"SLURM_STEP_ID": "1", **one}).rank == 3
+
+
+def test_only_a_python_module_or_script_can_stand_by():
+    assert eligible(["/venv/bin/python", "-m", "ddp_hpc.run", "jobs/demo.yaml"])
+    assert eligible(["python3.11", "train.py", "--lr", "1"])
+    for cmd in (["torchrun", "train.py"], ["python", "-u", "train.py"], ["bash", "run.sh"], ["python"],
+                ["apptainer", "exec", "img", "python", "train.py"], ["python", "-m"]):
+        assert not eligible(cmd), cmd
+
+
+def test_preload_names_what_failed_and_leaves_the_process_priority_alone():
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    assert preload(["python", "-m", "pkg.train"], {IMPORTS_VAR: "json, no_such_module_here"}) == [
+        "no_such_module_here"]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before      # only the import thread was niced
