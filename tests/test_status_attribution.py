@@ -486,3 +486,21 @@ def test_a_rank_that_moved_on_after_its_waiting_stack_and_then_raised_is_blamed(
     st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))
     assert st.to_dict()["rank_classification"]["1"]["kind"] == "raised", lines
     assert first_failure(lines)[0].startswith("First failure: rank 1 on n1"), lines
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_traceback_of_an_earlier_run_is_no_evidence_after_the_supervisors_run_mark(tmp_path, marked):
+    """Rank 3 lost its peer in run 0 (its traceback stays in rank3.out: srun appends every run's
+    output to it); in run 1 it is SIGKILLed. The supervisor's mark before run 1 keeps run 0's
+    traceback out of run 1's evidence: rank 3 was killed, no consequence of an old error."""
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 40, restart=1) + peer_error(r, 40.3 + r / 10, RESET, restart=1))
+    write(tmp_path, 3, run_until(3, 40, restart=1))
+    old = f"Traceback (most recent call last):\n  File \"/src/x.py\", line 3, in f\nRuntimeError: {CLOSED}\n"
+    (tmp_path / "rank3.out").write_text(old + ("ddp_hpc supervise: --- run 1 starts ---\n" if marked else "")
+                                        + "step 40\n")
+    (tmp_path / "slurm-77.out").write_text("srun: error: n2: task 3: Killed\n")
+    logs = RunLogs(tmp_path)
+    assert (logs.out_traceback(3) is None) is marked
+    failure = logs.first_failure(assume_failed=True)
+    assert ((failure.rank, failure.kind, failure.basis) == (3, "killed", "srun exit report")) is marked

@@ -43,6 +43,7 @@ from ddp_hpc.runlogs.schema import (
     LOCAL_DRIVER_OUT,
     LOG_RE,
     OUT_RE,
+    RUN_MARK_RE,
     TBOARD_GLOB,
     batch_outputs,
     events_file,
@@ -296,6 +297,8 @@ class RunLogs:
         if rank not in self._outs_read:
             p = self.outs.get(rank)
             lines = tail_file(p, 1 << 30, max_bytes=OUT_TAIL_BYTES) if p is not None else []
+            marks = [i for i, ln in enumerate(lines) if RUN_MARK_RE.match(ln)]
+            lines = lines[marks[-1] + 1:] if marks else lines   # the newest run's output alone
             self._outs_read[rank] = (traceback_in_lines(lines), lines[-OUT_TAIL_LINES:])
         return self._outs_read[rank]
 

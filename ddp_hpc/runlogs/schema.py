@@ -118,6 +118,13 @@ def rank_out(rank: int | str) -> str:
     return f"rank{rank}.out"
 
 
+#: the line the supervisor appends to every ``rank{R}.out`` of a step before it starts it (srun
+#: appends each run's output to the same file): a reader looks for a rank's traceback only after
+#: the newest one, so a traceback of an earlier run is not read as this run's
+RUN_MARK = "ddp_hpc supervise: --- run {restart} starts ---"
+RUN_MARK_RE = re.compile(r"^ddp_hpc supervise: --- run \d+ starts ---$")
+
+
 def fault_file(rank: int | str) -> str:
     return f"rank{rank}.fault"
 

@@ -30,7 +30,7 @@ from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import read_restarts
 from ddp_hpc.runlogs.restarts import append_health, append_restart, append_stop
-from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, rank_out
+from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, RUN_MARK, rank_out
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.hostlist import compress, expand
 from ddp_hpc.supervise.hang import DEFAULT_HANG_S, Hang, all_busy, ask_stacks, find_culprit
@@ -132,6 +132,7 @@ def _supervise(s: Settings, cli, environ: dict, warm: Warm | None) -> int:
             decided, lost = None, finding.lost
         if plan is None:
             return 1
+        _mark_outputs(s, len(plan.active) * s.policy.tasks_per_node, restart)
         proc = warm.take(plan.active, {ALLOC_RESTARTS_VAR: env[ALLOC_RESTARTS_VAR]}, lost) if warm and done else None
         if proc is None:
             proc = cli.start_step(step_args(s, plan.active, again=done > 0), env)
@@ -160,6 +161,19 @@ def _record_restart(s: Settings, key, row: dict) -> None:
     """The restart's line of restarts.jsonl and the job record's restarts."""
     _keep(append_restart, s.log_dir, row)
     _to_record(key, row)
+
+
+def _mark_outputs(s: Settings, ranks: int, run: int) -> None:
+    """Append `RUN_MARK` to each rank's output file before run ``run`` starts: srun appends every
+    run's output to the same ``rank{R}.out``, and a reader takes a rank's traceback from after the
+    newest mark only (a traceback of an earlier run is no evidence about this one)."""
+    for r in range(ranks):
+        try:
+            with open(os.path.join(s.log_dir, rank_out(r)), "a", encoding="utf-8") as f:
+                f.write(RUN_MARK.format(restart=run) + "\n")
+        except OSError as exc:
+            _say(f"warning: could not mark {rank_out(r)} for run {run}: {exc}; going on")
+            return
 
 
 def _healthy(s: Settings, cli, plan: NodePlan, env: dict, done: int, run: int, key) -> NodePlan | None:
