@@ -82,7 +82,7 @@ CASES = {
         srun_task(1, 1, 0, nodes="gpu[009-010]", job="5001",
                   extra={"SLURM_ARRAY_JOB_ID": "5000", "SLURM_ARRAY_TASK_ID": "3", "SLURM_RESTART_COUNT": "1",
                          "SLURMD_NODENAME": "gpu009"}),
-        (1, 1, 4, 2, 0, 2, "gpu009", 24407, ("gpu009", "gpu010"), "5000_3", 1, "slurm")),
+        (1, 1, 4, 2, 0, 2, "gpu009", 20482, ("gpu009", "gpu010"), "5000_3", 1, "slurm")),  # port of "5000_3.run1"
     # user-set MASTER_ADDR / MASTER_PORT win.
     "srun user master": (
         srun_task(0, 0, 0, extra={"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "31337"}),
@@ -153,6 +153,18 @@ def test_port_is_a_pure_function_of_the_job_and_in_range():
     assert len(set(ranks)) == 1  # every rank agrees
     override = envmod.detect(srun_task(0, 0, 0, extra={"DDP_HPC_MASTER_PORT": "25000"}), ancestors=ancestors_ok)
     assert override.master_port == 25000
+
+
+def test_each_run_of_a_job_gets_a_port_of_its_own():
+    """A restart's ranks (in-allocation restarts: DDP_HPC_ALLOC_RESTARTS; requeues:
+    SLURM_RESTART_COUNT) may start while the old step's rank 0 still holds the last run's port."""
+    def port(run_vars, rank=0):
+        return envmod.detect(srun_task(rank, rank % 2, rank // 2, extra=run_vars), ancestors=ancestors_ok).master_port
+    ports = [port({}), port({"DDP_HPC_ALLOC_RESTARTS": "1"}), port({"DDP_HPC_ALLOC_RESTARTS": "2"}),
+             port({"SLURM_RESTART_COUNT": "1"})]
+    assert ports[0] == derive_port("4242") and ports[1] == ports[3] == derive_port("4242.run1")
+    assert len(set(ports[:3])) == 3
+    assert {port({"DDP_HPC_ALLOC_RESTARTS": "2"}, r) for r in range(4)} == {ports[2]}   # every rank agrees
 
 
 def test_export_sets_and_never_replaces():

@@ -140,11 +140,16 @@ def from_slurm(environ: Mapping[str, str], launcher: str = "slurm") -> DistEnv:
             f"Request --nodes={len(hosts)} --ntasks-per-node=<GPUs per node> instead of --ntasks={world} "
             "(or set DDP_HPC_ALLOW_UNEVEN=1 if the uneven layout is intended, e.g. on CPUs).",
         )
+    run = restart_count(environ)
+    # a port of its own per run: a restart inside the allocation may start its ranks while the old
+    # step's rank 0 still holds the last run's port (its tasks are being killed; the warm standby
+    # starts in a fraction of a second); run 0 keeps the job's port
+    port_key = f"{key}.run{run}" if key and run else key
     return DistEnv(
         rank=int_var(environ, "SLURM_PROCID"), local_rank=int_var(environ, "SLURM_LOCALID"), world_size=world,
         local_world_size=per_node[node_rank], node_rank=node_rank, num_nodes=len(hosts),
-        master_addr=environ.get("MASTER_ADDR") or hosts[0], master_port=master_port(environ, key),
-        hostnames=hosts, job_id=key, restart_count=restart_count(environ), launcher=launcher, in_slurm=True,
+        master_addr=environ.get("MASTER_ADDR") or hosts[0], master_port=master_port(environ, port_key),
+        hostnames=hosts, job_id=key, restart_count=run, launcher=launcher, in_slurm=True,
     )
 
 

@@ -49,6 +49,8 @@ PREFIX = "ddp_hpc supervise:"
 #: restart) or the step's end from the controller (2 s of the killed-rank restart); the next step
 #: overlaps this one, so srun is killed sooner
 QUICK_STOP_S = 1.0
+#: how long a restart waits for the kill of the old step's tasks (``scancel``) to be delivered
+KILL_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -216,10 +218,15 @@ def _stop(cli, proc, end: StepEnd, job_id) -> int | None:
     (``scancel --signal=KILL JOB.STEP``, the step named by the ranks' rendezvous events: srun's
     abort would let each survivor tear down, about 2-3 s of Python and torch finalisation), then
     srun's own abort."""
+    killer = None
     if end.trigger != "exited" and end.step_id and job_id and proc.poll() is None:
         # in the background: scancel waits for the nodes' answers, 10 s and more for a lost one
-        threading.Thread(target=_kill_step, args=(cli, job_id, end.step_id), daemon=True).start()
-    return stop_step(proc, QUICK_STOP_S if end.trigger != "exited" else 8.0)
+        killer = threading.Thread(target=_kill_step, args=(cli, job_id, end.step_id), daemon=True)
+        killer.start()
+    rc = stop_step(proc, QUICK_STOP_S if end.trigger != "exited" else 8.0)
+    if killer is not None:
+        killer.join(KILL_WAIT_S)    # the old ranks gone before new ones start on their nodes and GPUs
+    return rc
 
 
 def _kill_step(cli, job_id, step_id) -> None:
