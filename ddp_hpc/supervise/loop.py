@@ -49,7 +49,8 @@ PREFIX = "ddp_hpc supervise:"
 #: restart) or the step's end from the controller (2 s of the killed-rank restart); the next step
 #: overlaps this one, so srun is killed sooner
 QUICK_STOP_S = 1.0
-#: how long a restart waits for the kill of the old step's tasks (``scancel``) to be delivered
+#: how long after the stop a restart waits for the kill of the old step's tasks (``scancel``) to
+#: be delivered before it starts new ranks (the judgement and the health check run meanwhile)
 KILL_WAIT_S = 1.0
 
 
@@ -122,6 +123,7 @@ def _supervise(s: Settings, cli, environ: dict, warm: Warm | None) -> int:
     before = len(read_restarts(s.log_dir, key))   # earlier runs' restarts (a requeued job)
     done, restart = 0, facts.restart_count + before
     decided = None   # a restart decided: recorded once the health check settled its nodes
+    killer = stopped_at = None   # the kill of the old step's tasks (`_stop`), and when it began
     while True:
         env = step_env(s, environ, before + done)
         if s.health_check:
@@ -135,6 +137,8 @@ def _supervise(s: Settings, cli, environ: dict, warm: Warm | None) -> int:
         if plan is None:
             return 1
         _mark_outputs(s, len(plan.active) * s.policy.tasks_per_node, restart)
+        if killer is not None:   # the old ranks gone before new ones start on their nodes and GPUs
+            killer.join(max(0.0, stopped_at + KILL_WAIT_S - time.time()))
         proc = warm.take(plan.active, {ALLOC_RESTARTS_VAR: env[ALLOC_RESTARTS_VAR]}, lost) if warm and done else None
         if proc is None:
             proc = cli.start_step(step_args(s, plan.active, again=done > 0), env)
@@ -144,7 +148,8 @@ def _supervise(s: Settings, cli, environ: dict, warm: Warm | None) -> int:
             return exit_status_of_returncode(_wait(proc))
         if end.trigger == "exited" and end.returncode in (0, EX_TEMPFAIL):
             return end.returncode
-        rc = exit_status_of_returncode(_stop(cli, proc, end, facts.job_id))
+        rc, killer = _stop(cli, proc, end, facts.job_id)
+        rc = exit_status_of_returncode(rc)
         stopped_at = round(time.time(), 3)
         j = judge(s, cli, plan, end, restart, done, hang)
         if j.plan is None:
@@ -212,21 +217,19 @@ def _watch(s: Settings, proc, cli, plan: NodePlan, restart: int, job_id, stoppin
         return end, hang
 
 
-def _stop(cli, proc, end: StepEnd, job_id) -> int | None:
+def _stop(cli, proc, end: StepEnd, job_id) -> tuple[int | None, threading.Thread | None]:
     """End a step that needs stopping: one the supervisor stopped is broken for certain (a rank
     lost a peer, a node is lost, a hang whose stacks were taken), so its tasks are killed at once
     (``scancel --signal=KILL JOB.STEP``, the step named by the ranks' rendezvous events: srun's
     abort would let each survivor tear down, about 2-3 s of Python and torch finalisation), then
-    srun's own abort."""
+    srun's own abort. Returns srun's exit status and the thread that kills the tasks (None: no
+    kill needed), which a restart waits for before it starts new ranks."""
     killer = None
     if end.trigger != "exited" and end.step_id and job_id and proc.poll() is None:
         # in the background: scancel waits for the nodes' answers, 10 s and more for a lost one
         killer = threading.Thread(target=_kill_step, args=(cli, job_id, end.step_id), daemon=True)
         killer.start()
-    rc = stop_step(proc, QUICK_STOP_S if end.trigger != "exited" else 8.0)
-    if killer is not None:
-        killer.join(KILL_WAIT_S)    # the old ranks gone before new ones start on their nodes and GPUs
-    return rc
+    return stop_step(proc, QUICK_STOP_S if end.trigger != "exited" else 8.0), killer
 
 
 def _kill_step(cli, job_id, step_id) -> None:
