@@ -176,3 +176,19 @@ def test_preload_names_what_failed_and_leaves_the_process_priority_alone():
     assert preload(["python", "-m", "pkg.train"], {IMPORTS_VAR: "json, no_such_module_here"}) == [
         "no_such_module_here"]
     assert os.getpriority(os.PRIO_PROCESS, 0) == before      # only the import thread was niced
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroups in this kernel")
+def test_a_standby_sessions_autogroup_stands_back_and_is_given_back_at_the_hand_over():
+    """In a session of its own (as srun starts a task), the standby's autogroup goes to nice 19
+    while it stands by and back to 0 when it becomes a rank."""
+    code = ("from ddp_hpc.supervise.standby import autogroup_nice\n"
+            "def nice(): return open('/proc/self/autogroup').read().split()[-1]\n"
+            "assert autogroup_nice(19); a = nice()\n"
+            "assert autogroup_nice(0); print(a, nice())\n")
+    ours = open("/proc/self/autogroup").read()
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=60, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["19", "0"]
+    assert open("/proc/self/autogroup").read() == ours       # this session's untouched

@@ -35,7 +35,7 @@ import time
 from ddp_hpc.env.sources import derive
 from ddp_hpc.runlogs.startup import PROC_START_VAR, WARM_START_VAR
 
-__all__ = ["TOKEN_VAR", "WARM_VAR", "IMPORTS_VAR", "eligible", "preload", "main"]
+__all__ = ["TOKEN_VAR", "WARM_VAR", "IMPORTS_VAR", "eligible", "preload", "autogroup_nice", "main"]
 
 #: the secret a standby rank shows the supervisor in its hello
 TOKEN_VAR = "DDP_HPC_STANDBY_TOKEN"
@@ -94,6 +94,25 @@ def preload(command, environ=None) -> list[str]:
     return failed
 
 
+def autogroup_nice(value: int) -> bool:
+    """Set the nice value of this process's autogroup (Linux's ``/proc/self/autogroup``), False
+    where there is none. With autogroups on (``kernel.sched_autogroup_enabled``, the default of
+    many kernels) the scheduler shares a CPU fairly between sessions first, and every srun task is
+    a session of its own: a standby rank, however niced its threads, would take a training rank's
+    share. Its autogroup at 19 keeps it back; at the hand-over 0 gives it back (raising the value
+    and lowering it again down to 0 needs no privilege; the kernel takes one change per 0.1 s)."""
+    for _ in range(20):
+        try:
+            with open("/proc/self/autogroup", "w", encoding="ascii") as f:
+                f.write(str(value))
+            return True
+        except BlockingIOError:      # EAGAIN: another change in the last 0.1 s
+            time.sleep(0.11)
+        except OSError:
+            return False
+    return False
+
+
 def _connect(address: str) -> socket.socket | None:
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + CONNECT_S
@@ -131,6 +150,7 @@ def _become(go: dict) -> None:
             os.environ[key] = str(value)
     os.environ[PROC_START_VAR] = f"{time.time():.3f}"
     os.environ[WARM_VAR] = "1"
+    autogroup_nice(0)      # a training rank now: its session's full share of the CPU
     os.environ.pop(TOKEN_VAR, None)
     if go.get("out"):
         sys.stdout.flush()
@@ -160,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = args[3:]
     t0 = time.monotonic()
+    autogroup_nice(19)     # standing by: behind the training ranks' sessions (see autogroup_nice)
     failed = preload(command)
     place = derive(os.environ)
     print(f"ddp_hpc standby: task {place.rank} on {place.hostnames[place.node_rank]} ready in "
