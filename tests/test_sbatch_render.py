@@ -236,12 +236,12 @@ def test_the_hang_timeout_reaches_the_supervisor_and_needs_restarts():
         SlurmOptions(nodes=2, max_restarts=2, hang_timeout=-1)
 
 
-def test_no_warm_standby_reaches_the_supervisor_and_needs_restarts():
-    """--no-warm-standby (slurm.warm_standby: false): the supervisor starts a restart's ranks cold."""
-    assert "--no-warm-standby" not in render(_spec(max_restarts=2))
-    assert " --no-warm-standby " in render(_spec(max_restarts=2, warm_standby=False))
-    with pytest.raises(Exception, match=r"--no-warm-standby \(slurm.warm_standby\) need restarts"):
-        SlurmOptions(nodes=2, max_restarts=0, warm_standby=False)
+def test_warm_standby_reaches_the_supervisor_and_needs_restarts():
+    """--warm-standby (slurm.warm_standby: true): the supervisor keeps standby ranks for restarts."""
+    assert "--warm-standby" not in render(_spec(max_restarts=2))
+    assert " --warm-standby " in render(_spec(max_restarts=2, warm_standby=True))
+    with pytest.raises(Exception, match=r"--warm-standby \(slurm.warm_standby\) need restarts"):
+        SlurmOptions(nodes=2, max_restarts=0, warm_standby=True)
 
 
 def test_spare_nodes_with_a_node_range_are_refused():

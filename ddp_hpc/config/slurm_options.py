@@ -220,10 +220,10 @@ class SlurmOptions:
         "(0: only the stall timeout, train.collective_timeout_s + 15 s)", flags=("--hang-timeout",),
         group=RESTARTS, type=float, metavar="S")
     warm_standby: bool = _opt(
-        True, check_flag, "after the ranks train, keep a standby step of ranks that imported torch, "
+        False, check_flag, "after the ranks train, keep a standby step of ranks that imported torch, "
         "so a restart skips Python's and torch's start-up (each standby rank holds an imported torch "
-        "in host memory, about 0.3-0.4 GB; --no-warm-standby: a restart starts its ranks cold)",
-        flags=("--no-warm-standby",), group=RESTARTS, action="store_false")
+        "in host memory, about 0.3-0.4 GB, and imports it beside the training)",
+        flags=("--warm-standby",), group=RESTARTS, action="store_true")
     stage: tuple = _opt((), check_stage, "before the job starts, copy SRC (a file, an LMDB or a folder) "
                         "once per node to node-local storage and give every rank the path in "
                         "$DDP_HPC_STAGE_<NAME> (NAME: SRC's base name, upper-cased); removed when the job "
@@ -265,12 +265,12 @@ def _check_restarts(o: SlurmOptions) -> None:
                           f"{o.nodes}: which of the nodes Slurm gives are spares would be a guess",
                           f"give a node count (--nodes {high}) with --spare-nodes, or the range without it")
     hang = o.hang_timeout != DEFAULT_HANG_TIMEOUT
-    cold = not o.warm_standby
-    if o.max_restarts == 0 and (o.spare_nodes or o.min_nodes is not None or o.restart_on_error or hang or cold):
+    warm = o.warm_standby
+    if o.max_restarts == 0 and (o.spare_nodes or o.min_nodes is not None or o.restart_on_error or hang or warm):
         given = [w for w, on in (("--spare-nodes", o.spare_nodes), ("--min-nodes", o.min_nodes is not None),
                                  ("--restart-on-error", o.restart_on_error), ("--hang-timeout", hang),
-                                 ("--no-warm-standby", cold)) if on]
-        key = {"--no-warm-standby": "warm_standby"}.get(given[0], given[0][2:].replace("-", "_"))
+                                 ("--warm-standby", warm)) if on]
+        key = given[0][2:].replace("-", "_")
         raise ConfigError(f"{' and '.join(given)} (slurm.{key}) need "
                           "restarts inside the allocation, but --max-restarts is 0",
                           f"give --max-restarts 1 or more, or drop {' and '.join(given)}")

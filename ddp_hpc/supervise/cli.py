@@ -30,9 +30,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_S, metavar="S",
                    help="call a hang when no rank finished a step for max(S, 10x the median step "
                         "time) once steps are timed; its stacks name the rank (0: off)")
-    p.add_argument("--no-warm-standby", dest="warm_standby", action="store_false",
-                   help="start the ranks of a restart cold, without the standby step whose ranks "
-                        "imported torch before the fault (ddp_hpc.supervise.warm)")
+    p.add_argument("--warm-standby", action="store_true",
+                   help="once the ranks train, keep a standby step whose ranks imported torch, and "
+                        "hand it the next restart (ddp_hpc.supervise.warm)")
     p.add_argument("--log-dir", required=True, help="the run's log directory")
     p.add_argument("--srun-arg", action="append", default=[], metavar="WORD",
                    help="one word of the user's srun options (repeatable)")

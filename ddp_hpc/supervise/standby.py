@@ -35,7 +35,8 @@ import time
 from ddp_hpc.env.sources import derive
 from ddp_hpc.runlogs.startup import PROC_START_VAR, WARM_START_VAR
 
-__all__ = ["TOKEN_VAR", "WARM_VAR", "IMPORTS_VAR", "eligible", "preload", "autogroup_nice", "main"]
+__all__ = ["TOKEN_VAR", "WARM_VAR", "IMPORTS_VAR", "NICE_VAR", "eligible", "preload", "standby_nice",
+           "autogroup_nice", "main"]
 
 #: the secret a standby rank shows the supervisor in its hello
 TOKEN_VAR = "DDP_HPC_STANDBY_TOKEN"
@@ -45,6 +46,9 @@ WARM_VAR = WARM_START_VAR
 CONNECT_S = 60.0
 #: what every standby imports, whatever it will run
 BASE_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+#: how far a standby rank stands back while it imports and waits: the nice value (0-19, default
+#: 19) of its import thread and of its session's autogroup (`autogroup_nice`)
+NICE_VAR = "DDP_HPC_STANDBY_NICE"
 #: the modules to import instead, comma-separated (e.g. ``torch,transformers,lightning`` for a
 #: script that uses them; empty: none)
 IMPORTS_VAR = "DDP_HPC_STANDBY_IMPORTS"
@@ -79,7 +83,7 @@ def preload(command, environ=None) -> list[str]:
 
     def imports() -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), standby_nice(env))
         except (OSError, AttributeError):
             pass                      # not Linux: the imports run at the process's priority
         for name in names:
@@ -92,6 +96,12 @@ def preload(command, environ=None) -> list[str]:
     t.start()
     t.join()
     return failed
+
+
+def standby_nice(environ=None) -> int:
+    """`NICE_VAR` (default 19), kept within 0-19."""
+    text = (os.environ if environ is None else environ).get(NICE_VAR, "19")
+    return min(19, max(0, int(text))) if text.strip().lstrip("-").isdigit() else 19
 
 
 def autogroup_nice(value: int) -> bool:
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = args[3:]
     t0 = time.monotonic()
-    autogroup_nice(19)     # standing by: behind the training ranks' sessions (see autogroup_nice)
+    autogroup_nice(standby_nice())   # standing by: behind the training ranks' sessions (autogroup_nice)
     failed = preload(command)
     place = derive(os.environ)
     print(f"ddp_hpc standby: task {place.rank} on {place.hostnames[place.node_rank]} ready in "

@@ -51,8 +51,8 @@ def _stepping(log_dir: Path, restart: int, ranks: int, steps: int = 2) -> dict[i
     return starts
 
 
-def _submit(c, d: Path, *args: str) -> tuple[str, Path, dict]:
-    env = dict(c.env, DDP_HPC_HOME=str(d / "home"), PYTHONPATH=str(REPO))
+def _submit(c, d: Path, *args: str, **more_env: str) -> tuple[str, Path, dict]:
+    env = dict(c.env, DDP_HPC_HOME=str(d / "home"), PYTHONPATH=str(REPO), **more_env)
     p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-p", c.spare_partition, "-t", "10",
                *args], cwd=str(d), env=env)
     assert p.returncode == 0, p.stderr
@@ -210,15 +210,17 @@ def test_killed_ranks_restart_from_the_warm_standby_and_srun_still_names_the_ran
     d = c.shared_dir / f"restart-warm-{time.monotonic_ns()}"
     d.mkdir()
     job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--spare-nodes", "1", "--max-restarts", "2",
-                          "-J", "rs-warm", str(REPO / "jobs" / "demo.yaml"), "--",
-                          f"log.dir={d / 'runs'}", *FAST, "data.kwargs.size=16384")
+                          "--warm-standby", "-J", "rs-warm", str(REPO / "jobs" / "demo.yaml"), "--",
+                          f"log.dir={d / 'runs'}", *FAST, "data.kwargs.size=16384",
+                          # CI runs the unit tests beside: a standby at nice 19 would wait for them
+                          DDP_HPC_STANDBY_NICE="0")
     log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("rs-warm-*"), None), 60)
     try:
         starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 4), 180)
-        wait_for("the standby's 6 ranks", lambda: _ready(log_dir) >= 6, 120)
+        wait_for("the standby's 6 ranks", lambda: _ready(log_dir) >= 6, 240)
         os.kill(int(starts0[3]["pid"]), signal.SIGKILL)
         starts1 = wait_for("steps after the first restart", lambda: _stepping(log_dir, 1, 4), 120)
-        wait_for("the second standby's 4 ranks", lambda: _ready(log_dir) >= 10, 120)
+        wait_for("the second standby's 4 ranks", lambda: _ready(log_dir) >= 10, 240)
         os.kill(int(starts1[3]["pid"]), signal.SIGKILL)
         wait_for("steps after the second restart", lambda: _stepping(log_dir, 2, 4), 120)
     except BaseException:
