@@ -13,7 +13,7 @@ default all, in this order):
   memory_every_steps=-1``), submitted as the ddp_hpc run is;
 - ``checkpoints``: no faults, the demo's checkpoint settings plus one every 20 steps (the cost of
   checkpointing alone);
-- ``ddp_hpc``: the same checkpoints, ``--max-restarts 3 --spare-nodes 1`` (2 x 2 plus 1 spare:
+- ``ddp_hpc``: the same checkpoints, ``--max-restarts 3 --spare-nodes 1 --warm-standby`` (2 x 2 plus 1 spare:
   the first killed rank's node is swapped for the spare, later ones restart on the same nodes);
 - ``torchrun``: the same program and checkpoints under ``torchrun --nnodes 2 --nproc-per-node 2
   --max-restarts 3 --rdzv-backend c10d`` in one srun step (bench/clusterjobs.py), on 2 nodes.
@@ -64,7 +64,7 @@ COMMON = ["data.dataset=tests.cluster.status_helpers:slow_synthetic", "log.every
           f"train.batch_size={BATCH}"]
 NO_CHECKPOINTS = ["checkpoint.every_steps=0", "checkpoint.every_epochs=0", "checkpoint.memory_every_steps=-1"]
 CHECKPOINTS = ["checkpoint.every_steps=20"]
-SUPERVISED = ["--max-restarts", "3", "--spare-nodes", "1"]
+SUPERVISED = ["--max-restarts", "3", "--spare-nodes", "1", "--warm-standby"]
 
 
 def _overrides(run: str, args) -> list[str]:

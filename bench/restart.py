@@ -11,7 +11,7 @@ size and the step time are printed). Baselines (``--baseline``, repeatable; defa
 
 - ``ddp_hpc``: two layouts (``--layout``), each first run once without a fault: 2 nodes x 2 tasks
   plus 1 spare node (``--spare-nodes 1``), and 2 nodes x 2 tasks with no spare (``--min-nodes 1``:
-  a lost node leaves 1 node), ``--max-restarts 2``;
+  a lost node leaves 1 node), ``--max-restarts 2 --warm-standby``;
 - ``requeue``: the same job with ``--max-restarts 0`` (ddp_hpc's batch script without the
   supervisor, ``#SBATCH --requeue``; the test cluster has JobRequeue=1): Slurm requeues a job
   whose node failed (NODE_FAIL) and it resumes from its checkpoint file; a killed rank ends the
@@ -105,7 +105,7 @@ def _submit(work: Path, baseline: str, layout: str, fault: str | None, env: dict
         overrides.append(f"train.collective_timeout_s={HANG_TIMEOUT_S}")
     if baseline == "torchrun":
         return cj.submit_torchrun(work, name, overrides, env, "1:2" if fault == "kill rank 3's node" else "2")
-    flags = ["--max-restarts", "0"] if baseline == "requeue" else ["--max-restarts", "2", *LAYOUTS[layout]]
+    flags = ["--max-restarts", "0"] if baseline == "requeue" else ["--max-restarts", "2", "--warm-standby", *LAYOUTS[layout]]
     return cj.submit_ddp_hpc(work, name, flags, overrides, env)
 
 
