@@ -105,7 +105,8 @@ def _submit(work: Path, baseline: str, layout: str, fault: str | None, env: dict
         overrides.append(f"train.collective_timeout_s={HANG_TIMEOUT_S}")
     if baseline == "torchrun":
         return cj.submit_torchrun(work, name, overrides, env, "1:2" if fault == "kill rank 3's node" else "2")
-    flags = ["--max-restarts", "0"] if baseline == "requeue" else ["--max-restarts", "2", "--warm-standby", *LAYOUTS[layout]]
+    flags = (["--max-restarts", "0"] if baseline == "requeue"
+             else ["--max-restarts", "2", "--warm-standby", *LAYOUTS[layout]])
     return cj.submit_ddp_hpc(work, name, flags, overrides, env)
 
 
