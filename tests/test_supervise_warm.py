@@ -38,7 +38,8 @@ MINI_SRUN = textwrap.dedent("""
                        SLURM_LOCALID=str(local), SLURM_NODEID=str(i), SLURM_NTASKS=str(len(nodes) * g),
                        SLURM_STEP_NODELIST=compress(nodes), SLURM_STEP_TASKS_PER_NODE=f"{g}(x{len(nodes)})",
                        SLURM_JOB_NODELIST=compress(nodes), SLURMD_NODENAME=node)
-            procs.append((node, i * g + local, subprocess.Popen(cmd, env=env, stdout=out, stderr=out)))
+            procs.append((node, i * g + local, subprocess.Popen(cmd, env=env, stdout=out, stderr=out,
+                                                                 start_new_session=True)))
     worst = 0
     for node, task, p in procs:
         rc = p.wait()
@@ -192,3 +193,22 @@ def test_a_standby_sessions_autogroup_stands_back_and_is_given_back_at_the_hand_
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["19", "0"]
     assert open("/proc/self/autogroup").read() == ours       # this session's untouched
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroups in this kernel")
+def test_a_standby_that_shares_its_launchers_session_leaves_the_autogroup_alone():
+    """Started without a session of its own, the standby's autogroup is its launcher's: niced, it
+    would hold back the launcher and everything else of that session (a CI run's every test went
+    ~2x slower that way). It leaves it as it is."""
+    code = ("from ddp_hpc.supervise.standby import autogroup_nice\n"
+            "print(autogroup_nice(19), open('/proc/self/autogroup').read().split()[-1])\n")
+    ours = open("/proc/self/autogroup").read()
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["False", ours.split()[-1]]
+        assert open("/proc/self/autogroup").read() == ours
+    finally:        # a failure must not leave the rest of this test run niced
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(ours.split()[-1])

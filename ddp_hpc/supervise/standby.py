@@ -110,7 +110,13 @@ def autogroup_nice(value: int) -> bool:
     many kernels) the scheduler shares a CPU fairly between sessions first, and every srun task is
     a session of its own: a standby rank, however niced its threads, would take a training rank's
     share. Its autogroup at 19 keeps it back; at the hand-over 0 gives it back (raising the value
-    and lowering it again down to 0 needs no privilege; the kernel takes one change per 0.1 s)."""
+    and lowering it again down to 0 needs no privilege; the kernel takes one change per 0.1 s).
+
+    Only a process that leads its session touches it (srun's tasks do): otherwise the autogroup
+    is its launcher's too (a shell, a test run, a launcher that started it without ``setsid``),
+    and all of them would stand back with it, for good if this process never becomes a rank."""
+    if os.getsid(0) != os.getpid():
+        return False
     for _ in range(20):
         try:
             with open("/proc/self/autogroup", "w", encoding="ascii") as f:
