@@ -209,3 +209,26 @@ def test_the_watcher_gives_srun_a_grace_after_a_rank_failed(tmp_path: Path, monk
         assert end.trigger == "rank failed" and end.first_bad_at
     finally:
         watch.stop_step(proc, timeout=5)
+
+
+def test_a_rank_that_raised_keeps_its_exit_report_though_its_peers_lost_it(tmp_path: Path, monkeypatch):
+    """Rank 3 raised, its peers lost it: the raising rank is on its way out and srun's report of its
+    exit code comes when it is gone, so srun gets `RAISED_GRACE_S`, not the lost peer's short grace
+    (a step killed at once after the peers' errors kept no report: a CI run's status showed no exit
+    code for the rank that raised)."""
+    monkeypatch.setattr(watch, "FAILED_GRACE_S", 0.2)
+    monkeypatch.setattr(watch, "RAISED_GRACE_S", 10.0)
+    now = time.time()
+    _events(tmp_path, {"event": "error", "restart": 0, "time": now, "message": "InjectedFailure: rank 3"},
+            {"event": "error", "restart": 0, "time": now + 0.1,
+             "message": "RuntimeError: [pair.cc:537] Connection reset by peer"})
+    proc = subprocess.Popen(["sh", "-c", "sleep 1.5; exit 1"])     # srun ends it once rank 3 exited
+    end = watch.watch_step(proc, EventTail(tmp_path, 0), _sinfo({}), Watch(("n1",), every_s=0.05))
+    assert (end.trigger, end.returncode) == ("exited", 1)
+    monkeypatch.setattr(watch, "RAISED_GRACE_S", 0.5)              # a raising rank stuck in teardown
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        end = watch.watch_step(proc, EventTail(tmp_path, 0), _sinfo({}), Watch(("n1",), every_s=0.05))
+        assert end.trigger == "rank failed" and end.first_bad_at
+    finally:
+        watch.stop_step(proc, timeout=5)

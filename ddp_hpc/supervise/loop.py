@@ -37,7 +37,7 @@ from ddp_hpc.supervise.hang import DEFAULT_HANG_S, Hang, all_busy, ask_stacks, f
 from ddp_hpc.supervise.health import check_nodes, health_row
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
 from ddp_hpc.supervise.warm import Warm
-from ddp_hpc.supervise.watch import FAILED_GRACE_S, EventTail, StepEnd, Watch, node_health, stop_step, watch_step
+from ddp_hpc.supervise.watch import EventTail, StepEnd, Watch, node_health, stop_step, watch_step
 
 __all__ = ["Settings", "Finding", "Judgement", "supervise", "find", "judge", "restart_row", "stop_row",
            "step_env", "step_args"]
@@ -291,7 +291,7 @@ def _stop_reason(end: StepEnd, down: list[str], stall_timeout_s: float) -> str |
     return {"node down": f"node(s) {', '.join(down)} stopped answering (sinfo: down or not responding)",
             "stalled": f"no rank showed a sign of life (a step, an eval, a checkpoint) for "
                        f"{end.stall_s or stall_timeout_s:g} s",
-            "rank failed": f"a rank lost a peer and srun had not ended the step {FAILED_GRACE_S:g} s later",
+            "rank failed": f"a rank lost a peer and srun had not ended the step {end.grace_s:g} s later",
             }.get(end.trigger)
 
 

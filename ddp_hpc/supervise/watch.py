@@ -4,7 +4,8 @@ its nodes; and stopping it.
 A step needs stopping when srun ended (every rank gone, or srun's --kill-on-bad-exit ended it),
 when a rank wrote that it failed because a peer did (a lost connection, a collective timeout:
 srun may wait long for a node that is gone; a rank's own error is left to srun, which ends the
-step when that rank exits, with its exit report), when one of its nodes is lost (down, not
+step when that rank exits, with its exit report, so its peers' errors then wait
+`RAISED_GRACE_S`), when one of its nodes is lost (down, not
 responding, powered off), or when no rank showed a sign of life (`LIFE_EVENTS`: a training step, an
 epoch's end, an evaluation, a checkpoint, the evaluation's progress) for the stall timeout after
 steps had begun (a hang the ranks' own collective timeout did not end), or for the hang limit
@@ -41,6 +42,10 @@ __all__ = ["EventTail", "StepEnd", "Watch", "NodeHealth", "LIFE_EVENTS", "node_c
 #: broken either way (a killed rank: srun ended the step 3.4 s after its peers' errors as they tore
 #: down; a lost node: srun never does)
 FAILED_GRACE_S = 1.0
+#: the same grace when a rank also wrote an error of its own (it raised): its process is on its way
+#: out, and srun's report of its exit code (the evidence a user reads) comes once it is gone; a
+#: step killed first keeps none (under load the raising rank's teardown took more than 1 s)
+RAISED_GRACE_S = 5.0
 #: how often the nodes' states are asked (sinfo), seconds
 NODE_EVERY_S = 3.0
 #: once every rank wrote its end event, how long their processes get to tear down, seconds
@@ -104,6 +109,7 @@ class StepEnd:
     stall_s: float | None = None         # "stalled": the limit it outlasted, seconds
     down: list[str] = field(default_factory=list)   # nodes sinfo called down / not responding
     step_id: str | None = None           # the Slurm step the ranks run in (their rendezvous events)
+    grace_s: float = FAILED_GRACE_S      # "rank failed": how long srun had to end the step itself
 
 
 @dataclass(frozen=True)
@@ -164,11 +170,13 @@ def down_nodes(cli: SlurmCLI, nodes) -> list[str]:
 
 
 class _Seen:
-    """What the run's events told so far: the first rank that lost a peer, the newest sign of life,
+    """What the run's events told so far: the first rank that lost a peer and the first that
+    raised, the newest sign of life,
     the step times (`hang.StepClock`), the ranks heard from and those that ended."""
 
     def __init__(self, watch: Watch) -> None:
         self.first_bad: float | None = None
+        self.raised_at: float | None = None    # the first error of a rank's own (not a lost peer)
         self.last_step, self.quiet = watch.last_step_at, watch.busy_at
         self.clock = StepClock(watch.hang_floor_s)
         self.exiting = False                 # a rank ended or its interpreter exits: no hang limit
@@ -198,6 +206,8 @@ class _Seen:
         lost_peer = name == "error" and consequence_phrase(ev.get("message"), ev.get("exc_type"))
         if lost_peer and self.first_bad is None:
             self.first_bad = t or time.time()
+        if name == "error" and not lost_peer and self.raised_at is None:
+            self.raised_at = t or time.time()
 
     def stalled(self, watch: Watch, now: float) -> float | None:
         """The limit the run outlasted without a sign of life, None while it did not. Once every
@@ -228,8 +238,9 @@ def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Wa
         end = StepEnd("exited", rc, now, seen.first_bad, seen.last_step, step_id=seen.step_id)
         if rc is not None or stopping():
             return end
-        if seen.first_bad is not None and now - seen.first_bad > FAILED_GRACE_S:
-            end.trigger = "rank failed"
+        grace = FAILED_GRACE_S if seen.raised_at is None else RAISED_GRACE_S
+        if seen.first_bad is not None and now - seen.first_bad > grace:
+            end.trigger, end.grace_s = "rank failed", grace
             return end
         if time.monotonic() >= next_nodes:
             next_nodes = time.monotonic() + NODE_EVERY_S
