@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from ddp_hpc import env as envmod
-from ddp_hpc.env import PORT_BASE, PORT_SPAN, DistEnv, EnvError, derive_port, detect, preflight, user_port
+from ddp_hpc.env import PORT_BASE, PORT_SPAN, DistEnv, EnvError, derive_port, detect, free_port, preflight, user_port
+from ddp_hpc.env.ports import FREE_BASE, FREE_SPAN
 
 HOST = socket.gethostname()
 
@@ -128,6 +129,17 @@ def test_single_process_gets_a_free_port():
     assert env.master_addr == "127.0.0.1" and env.job_id is None and env.restart_count == 0
     with socket.socket() as s:  # the port was free when chosen: binding it works
         s.bind(("127.0.0.1", env.master_port))
+
+
+def test_a_free_port_is_outside_the_ephemeral_range():
+    """Chosen now, bound by rank 0 seconds later: an ephemeral port could go to any outgoing
+    connection meanwhile (EADDRINUSE in a loaded test run), so free ports come from below it."""
+    low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = [free_port() for _ in range(20)]
+    assert all(FREE_BASE <= p < FREE_BASE + FREE_SPAN and not low <= p <= high for p in ports), ports
+    for p in ports:     # each free when chosen
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
 
 
 @pytest.mark.parametrize("key, port", [("4242", 22835), ("5000_3", 24407), ("777", 21756), ("1234_1", 20543),

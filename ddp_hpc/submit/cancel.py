@@ -33,8 +33,10 @@ from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 __all__ = ["cancel", "main", "CancelError"]
 
-#: how long `cancel` waits for Slurm to report a cancelled job's end, to say and keep it
-SLURM_SETTLE_S = 10.0
+#: how long `cancel` waits for Slurm to report a cancelled job's end, to say and keep it: a job
+#: that checkpoints on SIGTERM (the training core does) ends only once its save is written, and a
+#: busy node took more than 10 s for a small one
+SLURM_SETTLE_S = 30.0
 
 
 def cancel(job_id: str, grace: float = GRACE_S, cli: SlurmCLI | None = None) -> str:
