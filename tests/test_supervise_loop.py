@@ -185,6 +185,20 @@ def test_judge_restarts_a_killed_rank_off_a_draining_node_onto_a_healthy_spare(t
     assert spent.plan is None and spent.change == "no restart left (--max-restarts 2)"
 
 
+def test_a_step_that_ended_without_evidence_says_what_the_supervisor_read(tmp_path):
+    """No rank wrote an event and srun reported nothing: the supervisor does not restart, and its
+    reason lists what it read (each rank's ending, srun's reports), so the batch output tells a
+    step that left no trace from evidence that was misread."""
+    now = time.time()
+    s = Settings(policy=Policy(nodes=1, tasks_per_node=1, max_restarts=2), log_dir=str(tmp_path), command=("true",))
+    j = judge(s, _sinfo({"n1": "mixed"}), NodePlan(active=["n1"], spare=[]), StepEnd("exited", 1, now), restart=0, done=0)
+    assert j.plan is None and j.finding.rank is None
+    assert j.finding.why == "the step ended (exited; ranks' endings: none; srun's task reports: none)", j.finding
+    (tmp_path / "slurm-41.out").write_text("srun: error: n1: task 0: Exited with exit code 3\n")
+    j = judge(s, _sinfo({"n1": "mixed"}), NodePlan(active=["n1"], spare=[]), StepEnd("exited", 1, now), restart=0, done=0)
+    assert j.finding.rank == 0 and "exit" in j.finding.why, j.finding
+
+
 NODE_STATES = [("idle", "up"), ("mixed", "up"), ("allocated", "up"), ("completing", "up"),
                ("draining", "draining"), ("drained", "draining"), ("drain", "draining"),
                ("mixed+drain", "draining"), ("fail", "draining"), ("failing", "draining"),

@@ -301,8 +301,9 @@ def find(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, hang: Han
     hung rank (``hang``), that rank."""
     health = node_health(cli, plan.active + plan.spare)
     down = sorted(set(end.down) | {n for n in health.lost if n in plan.active})
-    failure, _ = attribute(RunLogs(s.log_dir), restart=restart, assume_failed=True,
-                           sched=SchedulerFacts("NODE_FAIL" if down else None))
+    logs = RunLogs(s.log_dir)
+    failure, endings = attribute(logs, restart=restart, assume_failed=True,
+                                 sched=SchedulerFacts("NODE_FAIL" if down else None))
     stop = _stop_reason(end, down, s.stall_timeout_s)
     if hang is not None and not down:
         return Finding(trigger=end.trigger, why=hang.why, stop=stop, kind="stuck", rank=hang.rank,
@@ -312,7 +313,7 @@ def find(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, hang: Han
     kind = failure.kind if failure else None
     why = failure.summary if failure else {"stalled": f"no training step for {s.stall_timeout_s:g} s",
                                           "node down": f"node(s) {', '.join(down)} down"}.get(
-                                              end.trigger, f"the step ended ({end.trigger})")
+                                              end.trigger, f"the step ended ({end.trigger}; {_seen(logs, endings)})")
     lost = down + ([failure.node] if failure and kind == "vanished" and failure.node else [])
     suspect = [failure.host] if failure and failure.host and kind in ("killed", "stuck", "lost") else []
     return Finding(
@@ -321,6 +322,15 @@ def find(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, hang: Han
         basis=failure.basis if failure else end.trigger, fault_at=_fault_at(failure, end),
         detected_at=round(end.detected_at, 3), lost=tuple(dict.fromkeys(lost)), suspect=tuple(suspect),
         draining=health.draining)
+
+
+def _seen(logs: RunLogs, endings: dict) -> str:
+    """What the evidence held when it named no cause: each rank's ending and srun's reports, so a
+    user (and a test's log) can tell a step that left no trace from evidence that was misread."""
+    ranks = ", ".join(f"{r} {e.kind}" for r, e in sorted(endings.items())) or "none"
+    reports = ", ".join(f"{t} " + (f"code {rep.exit_code}" if rep.exit_code is not None else f"signal {rep.signal}")
+                        for t, rep in sorted(logs.task_reports().items())) or "none"
+    return f"ranks' endings: {ranks}; srun's task reports: {reports}"
 
 
 def judge(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, done: int,
