@@ -191,11 +191,11 @@ def test_a_step_that_ended_without_evidence_says_what_the_supervisor_read(tmp_pa
     step that left no trace from evidence that was misread."""
     now = time.time()
     s = Settings(policy=Policy(nodes=1, tasks_per_node=1, max_restarts=2), log_dir=str(tmp_path), command=("true",))
-    j = judge(s, _sinfo({"n1": "mixed"}), NodePlan(active=["n1"], spare=[]), StepEnd("exited", 1, now), restart=0, done=0)
+    j = judge(s, _sinfo({"n1": "mixed"}), NodePlan(["n1"], []), StepEnd("exited", 1, now), restart=0, done=0)
     assert j.plan is None and j.finding.rank is None
     assert j.finding.why == "the step ended (exited; ranks' endings: none; srun's task reports: none)", j.finding
     (tmp_path / "slurm-41.out").write_text("srun: error: n1: task 0: Exited with exit code 3\n")
-    j = judge(s, _sinfo({"n1": "mixed"}), NodePlan(active=["n1"], spare=[]), StepEnd("exited", 1, now), restart=0, done=0)
+    j = judge(s, _sinfo({"n1": "mixed"}), NodePlan(["n1"], []), StepEnd("exited", 1, now), restart=0, done=0)
     assert j.finding.rank == 0 and "exit" in j.finding.why, j.finding
 
 
