@@ -41,12 +41,10 @@ def frozen_run(tmp_path_factory) -> Path:
 def test_the_frozen_rank_is_blamed_and_the_waiting_ranks_are_its_victims(frozen_run):
     stacks = {r: [e for e in read_events(frozen_run / f"rank{r}.events.jsonl").events if e["event"] == "stack"]
               for r in range(4)}
-    # the stall, as it was written: the waiting ranks' stacks, none from rank 3 before their
-    # timeout (under load the launcher's teardown may wake rank 3 long enough to write one after)
-    timed_out = min(e["time"] for r in range(3) for e in read_events(frozen_run / f"rank{r}.events.jsonl").events
-                    if e["event"] in ("error", "end"))
+    # the stall, as it was written: the waiting ranks' stacks. (Rank 3 may have written one too,
+    # before it froze: on a loaded machine its own wait for the previous step's all-reduce, right
+    # before the SIGSTOP, can outlast the watchdog's 7 s; twice in CI. The blame must hold anyway.)
     assert all(stacks[r] for r in range(3)), stacks
-    assert not [e for e in stacks[3] if e["time"] < timed_out], stacks[3]
     failure = RunLogs(frozen_run).first_failure(assume_failed=True)
     assert failure.rank == 3 and failure.kind == "stuck", failure.summary
     assert failure.summary.startswith("rank 3 on ") and " stuck" in failure.summary
