@@ -2,7 +2,8 @@
 
 ``slurm_cluster`` (session scope) starts ONE local cluster per test session with
 ``ddp_hpc.testcluster`` -- 4 nodes ``n1..n4`` in the default partition and 3 more, ``n5..n7``, in
-a partition ``spare`` of their own (for a test that kills a node while others run), each node in
+a partition ``spare`` of their own (for a test that kills a node while others run), and 3 more,
+``n8..n10``, in a partition ``spare2`` (the tests of xdist group "spare2" see it as theirs), each node in
 its own network namespace with its own address and hostname, 4 fake GPUs per node (GRES), job
 completion records (``sacct -c``) and, when MariaDB + slurmdbd are installed, full accounting
 (plain ``sacct``, ``sacct -D``) -- and tears it down when the session ends.  Only one cluster
@@ -22,7 +23,8 @@ What the fixture yields (a :class:`SlurmTestCluster`)::
     def test_two_by_two(slurm_cluster):
         c = slurm_cluster
         c.nodes                      # ['n1', 'n2', 'n3', 'n4']: the default partition's
-        c.spare_nodes                # ['n5', 'n6', 'n7']: partition c.spare_partition ('spare')
+        c.spare_nodes                # ['n5', 'n6', 'n7']: partition c.spare_partition ('spare';
+                                     # 'spare2', ['n8', 'n9', 'n10'] in xdist group "spare2")
         c.gpus_per_node              # 4
         c.env                        # os.environ + SLURM_CONF + PATH with the venv's bin first,
                                      # minus inherited SLURM_* / torchrun variables
@@ -112,6 +114,9 @@ class SlurmTestCluster:
         self._spec = spec
         self.nodes: list[str] = list(spec.partition_nodes)
         self.spare_nodes: list[str] = list(spec.spare_node_names)
+        #: every spare partition: ``spare`` (n5-n7) and ``spare2`` (n8-n10); a test in xdist group
+        #: "spare2" sees the second as ``spare_partition`` / ``spare_nodes`` (`_spare_set`)
+        self.spare_sets: dict[str, list[str]] = dict(spec.spare_sets)
         self.gpus_per_node: int = spec.gpus_per_node
         self.cluster_name: str = spec.cluster_name
         self.layout: str = spec.layout
@@ -410,7 +415,7 @@ def _start_cluster():
     down(state_dir)  # we hold the lock: anything recorded there is stale
     notes = []
     for layout, with_dbd in attempts:  # best first; fall back rather than lose every test
-        candidate = ClusterSpec(nodes=4, spare_nodes=3, gpus_per_node=4, layout=layout,
+        candidate = ClusterSpec(nodes=4, spare_nodes=3, spare_partitions=2, gpus_per_node=4, layout=layout,
                                 slurmdbd=with_dbd, state_dir=state_dir)
         try:
             up(candidate)
@@ -441,6 +446,21 @@ def _shared_cluster(d: Path) -> SlurmTestCluster:
     cluster = SlurmTestCluster(ClusterSpec.from_json(rec["spec"]))
     cluster.startup_notes = rec["notes"]
     return cluster
+
+
+@pytest.fixture(autouse=True)
+def _spare_set(request):
+    """A test in xdist group "spare2" gets the second spare partition as its ``spare_partition``
+    and ``spare_nodes``: the two groups' tests, which each take a whole spare partition (2 nodes
+    and a spare, a node killed), run side by side on two workers instead of one after another."""
+    if "slurm_cluster" not in request.fixturenames:
+        yield
+        return
+    c = request.getfixturevalue("slurm_cluster")
+    groups = {str(m.args[0]) for m in request.node.iter_markers("xdist_group") if m.args}
+    name = "spare2" if "spare2" in groups and "spare2" in c.spare_sets else "spare"
+    c.spare_partition, c.spare_nodes = name, list(c.spare_sets.get(name, c.spare_nodes))
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,9 @@ class ClusterSpec:
     spare_nodes: int = 0
     """More nodes (n(N+1)..), in a partition ``spare`` of their own: for jobs that must not share
     nodes with others (a node killed on purpose) while other jobs run in ``debug``."""
+    spare_partitions: int = 1
+    """How many such partitions of ``spare_nodes`` nodes each: ``spare``, ``spare2``, ... (two
+    tests that each take a whole spare partition can run side by side)."""
     gpus_per_node: int = 4
     """Fake GPUs per node (GRES ``gpu`` backed by char devices); 0 for none."""
     layout: str = "netns"
@@ -61,7 +64,9 @@ class ClusterSpec:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
         if not 1 <= self.nodes <= MAX_NODES:
             raise _fail(f"--nodes {self.nodes} is out of range", f"use 1..{MAX_NODES} nodes.")
-        if not 0 <= self.spare_nodes <= MAX_NODES - self.nodes:
+        if not 1 <= self.spare_partitions <= 4:
+            raise _fail(f"{self.spare_partitions} spare partitions is out of range", "use 1..4.")
+        if not 0 <= self.spare_nodes * self.spare_partitions <= MAX_NODES - self.nodes:
             raise _fail(f"{self.spare_nodes} spare nodes is out of range",
                         f"use 0..{MAX_NODES} nodes in all.")
         if not 0 <= self.gpus_per_node <= 16:
@@ -87,9 +92,14 @@ class ClusterSpec:
 
     # -- names and addresses -------------------------------------------------------------
     @property
+    def total_nodes(self) -> int:
+        """Every node's count, the spare partitions' included."""
+        return self.nodes + self.spare_nodes * self.spare_partitions
+
+    @property
     def node_names(self) -> list[str]:
         """Every node, the spare ones included."""
-        return [f"{self.node_prefix}{i}" for i in range(1, self.nodes + self.spare_nodes + 1)]
+        return [f"{self.node_prefix}{i}" for i in range(1, self.total_nodes + 1)]
 
     @property
     def partition_nodes(self) -> list[str]:
@@ -99,11 +109,22 @@ class ClusterSpec:
     @property
     def spare_node_names(self) -> list[str]:
         """The nodes of the partition ``spare`` (none unless ``spare_nodes``)."""
-        return self.node_names[self.nodes:]
+        return self.node_names[self.nodes:self.nodes + self.spare_nodes]
+
+    @property
+    def spare_sets(self) -> dict[str, list[str]]:
+        """Each spare partition's name and nodes: ``spare``, ``spare2``, ... (none unless
+        ``spare_nodes``)."""
+        if not self.spare_nodes:
+            return {}
+        names = self.node_names
+        return {("spare" if k == 0 else f"spare{k + 1}"):
+                names[self.nodes + k * self.spare_nodes:self.nodes + (k + 1) * self.spare_nodes]
+                for k in range(self.spare_partitions)}
 
     @property
     def nodelist(self) -> str:
-        return self._range(1, self.nodes + self.spare_nodes)
+        return self._range(1, self.total_nodes)
 
     def _range(self, first: int, last: int) -> str:
         p = self.node_prefix
@@ -272,11 +293,12 @@ def _nodes_conf(spec: ClusterSpec) -> list[str]:
     if not spec.spare_nodes:
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         return lines
-    total = spec.nodes + spec.spare_nodes
     lines.append(f"PartitionName=debug Nodes={spec._range(1, spec.nodes)} Default=YES "
                  "MaxTime=INFINITE State=UP")
-    lines.append(f"PartitionName=spare Nodes={spec._range(spec.nodes + 1, total)} MaxTime=INFINITE "
-                 "State=UP")
+    for k, name in enumerate(spec.spare_sets):
+        first = spec.nodes + k * spec.spare_nodes + 1
+        lines.append(f"PartitionName={name} Nodes={spec._range(first, first + spec.spare_nodes - 1)} "
+                     "MaxTime=INFINITE State=UP")
     return lines
 
 

@@ -90,6 +90,14 @@ def test_spare_nodes_get_a_partition_of_their_own(tmp_path):
     assert "PartitionName=debug Nodes=ALL Default=YES" in render_slurm_conf(ClusterSpec(state_dir=tmp_path))
     with pytest.raises(ClusterError, match="spare nodes is out of range"):
         ClusterSpec(nodes=60, spare_nodes=5)
+    two = ClusterSpec(nodes=4, spare_nodes=3, spare_partitions=2, state_dir=tmp_path)
+    assert two.spare_sets == {"spare": ["n5", "n6", "n7"], "spare2": ["n8", "n9", "n10"]}
+    assert two.spare_node_names == ["n5", "n6", "n7"] and two.nodelist == "n[1-10]"
+    conf = render_slurm_conf(two)
+    assert "PartitionName=spare Nodes=n[5-7] " in conf and "PartitionName=spare2 Nodes=n[8-10] " in conf
+    assert ClusterSpec.from_json(two.to_json()) == two
+    with pytest.raises(ClusterError, match="spare nodes is out of range"):
+        ClusterSpec(nodes=60, spare_nodes=3, spare_partitions=2)
 
 
 # ---------------------------------------------------------------------------- the cluster itself

@@ -27,7 +27,7 @@ from ddp_hpc.supervise.watch import FAILED_GRACE_S
 
 from .script_helpers import wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("spare")]
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("spare2")]
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
