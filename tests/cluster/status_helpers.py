@@ -45,17 +45,23 @@ def failing_synthetic(**kwargs) -> FailingSynthetic:
 
 class SlowSynthetic(Dataset):
     """The demo's data, each fetch sleeping ``delay`` seconds: a run that lasts long enough to be
-    watched (and cancelled or requeued) without using CPU."""
+    watched (and cancelled or requeued) without using CPU. With ``until`` (a path), only until
+    that file exists: a test lets the run finish once it has seen what it waited for, however
+    slow the machine was until then."""
 
-    def __init__(self, delay: float = 0.002, **kwargs):
+    def __init__(self, delay: float = 0.002, until: str | None = None, **kwargs):
         self.data = SyntheticClassification(**kwargs)
-        self.delay = float(delay)
+        self.delay, self.until, self.fetched = float(delay), until, 0
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int):
-        time.sleep(self.delay)
+        self.fetched += 1
+        if self.until and self.fetched % 50 == 0 and os.path.exists(self.until):
+            self.delay = 0.0
+        if self.delay:
+            time.sleep(self.delay)
         return self.data[i]
 
 

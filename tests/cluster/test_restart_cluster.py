@@ -211,7 +211,10 @@ def test_killed_ranks_restart_from_the_warm_standby_and_srun_still_names_the_ran
     d.mkdir()
     job, _, env = _submit(c, d, "-G", "2", "-N", "2", "--spare-nodes", "1", "--max-restarts", "2",
                           "--warm-standby", "-J", "rs-warm", str(REPO / "jobs" / "demo.yaml"), "--",
-                          f"log.dir={d / 'runs'}", *FAST, "data.kwargs.size=16384",
+                          f"log.dir={d / 'runs'}", *FAST, "data.kwargs.size=131072",
+                          # slow until the test has seen both restarts: a loaded machine's standby
+                          # took 25 s to be ready, and the job had ended before its second one was
+                          f"data.kwargs.until={d / 'go'}",
                           # CI runs the unit tests beside: a standby at nice 19 would wait for them
                           DDP_HPC_STANDBY_NICE="0")
     log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("rs-warm-*"), None), 60)
@@ -223,10 +226,12 @@ def test_killed_ranks_restart_from_the_warm_standby_and_srun_still_names_the_ran
         wait_for("the second standby's 4 ranks", lambda: _ready(log_dir) >= 10, 240)
         os.kill(int(starts1[3]["pid"]), signal.SIGKILL)
         wait_for("steps after the second restart", lambda: _stepping(log_dir, 2, 4), 120)
+        (d / "go").touch()
     except BaseException:
         for name in ("slurm-*.out", "standby.out", "restarts.jsonl", "rank3.out"):
             for p in log_dir.glob(name):
                 print(f"--- {p.name}\n{p.read_text()[-4000:]}")
+        c.run(["scancel", job], timeout=30)     # not the partition held until its time limit
         raise
     state, status, shown = _finish(c, job, env)
     rows = read_restarts(log_dir)
