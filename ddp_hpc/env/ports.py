@@ -1,5 +1,6 @@
 """The master port rule: the user's MASTER_PORT wins, else a port derived from the job key (the
-same on every rank with no communication), else a free port of this machine (one process), outside the ephemeral range.
+same on every rank with no communication), else a free port of this machine (one process),
+outside the ephemeral range.
 
 ``free_port`` here is the one of ddp_hpc: launchers and tests pick free ports with it.
 """

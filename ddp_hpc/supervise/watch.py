@@ -171,8 +171,8 @@ def down_nodes(cli: SlurmCLI, nodes) -> list[str]:
 
 class _Seen:
     """What the run's events told so far: the first rank that lost a peer and the first that
-    raised, the newest sign of life,
-    the step times (`hang.StepClock`), the ranks heard from and those that ended."""
+    raised, the newest sign of life, the step times (`hang.StepClock`), the ranks heard from and
+    those that ended."""
 
     def __init__(self, watch: Watch) -> None:
         self.first_bad: float | None = None
