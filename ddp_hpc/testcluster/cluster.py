@@ -162,10 +162,13 @@ def _start_slurmd(spec: ClusterSpec, i: int, node: str) -> None:
                      f"slurmd {node} did not start", f"see {log}.", log=log)
 
 
-def _wait_idle(spec: ClusterSpec, timeout: float = 60, ok=("idle",)) -> None:
+def _wait_idle(spec: ClusterSpec, timeout: float = 60, ok=("idle",), nodes=None) -> None:
+    """Wait until ``nodes`` (default: every node) are all in a state of ``ok``."""
+    want = set(spec.node_names if nodes is None else nodes)
+
     def ready():
-        states = node_states(spec)
-        return set(states) == set(spec.node_names) and all(s in ok for s in states.values())
+        states = {n: s for n, s in node_states(spec).items() if n in want}
+        return set(states) == want and all(s in ok for s in states.values())
     try:
         daemons.wait_for(ready, timeout, "", "", interval=0.1)
     except ClusterError:

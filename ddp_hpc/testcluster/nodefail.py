@@ -67,4 +67,6 @@ def revive_node(state_dir: Path, node: str, timeout: float = 60) -> None:
         cluster._start_slurmd(spec, i, node)  # noqa: SLF001 - the same start as `up` uses
     daemons.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], spec, "scontrol",
                 check=False)
-    cluster._wait_idle(spec, timeout, ok=("idle", "mix", "mixed", "alloc", "allocated"))  # noqa: SLF001
+    # this node only: the other nodes' jobs go on meanwhile (one completing is no reason to wait)
+    cluster._wait_idle(spec, timeout, ok=("idle", "mix", "mixed", "alloc", "allocated"),  # noqa: SLF001
+                       nodes=[node])

@@ -55,7 +55,7 @@ def _running_on(cli, job, restart):
     return None
 
 
-def test_a_dead_node_is_named_the_job_resumes_elsewhere_and_later_avoids_it(slurm_cluster, tmp_path):
+def test_a_dead_node_is_named_the_job_resumes_elsewhere_and_later_avoids_it(slurm_cluster, tmp_path, request):
     c = slurm_cluster
     c.need_node_failure()
     d = c.shared_dir / f"nodefail-{time.monotonic_ns()}"
@@ -69,6 +69,8 @@ def test_a_dead_node_is_named_the_job_resumes_elsewhere_and_later_avoids_it(slur
               cwd=str(REPO), env=env)
     assert p.returncode == 0, p.stderr
     job = p.stdout.split()[-1]
+    # a failure must not leave the job holding the spare partition for the next test
+    request.addfinalizer(lambda: c.run(["scancel", job], timeout=30))
     log_dir = next((d / "runs").glob("nodefail-*"))
     wait_for("6 steps on every rank", lambda: min(_steps(log_dir, 0).values()) >= 6, 180, 0.5)
     dead = next(e for e in read_events(log_dir / "rank2.events.jsonl").events if e["event"] == "start")["host"]
