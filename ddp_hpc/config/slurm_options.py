@@ -265,11 +265,11 @@ def _check_restarts(o: SlurmOptions) -> None:
                           f"{o.nodes}: which of the nodes Slurm gives are spares would be a guess",
                           f"give a node count (--nodes {high}) with --spare-nodes, or the range without it")
     hang = o.hang_timeout != DEFAULT_HANG_TIMEOUT
-    warm = o.warm_standby
-    if o.max_restarts == 0 and (o.spare_nodes or o.min_nodes is not None or o.restart_on_error or hang or warm):
+    if o.max_restarts == 0 and (o.spare_nodes or o.min_nodes is not None or o.restart_on_error or hang
+                                or o.warm_standby):
         given = [w for w, on in (("--spare-nodes", o.spare_nodes), ("--min-nodes", o.min_nodes is not None),
                                  ("--restart-on-error", o.restart_on_error), ("--hang-timeout", hang),
-                                 ("--warm-standby", warm)) if on]
+                                 ("--warm-standby", o.warm_standby)) if on]
         key = given[0][2:].replace("-", "_")
         raise ConfigError(f"{' and '.join(given)} (slurm.{key}) need "
                           "restarts inside the allocation, but --max-restarts is 0",

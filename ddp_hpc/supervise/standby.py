@@ -33,6 +33,7 @@ import threading
 import time
 
 from ddp_hpc.env.sources import derive
+from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.startup import PROC_START_VAR, WARM_START_VAR
 
 __all__ = ["TOKEN_VAR", "WARM_VAR", "IMPORTS_VAR", "NICE_VAR", "eligible", "preload", "standby_nice",
@@ -100,8 +101,7 @@ def preload(command, environ=None) -> list[str]:
 
 def standby_nice(environ=None) -> int:
     """`NICE_VAR` (default 19), kept within 0-19."""
-    text = (os.environ if environ is None else environ).get(NICE_VAR, "19")
-    return min(19, max(0, int(text))) if text.strip().lstrip("-").isdigit() else 19
+    return min(19, max(0, to_int((os.environ if environ is None else environ).get(NICE_VAR), 19)))
 
 
 def autogroup_nice(value: int) -> bool:
