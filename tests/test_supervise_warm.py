@@ -200,15 +200,16 @@ def test_a_standby_that_shares_its_launchers_session_leaves_the_autogroup_alone(
     """Started without a session of its own, the standby's autogroup is its launcher's: niced, it
     would hold back the launcher and everything else of that session (a CI run's every test went
     ~2x slower that way). It leaves it as it is."""
-    code = ("from ddp_hpc.supervise.standby import autogroup_nice\n"
-            "print(autogroup_nice(19), open('/proc/self/autogroup').read().split()[-1])\n")
-    ours = open("/proc/self/autogroup").read()
+    code = ("import json; from ddp_hpc.supervise.standby import autogroup_nice\n"
+            "print(json.dumps([autogroup_nice(19), open('/proc/self/autogroup').read()]))\n")
+    ours = open("/proc/self/autogroup").read()    # empty in the default autogroup (a session never set)
     try:
         out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split() == ["False", ours.split()[-1]]
+        assert json.loads(out.stdout) == [False, ours]
         assert open("/proc/self/autogroup").read() == ours
     finally:        # a failure must not leave the rest of this test run niced
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(ours.split()[-1])
+        if ours.split():
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(ours.split()[-1])
