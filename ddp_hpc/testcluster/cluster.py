@@ -21,6 +21,7 @@ from .spec import (
     CONTROLLER_NAME,
     ClusterError,
     ClusterSpec,
+    first_job_id,
     render_gres_conf,
     render_mysql_init,
     render_slurm_conf,
@@ -241,7 +242,8 @@ def _build(spec: ClusterSpec, state: dict) -> None:
     lap = _Clock(state)
     for f in spec.gpu_files():
         os.mknod(f, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    _write(spec.slurm_conf, render_slurm_conf(spec))
+    state["first_job_id"] = first_job_id()
+    _write(spec.slurm_conf, render_slurm_conf(spec, first_job=state["first_job_id"]))
     _write(spec.path("etc", "gres.conf"), render_gres_conf(spec))
     _write(spec.path("etc", "plugstack.conf"), "")
     _start_munge(spec)
@@ -290,7 +292,7 @@ def set_accounting(state_dir: Path, enabled: bool) -> None:
         _start_slurmdbd(spec)
     else:
         daemons.stop_pidfile(spec.path("run", "slurmdbd.pid"), "slurmdbd")
-    _write(spec.slurm_conf, render_slurm_conf(spec, accounting=enabled))
+    _write(spec.slurm_conf, render_slurm_conf(spec, accounting=enabled, first_job=state.get("first_job_id")))
     state["accounting_disabled"] = not enabled
     save_state(spec, state)
     _start_slurmctld(spec, clean=False)

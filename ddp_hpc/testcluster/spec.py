@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
+import time
 from pathlib import Path
 
 from ddp_hpc.errors import HintError
@@ -302,10 +303,23 @@ def _nodes_conf(spec: ClusterSpec) -> list[str]:
     return lines
 
 
-def render_slurm_conf(spec: ClusterSpec, *, accounting: bool | None = None) -> str:
-    """slurm.conf for ``spec``; ``accounting=False`` renders the jobcomp-only variant."""
+def first_job_id(now: float | None = None) -> int:
+    """The first job id of a cluster started now: the seconds of the clock below Slurm's MaxJobId
+    (67043328 by default). Every `up` starts with a fresh controller state, so from 1 each cluster
+    would hand out the ids of the one before it, and what a job keeps by its id on a node (its
+    memory snapshots in /dev/shm, its staged data) would look like an earlier job's; a cluster
+    that handed out fewer ids than a second each never overlaps the next one."""
+    return 1 + int(time.time() if now is None else now) % 60_000_000
+
+
+def render_slurm_conf(spec: ClusterSpec, *, accounting: bool | None = None,
+                      first_job: int | None = None) -> str:
+    """slurm.conf for ``spec``; ``accounting=False`` renders the jobcomp-only variant; ``first_job``:
+    its FirstJobId (`first_job_id`), Slurm's 1 when None."""
     accounting = spec.slurmdbd if accounting is None else accounting
     lines = ["# Rendered by ddp_hpc.testcluster; rewritten on every `up`.", *_paths_conf(spec), *_STATIC_CONF]
+    if first_job is not None:
+        lines.append(f"FirstJobId={first_job}")
     if spec.layout == "netns":
         # slurmctld must bind the bridge address (its own name resolves to it), not 127.0.0.1.
         lines.append("CommunicationParameters=NoCtldInAddrAny")

@@ -14,7 +14,8 @@ import pytest
 
 from ddp_hpc.env import derive_port
 from ddp_hpc.testcluster import ClusterError, ClusterSpec, network
-from ddp_hpc.testcluster.spec import render_gres_conf, render_slurm_conf
+from ddp_hpc.testcluster.spec import first_job_id, render_gres_conf, render_slurm_conf
+from ddp_hpc.testcluster.state import load_state
 
 ALLREDUCE_JOB = Path(__file__).with_name("_allreduce_job.py")
 
@@ -73,6 +74,8 @@ def test_rendered_config_has_fast_requeue_fake_gpus_and_per_node_ports(tmp_path)
     assert f"AuthInfo=socket={tmp_path}/munge/munged.sock,cred_expire=10" in conf
     assert "AccountingStorageType" not in render_slurm_conf(net, accounting=False)
     assert f"NodeName=n[1-3] Name=gpu File={tmp_path}/dev/nvidia[0-1]" in render_gres_conf(net)
+    assert "FirstJobId" not in conf and "FirstJobId=4242\n" in render_slurm_conf(net, first_job=4242)
+    assert first_job_id(1_800_000_000) != first_job_id(1_800_000_001) <= 60_000_000
     loop = render_slurm_conf(ClusterSpec(nodes=2, layout="loopback", state_dir=tmp_path))
     assert "NodeName=n2 NodeAddr=127.0.0.1 NodeHostname=localhost Port=16902" in loop
     assert "Gres=gpu:4" in loop
@@ -160,6 +163,8 @@ def test_batch_job_states_reach_accounting(slurm_cluster):
     ok = c.sbatch("#!/bin/bash\nsrun hostname\n", "-N2", "--ntasks-per-node=1", "-w", "n1,n2")
     bad = c.sbatch("#!/bin/bash\nexit 3\n", "-N1")
     assert c.wait(ok) == "COMPLETED"
+    # job ids go on from the clock's FirstJobId: a job never takes an earlier cluster's id
+    assert int(ok) >= load_state(c.state_dir)["first_job_id"] > 1
     assert sorted(c.output(ok).split()) == ["n1", "n2"]
     assert c.wait(bad) == "FAILED"
     p = c.run(["sacct", "-c", "-n", "-P", "-o", "JobID,State,ExitCode", "-j", f"{ok},{bad}"])
