@@ -129,7 +129,7 @@ class Trainer:
             self.snaps = MemSnapshots(store, rank=self.rank, local_rank=self.ctx.env.local_rank,
                                       every=self.cfg.checkpoint.memory_every_steps, device=self.device,
                                       distributed=self.distributed, warn=self.log.warning,
-                                      nodes=self.restored.nodes)
+                                      nodes=self.restored.nodes, note=self.log.info)
         return self.restored.path, self.restored.state
 
     def _restore(self, state: dict, resumed_from: str) -> None:

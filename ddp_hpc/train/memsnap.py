@@ -21,7 +21,8 @@ the measured cost (the training thread's time per snapshot, the copy and any wai
 write) so that it stays at most 1% of the step time: every rank measures, and one all_reduce of
 the largest cost ratio (after the first snapshot, then every `RETUNE_STEPS` steps) gives every
 rank the same interval. Kept across a restart inside the allocation (the job id is the same);
-removed at the loop's clean end (`MemSnapshots.finish`).
+removed at the loop's clean end (`MemSnapshots.finish`); the folders of jobs that ended without
+one are swept when a later run's snapshots start on the node (`train/memsweep.py`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import pwd
 import re
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +48,7 @@ from ddp_hpc.env import job_facts
 from ddp_hpc.fsutil import locked
 from ddp_hpc.train.asyncsave import Snapshot
 from ddp_hpc.train.checkpoint import FORMAT, checkpoint_path, list_checkpoints, rng_state
+from ddp_hpc.train.memsweep import JOB_FILE, job_file_text, sweep_in_background
 
 __all__ = ["NodeStore", "MemSnapshots", "store_for", "node_label", "RETUNE_STEPS", "TARGET_FRACTION"]
 
@@ -53,6 +56,7 @@ TARGET_FRACTION = 0.01       # auto: a snapshot costs at most this share of the 
 RETUNE_STEPS = 100           # auto: the ranks agree on the interval again every this many steps
 _PART = re.compile(r"^rank(\d+)-(\d{9})\.pt$")
 _TMP = ".memsnap-tmp-"
+PREFIX = "ddp_hpc-memsnap-"
 
 
 def node_label(env) -> str:
@@ -76,12 +80,18 @@ def job_folder(job_id: str | None, environ=None, key: str | None = None) -> Path
     base = "/dev/shm" if os.path.isdir("/dev/shm") else (facts.node_tmpdir or tempfile.gettempdir())
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(job_id or "nojob"))
     tail = f"-{hashlib.sha1(key.encode()).hexdigest()[:10]}" if key else ""
-    return Path(private_root(base)) / f"ddp_hpc-memsnap-{_user()}-{safe}{tail}"
+    return Path(private_root(base)) / f"{user_prefix()}{safe}{tail}"
+
+
+def user_prefix() -> str:
+    """The start of every job folder's name of this user."""
+    return f"{PREFIX}{_user()}-"
 
 
 def store_for(env, environ=None, key: str | None = None) -> NodeStore:
     """The node folder of this rank's job (``env``: its DistEnv; ``key``: see `job_folder`)."""
-    return NodeStore(job_folder(env.job_id, environ, key) / node_label(env), node_label(env))
+    return NodeStore(job_folder(env.job_id, environ, key) / node_label(env), node_label(env),
+                     job=env.job_id, cluster=job_facts(environ).cluster)
 
 
 def comm_device() -> torch.device:
@@ -109,12 +119,27 @@ def _atomic_save(obj: Any, final: Path, prefix: str) -> None:
 class NodeStore:
     """One node's snapshot folder: write a snapshot or a rank's part, find the newest, remove."""
 
-    def __init__(self, folder: str | Path, node: str):
+    def __init__(self, folder: str | Path, node: str, job: str | None = None, cluster: str = ""):
         self.folder, self.node = Path(folder), node
+        self.job, self.cluster = job, cluster      # named in the job folder's JOB_FILE (memsweep)
 
     def make(self) -> None:
         os.makedirs(self.folder.parent, mode=0o700, exist_ok=True)
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        marker = self.folder.parent / JOB_FILE
+        if self.job and not marker.exists():
+            fd, tmp = tempfile.mkstemp(prefix=_TMP + "job-", dir=self.folder.parent)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(job_file_text(self.job, self.cluster))
+            os.replace(tmp, marker)
+
+    def sweep_ended_jobs(self, note: Callable[[str], None] | None = None) -> threading.Thread | None:
+        """Free the snapshots that ended jobs left beside this job's folder (`memsweep`), on a
+        thread of its own (returned); only for a job folder of this user's naming."""
+        job_dir, prefix = self.folder.parent, user_prefix()
+        if not (self.job and job_dir.name.startswith(prefix)):
+            return None
+        return sweep_in_background(job_dir.parent, prefix, job_dir, _user(), self.cluster, note)
 
     def newest(self) -> tuple[int, Path] | None:
         """(step, path) of the newest whole snapshot here, None when there is none."""
@@ -155,8 +180,11 @@ class NodeStore:
     def remove(self) -> None:
         """This node's folder, and the job's folder when no other node's is left in it."""
         shutil.rmtree(self.folder, ignore_errors=True)
+        job_dir = self.folder.parent
         try:
-            self.folder.parent.rmdir()
+            if not any(p.is_dir() for p in job_dir.iterdir()):     # no other node's folder left
+                (job_dir / JOB_FILE).unlink(missing_ok=True)
+                job_dir.rmdir()
         except OSError:
             pass
 
@@ -166,7 +194,7 @@ class MemSnapshots:
 
     def __init__(self, store: NodeStore, *, rank: int, local_rank: int, every: int,
                  device: torch.device, distributed: bool, warn: Callable[[str], None],
-                 nodes: list[str] | None = None):
+                 nodes: list[str] | None = None, note: Callable[[str], None] | None = None):
         self.store, self.rank, self.writes_model = store, rank, local_rank == 0
         self.nodes = list(nodes or [store.node])      # this run's nodes: a restore names the lost
         self.auto, self.every = every == 0, max(every, 1)
@@ -180,6 +208,7 @@ class MemSnapshots:
         self.taken = 0
         self.failed = False
         store.make()
+        self.sweeper = store.sweep_ended_jobs(note) if self.writes_model else None
 
     # ------------------------------------------------------------------ when
     def due(self, step: int) -> bool:

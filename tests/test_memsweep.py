@@ -1,0 +1,93 @@
+"""Memory snapshots left by jobs that ended without a clean end are freed when a later run's
+snapshots start on the node (train/memsweep.py): real folders, real processes carrying a local
+job's id, a real MemSnapshots. The Slurm side (squeue's answer) runs on the test cluster:
+tests/cluster/test_memsnap_cluster.py."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ddp_hpc.train.memsnap import MemSnapshots, NodeStore, user_prefix
+from ddp_hpc.train.memsweep import JOB_FILE, LOCAL_IDLE_S, job_file_text, stale, sweep
+
+PREFIX = "ddp_hpc-memsnap-u-"
+
+
+def _job(root: Path, name: str, key: str | None = None, cluster: str = "c1", age_s: float = 0.0,
+         prefix: str = PREFIX) -> Path:
+    """A job folder with one node's snapshot file, written ``age_s`` ago."""
+    folder = root / f"{prefix}{name}"
+    (folder / "n1").mkdir(parents=True)
+    (folder / "n1" / "ckpt-000000007.pt").write_bytes(b"x" * 4096)
+    if key is not None:
+        (folder / JOB_FILE).write_text(job_file_text(key, cluster))
+    if age_s:
+        then = time.time() - age_s
+        for p in (folder, *folder.rglob("*")):
+            os.utime(p, (then, then))
+    return folder
+
+
+def test_only_ended_jobs_of_this_cluster_are_stale(tmp_path):
+    old = LOCAL_IDLE_S + 60
+    by_name = _job(tmp_path, "12-0123456789")                    # no .job: its name is a Slurm key
+    running = _job(tmp_path, "13", "13")
+    other_cluster = _job(tmp_path, "14", "14", cluster="c2")
+    ended = _job(tmp_path, "15_3", "15_3")
+    local_ended = _job(tmp_path, "local-a", "local-a", cluster="", age_s=old)
+    local_running = _job(tmp_path, "local-b", "local-b", cluster="", age_s=old)
+    local_recent = _job(tmp_path, "local-c", "local-c", cluster="")
+    unknown = _job(tmp_path, "whatever")                         # no .job, not a Slurm key
+    folders = [by_name, running, other_cluster, ended, local_ended, local_running, local_recent, unknown]
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, "DDP_HPC_JOB_ID": "local-b"})
+    try:
+        asked = []
+
+        def live():
+            asked.append(1)
+            return {"13", "99"}
+        assert sorted(stale(folders, PREFIX, live, "c1")) == sorted([by_name, ended, local_ended])
+        assert asked == [1]                                      # squeue asked once
+        # squeue did not answer: no Slurm job is called ended; local ones are judged as before
+        assert stale(folders, PREFIX, lambda: None, "c1") == [local_ended]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert stale(folders, PREFIX, live, "c1") == sorted([by_name, ended, local_ended, local_running],
+                                                        key=folders.index)
+
+
+def test_sweep_removes_the_stale_folders_names_what_it_freed_and_keeps_its_own(tmp_path):
+    own = _job(tmp_path, "local-own", "local-own", cluster="", age_s=LOCAL_IDLE_S + 60)
+    gone = _job(tmp_path, "local-gone", "local-gone", cluster="", age_s=LOCAL_IDLE_S + 60)
+    kept = _job(tmp_path, "local-fresh", "local-fresh", cluster="")
+    stranger = _job(tmp_path, "x", "local-x", cluster="", age_s=LOCAL_IDLE_S + 60, prefix="someone-else-")
+    notes = []
+    assert sweep(tmp_path, PREFIX, own, "u", note=notes.append) == [gone]
+    assert not gone.exists() and own.exists() and kept.exists() and stranger.exists()
+    assert notes == [f"memory snapshots: freed 0.0 MiB in {tmp_path} left by ended jobs (local-gone)"]
+
+
+def test_a_new_runs_snapshots_free_an_ended_jobs_and_its_clean_end_leaves_nothing(tmp_path):
+    prefix = user_prefix()
+    ended = _job(tmp_path, "local-ended", "local-ended", cluster="", age_s=LOCAL_IDLE_S + 60, prefix=prefix)
+    store = NodeStore(tmp_path / f"{prefix}local-now" / "n1", "n1", job="local-now")
+    notes = []
+    snaps = MemSnapshots(store, rank=0, local_rank=0, every=1, device=torch.device("cpu"),
+                         distributed=False, warn=notes.append, note=notes.append)
+    snaps.sweeper.join(30)
+    assert not ended.exists(), notes
+    assert [n for n in notes if "local-ended" in n], notes
+    assert (store.folder.parent / JOB_FILE).read_text() == job_file_text("local-now", "")
+    model = torch.nn.Linear(3, 2)
+    snaps.after_step(1, lambda: {"model": model.state_dict(), "optimizer": None})
+    snaps.wait()
+    assert store.newest()[0] == 1
+    snaps.finish()
+    assert list(tmp_path.iterdir()) == []          # the job folder went with its .job file
