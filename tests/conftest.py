@@ -312,6 +312,12 @@ def _run_dir(config) -> Path | None:
 
 
 def pytest_configure(config):
+    # A test run started in the background of a script (`cmd &` without job control) inherits
+    # SIGINT ignored, and so would every process a test starts: the tests that stop a job, a
+    # wrapper or srun's stand-in with SIGINT (Ctrl-C, srun's abort) would wait for nothing. The
+    # run takes SIGINT as a terminal gives it; its children inherit the default.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no":
         config._ddp_hpc_run = str(os.getpid())   # the workers, started after this, inherit it
         os.environ[RUN_VAR] = config._ddp_hpc_run
