@@ -109,7 +109,7 @@ def _fake_srun(tmp_path: Path) -> Path:
     srun = bindir / "srun"
     # records its argv (one per line, NUL-free) and the exported env it matters
     srun.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_SRUN_OUT"\n'
-                    'echo "LOG=$DDP_HPC_LOG_DIR CPUS=$SRUN_CPUS_PER_TASK" >> "$FAKE_SRUN_OUT"\n')
+                    'echo "LOG=$DDP_HPC_LOG_DIR CPUS=$SRUN_CPUS_PER_TASK OMP=$OMP_NUM_THREADS" >> "$FAKE_SRUN_OUT"\n')
     srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
     return bindir
 
@@ -142,8 +142,10 @@ def test_rendered_script_passes_hostile_strings_literally(tmp_path):
                         f"--output={tmp_path}/logs dir/rank%t.out"]
     assert argv[i:i + 4] == ["/venv/bin/python", "-m", "ddp_hpc.run", str(work / "c.yaml")]
     assert argv[i + 4:i + 8] == list(hostile)
-    assert argv[-1] == f"LOG={tmp_path}/logs dir CPUS=3"
+    assert argv[-1] == f"LOG={tmp_path}/logs dir CPUS=3 OMP=3"     # a thread per CPU of the task
     assert (tmp_path / "logs dir").is_dir()
+    done, argv = _run_script(tmp_path, spec, {"OMP_NUM_THREADS": "1"})
+    assert argv[-1].endswith("CPUS=3 OMP=1")                          # the user's own setting kept
 
 
 def test_rendered_array_picks_each_task(tmp_path):

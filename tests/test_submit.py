@@ -187,6 +187,7 @@ def test_submitit_parameters(job):
     assert p["additional_parameters"]["time"] == "00:20:00" and p["exclusive"] is True
     assert "--kill-on-bad-exit=1" in p["srun_args"] and f"--output={s.log_dir}/rank%t.out" in p["srun_args"]
     assert "export SRUN_CPUS_PER_TASK=4" in p["setup"]
+    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"' in p["setup"]
     # submitit accepts every key (it refuses unknown ones against its own signature)
     import submitit
     ex = submitit.SlurmExecutor(folder=s.log_dir)

@@ -8,6 +8,9 @@ why:
   range ``MIN-MAX`` as given (the job runs with the nodes it got: ranks = nodes x G from Slurm's
   variables); ``--cpus-per-task`` from the spec, and ``SRUN_CPUS_PER_TASK`` exported because
   since Slurm 22.05 srun no longer inherits ``--cpus-per-task`` from the batch allocation;
+  ``OMP_NUM_THREADS`` the task's CPUs unless the user set it (torch starts an intra-op thread per
+  core it sees in every rank, and a node's ranks would share its cores many times over; torchrun
+  sets 1);
 - preemption: ``--signal=SIG@grace`` reaches every task of the step (the training core turns it
   into checkpoint + requeue), ``--requeue`` allows that, ``--open-mode=append`` keeps the first
   run's output after a requeue;
@@ -88,6 +91,8 @@ def render(spec: JobSpec) -> str:
         "set -eu",
         "# srun does not inherit --cpus-per-task since Slurm 22.05",
         'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-' + str(spec.cpus_per_task) + '}"',
+        "# one OpenMP thread per CPU of a task unless set: torch would start one per core in every rank",
+        'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SRUN_CPUS_PER_TASK}"',
         f"cd {shlex.quote(spec.workdir)}",
         f"ARGS=({_q(spec.base_argv())})",
     ]

@@ -127,6 +127,7 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
         "gpus_per_node": spec.gpus_per_node, "cpus_per_task": spec.cpus_per_task,
         "signal_delay_s": spec.grace_s,
         "setup": [f"export SRUN_CPUS_PER_TASK={spec.cpus_per_task}",
+                  f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{spec.cpus_per_task}}}"',   # render.py: why
                   f"cd {shlex.quote(spec.workdir)}"]
         + ([f"export {RESTART_BASE_VAR}={int(spec.restart_base)}"] if spec.restart_base else [])
         + [f"export {k}={shlex.quote(v)}" for k, v in spec.stage_environ().items()]

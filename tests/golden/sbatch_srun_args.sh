@@ -15,6 +15,8 @@
 set -eu
 # srun does not inherit --cpus-per-task since Slurm 22.05
 export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-3}"
+# one OpenMP thread per CPU of a task unless set: torch would start one per core in every rank
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SRUN_CPUS_PER_TASK}"
 cd /work
 ARGS=(/venv/bin/python -m ddp_hpc.run /work/jobs/demo.yaml train.epochs=2)
 LOG_DIR=/work/runs/demo-1
