@@ -123,13 +123,13 @@ class Trainer:
         if not self.cfg.checkpoint.resume:
             return None, None
         store = node_store(self.ctx.env, self.cfg.checkpoint.memory_every_steps, self.log.warning,
-                           key=os.path.abspath(self.ckpt_dir))    # this run's, not another run's
+                           key=os.path.abspath(self.ckpt_dir), note=self.log.info)   # this run's only
         self.restored = restore_run(self.ckpt_dir, store, self.rank, self.distributed, self.log, now=False)
         if store is not None:
             self.snaps = MemSnapshots(store, rank=self.rank, local_rank=self.ctx.env.local_rank,
                                       every=self.cfg.checkpoint.memory_every_steps, device=self.device,
                                       distributed=self.distributed, warn=self.log.warning,
-                                      nodes=self.restored.nodes, note=self.log.info)
+                                      nodes=self.restored.nodes)
         return self.restored.path, self.restored.state
 
     def _restore(self, state: dict, resumed_from: str) -> None:

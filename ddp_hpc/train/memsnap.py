@@ -194,7 +194,7 @@ class MemSnapshots:
 
     def __init__(self, store: NodeStore, *, rank: int, local_rank: int, every: int,
                  device: torch.device, distributed: bool, warn: Callable[[str], None],
-                 nodes: list[str] | None = None, note: Callable[[str], None] | None = None):
+                 nodes: list[str] | None = None):
         self.store, self.rank, self.writes_model = store, rank, local_rank == 0
         self.nodes = list(nodes or [store.node])      # this run's nodes: a restore names the lost
         self.auto, self.every = every == 0, max(every, 1)
@@ -208,7 +208,6 @@ class MemSnapshots:
         self.taken = 0
         self.failed = False
         store.make()
-        self.sweeper = store.sweep_ended_jobs(note) if self.writes_model else None
 
     # ------------------------------------------------------------------ when
     def due(self, step: int) -> bool:

@@ -162,17 +162,20 @@ def freshest(files: str | Path | None, store: NodeStore | None, *, rank: int, di
 
 
 def node_store(env, every: int, warn: Callable[[str], None], make: bool = True,
-               key: str | None = None) -> NodeStore | None:
+               key: str | None = None, note: Callable[[str], None] | None = None) -> NodeStore | None:
     """This node's snapshot folder (made, with ``make``; ``key``: memsnap.job_folder's), None when
     snapshots are off (``every`` -1), outside a job (no job id: no restart inside an allocation to
     serve, and a later run must not find a stale snapshot), or the folder cannot be made (warned:
-    the file tier goes on alone)."""
+    the file tier goes on alone). Made, the node's local rank 0 also frees what ended jobs left
+    beside it, in the background (``note`` hears what: `memsweep`)."""
     if every < 0 or not env.job_id:
         return None
     try:
         store = store_for(env, key=key)
         if make:
             store.make()
+            if env.local_rank == 0:
+                store.sweep_ended_jobs(note)
         return store
     except (OSError, HintError) as exc:
         warn(f"memory snapshots off: {exc}")
