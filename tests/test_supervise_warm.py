@@ -196,6 +196,29 @@ def test_a_standby_sessions_autogroup_stands_back_and_is_given_back_at_the_hand_
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroups in this kernel")
+def test_under_a_slurmstepd_the_steps_autogroup_stands_back(tmp_path):
+    """srun's tasks do not lead their session (Slurm 22.05 here): their step's slurmstepd made it
+    when it daemonized, and the process that made it has exited. As there: a session whose leader
+    exits, a process named slurmstepd in it, and the standby its child. The standby niced that
+    session's autogroup, the step's alone, and no other."""
+    stepd = tmp_path / "slurmstepd"            # the kernel names a process after the file it runs
+    stepd.symlink_to(sys.executable)
+    task = ("from ddp_hpc.supervise.standby import autogroup_nice, own_session\n"
+            "print(own_session(), autogroup_nice(19), open('/proc/self/autogroup').read().split()[-1])\n")
+    step = ("import subprocess, time\n"
+            "time.sleep(0.5)\n"                 # the session's leader is gone by now
+            f"subprocess.run([{sys.executable!r}, '-c', {task!r}], check=True)\n"   # the venv's python
+            "print(open('/proc/self/autogroup').read().split()[-1])\n")
+    leader = f"import subprocess; subprocess.Popen([{str(stepd)!r}, '-c', {step!r}])\n"
+    ours = open("/proc/self/autogroup").read()
+    out = subprocess.run([sys.executable, "-c", leader], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=60, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "19", "19"], out.stderr   # the task's, then the step's
+    assert open("/proc/self/autogroup").read() == ours
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroups in this kernel")
 def test_a_standby_that_shares_its_launchers_session_leaves_the_autogroup_alone():
     """Started without a session of its own, the standby's autogroup is its launcher's: niced, it
     would hold back the launcher and everything else of that session (a CI run's every test went

@@ -32,12 +32,14 @@ import sys
 import threading
 import time
 
+import psutil
+
 from ddp_hpc.env.sources import derive
 from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.startup import PROC_START_VAR, WARM_START_VAR
 
 __all__ = ["TOKEN_VAR", "WARM_VAR", "IMPORTS_VAR", "NICE_VAR", "eligible", "preload", "standby_nice",
-           "autogroup_nice", "main"]
+           "autogroup_nice", "own_session", "main"]
 
 #: the secret a standby rank shows the supervisor in its hello
 TOKEN_VAR = "DDP_HPC_STANDBY_TOKEN"
@@ -104,18 +106,42 @@ def standby_nice(environ=None) -> int:
     return min(19, max(0, to_int((os.environ if environ is None else environ).get(NICE_VAR), 19)))
 
 
+#: what starts an srun task: one per step and node, in a session of its own (it daemonizes)
+STEPD = "slurmstepd"
+
+
+def own_session() -> bool:
+    """This process's session holds only its own step: it leads the session (as a stand-in srun
+    starts a task, with ``setsid``), or the session is its step's slurmstepd's. srun's tasks do
+    not lead their session: the step's slurmstepd made it when it daemonized (its leader has
+    exited), and it holds nothing but that step's processes on the node."""
+    sid = os.getsid(0)
+    if sid == os.getpid():
+        return True
+    try:
+        for parent in psutil.Process().parents():
+            if os.getsid(parent.pid) != sid:
+                return False          # the session began below a launcher that is not slurmstepd
+            if parent.name() == STEPD:
+                return True
+    except (psutil.Error, OSError):
+        pass
+    return False
+
+
 def autogroup_nice(value: int) -> bool:
     """Set the nice value of this process's autogroup (Linux's ``/proc/self/autogroup``), False
     where there is none. With autogroups on (``kernel.sched_autogroup_enabled``, the default of
-    many kernels) the scheduler shares a CPU fairly between sessions first, and every srun task is
-    a session of its own: a standby rank, however niced its threads, would take a training rank's
-    share. Its autogroup at 19 keeps it back; at the hand-over 0 gives it back (raising the value
-    and lowering it again down to 0 needs no privilege; the kernel takes one change per 0.1 s).
+    many kernels) the scheduler shares a CPU fairly between sessions first, and every srun step
+    is a session of its own on each node (its slurmstepd's): a standby step, however niced its
+    threads, would take as much as the training step. Its autogroup at 19 keeps it back; at the
+    hand-over 0 gives it back (raising the value and lowering it again down to 0 needs no
+    privilege; the kernel takes one change per 0.1 s).
 
-    Only a process that leads its session touches it (srun's tasks do): otherwise the autogroup
-    is its launcher's too (a shell, a test run, a launcher that started it without ``setsid``),
-    and all of them would stand back with it, for good if this process never becomes a rank."""
-    if os.getsid(0) != os.getpid():
+    Only where the session is this step's alone (`own_session`): otherwise the autogroup is its
+    launcher's too (a shell, a test run, a launcher that started it without ``setsid``), and all
+    of them would stand back with it, for good if this process never becomes a rank."""
+    if not own_session():
         return False
     for _ in range(20):
         try:
