@@ -43,10 +43,11 @@ RDZV_PORT = 29411
 def bench_environ(work: Path) -> dict:
     """The environment of the bench's commands and jobs: its own job records (DDP_HPC_HOME), this
     checkout on PYTHONPATH, and OMP_NUM_THREADS=1 (sbatch passes it on to every rank). torchrun
-    sets OMP_NUM_THREADS=1 for its workers; ddp_hpc's Slurm path leaves the threads to the CPUs a
-    rank is bound to, and the test cluster binds none (TaskPlugin=task/none), so without it each
-    of the 4 ranks ran 2 threads on the 2 cores and the big model's compute took 2-5x torchrun's:
-    the comparison would measure the threads, not the restarts."""
+    sets OMP_NUM_THREADS=1 for its workers; ddp_hpc's Slurm path sets the task's CPUs (render.py),
+    which differ by job, and the test cluster binds no task to its CPUs (TaskPlugin=task/none):
+    before either was set, each of the 4 ranks ran 2 threads on the 2 cores and the big model's
+    compute took 2-5x torchrun's. One thread everywhere: the comparison measures the restarts,
+    not the threads."""
     return dict(os.environ, DDP_HPC_HOME=str(work / "home"), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
