@@ -228,8 +228,9 @@ def test_killed_ranks_restart_from_the_warm_standby_and_srun_still_names_the_ran
         wait_for("steps after the second restart", lambda: _stepping(log_dir, 2, 4), 120)
         (d / "go").touch()
     except BaseException:
-        for name in ("slurm-*.out", "standby.out", "restarts.jsonl", "rank3.out"):
-            for p in log_dir.glob(name):
+        # every rank's output and last events: which rank's report the supervisor blamed, and why
+        for name in ("slurm-*.out", "standby.out", "restarts.jsonl", "rank*.out", "rank*.events.jsonl"):
+            for p in sorted(log_dir.glob(name)):
                 print(f"--- {p.name}\n{p.read_text()[-4000:]}")
         c.run(["scancel", job], timeout=30)     # not the partition held until its time limit
         raise
