@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ddp_hpc.data.stagedir import private_root
 from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import job_facts
-from ddp_hpc.fsutil import locked
+from ddp_hpc.fsutil import atomic_write_text, locked
 from ddp_hpc.train.asyncsave import Snapshot
 from ddp_hpc.train.checkpoint import FORMAT, checkpoint_path, list_checkpoints, rng_state
 from ddp_hpc.train.memsweep import JOB_FILE, job_file_text, sweep_in_background
@@ -128,10 +128,7 @@ class NodeStore:
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         marker = self.folder.parent / JOB_FILE
         if self.job and not marker.exists():
-            fd, tmp = tempfile.mkstemp(prefix=_TMP + "job-", dir=self.folder.parent)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(job_file_text(self.job, self.cluster))
-            os.replace(tmp, marker)
+            atomic_write_text(marker, job_file_text(self.job, self.cluster), tmp_prefix=_TMP + "job-")
 
     def sweep_ended_jobs(self, note: Callable[[str], None] | None = None) -> threading.Thread | None:
         """Free the snapshots that ended jobs left beside this job's folder (`memsweep`), on a
