@@ -504,3 +504,21 @@ def test_a_traceback_of_an_earlier_run_is_no_evidence_after_the_supervisors_run_
     assert (logs.out_traceback(3) is None) is marked
     failure = logs.first_failure(assume_failed=True)
     assert ((failure.rank, failure.kind, failure.basis) == (3, "killed", "srun exit report")) is marked
+
+
+def test_a_lost_peer_is_a_victim_whatever_its_exit_code_and_report_order(tmp_path):
+    """Issue 38, bug 8 (seen in CI under load): rank 3 SIGKILLed; rank 1's script raised "Connection
+    closed by peer" (its own error event) and the exec wrapper then wrote "exited with status 1";
+    srun reported rank 1's exit code before rank 3's kill. Rank 1 is a victim, rank 3 the cause."""
+    for r in (0, 2):
+        write(tmp_path, r, run_until(r, 40) + peer_error(r, 40.4, CLOSED))
+    write(tmp_path, 1, run_until(1, 40) + peer_error(1, 40.2, CLOSED)[:1] + [
+        ev(1, 40.3, "error", exc_type="Exited", message="exited with status 1", traceback=None, exit_code=1),
+        ev(1, 40.35, "end", status="failed", exit_code=1, step=40)])
+    write(tmp_path, 3, run_until(3, 40))
+    (tmp_path / "slurm-77.out").write_text(
+        "srun: error: n1: task 1: Exited with exit code 1\nsrun: error: n2: task 3: Killed\n"
+        "srun: error: n1: task 0: Exited with exit code 1\nsrun: error: n2: task 2: Exited with exit code 1\n")
+    f = RunLogs(tmp_path).first_failure(assume_failed=True)
+    assert (f.rank, f.kind, f.signal) == (3, "killed", 9)
+    assert f.consequences[0]["ranks"] == [0, 1, 2]

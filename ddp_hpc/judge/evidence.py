@@ -141,11 +141,17 @@ def own_ending(rank: int, events: list[dict], out_tb: list[str] | None, out_tail
 
 
 def _pick(errors: list[dict]) -> dict:
-    """The error that explains the rank: its first that is not a consequence, else its first."""
+    """The error that explains the rank: its first of its own (not a consequence), else its first
+    consequence, else its first. A wrapper's bare exit status (``Exited``: "exited with status 1",
+    no traceback) comes last: it only repeats how the process ended, so a rank whose script wrote
+    that it lost a peer stays a victim whatever its exit code (issue 38, bug 8)."""
+    def bare(e: dict) -> bool:
+        return e.get("exc_type") == "Exited" and not e.get("traceback")
+
     for e in errors:
-        if not consequence_phrase(e.get("message"), e.get("exc_type")):
+        if not bare(e) and not consequence_phrase(e.get("message"), e.get("exc_type")):
             return e
-    return errors[0]
+    return next((e for e in errors if not bare(e)), errors[0])
 
 
 def _from_error(base: RankEnding, e: dict, end: dict | None, out_tb, out_tail,
