@@ -257,3 +257,31 @@ def test_no_hang_is_called_while_a_checkpoint_is_saved(tmp_path):
     finally:
         proc.kill()
     assert end.trigger == "stalled" and end.stall_s == 1.0
+
+
+def test_one_ranks_save_is_not_cleared_by_another_ranks_step_event(tmp_path):
+    """Issue 38, bug 2: rank 0 announced a synchronous save (progress, phase checkpoint) and rank 1
+    then wrote its step event of that step (EventTail reads rank0's file, then rank1's). Rank 0's
+    save still runs: no hang limit until rank 0's own checkpoint event, whatever the others write."""
+    now = time.time()
+    for rank in (0, 1):
+        evs = [{"event": "step", "step": s, "time": now - 5.5 + s * 0.1} for s in range(1, 5)]
+        if rank == 0:
+            evs.append({"event": "progress", "phase": "checkpoint", "step": 4, "time": now - 5})
+        else:
+            evs.append({"event": "step", "step": 5, "time": now - 4.9})
+        with (tmp_path / f"rank{rank}.events.jsonl").open("w") as f:
+            f.writelines(json.dumps({**e, "rank": rank, "restart": 0}) + "\n" for e in evs)
+    proc = subprocess.Popen(["sleep", "1"])
+    end = watch.watch_step(proc, watch.EventTail(tmp_path, 0), _cli(tmp_path),
+                           watch.Watch(("n1",), stall_timeout_s=60.0, every_s=0.05, hang_floor_s=1.0))
+    assert end.trigger == "exited"
+    with (tmp_path / "rank0.events.jsonl").open("a") as f:    # rank 0's save is done
+        f.write(json.dumps({"event": "checkpoint", "step": 4, "rank": 0, "restart": 0, "time": now - 4}) + "\n")
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        end = watch.watch_step(proc, watch.EventTail(tmp_path, 0), _cli(tmp_path),
+                               watch.Watch(("n1",), stall_timeout_s=60.0, every_s=0.05, hang_floor_s=1.0))
+    finally:
+        proc.kill()
+    assert end.trigger == "stalled" and end.stall_s == 1.0

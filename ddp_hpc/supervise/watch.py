@@ -11,9 +11,10 @@ epoch's end, an evaluation, a checkpoint, the evaluation's progress) for the sta
 steps had begun (a hang the ranks' own collective timeout did not end), or for the hang limit
 (``hang.StepClock``: a few times the run's own step time, 30 s at least) once the step times are
 known, except while a checkpoint is being saved (its ``progress`` event of phase ``checkpoint``
-came, its ``checkpoint`` event not yet: a big save may take minutes; the stall timeout still
-applies). Once every rank wrote its ``end`` event, neither applies: their processes get
-`END_GRACE_S` to tear down (torch's teardown takes seconds, more on a loaded machine).
+came from a rank, that rank's ``checkpoint`` event not yet, whatever the others write: a big save
+may take minutes; the stall timeout still applies). Once every rank wrote its ``end`` event,
+neither applies: their processes get `END_GRACE_S` to tear down (torch's teardown takes seconds,
+more on a loaded machine).
 
 A draining node (DRAIN, DRAINING, DRAINED, FAIL, FAILING, MAINT, REBOOT_*, INVAL: "no new work")
 is no reason to stop: Slurm lets the running step go on there. `node_health` tells it apart from
@@ -180,7 +181,7 @@ class _Seen:
         self.last_step, self.quiet = watch.last_step_at, watch.busy_at
         self.clock = StepClock(watch.hang_floor_s)
         self.exiting = False                 # a rank ended or its interpreter exits: no hang limit
-        self.saving = False                  # a checkpoint's save announced and not done: no hang limit
+        self.saving: set = set()             # ranks whose save was announced and is not done: no hang limit
         self.ranks: set = set()
         self.ended: set = set()
         self.last_end: float | None = None
@@ -196,8 +197,11 @@ class _Seen:
             self.ended.add(ev.get("rank"))
             self.last_end = max(self.last_end or 0.0, t or time.time())
         self.exiting = self.exiting or name == "end" or (name == "progress" and ev.get("phase") == "exit")
-        if name in ("progress", "checkpoint", "step"):
-            self.saving = name == "progress" and ev.get("phase") == "checkpoint"
+        if name in ("progress", "checkpoint", "step"):   # each rank's own save: another's events end none
+            if name == "progress" and ev.get("phase") == "checkpoint":
+                self.saving.add(ev.get("rank"))
+            else:
+                self.saving.discard(ev.get("rank"))
         alive = name == "step" or (self.last_step is not None and name in LIFE_EVENTS)
         if alive and t is not None:
             self.last_step = max(self.last_step or t, t)
