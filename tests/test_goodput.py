@@ -128,3 +128,34 @@ def test_goodput_of_a_real_2_process_job_killed_and_resumed(tmp_path):
     assert 2 <= g.steps_redone <= seen - 6, g
     assert g.lost_s["redone"] > 0 and g.lost_s["restarts"] > 0, g
     assert 0 < g.goodput < 1 and g.useful_s + sum(g.lost_s.values()) == pytest.approx(g.wall_s)
+
+
+def test_an_async_saves_blocking_is_charged_where_training_blocked(tmp_path):
+    """An async checkpoint's event comes when its file is complete, steps later; the training
+    thread was blocked (copying the state) before the write began: ``time - write_s``. The 4 s
+    land in the slow interval 5 -> 6, not in the interval where the file completed."""
+    d1, d2 = tmp_path / "async", tmp_path / "blocking"
+    d1.mkdir()
+    d2.mkdir()
+    steps = _steps(0.0, 1, 5) + _steps(9.0, 6, 10)     # 5 -> 6 took 5 s: 1 s of step, 4 s of copy
+    # blocked 4.9 .. 8.9, then written 8.9 .. 11.5, the event at 11.5 (between steps 8 and 9)
+    _write(d1, 0, steps + [{"time": 11.5, "event": "checkpoint", "step": 5, "restart": 0,
+                            "blocking_s": 4.0, "write_s": 2.6}])
+    g = _gp(d1)
+    assert g.lost_s["checkpoint"] == pytest.approx(4.0) and g.lost_s["stalls"] == 0.0, g
+    assert g.useful_s == pytest.approx(9.0) and g.estimated == []
+    # a blocking save (blocking_s >= write_s, the event at its end) stays in its own interval
+    _write(d2, 0, steps + [{"time": 8.9, "event": "checkpoint", "step": 5, "restart": 0,
+                            "blocking_s": 4.0, "write_s": 3.9}])
+    g = _gp(d2)
+    assert g.lost_s["checkpoint"] == pytest.approx(4.0) and g.useful_s == pytest.approx(9.0), g
+
+
+def test_memory_snapshot_seconds_count_as_checkpoint_when_recorded(tmp_path):
+    """A step event's ``snapshot_s`` (the training thread's seconds in memory snapshots since the
+    previous step event) is checkpoint time of the interval it ends, not useful time."""
+    steps = _steps(0.0, 1, 5) + [{"time": 5.5, "event": "step", "step": 6, "restart": 0, "snapshot_s": 0.5}]
+    _write(tmp_path, 0, steps + _steps(6.5, 7, 10))
+    g = _gp(tmp_path)
+    assert g.lost_s["checkpoint"] == pytest.approx(0.5) and g.useful_s == pytest.approx(9.0), g
+    assert g.useful_s + sum(g.lost_s.values()) == pytest.approx(g.wall_s)

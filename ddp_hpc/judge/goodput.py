@@ -13,7 +13,13 @@ run by run (restart numbers), and the in-allocation restarts' records (``restart
     earlier run reached (a restart resumes from the newest checkpoint and trains them again);
   - **checkpoint**: for an interval with ``checkpoint`` events, their ``blocking_s`` (the training
     thread's wait for the save) where every one has it, else the interval's time beyond
-    ``n x step_s`` (an estimate: ``estimated`` names it);
+    ``n x step_s`` (an estimate: ``estimated`` names it). A checkpoint belongs to the interval in
+    which training blocked for it, not the one in which its file completed (its event's
+    ``time``): an async save's write runs on while training goes on, so the event comes steps
+    later. ``time - write_s`` (the write's start) lies within the block for both kinds of save:
+    an async save returns when its write starts, a blocking save's write is the end of its block.
+    Plus the step event's ``snapshot_s`` where present (the training thread's seconds in memory
+    snapshots since the previous step event);
   - **eval**: for an interval with ``eval`` events, its time beyond ``n x step_s`` (and beyond
     the checkpoint's);
   - **stalls**: an interval with no eval and no estimated checkpoint that took over `STALL_RATIO`
@@ -103,6 +109,13 @@ def _step_s(runs) -> float | None:
     return statistics.median(per) if per else None
 
 
+def _blocked_at(e: dict) -> float:
+    """When training was blocked by the save of checkpoint event ``e`` (the module's rules)."""
+    t = to_float(e.get("time")) or 0.0
+    write = to_float(e.get("write_s"))
+    return t - write if write is not None and write > 0 else t
+
+
 def goodput(ranks: dict[int, RankStream], restarts: list[dict] = (), end: float | None = None) -> Goodput | None:
     """The goodput of the run logs' ``ranks`` (`RunLogs.ranks`), with the in-allocation restart
     records ``restarts`` (their ``phases``, when present); the wall ends at ``end`` or the newest
@@ -153,7 +166,7 @@ def _interval(g: Goodput, a: tuple, b: tuple, other: list[dict], done: int | Non
     rest, n_new = dt - redo, n - redo_n
     usual = n_new * g.step_s if g.step_s is not None else rest
     inside = [e for e in other if a[0] < (to_float(e.get("time")) or 0.0) <= b[0]]
-    ckpts = [e for e in inside if e.get("event") == "checkpoint"]
+    ckpts = [e for e in other if e.get("event") == "checkpoint" and a[0] < _blocked_at(e) <= b[0]]
     ck, estimated = 0.0, False
     if ckpts:
         blocking = [to_float(e.get("blocking_s")) for e in ckpts]
@@ -164,6 +177,9 @@ def _interval(g: Goodput, a: tuple, b: tuple, other: list[dict], done: int | Non
             ck = max(rest - usual, 0.0)
             if "checkpoint (the time around the saves)" not in g.estimated:
                 g.estimated.append("checkpoint (the time around the saves)")
+    snap = to_float(b[2].get("snapshot_s"))
+    if snap is not None and snap > 0 and not estimated:   # an estimate already holds the time beyond usual
+        ck += min(snap, rest - ck)
     g.lost_s["checkpoint"] += ck
     rest -= ck
     beyond = max(rest - usual, 0.0)
