@@ -91,3 +91,55 @@ def test_a_new_runs_snapshots_free_an_ended_jobs_and_its_clean_end_leaves_nothin
     assert store.newest()[0] == 1
     snaps.finish()
     assert list(tmp_path.iterdir()) == []          # the job folder went with its .job file
+
+
+# a stand-in squeue as Slurm answers within MinJobAge of a `scontrol requeue`: the requeued job 21
+# (pending again under its id) and the held or suspended ones are listed only with --states=all,
+# as is job 22 that ended; 23 ended long ago (listed nowhere); 26's state is one this code does
+# not know. FAKE_SQUEUE_FAIL makes it fail as a controller that does not answer.
+SQUEUE = """
+import os, sys
+if os.environ.get("FAKE_SQUEUE_FAIL"):
+    sys.exit("squeue: error: slurm_load_jobs error: Unable to contact slurm controller")
+if "--states=all" not in sys.argv and "-t" not in sys.argv:
+    sys.exit(0)
+SEP = "\\x1f"
+for job, state in (("21", "PENDING"), ("22", "COMPLETED"), ("24", "REQUEUE_HOLD"), ("25", "SUSPENDED"),
+                   ("26", "SOME_NEW_STATE"), ("27", "REQUEUED")):
+    row = [job, job, job, "N/A", state] + ["x"] * 12
+    print(SEP.join(row) + SEP)
+"""
+
+
+def _fake_squeue(tmp_path, monkeypatch, fail: bool = False) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "squeue").write_text(f"#!{sys.executable}\n{SQUEUE}")
+    (bindir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    if fail:
+        monkeypatch.setenv("FAKE_SQUEUE_FAIL", "1")
+
+
+def test_the_sweep_keeps_a_requeued_held_or_suspended_jobs_snapshots(tmp_path, monkeypatch):
+    """Issue 38, bug 10: the default squeue leaves out a job requeued within MinJobAge; the sweep
+    asks for every state and frees only a job in a final state or no longer listed."""
+    _fake_squeue(tmp_path, monkeypatch)
+    root = tmp_path / "shm"
+    root.mkdir()
+    folders = {j: _job(root, j, j, cluster="") for j in ("21", "22", "23", "24", "25", "26", "27")}
+    own = _job(root, "30", "30", cluster="")
+    notes = []
+    gone = sweep(root, PREFIX, own, "u", note=notes.append)
+    assert sorted(gone) == [folders["22"], folders["23"]], notes
+    assert all(folders[j].exists() for j in ("21", "24", "25", "26", "27")) and own.exists()
+    assert notes == [f"memory snapshots: freed 0.0 MiB in {root} left by ended jobs (22, 23)"]
+
+
+def test_the_sweep_keeps_every_slurm_jobs_snapshots_when_squeue_does_not_answer(tmp_path, monkeypatch):
+    _fake_squeue(tmp_path, monkeypatch, fail=True)
+    root = tmp_path / "shm"
+    root.mkdir()
+    folders = [_job(root, j, j, cluster="") for j in ("22", "23")]
+    assert sweep(root, PREFIX, root / "own", "u") == []
+    assert all(f.exists() for f in folders)

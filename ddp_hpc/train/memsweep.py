@@ -7,9 +7,12 @@ reboots unless the site's epilog cleans up. So when a run's snapshots start on a
 local rank 0 sweeps this user's other job folders there, on a thread of its own (training does not
 wait for the scheduler's answer), and removes those whose job has ended:
 
-- a Slurm job (its key ``123`` or ``123_4``): gone from ``squeue``, which lists pending, running,
-  suspended and requeued jobs. A job that waits in the queue again keeps its snapshots. When
-  squeue does not answer, nothing is removed.
+- a Slurm job (its key ``123`` or ``123_4``): ``squeue --states=all`` lists it in a final state
+  (completed, failed, cancelled, timed out, ...) or no longer lists it. Every state, not squeue's
+  default: within MinJobAge of a ``scontrol requeue`` the default leaves out the job that will
+  run again under the same id, with these snapshots to restore from. Any other state (pending,
+  requeued, held, suspended, running, one this code does not know) keeps the folder, and so does
+  an squeue that fails, times out or prints what cannot be read: nothing is removed then.
 - a local job (``local-...``, `ddp_hpc.launch`): no process of this user on this machine carries
   its ``DDP_HPC_JOB_ID`` and nothing was written in its folder for `LOCAL_IDLE_S`.
 
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ddp_hpc.slurm.cli import SlurmCLI
+from ddp_hpc.slurm.states import parse_state
 
 __all__ = ["JOB_FILE", "LOCAL_IDLE_S", "SLURM_KEY", "job_file_text", "folder_job", "live_slurm_keys",
            "local_alive", "stale", "sweep", "sweep_in_background"]
@@ -57,16 +61,18 @@ def folder_job(folder: Path, prefix: str) -> tuple[str | None, str | None]:
 
 
 def live_slurm_keys(user: str, cli=None) -> set[str] | None:
-    """This user's jobs the scheduler still holds (pending, running, suspended, requeued), as the
-    keys `env.job.job_key` makes (``123`` and, for an array task, ``123_4``); None when squeue
-    cannot be asked."""
+    """This user's jobs the scheduler lists in any state but a final one (pending, requeued,
+    held, suspended, running, unknown), as the keys `env.job.job_key` makes (``123`` and, for an
+    array task, ``123_4``); None when squeue cannot be asked or its answer cannot be read."""
     cli = cli or SlurmCLI(timeout=SQUEUE_TIMEOUT_S)
     try:
-        rows = cli.squeue(user=user, all_states=False)
+        rows = cli.squeue(user=user, all_states=True)
     except Exception:  # noqa: BLE001 - no answer: nothing can be called ended
         return None
     keys = set()
     for row in rows:
+        if parse_state(row.get("State")).state.terminal:
+            continue            # ended within MinJobAge: its folder may go
         for field in ("JobArrayID", "JobID"):
             if row.get(field):
                 keys.add(row[field].strip())
