@@ -76,9 +76,12 @@ def test_a_plain_script_and_a_lightning_datamodule_read_staged_data_on_two_nodes
         events = _stage_events(log_dir)
         assert sorted(e["method"] for e in events) == methods, events  # one per node, each on its own disk
         assert {e["variable"] for e in events} == {"DDP_HPC_STAGE_TRAIN"} and len({e["host"] for e in events}) == 2
-        for node in ("n1", "n2", "n3", "n4"):   # nothing left on any node's disk
+        # nothing left on any node's disk: the copies go into this user's private folder of the
+        # shared scratch (stagedir.private_root), sbcast's file and manifest into the scratch itself
+        for node in ("n1", "n2", "n3", "n4"):
             backing = c.state_dir / "local" / node
-            left = [p.name for pat in ("ddp_hpc-stage-*", ".ddp_hpc-stage-*") for p in backing.glob(pat)]
+            left = [str(p.relative_to(backing)) for d in (backing, backing / f"ddp_hpc-{os.getuid()}")
+                    for pat in ("ddp_hpc-stage-*", ".ddp_hpc-stage-*") for p in d.glob(pat)]
             assert left == [], (node, left)
         status = c.run([PY, "-m", "ddp_hpc.status", job_id], cwd="/", timeout=120,
                        env={**env, "DDP_HPC_HOME": str(jobs[kind][0] / "home")})
