@@ -15,7 +15,7 @@ import pytest
 
 from ddp_hpc.env.sources import derive
 from ddp_hpc.judge.srun import task_reports
-from ddp_hpc.supervise.standby import IMPORTS_VAR, eligible, preload
+from ddp_hpc.supervise.standby import GO_ENV_KEYS, IMPORTS_VAR, eligible, preload
 from ddp_hpc.supervise.warm import Relay, Warm, step_variables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,6 +162,8 @@ def test_step_variables_give_the_place_srun_would():
             node_index * 2 + local, local, node_index, 4, ("n1", "n3"))
     one = step_variables(["n5"], 4, 0, 3)
     assert one["SLURM_STEP_TASKS_PER_NODE"] == "4" and derive({"SLURM_STEP_ID": "1", **one}).rank == 3
+    # a standby takes no variable but these (it refuses a go with any other: tests/test_do_no_harm_standby.py)
+    assert set(step_variables(["n1", "n3"], 2, 1, 1)) | {"DDP_HPC_ALLOC_RESTARTS"} == GO_ENV_KEYS
 
 
 def test_only_a_python_module_or_script_can_stand_by():

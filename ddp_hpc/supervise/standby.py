@@ -16,17 +16,33 @@ Then it connects to the supervisor and waits, idle, on that connection for its g
   (the restart's phases count its start from the go, not from the standby's start), and the
   command runs in this process, as ``python -m MODULE`` or ``python SCRIPT`` would run it.
 
-The hello it sends first names its node and its place on the node (``ddp_hpc.env.derive`` of
-the standby step's own variables) and carries `TOKEN_VAR` from its environment (the supervisor's, passed on by
-srun; not on the command line, which other users can read), so a connection from anything else
-is ignored.
+Both ends prove that they know the job's secret, `TOKEN_VAR` (made by the supervisor for each
+standby, passed on by srun in the step's environment, which only this user can read; never on the
+command line, which every user can), and the token itself never travels: the port the standby
+connects to may be held by another local user's process once the supervisor closed it (the
+standby retries for `CONNECT_S`), and what a go carries (variables such as ``LD_PRELOAD``, a file
+to open) must come from the supervisor alone. One JSON object a line:
+
+1. standby -> supervisor, the hello: its node and its place on the node (``ddp_hpc.env.derive``
+   of the standby step's own variables), its pid, and a random ``nonce``;
+2. supervisor -> standby: its own ``nonce`` and ``proof``: `proof` ("supervisor", both nonces);
+3. standby -> supervisor, only when that proof holds: its ``proof`` ("standby", both nonces);
+4. supervisor -> standby, at the restart: ``{"go": TEXT, "mac": proof("go", both nonces, TEXT)}``,
+   ``TEXT`` the go itself (above). Even so it may set only `GO_ENV_KEYS` and write only into the
+   log directory (`LOGS_VAR`), as ``rank{R}.out`` of the rank it names.
+
+A peer that does not prove itself gets nothing more, and the standby runs nothing: one line says
+so, and it exits 0 (2 for an authenticated go it may not follow).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import importlib
 import json
 import os
 import runpy
+import secrets
 import socket
 import sys
 import threading
@@ -34,15 +50,28 @@ import time
 
 import psutil
 
+from ddp_hpc.env.job import ALLOC_RESTARTS_VAR
 from ddp_hpc.env.sources import derive
 from ddp_hpc.parsing import to_int
+from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.runlogs.startup import PROC_START_VAR, WARM_START_VAR
 
-__all__ = ["TOKEN_VAR", "WARM_VAR", "IMPORTS_VAR", "NICE_VAR", "eligible", "preload", "standby_nice",
-           "autogroup_nice", "own_session", "main"]
+__all__ = ["TOKEN_VAR", "LOGS_VAR", "WARM_VAR", "IMPORTS_VAR", "NICE_VAR", "GO_ENV_KEYS", "eligible", "preload",
+           "standby_nice", "autogroup_nice", "own_session", "proof", "send", "receive", "go_refusal", "main"]
 
-#: the secret a standby rank shows the supervisor in its hello
+#: the job's secret that the supervisor and its standby ranks prove to each other they know
 TOKEN_VAR = "DDP_HPC_STANDBY_TOKEN"
+#: the job's log directory: a go's output file must be in it
+LOGS_VAR = "DDP_HPC_STANDBY_LOGS"
+#: the variables a go may set or unset: the new step's Slurm task and step variables
+#: (``supervise.warm.step_variables``) and the supervisor's restart count; no other (no
+#: ``LD_PRELOAD``, ``PYTHONPATH``, ...)
+GO_ENV_KEYS = frozenset({
+    "SLURM_PROCID", "SLURM_NODEID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NPROCS",
+    "SLURM_NNODES", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE", "SLURM_GTIDS", ALLOC_RESTARTS_VAR})
+#: the longest line either end reads, bytes (a go is a few kB)
+LINE_MAX = 1 << 20
 #: set to 1 in a rank that started from the warm standby (its ``rendezvous`` event says so)
 WARM_VAR = WARM_START_VAR
 #: how long a standby rank tries to reach the supervisor, seconds
@@ -167,20 +196,99 @@ def _connect(address: str) -> socket.socket | None:
             time.sleep(0.5)
 
 
-def _wait_for_go(sock: socket.socket, place) -> dict | None:
-    """Send the hello (``place``: this standby rank's `DistEnv` in its own step), then wait for the
-    go line; None when the connection closed first."""
-    hello = {"token": os.environ.get(TOKEN_VAR, ""), "node": place.hostnames[place.node_rank],
-             "local": place.local_rank, "task": place.rank, "pid": os.getpid()}
-    sock.settimeout(None)
-    sock.sendall((json.dumps(hello) + "\n").encode())
-    with sock.makefile("r", encoding="utf-8") as f:
-        line = f.readline()
+def proof(token: str, who: str, *parts: str) -> str:
+    """HMAC-SHA256 under the job's token of ``who`` (the role: "supervisor", "standby", "go", so
+    that no end's proof serves as another's) and ``parts`` (both ends' nonces: no proof serves on
+    another connection)."""
+    return hmac.new(token.encode(), "\0".join((who, *parts)).encode(), hashlib.sha256).hexdigest()
+
+
+def send(sock: socket.socket, obj: dict) -> None:
+    sock.sendall((json.dumps(obj) + "\n").encode())
+
+
+def receive(f) -> dict | None:
+    """The next line of ``f`` (a socket's binary file) as a JSON object; None when the connection
+    closed, or the line is no JSON object (or longer than `LINE_MAX`)."""
+    line = f.readline(LINE_MAX)
+    if not line.endswith(b"\n"):
+        return None
     try:
-        go = json.loads(line) if line else None
+        obj = json.loads(line)
     except ValueError:
         return None
-    return go if isinstance(go, dict) else None
+    return obj if isinstance(obj, dict) else None
+
+
+def go_refusal(go: dict, logs: str | None) -> str | None:
+    """Why a standby may not follow the authenticated ``go`` (None: it may): a rank that is no
+    number, a variable outside `GO_ENV_KEYS`, an output file other than the rank's own in ``logs``."""
+    rank = go.get("rank")
+    if rank is None:
+        return None
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        return f"rank {rank!r} is no rank"
+    env = go.get("env") or {}
+    if not isinstance(env, dict):
+        return f"env {env!r} is no mapping"
+    bad = sorted(k for k, v in env.items() if k not in GO_ENV_KEYS or not (v is None or isinstance(v, str)))
+    if bad:
+        return f"it may not set {', '.join(bad)} (only the step's Slurm variables and {ALLOC_RESTARTS_VAR})"
+    out = go.get("out")
+    if out is not None:
+        if not logs:
+            return f"output file {out!r} but no log directory in {LOGS_VAR}"
+        want = os.path.join(os.path.realpath(logs), rank_out(rank))
+        if not isinstance(out, str) or os.path.realpath(out) != want:
+            return f"output file {out!r} is not {want}"
+    return None
+
+
+class Refused(Exception):
+    """The peer or its go refused: the message, and the exit status (0: nothing was asked of
+    this standby by its supervisor; 2: its supervisor's go is one it may not follow)."""
+
+    def __init__(self, why: str, status: int = 0):
+        super().__init__(why)
+        self.status = status
+
+
+def _wait_for_go(sock: socket.socket, place, token: str, logs: str | None) -> dict | None:
+    """The hand-shake (the module docstring) with the peer on ``sock`` (``place``: this standby
+    rank's `DistEnv` in its own step), then its go; None when the connection closed first.
+    Raises `Refused` for a peer that did not prove itself, or a go this standby may not follow."""
+    if not token:
+        raise Refused(f"no secret in {TOKEN_VAR} to check it with")
+    nonce = secrets.token_hex(16)
+    sock.settimeout(None)   # the supervisor answers only at a restart, hours later perhaps
+    send(sock, {"node": place.hostnames[place.node_rank], "local": place.local_rank, "task": place.rank,
+                "pid": os.getpid(), "nonce": nonce})
+    with sock.makefile("rb") as f:
+        challenge = receive(f)
+        if challenge is None:
+            return None
+        theirs = challenge.get("nonce")
+        if not isinstance(theirs, str) or not hmac.compare_digest(
+                str(challenge.get("proof")), proof(token, "supervisor", nonce, theirs)):
+            raise Refused("it did not prove that it knows the job's secret")
+        send(sock, {"proof": proof(token, "standby", nonce, theirs)})
+        signed = receive(f)
+    if signed is None:
+        return None
+    text = signed.get("go")
+    if not isinstance(text, str) or not hmac.compare_digest(str(signed.get("mac")),
+                                                            proof(token, "go", nonce, theirs, text)):
+        raise Refused("its go was not signed with the job's secret")
+    try:
+        go = json.loads(text)
+    except ValueError:
+        go = None
+    if not isinstance(go, dict):
+        raise Refused(f"its go {text[:80]!r} is no JSON object", 2)
+    why = go_refusal(go, logs)
+    if why:
+        raise Refused(why, 2)
+    return go
 
 
 def _become(go: dict) -> None:
@@ -194,10 +302,11 @@ def _become(go: dict) -> None:
     os.environ[WARM_VAR] = "1"
     autogroup_nice(0)      # a training rank now: its session's full share of the CPU
     os.environ.pop(TOKEN_VAR, None)
+    os.environ.pop(LOGS_VAR, None)
     if go.get("out"):
         sys.stdout.flush()
         sys.stderr.flush()
-        fd = os.open(go["out"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(go["out"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
@@ -231,11 +340,20 @@ def main(argv: list[str] | None = None) -> int:
     sock = _connect(args[1])
     if sock is None:
         return 0          # the supervisor is gone or moved on: nothing to stand by for
-    go = _wait_for_go(sock, place)
-    sock.close()
+    try:
+        go = _wait_for_go(sock, place, os.environ.get(TOKEN_VAR, ""), os.environ.get(LOGS_VAR))
+    except Refused as e:
+        print(f"ddp_hpc standby: refused the peer at {args[1]}: {e}; running nothing", flush=True)
+        return e.status
+    finally:
+        sock.close()
     if not go or go.get("rank") is None:
         return 0
-    _become(go)
+    try:
+        _become(go)
+    except OSError as e:           # the output file (a link, a full disk): no rank without it
+        print(f"ddp_hpc standby: cannot open the output file {go.get('out')}: {e}; running nothing", flush=True)
+        return 2
     _run(command)
     return 0
 

@@ -15,7 +15,11 @@ A cold start (a new ``srun`` of the command) is used instead when the standby ca
 command it cannot run (`standby.eligible`: only ``python -m MODULE`` and ``python SCRIPT.py``),
 a standby not yet ready (some rank still importing), one that ended, a new step on a node it does
 not cover, or a lost node among its own (srun would wait for that node's tasks: the standby is
-dropped). ``--no-warm-standby`` turns it off.
+dropped). It is off unless asked for: ``--warm-standby`` (``slurm.warm_standby: true``).
+
+Each standby rank and the supervisor prove to each other that they know the job's secret before
+either takes anything from the other (the hand-shake in ``supervise.standby``): a port that
+another user's process holds, or a process that connects to ours, gets no go and gives none.
 """
 from __future__ import annotations
 
@@ -31,14 +35,14 @@ import time
 
 from ddp_hpc.runlogs.schema import rank_out
 from ddp_hpc.slurm.hostlist import compress
-from ddp_hpc.supervise.standby import TOKEN_VAR, eligible
+from ddp_hpc.supervise.standby import GO_ENV_KEYS, LOGS_VAR, TOKEN_VAR, eligible, proof, receive, send
 from ddp_hpc.supervise.watch import stop_step
 
 __all__ = ["Warm", "Relay", "step_variables", "STANDBY_OUT"]
 
 #: where the standby ranks write until they are handed a rank (in the log directory)
 STANDBY_OUT = "standby.out"
-#: how long the supervisor waits for a standby rank's hello once it connected, seconds
+#: how long the supervisor waits for each line of a standby rank's hand-shake once it connected, seconds
 HELLO_S = 2.0
 #: how long a restart waits for standby ranks still importing (they are ahead of a cold start)
 READY_WAIT_S = 30.0
@@ -131,7 +135,8 @@ class Warm:
         self.proc: subprocess.Popen | None = None
         self.nodes: list[str] = []
         self.server: socket.socket | None = None
-        self.ranks: dict[tuple[str, str], tuple[socket.socket, int]] = {}   # (node, local) -> connection, task
+        # (node, local) -> connection, task, the hand-shake's nonces (the standby's, ours): they sign its go
+        self.ranks: dict[tuple[str, str], tuple[socket.socket, int, tuple[str, str]]] = {}
         self.relay: Relay | None = None
 
     @staticmethod
@@ -151,12 +156,13 @@ class Warm:
                 *self.srun_args, self.command[0], "-m", "ddp_hpc.supervise.standby", "--go", go, "--",
                 *self.command]
         self.nodes, self.ranks = list(nodes), {}
-        self.proc = self.cli.start_step(args, {**env, TOKEN_VAR: self.token}, stderr=subprocess.PIPE)
+        self.proc = self.cli.start_step(args, {**env, TOKEN_VAR: self.token, LOGS_VAR: self.log_dir},
+                                        stderr=subprocess.PIPE)
         self.relay = Relay(self.proc.stderr, os.path.join(self.log_dir, STANDBY_OUT))
         self.relay.start()
 
     def _accept(self) -> None:
-        """Take the hellos of the standby ranks that connected."""
+        """Take the standby ranks that connected and proved they know the token."""
         self.server.setblocking(False)
         while True:
             try:
@@ -165,26 +171,45 @@ class Warm:
                 return
             conn.settimeout(HELLO_S)
             try:
-                with conn.makefile("r", encoding="utf-8") as f:
-                    hello = json.loads(f.readline() or "null")
+                shaken = self._handshake(conn)
             except (OSError, ValueError):
-                hello = None
-            if not isinstance(hello, dict) or not secrets.compare_digest(str(hello.get("token")), self.token):
+                shaken = None
+            if shaken is None:
                 conn.close()
                 continue
+            hello, nonces = shaken
             conn.settimeout(None)
             place = (str(hello.get("node")), str(hello.get("local")))
             if place in self.ranks:
                 self.ranks[place][0].close()
-            self.ranks[place] = (conn, int(hello.get("task", -1)))
+            self.ranks[place] = (conn, int(hello.get("task", -1)), nonces)
+
+    def _handshake(self, conn: socket.socket) -> tuple[dict, tuple[str, str]] | None:
+        """Steps 1-3 of the hand-shake (``supervise.standby``): its hello and the nonces, or None
+        for a peer that did not prove it knows the token."""
+        with conn.makefile("rb") as f:
+            hello = receive(f)
+            theirs = hello.get("nonce") if hello else None
+            if not isinstance(theirs, str):
+                return None
+            ours = secrets.token_hex(16)
+            send(conn, {"nonce": ours, "proof": proof(self.token, "supervisor", theirs, ours)})
+            answer = receive(f)
+        if answer is None or not secrets.compare_digest(str(answer.get("proof")),
+                                                        proof(self.token, "standby", theirs, ours)):
+            return None
+        return hello, (theirs, ours)
 
     def take(self, nodes: list[str], env: dict, lost=()) -> subprocess.Popen | None:
         """Hand the standby the new step on ``nodes`` (with the variables ``env``): its srun, now
         the step's; None (and the standby dropped) when it cannot serve (the module docstring)."""
         if self.proc is None:
             return None
-        why = None
-        if self.proc.poll() is not None:
+        why, extra = None, sorted(set(env) - GO_ENV_KEYS)
+        if extra:
+            why = (f"it cannot carry {', '.join(extra)} (a standby takes only the step's Slurm variables and "
+                   f"{', '.join(sorted(GO_ENV_KEYS - set(step_variables(['n'], 1, 0, 0))))})")
+        elif self.proc.poll() is not None:
             why = "it ended"
         elif set(lost) & set(self.nodes):
             why = f"a node of it was lost ({', '.join(sorted(set(lost) & set(self.nodes)))})"
@@ -200,17 +225,18 @@ class Warm:
             return None
         keep = {n: i for i, n in enumerate(nodes)}
         gos = []   # (connection, the standby's task id, its go)
-        for (node, local), (conn, task) in self.ranks.items():
+        for (node, local), (conn, task, nonces) in self.ranks.items():
             go = {"rank": None}
             if node in keep:
                 rank = keep[node] * self.g + int(local)
                 go = {"rank": rank, "env": {**env, **step_variables(nodes, self.g, keep[node], int(local))},
                       "out": os.path.join(self.log_dir, rank_out(rank))}
-            gos.append((conn, task, go))
-        self.relay.ranks = {task: go["rank"] for _, task, go in gos if go["rank"] is not None}
-        for conn, _, go in gos:
+            gos.append((conn, task, go, nonces))
+        self.relay.ranks = {task: go["rank"] for _, task, go, _ in gos if go["rank"] is not None}
+        for conn, _, go, nonces in gos:
+            text = json.dumps(go)
             try:
-                conn.sendall((json.dumps(go) + "\n").encode())
+                send(conn, {"go": text, "mac": proof(self.token, "go", *nonces, text)})
             except OSError:
                 pass          # that rank is gone: the step's own watch sees it
             conn.close()
@@ -234,7 +260,7 @@ class Warm:
         """End the standby: its ranks see their connection close and exit 0; srun gets a moment,
         then the abort (a lost node's tasks never end by themselves). ``wait=False`` (a restart
         is waiting): that happens in the background."""
-        for conn, _ in self.ranks.values():
+        for conn, *_ in self.ranks.values():
             conn.close()
         self.ranks, self.relay = {}, None
         self._close_server()

@@ -1,0 +1,181 @@
+"""The warm standby trusts only its own supervisor (issue 38, bug 9): a real standby process
+(``python -m ddp_hpc.supervise.standby``) that reaches something else on its port (another local
+user can bind it once the supervisor closed it: the standby retries for a minute) runs nothing,
+opens nothing, does not give the job's token away and says so in one line; the supervisor side
+(`Warm`) takes no standby that cannot prove it knows the token, and sends no go the standby would
+refuse. The whole hand-over with real standby ranks: tests/test_supervise_warm.py."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc.supervise.standby import IMPORTS_VAR, LOGS_VAR, TOKEN_VAR, proof
+from ddp_hpc.supervise.warm import Warm
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "5ec2e7" * 5
+
+#: the user's script: leaves a mark when it runs
+TRAIN = textwrap.dedent("""
+    import os, sys
+    open(os.path.join(os.path.dirname(sys.argv[0]), "ran"), "w").write(os.environ.get("LD_PRELOAD", ""))
+""")
+
+
+def _line(obj) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
+
+
+@pytest.fixture
+def start_standby(tmp_path):
+    """Start a real standby rank (task 0 of a 1-task step on n1) that connects to ``port``."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), TOKEN_VAR: TOKEN, LOGS_VAR: str(logs), IMPORTS_VAR: "json",
+           "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "5", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NODELIST": "n1", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_STEP_TASKS_PER_NODE": "1", "SLURMD_NODENAME": "n1"}
+
+    def start(port: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "ddp_hpc.supervise.standby", "--go", f"127.0.0.1:{port}",
+                                 "--", sys.executable, str(tmp_path / "train.py")],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start, tmp_path, logs
+
+
+def _listen():
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(60)
+    return server, server.getsockname()[1]
+
+
+@pytest.mark.parametrize("answer", ["go", "forged challenge"])
+def test_a_standby_that_reached_an_impostor_runs_nothing_and_opens_nothing(start_standby, answer):
+    """Whoever holds the port sends an env with LD_PRELOAD and PYTHONPATH and an output file
+    outside the log directory, with or without a made-up proof first: the standby refuses it in
+    one line, exits 0, and its hello did not carry the token."""
+    start, tmp_path, logs = start_standby
+    server, port = _listen()
+    outside = tmp_path / "elsewhere" / "pwned.out"
+    outside.parent.mkdir()
+    proc = start(port)
+    try:
+        conn, _ = server.accept()
+        conn.settimeout(60)
+        hello = conn.makefile("rb").readline()
+        if answer == "forged challenge":
+            conn.sendall(_line({"nonce": "00" * 16, "proof": "ab" * 32}))
+        conn.sendall(_line({"rank": 0, "env": {"LD_PRELOAD": "/nonexistent/evil.so", "PYTHONPATH": str(tmp_path)},
+                            "out": str(outside)}))
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        server.close()
+    assert not (tmp_path / "ran").exists(), out                # the command did not run
+    assert not outside.exists()                                # the file was not opened
+    assert TOKEN not in hello.decode(), hello                  # the secret is never sent
+    refused = [ln for ln in out.splitlines() if "refused" in ln]
+    assert len(refused) == 1 and f"127.0.0.1:{port}" in refused[0], out
+    assert "Traceback" not in out and proc.returncode == 0, out
+
+
+def _authenticated(conn, f) -> tuple[str, str]:
+    """The supervisor's side of the hand-shake, as a test's stand-in: (their nonce, ours)."""
+    theirs = json.loads(f.readline())["nonce"]
+    ours = "12" * 16
+    conn.sendall(_line({"nonce": ours, "proof": proof(TOKEN, "supervisor", theirs, ours)}))
+    answer = json.loads(f.readline())
+    assert answer["proof"] == proof(TOKEN, "standby", theirs, ours)      # the standby proved itself
+    return theirs, ours
+
+
+@pytest.mark.parametrize("go", [
+    {"rank": 0, "env": {"LD_PRELOAD": "/nonexistent/evil.so"}, "out": "LOGS/rank0.out"},
+    {"rank": 0, "env": {"SLURM_PROCID": "0"}, "out": "ELSEWHERE/rank0.out"},
+    {"rank": 0, "env": {}, "out": "LOGS/../rank0.out"},
+    {"rank": 0, "env": {}, "out": "LOGS/rank1.out"},
+])
+def test_even_the_supervisors_go_carries_only_the_steps_variables_and_an_output_in_the_log_dir(start_standby, go):
+    start, tmp_path, logs = start_standby
+    (tmp_path / "elsewhere").mkdir()
+    go = json.loads(json.dumps(go).replace("LOGS", str(logs)).replace("ELSEWHERE", str(tmp_path / "elsewhere")))
+    server, port = _listen()
+    proc = start(port)
+    try:
+        conn, _ = server.accept()
+        conn.settimeout(60)
+        f = conn.makefile("rb")
+        theirs, ours = _authenticated(conn, f)
+        text = json.dumps(go)
+        conn.sendall(_line({"go": text, "mac": proof(TOKEN, "go", theirs, ours, text)}))
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        server.close()
+    assert not (tmp_path / "ran").exists(), out
+    assert not list((tmp_path / "elsewhere").iterdir()) and not (tmp_path / "rank0.out").exists()
+    assert not list(logs.iterdir())
+    refused = [ln for ln in out.splitlines() if "refused" in ln]
+    assert len(refused) == 1 and proc.returncode == 2, out
+
+
+def test_the_authenticated_go_runs_the_command(start_standby):
+    """The same stand-in supervisor, with a go it may send: the command runs, its output in the
+    log directory's rank file."""
+    start, tmp_path, logs = start_standby
+    server, port = _listen()
+    proc = start(port)
+    try:
+        conn, _ = server.accept()
+        conn.settimeout(60)
+        f = conn.makefile("rb")
+        theirs, ours = _authenticated(conn, f)
+        text = json.dumps({"rank": 0, "env": {"SLURM_PROCID": "0", "DDP_HPC_ALLOC_RESTARTS": "1"},
+                           "out": str(logs / "rank0.out")})
+        conn.sendall(_line({"go": text, "mac": proof(TOKEN, "go", theirs, ours, text)}))
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        server.close()
+    assert proc.returncode == 0 and (tmp_path / "ran").read_text() == "", out
+    assert (logs / "rank0.out").exists()
+
+
+class _NoSrun:
+    def start_step(self, args, env, stderr=None):
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stderr=stderr,
+                                text=True if stderr is not None else None)
+
+
+def test_the_supervisor_takes_no_standby_that_cannot_prove_it_knows_the_token(tmp_path):
+    """A peer that says hello on the supervisor's port gets a challenge (and the supervisor's own
+    proof), but no place among the standby ranks without the standby's proof."""
+    warm = Warm(_NoSrun(), [sys.executable, "train.py"], str(tmp_path), 1, say=lambda _: None)
+    warm.start(["n1"], {})
+    try:
+        port = warm.server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            c.sendall(_line({"token": "guess", "node": "n1", "local": 0, "task": 0, "nonce": "ab" * 16})
+                      + _line({"proof": "00" * 32}))
+            warm._accept()
+            challenge = json.loads(c.makefile("rb").readline())
+        assert challenge["proof"] == proof(warm.token, "supervisor", "ab" * 16, challenge["nonce"])
+        assert warm.ranks == {}
+    finally:
+        warm.drop()
+
+
+def test_the_supervisor_sends_no_variable_a_standby_would_refuse(tmp_path):
+    said = []
+    warm = Warm(_NoSrun(), [sys.executable, "train.py"], str(tmp_path), 1, say=said.append)
+    warm.start(["n1"], {})
+    assert warm.take(["n1"], {"LD_PRELOAD": "/x.so"}) is None
+    assert said == ["warm standby not used: it cannot carry LD_PRELOAD (a standby takes only the step's "
+                    "Slurm variables and DDP_HPC_ALLOC_RESTARTS); starting the ranks cold"]
