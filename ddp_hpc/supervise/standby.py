@@ -16,8 +16,8 @@ Then it connects to the supervisor and waits, idle, on that connection for its g
   (the restart's phases count its start from the go, not from the standby's start), and the
   command runs in this process, as ``python -m MODULE`` or ``python SCRIPT`` would run it.
 
-Both ends prove that they know the job's secret, `TOKEN_VAR` (made by the supervisor for each
-standby, passed on by srun in the step's environment, which only this user can read; never on the
+Both ends prove that they know the job's secret, `TOKEN_VAR` (random, made by the supervisor once
+per job, passed on by srun in the step's environment, which only this user can read; never on the
 command line, which every user can), and the token itself never travels: the port the standby
 connects to may be held by another local user's process once the supervisor closed it (the
 standby retries for `CONNECT_S`), and what a go carries (variables such as ``LD_PRELOAD``, a file
@@ -25,9 +25,10 @@ to open) must come from the supervisor alone. One JSON object a line:
 
 1. standby -> supervisor, the hello: its node and its place on the node (``ddp_hpc.env.derive``
    of the standby step's own variables), its pid, and a random ``nonce``;
-2. supervisor -> standby: its own ``nonce`` and ``proof``: `proof` ("supervisor", both nonces);
+2. supervisor -> standby, at a restart (the supervisor reads the hellos then): its own ``nonce``
+   and ``proof``: `proof` ("supervisor", both nonces);
 3. standby -> supervisor, only when that proof holds: its ``proof`` ("standby", both nonces);
-4. supervisor -> standby, at the restart: ``{"go": TEXT, "mac": proof("go", both nonces, TEXT)}``,
+4. supervisor -> standby, right after: ``{"go": TEXT, "mac": proof("go", both nonces, TEXT)}``,
    ``TEXT`` the go itself (above). Even so it may set only `GO_ENV_KEYS` and write only into the
    log directory (`LOGS_VAR`), as ``rank{R}.out`` of the rank it names.
 
