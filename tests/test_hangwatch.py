@@ -141,3 +141,49 @@ def test_status_stacks_on_a_running_local_job(tmp_path):
         subprocess.run([sys.executable, "-c", "import json,os,signal,sys;"
                         "[os.kill(p, signal.SIGTERM) for p in json.load(open(sys.argv[1]))['pids'][:1]]",
                         str(next((tmp_path / "home" / "jobs").glob("*.json")))], env=env)
+
+
+def test_vitals_tell_a_working_process_from_a_still_one_and_leave_out_the_watchdogs_own_writes(tmp_path):
+    """The work a stack answer carries (issue 38, bug 1): CPU spent, bytes written, or a main
+    thread seen at several places make a rank busy; a sleeping one is still, also after the
+    watchdog itself wrote a big answer in the window."""
+    from ddp_hpc.runlogs.vitals import Vitals, working
+    still = Vitals()
+    still.sample()
+    with still.own():                                    # the watchdog's own dump: not the rank's
+        (tmp_path / "answer").write_bytes(b"x" * 1_000_000)
+    time.sleep(1.2)
+    w = still.recent()
+    assert w.over_s >= 1.0 and w.io_bytes < 64 * 1024 and working(w.to_dict()) is False
+    busy = Vitals()
+    busy.sample()
+    end = time.monotonic() + 1.2
+    while time.monotonic() < end:
+        sum(i * i for i in range(1000))
+    assert working(busy.recent().to_dict()) is True
+    writer = Vitals()
+    writer.sample()
+    (tmp_path / "ckpt").write_bytes(b"x" * 1_000_000)    # a save: no CPU to speak of, but bytes
+    time.sleep(1.0)
+    assert writer.recent().io_bytes >= 1_000_000 and working(writer.recent().to_dict()) is True
+    assert working(None) is None and working({"over_s": 0.2, "cpu_s": 0, "io_bytes": 0, "places": 1}) is None
+
+
+def test_a_rank_outside_a_collective_is_named_only_when_still():
+    from ddp_hpc.supervise.hang import busy_ranks, find_culprit
+    waiting = ('Current thread 0x1 (most recent call first):\n'
+               '  File "/x/torch/distributed/distributed_c10d.py", line 10 in barrier\n'
+               '  File "/job/train.py", line 9 in <module>\n')
+    saving = 'Current thread 0x1 (most recent call first):\n  File "/job/train.py", line 12 in <module>\n'
+    hosts = {0: "n1", 1: "n1", 2: "n2"}
+    still = {"over_s": 10.0, "cpu_s": 0.01, "io_bytes": 900, "places": 1}
+    writes = {**still, "io_bytes": 50_000_000}
+    answers = {0: {"stack": saving, "work": writes}, 1: {"stack": waiting, "work": still},
+               2: {"stack": waiting, "work": still}}
+    assert busy_ranks(answers, hosts) == [0] and find_culprit(answers, hosts) is None
+    answers[0]["work"] = still
+    hang = find_culprit(answers, hosts)
+    assert hang.rank == 0 and "and still (cpu 0.0 s, 0.0 MB read or written, 1 place(s) in 10 s)" in hang.basis
+    del answers[2]                                      # rank 2 silent while rank 0 works: asked again later
+    answers[0]["work"] = writes
+    assert find_culprit(answers, hosts) is None

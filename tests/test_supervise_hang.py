@@ -285,3 +285,57 @@ def test_one_ranks_save_is_not_cleared_by_another_ranks_step_event(tmp_path):
     finally:
         proc.kill()
     assert end.trigger == "stalled" and end.stall_s == 1.0
+
+
+BUSY_RANK0 = textwrap.dedent("""
+    import os, sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(1, 51):
+        loss = ddp(torch.randn(8, 4)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.1)
+        if step == 40:
+            if rank == 0:                # the script's own save or evaluation, longer than the hang limit
+                end = time.time() + float(sys.argv[2])
+                state = {"w": torch.randn(2_000_000)}
+                while time.time() < end:
+                    if sys.argv[1] == "save":
+                        torch.save(state, os.path.join(os.environ["DDP_HPC_LOG_DIR"], "ckpt.pt"))
+                    else:
+                        torch.randn(300, 300) @ torch.randn(300, 300)
+            dist.barrier()               # the others wait here
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("work", ["save", "eval"])
+def test_a_scripts_long_rank0_save_or_eval_behind_a_barrier_is_no_hang(tmp_path, signals, work):
+    """Issue 38, bug 1: the commonest script shape, ``if rank == 0: torch.save(...)`` (or an
+    evaluation) and then ``dist.barrier()``, for three times the hang limit: the stacks show rank 0
+    outside a collective, but working (its CPU or IO grows), so the supervisor watches on and the
+    run completes with no restart. (A still rank outside a collective is still named: the test
+    above; a frozen one too: tests/cluster/test_hang_cluster.py.)"""
+    bindir, log_dir = tmp_path / "bin", tmp_path / "run"
+    bindir.mkdir()
+    log_dir.mkdir()
+    (bindir / "srun").write_text(f"#!{sys.executable}\n{SRUN}")
+    (bindir / "srun").chmod(0o755)
+    (tmp_path / "train.py").write_text(BUSY_RANK0)
+    env = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n1",
+           "DDP_HPC_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO), "DDP_HPC_LOG_DIR": str(log_dir)}
+    s = Settings(policy=Policy(nodes=1, tasks_per_node=2, max_restarts=1), log_dir=str(log_dir),
+                 command=(sys.executable, "-m", "ddp_hpc.exec", "--", sys.executable, str(tmp_path / "train.py"),
+                          work, "20"),
+                 stall_timeout_s=600.0, hang_timeout_s=3.0)
+    assert supervise(s, _cli(log_dir), env) == 0
+    assert read_restarts(log_dir) == []
+    asked = [e for e in RunLogs(log_dir).ranks[0].of_restart(0) if e.get("event") == "stack"]
+    assert asked, "the hang limit never asked for the stacks: the test did not test the rule"
+    assert all(e["work"]["over_s"] >= 1 for e in asked)

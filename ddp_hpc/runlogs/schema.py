@@ -51,7 +51,9 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "requeue": ("job_id",),
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),
     "end": ("status", "step", "exit_code", "signal", "duration_s", "teardown"),
-    "stack": ("reason", "stack", "step"),
+    # work: what the process did over the last seconds (runlogs/vitals.py: over_s, cpu_s,
+    # io_bytes, places): a rank busy outside a collective is no hang
+    "stack": ("reason", "stack", "step", "work"),
     # once per rank when its process group is up (runlogs/startup.py): when its process started,
     # when it called init_process_group, when that returned; a restart's phases come from these
     "rendezvous": ("proc_start", "called_at", "up_at", "step_id", "warm"),

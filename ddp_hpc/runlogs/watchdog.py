@@ -31,6 +31,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from ddp_hpc.runlogs.vitals import Vitals
+
 __all__ = ["STACK_SIGNAL", "PROGRESS_EVERY_S", "HangWatch", "format_stacks", "dump_after"]
 
 STACK_SIGNAL = signal.SIGURG
@@ -87,6 +89,7 @@ class HangWatch:
         self._old_fd: int | None = None
         self._old_handler: Any = None
         self._alive_at: float | None = None   # the newest progress event (`alive`)
+        self.vitals = Vitals()                # CPU, IO and place of the last seconds, for answers
 
     def alive(self, phase: str, step: int | None, every_s: float = PROGRESS_EVERY_S) -> None:
         """A sign of life between steps (a batch of an evaluation, a checkpoint's save): a beat,
@@ -170,6 +173,7 @@ class HangWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._sample()
             if self._asked(POLL_S):
                 self.dump("on request")
                 continue
@@ -180,14 +184,29 @@ class HangWatch:
                 self._dumps += 1
                 self.dump(f"{'collective timeout' if last else 'stalled'}: no step for {silent:.0f} s")
 
-    def dump(self, reason: str) -> None:
-        text = format_stacks()
+    def _sample(self) -> None:
         try:
-            self.log.event("stack", reason=reason, stack=text, step=self.step)
-            msg = f"stacks of all threads ({reason}):\n{text}"
+            self.vitals.sample()
+        except Exception:  # noqa: BLE001 - a failed sample only leaves the answers without work
+            pass
+
+    def dump(self, reason: str) -> None:
+        """Write every thread's stack as a ``stack`` event (and a log line), with ``work``: what
+        this process did over the last seconds (`runlogs.vitals`), so a reader tells a rank busy
+        outside a collective from a still one; the dump's own CPU and bytes are not counted."""
+        with self.vitals.own():
             try:
-                self.log.info(msg, console=False)   # a RunLog: not on rank 0's console
-            except TypeError:
-                self.log.info(msg)
-        except Exception as exc:  # noqa: BLE001 - the watchdog must never take the rank down
-            print(f"ddp_hpc: could not write a stack dump: {exc}", file=sys.stderr, flush=True)
+                work = self.vitals.recent()
+            except Exception:  # noqa: BLE001
+                work = None
+            text = format_stacks()
+            try:
+                self.log.event("stack", reason=reason, stack=text, step=self.step,
+                               work=work.to_dict() if work is not None else None)
+                msg = f"stacks of all threads ({reason}):\n{text}"
+                try:
+                    self.log.info(msg, console=False)   # a RunLog: not on rank 0's console
+                except TypeError:
+                    self.log.info(msg)
+            except Exception as exc:  # noqa: BLE001 - the watchdog must never take the rank down
+                print(f"ddp_hpc: could not write a stack dump: {exc}", file=sys.stderr, flush=True)

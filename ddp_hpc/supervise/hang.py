@@ -13,12 +13,16 @@ wrote two step events: a run still loading is left to the stall timeout (a confi
 
 The culprit (`find_culprit`): before the step is stopped, every rank is asked for its stacks
 (SIGURG, as ``ddp-hpc status --stacks`` does), so the evidence survives the stop: up to 5 s, or
-2 s after the newest answer. A rank whose main thread is not inside a collective while the others
-wait in one is the one that hangs; else a rank that does not answer (frozen: stopped, or a hang
-outside Python). When every rank answered
-and none waits in a collective (`all_busy`: every rank evaluates, or saves, between two steps),
-no rank waits for another: that is no hang, and the supervisor watches on (the hang limit comes
-back with the next step).
+2 s after the newest answer. Each answer carries what the rank did over its last seconds
+(``work``: CPU time, bytes read and written, the places its main thread was seen;
+``runlogs.vitals``). A rank whose main thread is not inside a collective while the others wait in
+one hangs only when it is still (no CPU, no IO, one place); else a rank that does not answer
+(frozen: stopped, or a hang outside Python). A rank that works outside a collective (a script's
+rank-0 ``torch.save`` or evaluation while the others wait in ``dist.barrier()``) is busy, never
+hung, before the collective timeout (`busy_ranks`), and so is a step where every rank answered
+and none waits in a collective (`all_busy`: every rank evaluates, or saves, between two steps):
+the supervisor watches on and asks again after twice the wait (the stall timeout still applies).
+A rank in an endless loop outside a collective is left to the collective timeout.
 """
 from __future__ import annotations
 
@@ -29,9 +33,11 @@ from dataclasses import dataclass
 
 from ddp_hpc.judge.stacks import collective, own_frame
 from ddp_hpc.parsing import to_float, to_int
+from ddp_hpc.runlogs.vitals import working
 from ddp_hpc.slurm.cli import SlurmError
 
-__all__ = ["StepClock", "Hang", "find_culprit", "all_busy", "ask_stacks", "HANG_FACTOR", "EVENT_GAPS", "DEFAULT_HANG_S"]
+__all__ = ["StepClock", "Hang", "find_culprit", "all_busy", "busy_ranks", "work_text", "ask_stacks",
+           "HANG_FACTOR", "EVENT_GAPS", "DEFAULT_HANG_S"]
 
 #: the floor of the hang limit by default (``--hang-timeout``), seconds
 DEFAULT_HANG_S = 30.0
@@ -110,21 +116,48 @@ def ask_stacks(cli, job_id, tail, wait_s: float = STACK_WAIT_S) -> tuple[dict[in
     return answers, hosts
 
 
+def _outside(answers: dict[int, dict]) -> tuple[dict[int, str | None], list[str]]:
+    """rank -> the collective it waits in (None: outside one), and the collectives waited in."""
+    waits = {r: collective(str(a.get("stack") or "")) for r, a in answers.items()}
+    return waits, sorted({w for w in waits.values() if w})
+
+
+def work_text(answer: dict) -> str:
+    """``cpu 4.1 s, 120 MB read or written, 7 places in 10 s`` from an answer's ``work``."""
+    w = answer.get("work") if isinstance(answer.get("work"), dict) else {}
+    try:
+        return (f"cpu {float(w['cpu_s']):.1f} s, {int(w['io_bytes']) / 1e6:.1f} MB read or written, "
+                f"{int(w['places'])} place(s) in {float(w['over_s']):.0f} s")
+    except (KeyError, TypeError, ValueError):
+        return "no sample of its work"
+
+
+def busy_ranks(answers: dict[int, dict], hosts: dict[int, str | None]) -> list[int]:
+    """The ranks that answered outside a collective and work (`runlogs.vitals.working`)."""
+    waits, _ = _outside(answers)
+    return [r for r in sorted(hosts) if r in waits and not waits[r] and working(answers[r].get("work"))]
+
+
 def find_culprit(answers: dict[int, dict], hosts: dict[int, str | None]) -> Hang | None:
     """The rank that hangs, from the stack answers of the ranks in ``hosts``: one not inside a
-    collective while another waits in one, else one that did not answer (frozen; a slow answer
-    on a loaded machine does not outweigh a rank seen outside the collective); None when the
-    stacks name nobody (every rank silent, or every rank in a collective or none)."""
+    collective and still (no CPU, no IO, one place; an answer without a sample counts as still)
+    while another waits in one, else one that did not answer (frozen; a slow answer on a loaded
+    machine does not outweigh a rank seen still outside the collective); None when the stacks
+    name nobody (every rank silent, every rank in a collective or none), or while any rank works
+    outside a collective (`busy_ranks`: the others may wait for it in more ways than a collective,
+    a loaded machine may delay an answer; a frozen rank is named once nobody works)."""
+    if busy_ranks(answers, hosts):
+        return None
     ranks = sorted(hosts)
-    waits = {r: collective(str(a.get("stack") or "")) for r, a in answers.items()}
-    waiting = sorted({w for w in waits.values() if w})
+    waits, waiting = _outside(answers)
     others = f"the others waited in {', '.join(waiting)}" if waiting else "the others answered"
-    free = [r for r in ranks if r in waits and not waits[r]]
+    free = [r for r in ranks if r in waits and not waits[r] and not working(answers[r].get("work"))]
     if free and waiting:
         r = free[0]
         where = own_frame(str(answers[r].get("stack") or "")) or "outside a collective"
         return Hang(r, hosts.get(r), f"hung in {where}, not in a collective",
-                    f"its stacks: not in a collective ({where}) while {others}")
+                    f"its stacks: not in a collective ({where}) and still ({work_text(answers[r])}) "
+                    f"while {others}")
     silent = [r for r in ranks if r not in answers]
     if silent and answers:
         r = silent[0]

@@ -33,7 +33,7 @@ from ddp_hpc.runlogs.restarts import append_health, append_restart, append_stop
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, RUN_MARK, rank_out
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.hostlist import compress, expand
-from ddp_hpc.supervise.hang import DEFAULT_HANG_S, Hang, all_busy, ask_stacks, find_culprit
+from ddp_hpc.supervise.hang import DEFAULT_HANG_S, Hang, StepClock, all_busy, ask_stacks, busy_ranks, find_culprit
 from ddp_hpc.supervise.health import check_nodes, health_row
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
 from ddp_hpc.supervise.warm import Warm
@@ -199,18 +199,24 @@ def _watch(s: Settings, proc, cli, plan: NodePlan, restart: int, job_id, stoppin
            on_training=None) -> tuple[StepEnd, Hang | None]:
     """Watch the step until it ends or needs stopping (``on_training``: called once its first
     training step is seen). A stalled one: its ranks' stacks are asked first (so the evidence
-    survives the stop) and name the hung rank; when every rank answered busy outside a
-    collective, it is no hang and the watch goes on."""
+    survives the stop) and name the hung rank; when the hang limit called it and ranks answered
+    working outside a collective (``hang.busy_ranks``), or every rank outside one, it is no hang:
+    the watch goes on and asks again after twice the wait (the stall timeout still applies)."""
     tail = EventTail(s.log_dir, restart)
-    w = Watch(tuple(plan.active), s.stall_timeout_s, hang_floor_s=s.hang_timeout_s)
+    w = Watch(tuple(plan.active), s.stall_timeout_s, hang_floor_s=s.hang_timeout_s,
+              clock=StepClock(s.hang_timeout_s))
     while True:
         end = watch_step(proc, tail, cli, w, stopping, on_training)
         if end.trigger != "stalled" or not job_id:
             return end, None
         answers, hosts = ask_stacks(cli, job_id, EventTail(s.log_dir, restart))
-        if all_busy(answers, hosts) and end.stall_s != s.stall_timeout_s:   # the hang limit's call
-            _say(f"no hang: after {end.stall_s:g} s without a step every rank answered busy outside a collective")
-            w = dataclasses.replace(w, last_step_at=end.last_step_at, busy_at=end.detected_at)
+        busy = busy_ranks(answers, hosts)
+        if (busy or all_busy(answers, hosts)) and end.stall_s != s.stall_timeout_s:   # the hang limit's call
+            who = f"rank(s) {', '.join(map(str, busy))} work" if busy else "every rank works"
+            hold = 2 * (end.stall_s or s.hang_timeout_s)
+            _say(f"no hang: after {end.stall_s:g} s without a step {who} outside a collective; "
+                 f"asking again in {hold:g} s")
+            w = dataclasses.replace(w, last_step_at=end.last_step_at, busy_at=end.detected_at, hold_s=hold)
             continue
         hang = find_culprit(answers, hosts)
         _say(f"hang: rank {hang.rank} {hang.why} ({hang.basis})" if hang else "hang: the ranks' stacks name no rank")

@@ -116,9 +116,11 @@ class StepEnd:
 @dataclass(frozen=True)
 class Watch:
     """What to watch: the step's nodes, the stall timeout (0: off), how often to look, the hang
-    limit's floor (``hang.StepClock``; 0: off); going on after the stacks showed every rank busy
-    outside a collective: the newest sign of life then and when they were asked (``busy_at``: no
-    hang limit until a step after it)."""
+    limit's floor (``hang.StepClock``; 0: off) and the clock itself, kept across a watch that goes
+    on; going on after the stacks showed ranks busy outside a collective: the newest sign of life
+    then, when they were asked (``busy_at``) and how long the hang limit then waits (``hold_s``,
+    counted from ``last_step_at``, until a step after ``busy_at``; None: no hang limit until
+    then)."""
 
     nodes: tuple[str, ...]
     stall_timeout_s: float = 0.0
@@ -126,6 +128,8 @@ class Watch:
     hang_floor_s: float = 0.0
     last_step_at: float | None = None
     busy_at: float | None = None
+    hold_s: float | None = None
+    clock: StepClock | None = None
 
 
 def node_condition(state: str) -> str:
@@ -179,7 +183,8 @@ class _Seen:
         self.first_bad: float | None = None
         self.raised_at: float | None = None    # the first error of a rank's own (not a lost peer)
         self.last_step, self.quiet = watch.last_step_at, watch.busy_at
-        self.clock = StepClock(watch.hang_floor_s)
+        self.clock = watch.clock if watch.clock is not None else StepClock(watch.hang_floor_s)
+        self.hold_s = watch.hold_s
         self.exiting = False                 # a rank ended or its interpreter exits: no hang limit
         self.saving: set = set()             # ranks whose save was announced and is not done: no hang limit
         self.ranks: set = set()
@@ -218,11 +223,12 @@ class _Seen:
         rank ended, only `END_GRACE_S` after the last end (the processes tear down)."""
         if self.ranks and self.ended >= self.ranks:
             return END_GRACE_S if self.last_end is not None and now - self.last_end > END_GRACE_S else None
-        fast = None if self.exiting or self.quiet or self.saving else self.clock.limit()
-        limits = [x for x in (watch.stall_timeout_s, fast) if x]
-        if limits and self.last_step is not None and now - self.last_step > min(limits):
-            return min(limits)
-        return None
+        if self.last_step is None:
+            return None
+        fast = None if self.exiting or self.saving else self.hold_s if self.quiet else self.clock.limit()
+        since = max(self.quiet or self.last_step, self.last_step)   # a hold counts from the busy answer
+        hits = [x for x, t in ((watch.stall_timeout_s, self.last_step), (fast, since)) if x and now - t > x]
+        return min(hits) if hits else None
 
 
 def watch_step(proc: subprocess.Popen, tail: EventTail, cli: SlurmCLI, watch: Watch,
