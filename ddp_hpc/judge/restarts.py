@@ -23,8 +23,8 @@ from pathlib import Path
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE
 
-__all__ = ["read_restarts", "read_stops", "read_health", "read_restarts_and_stops", "sched_index", "first_step_at",
-           "time_lost", "phases", "PHASES", "restored_text", "restored_event", "warm_start"]
+__all__ = ["read_restarts", "read_stops", "read_health", "read_holds", "read_restarts_and_stops", "sched_index",
+           "first_step_at", "time_lost", "phases", "PHASES", "restored_text", "restored_event", "warm_start"]
 
 
 def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
@@ -43,6 +43,12 @@ def read_health(log_dir: str | Path | None, job_id: str | None = None) -> list[d
     """The health checks that excluded nodes before a start (``ddp_hpc.supervise.health``), in
     order."""
     return _numbered(_lines(log_dir, job_id), "health_check")
+
+
+def read_holds(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
+    """The times the hang limit stood back because ranks worked outside a collective
+    (``ddp_hpc.supervise``), in order."""
+    return _numbered(_lines(log_dir, job_id), "held_run")
 
 
 def read_restarts_and_stops(log_dir: str | Path | None, job_id: str | None = None,
@@ -141,7 +147,8 @@ def warm_start(logs, restart: int) -> bool:
 
 def restored_text(event: dict) -> str | None:
     """A ``restored`` event in words: ``restored step 212 from n1's memory (n2 was lost), 0.4 s``
-    (None for a start with nothing to restore)."""
+    (None for a start with nothing to restore); a memory restore that failed comes first:
+    ``restore of step 212 from n1's memory failed (rank 5: ...): restored step 200 from ...``."""
     source = event.get("source")
     if source not in ("memory", "peer", "file"):
         return None
@@ -150,7 +157,8 @@ def restored_text(event: dict) -> str | None:
     gone = f" ({', '.join(lost)} {'was' if len(lost) == 1 else 'were'} lost)" if lost else ""
     seconds = to_float(event.get("seconds"))
     took = f", {seconds:.1f} s" if seconds is not None else ""
-    return f"restored step {event.get('step')} from {where}{gone}{took}"
+    why = f"{event['fallback']}: " if event.get("fallback") else ""
+    return f"{why}restored step {event.get('step')} from {where}{gone}{took}"
 
 
 def restored_event(logs, restart: int) -> dict | None:

@@ -5,33 +5,37 @@ Every rank says, in one all_gather, what its node holds in memory (step, size) a
 newest file checkpoint's step (a directory listing: no file is read for it). When some node holds
 a memory snapshot at least as new as the newest file, the ranks of that node load it from their
 memory; when any rank's node lacks it (a spare or replaced node, a node whose snapshot is older),
-the lowest rank that holds it sends the file's bytes to every rank in one broadcast over the job's
-own process group, and the shared filesystem is not read at all. Only when no node holds anything
-newer does rank 0 pick the newest file checkpoint that loads, and every rank loads that one.
+the lowest rank that holds it sends the file's bytes to the ranks that lack it, and only to them,
+in bounded chunks (train/peercopy.py), and the shared filesystem is not read at all. Only when no
+node holds anything newer does rank 0 pick the newest file checkpoint that loads, and every rank
+loads that one.
+
+A memory restore that fails on any rank (a receiver out of CPU or GPU memory, a node's broken
+snapshot) is a cache miss, not the end of the job: every rank says whether its part worked (one
+all_gather, so that all decide alike and none waits for the others), and on any failure all load
+the file checkpoint instead; the ``restored`` event's ``fallback`` and each rank's log say why.
+Only when no file checkpoint loads either is it an error: starting at step 0 would silently throw
+the trained state away.
 
 The state's per-rank part (each rank's RNG states) comes from the snapshot folders that still
 hold it: one more all_gather of what each node holds; a rank whose part went with its node is
 seeded from the other ranks' states (``train.reshape.rank_rng``), as on a change of world size.
-
-The broadcast is a plain ``dist.broadcast`` of the file's bytes: the data loader's `Channel`
-(data/wire.py) frames buckets of samples from a group's lowest rank, while the holder here is
-any rank and the message is one file.
 """
 from __future__ import annotations
 
-import io
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
 from ddp_hpc.errors import HintError
 from ddp_hpc.judge.restarts import restored_text
 from ddp_hpc.train.checkpoint import CheckpointError, find_latest_valid, list_checkpoints, load_checkpoint
-from ddp_hpc.train.memsnap import NodeStore, comm_device, store_for
+from ddp_hpc.train.memsnap import NodeStore, store_for
+from ddp_hpc.train.peercopy import BytesView, release, send_file, subgroup, words
 
 __all__ = ["Restored", "freshest", "node_store", "restore_run", "announce"]
 
@@ -50,6 +54,7 @@ class Restored:
     lost: list[str] = field(default_factory=list)
     nodes: list[str] = field(default_factory=list)     # this run's nodes
     state: dict | None = None
+    fallback: str | None = None     # why a memory restore failed and the files were read instead
 
     def line(self) -> str:
         """``restored step 212 from n1's memory (n2 was lost), 0.4 s`` (judge.restarts' words)."""
@@ -58,7 +63,8 @@ class Restored:
     def event(self) -> dict:
         """The ``restored`` event's keys (runlogs/schema.py)."""
         return {"step": self.step, "source": self.source, "node": self.node,
-                "seconds": round(self.seconds, 3), "path": self.path, "lost": self.lost}
+                "seconds": round(self.seconds, 3), "path": self.path, "lost": self.lost,
+                **({"fallback": self.fallback} if self.fallback else {})}
 
 
 def _gather(value: Any, distributed: bool) -> list:
@@ -67,18 +73,6 @@ def _gather(value: Any, distributed: bool) -> list:
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
-
-
-def _broadcast_file(path: Path | None, size: int, src: int) -> torch.Tensor:
-    """The bytes of ``path`` (read on rank ``src``) on every rank, as a CPU uint8 tensor."""
-    buf = torch.empty(size, dtype=torch.uint8)
-    if path is not None:
-        with open(path, "rb") as f:
-            f.readinto(memoryview(buf.numpy()))
-    dev = comm_device()
-    moved = buf.to(dev) if dev.type != "cpu" else buf
-    dist.broadcast(moved, src=src)
-    return moved.cpu() if dev.type != "cpu" else moved
 
 
 def _held(store: NodeStore | None, files: str | Path | None, rank: int) -> dict:
@@ -94,18 +88,37 @@ def _held(store: NodeStore | None, files: str | Path | None, rank: int) -> dict:
 
 
 def _from_memory(store: NodeStore, table: list[dict], step: int, rank: int, distributed: bool,
-                 map_location: Any) -> tuple[dict, str, int]:
-    """(state, source, the sending rank): this node's snapshot, or the holder's sent over."""
+                 map_location: Any) -> tuple[dict | None, str, int, str | None]:
+    """(state, source, the sending rank, None), or (None, ..., why) when any rank failed: this
+    node's snapshot, or the holder's sent over (peercopy.py) to the ranks that lack it. Every rank
+    says whether its part worked (one all_gather), so all go on from the files together."""
     src = min(r for r, held in enumerate(table) if held["mem"] == step)
     mine = store is not None and table[rank]["mem"] == step
     path = store.folder / f"ckpt-{step:09d}.pt" if store is not None else None
-    state, source = None, "memory"
-    if any(held["mem"] != step for held in table):   # first the bytes to the ranks that lack them
-        data = _broadcast_file(path if rank == src else None, table[src]["size"], src)
-        if not mine:
-            state, source = load_checkpoint(io.BytesIO(data.numpy().tobytes()), map_location), "peer"
-    if mine:
-        state = load_checkpoint(path, map_location)
+    lack = [r for r, held in enumerate(table) if held["mem"] != step]
+    state, source, error = None, "memory", None
+    if lack:                         # first the bytes to the ranks that lack them, and only to them
+        group, member = subgroup([src, *lack]), rank == src or rank in lack
+        if member:
+            data, error = send_file(path if rank == src else None, table[src]["size"], src, group)
+            if rank in lack and error is None and data is not None:
+                try:
+                    state, source = load_checkpoint(BytesView(data), map_location), "peer"
+                except Exception as exc:  # noqa: BLE001 - said to every rank, then the files
+                    error = words(exc)
+            elif rank in lack and error is None:
+                error = "no bytes: the send stopped on another rank"
+            del data
+        release(group, member)
+    if mine and error is None:
+        try:
+            state = load_checkpoint(path, map_location)
+        except Exception as exc:  # noqa: BLE001 - said to every rank, then the files
+            error = words(exc)
+    failed = [(r, e) for r, e in enumerate(_gather(error, distributed)) if e]
+    if failed:
+        r, e = failed[0]
+        return None, source, src, f"restore of step {step} from {table[src]['node']}'s memory failed (rank {r}: {e})"
     first_here = min(r for r, held in enumerate(table) if held["node"] == table[rank]["node"])
     parts: dict[int, dict] = {}
     # the first rank of each node reads the parts its node holds (also a node whose model snapshot
@@ -114,7 +127,7 @@ def _from_memory(store: NodeStore, table: list[dict], step: int, rank: int, dist
         parts.update(held)
     written = int(state.get("world_size") or len(table))
     state["rng"] = [parts.get(r, {}).get("rng") for r in range(written)]
-    return state, source, src
+    return state, source, src, None
 
 
 def _from_file(files: str | Path, rank: int, distributed: bool, warn, map_location: Any,
@@ -147,18 +160,24 @@ def freshest(files: str | Path | None, store: NodeStore | None, *, rank: int, di
     nodes = sorted({held["node"] for held in table if held["node"]})
     steps = [held["mem"] for held in table if held["mem"] is not None]
     best, newest_file = (max(steps) if steps else None), table[0]["file"]
+    fallback = None
     if best is not None and not table[0]["any_file"] and (newest_file is None or best >= newest_file):
-        state, source, src = _from_memory(store, table, best, rank, distributed, map_location)
-        holders = {held["node"] for held in table if held["mem"] == best}
-        lost = sorted(set(state.get("nodes") or []) - holders)      # the snapshot's nodes that lost it
-        path = str(store.folder.parent / table[src]["node"] / f"ckpt-{best:09d}.pt") if store else None
-        return Restored(best, source, table[src]["node"], time.perf_counter() - t0, path, lost, nodes, state)
-    if files is None:
-        return Restored(0, "none", seconds=time.perf_counter() - t0, nodes=nodes)
-    path, state = _from_file(files, rank, distributed, warn, map_location, hint)
+        state, source, src, fallback = _from_memory(store, table, best, rank, distributed, map_location)
+        if fallback is None:
+            holders = {held["node"] for held in table if held["mem"] == best}
+            lost = sorted(set(state.get("nodes") or []) - holders)      # the snapshot's nodes that lost it
+            path = str(store.folder.parent / table[src]["node"] / f"ckpt-{best:09d}.pt") if store else None
+            return Restored(best, source, table[src]["node"], time.perf_counter() - t0, path, lost, nodes, state)
+        (warn or (lambda m: warnings.warn(m, stacklevel=3)))(f"{fallback}; going on from the file checkpoints")
+    path, state = _from_file(files, rank, distributed, warn, map_location, hint) if files is not None else (None, None)
+    if path is None and fallback is not None:
+        raise CheckpointError(f"{fallback}, and no file checkpoint loads (checkpoint directory: {files})",
+                              "set checkpoint.memory_every_steps=-1 to start from step 0 without the "
+                              "snapshots, or free memory on the nodes that lacked the snapshot and restart")
     if path is None:
         return Restored(0, "none", seconds=time.perf_counter() - t0, nodes=nodes)
-    return Restored(int(state["step"]), "file", None, time.perf_counter() - t0, path, [], nodes, state)
+    return Restored(int(state["step"]), "file", None, time.perf_counter() - t0, path, [], nodes, state,
+                    fallback=fallback)
 
 
 def node_store(env, every: int, warn: Callable[[str], None], make: bool = True,
