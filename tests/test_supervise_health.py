@@ -17,7 +17,7 @@ import pytest
 
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.supervise import nodecheck
-from ddp_hpc.supervise.health import NO_CHECKPOINT_NEED_BYTES, check_nodes, checkpoint_need, failures, health_row
+from ddp_hpc.supervise.health import NO_CHECKPOINT_NEED_BYTES, Seen, check_nodes, checkpoint_need, failures, health_row
 from ddp_hpc.supervise.plan import NodePlan, Policy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_is_skipped_without_nvml(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)   # import pynvml raises ImportError
-    assert nodecheck.gpu_problems(None) == ([], ["GPU: nvidia-ml-py not installed"])
-    assert nodecheck.gpu_problems([]) == ([], ["GPU: none visible to the step"])
+    assert nodecheck.gpu_problems(None) == ([], ["GPU: nvidia-ml-py not installed"], {})
+    assert nodecheck.gpu_problems([]) == ([], ["GPU: none visible to the step"], {})
 
 
 def _fake_nvml(devices: dict, init_error: str | None = None) -> types.ModuleType:
@@ -62,23 +62,26 @@ def _fake_nvml(devices: dict, init_error: str | None = None) -> types.ModuleType
     return m
 
 
-def test_gpu_check_names_a_lost_gpu_and_ecc_errors(monkeypatch):
-    nvml = _fake_nvml({0: {"ecc": 0, "pending": False}, 1: None, 2: {"ecc": 3, "pending": True}})
+def test_gpu_check_names_a_lost_gpu_and_pending_pages_and_counts_ecc_errors(monkeypatch):
+    nvml = _fake_nvml({0: {"ecc": 0, "pending": False}, 1: None, 2: {"ecc": 3, "pending": True},
+                       3: {"ecc": 5, "pending": False}})
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    problems, skipped = nodecheck.gpu_problems(None)
+    problems, skipped, ecc = nodecheck.gpu_problems(None)
     assert skipped == []
+    # a volatile ECC count is no problem by itself (since the driver loaded): the supervisor
+    # compares it with the node's last check (health.ecc_problems; issue 38, bug 5)
     assert problems == ["GPU 1 does not answer (NVML: GPU is lost)",
-                        "GPU 2: 3 uncorrected ECC error(s) since the driver loaded",
                         "GPU 2: retired memory pages pending (the GPU needs a reset)"]
+    assert ecc == {"0": 0, "2": 3, "3": 5}
     assert nvml.calls == ["init", "shutdown"]
     # only the GPUs the step sees (CUDA_VISIBLE_DEVICES), by index or UUID
-    assert nodecheck.gpu_problems(["0"]) == ([], [])
+    assert nodecheck.gpu_problems(["0"]) == ([], [], {"0": 0})
     assert nodecheck.gpu_problems(["GPU-x-1"])[0] == ["GPU GPU-x-1 does not answer (NVML: GPU is lost)"]
 
 
 def test_gpu_check_is_skipped_when_nvml_finds_no_driver(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml({}, init_error="Driver Not Loaded"))
-    assert nodecheck.gpu_problems(None) == ([], ["GPU: NVML not available (Driver Not Loaded)"])
+    assert nodecheck.gpu_problems(None) == ([], ["GPU: NVML not available (Driver Not Loaded)"], {})
 
 
 # -- scratch, checkpoint folder, rendezvous ------------------------------------------------------
@@ -90,7 +93,7 @@ def test_space_check_writable_unwritable_and_full(tmp_path):
     blocked.write_text("a file where a folder should be")   # unwritable even for root
     assert nodecheck.space_problem(str(blocked), 1) == f"{blocked} not writable (Not a directory)"
     why = nodecheck.space_problem(str(tmp_path), 10**16)
-    assert why.startswith(f"{tmp_path} full (") and why.endswith(" GB free, checkpoint needs 10000000.0 GB)")
+    assert why.startswith(f"{tmp_path} full (") and why.endswith(" GB free, a checkpoint needs 10000000.0 GB)")
 
 
 def test_reach_check():
@@ -107,12 +110,13 @@ def _task_env(node: str, tmpdir: str, **extra) -> dict:
 
 
 def test_check_process_reports_its_node_in_one_json_line(tmp_path):
-    cmd = [sys.executable, "-m", "ddp_hpc.supervise.nodecheck", "--dir", str(tmp_path), "--need-bytes", "10"]
-    ok = subprocess.run(cmd, env=_task_env("n4", str(tmp_path)), capture_output=True, text=True, timeout=60)
+    (tmp_path / "tmp").write_text("")    # a scratch that takes no file
+    cmd = [sys.executable, "-m", "ddp_hpc.supervise.nodecheck", "--dir", str(tmp_path), "--need-bytes", "10",
+           f"--stage=10:{tmp_path / 'tmp' / 'ddp_hpc-stage-7-x'}"]
+    ok = subprocess.run(cmd[:-1], env=_task_env("n4", str(tmp_path)), capture_output=True, text=True, timeout=60)
     rec = json.loads(ok.stdout)
     assert ok.returncode == 0 and rec["node"] == "n4" and rec["ok"] and rec["problems"] == []
-    (tmp_path / "tmp").write_text("")
-    bad = subprocess.run(cmd, env=_task_env("n4", str(tmp_path / "tmp")), capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(cmd, env=_task_env("n4", str(tmp_path)), capture_output=True, text=True, timeout=60)
     rec = json.loads(bad.stdout)
     # exit 0 all the same: a failed check step would read as a failed job step in sacct and status
     assert bad.returncode == 0 and not rec["ok"]
@@ -145,10 +149,10 @@ def test_checkpoint_need_is_the_newest_checkpoints_size(tmp_path):
 
 def test_failures_names_failed_and_silent_nodes():
     out = "\n".join([json.dumps({"node": "n1", "ok": True, "problems": []}), "srun: noise",
-                     json.dumps({"node": "n2", "ok": False, "problems": ["/tmp full (0.1 GB free, checkpoint "
-                                                                         "needs 1.5 GB)"]})])
+                     json.dumps({"node": "n2", "ok": False, "problems": ["/tmp full (0.1 GB free, the staged "
+                                                                         "data needs 1.5 GB)"]})])
     assert failures(["n1", "n2", "n3"], 1, out) == {
-        "n2": "/tmp full (0.1 GB free, checkpoint needs 1.5 GB)",
+        "n2": "/tmp full (0.1 GB free, the staged data needs 1.5 GB)",
         "n3": "no answer to the health check (srun exited with status 1)"}
     assert failures(["n1"], None, "") == {"n1": "no answer to the health check within 20 s"}
 
@@ -177,38 +181,109 @@ SRUN = textwrap.dedent("""
 """)
 
 
+# a stand-in pynvml for the check processes the stand-in srun starts: each node's GPUs from
+# FAKE_NVML_DIR/<node>.json ({index: {"ecc": N} or null: lost}), read at each check (so a count can
+# grow between two); a node without a file has one healthy GPU
+NVML = textwrap.dedent("""
+    import json, os
+    class NVMLError(Exception):
+        pass
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 1, 0
+    _f = os.path.join(os.environ["FAKE_NVML_DIR"], os.environ["SLURMD_NODENAME"] + ".json")
+    _gpus = json.load(open(_f)) if os.path.exists(_f) else {"0": {"ecc": 0}}
+    def nvmlInit(): pass
+    def nvmlShutdown(): pass
+    def nvmlDeviceGetCount(): return len(_gpus)
+    def nvmlDeviceGetHandleByIndex(i):
+        if _gpus.get(str(i)) is None:
+            raise NVMLError("GPU is lost")
+        return _gpus[str(i)]
+    def nvmlDeviceGetMemoryInfo(h): return (1, 2, 3)
+    def nvmlDeviceGetTotalEccErrors(h, kind, counter): return h["ecc"]
+    def nvmlDeviceGetRetiredPagesPendingStatus(h): return 0
+""")
+
+
 @pytest.fixture
 def fake_srun(tmp_path):
-    bindir = tmp_path / "bin"
+    bindir, nvml = tmp_path / "bin", tmp_path / "nvml"
     bindir.mkdir()
+    nvml.mkdir()
     (bindir / "srun").write_text(f"#!{sys.executable}\n{SRUN}")
     (bindir / "srun").chmod(0o755)
-    return {"PATH": f"{bindir}:{os.environ['PATH']}", "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "7",
-            "TMPDIR": str(tmp_path)}
+    (nvml / "pynvml.py").write_text(NVML)
+    return {"PATH": f"{bindir}:{os.environ['PATH']}", "PYTHONPATH": f"{nvml}:{REPO}", "SLURM_JOB_ID": "7",
+            "TMPDIR": str(tmp_path), "FAKE_NVML_DIR": str(nvml)}
+
+
+def _gpus(env: dict, node: str, gpus: dict) -> None:
+    Path(env["FAKE_NVML_DIR"], f"{node}.json").write_text(json.dumps(gpus))
 
 
 def test_check_nodes_swaps_a_failed_node_for_a_spare(tmp_path, fake_srun):
-    (tmp_path / "n2-tmp").write_text("")   # n2's scratch takes no file
-    env = {**fake_srun, "FAKE_TMPDIR_n2": str(tmp_path / "n2-tmp")}
+    _gpus(fake_srun, "n2", {"0": None})    # n2's GPU fell off the bus
     plan = NodePlan(active=["n1", "n2"], spare=["n3"])
-    c = check_nodes(SlurmCLI(env=env), plan, Policy(nodes=2, tasks_per_node=1, spare_nodes=1), env, False,
-                    str(tmp_path))
-    assert c.failed == {"n2": f"{tmp_path / 'n2-tmp'} not writable (Not a directory)"}
+    c = check_nodes(SlurmCLI(env=fake_srun), plan, Policy(nodes=2, tasks_per_node=1, spare_nodes=1), fake_srun,
+                    False, str(tmp_path), Seen())
+    assert c.failed == {"n2": "GPU 0 does not answer (NVML: GPU is lost)"}
     assert c.plan.active == ["n1", "n3"] and c.plan.excluded == ["n2"] and c.rounds == 2
     row = health_row(c, 0, "7")
     assert row["excluded"] == c.failed and row["nodes_after"] == ["n1", "n3"] and row["not_started"] is None
 
 
 def test_check_nodes_shrinks_to_min_nodes_or_gives_up(tmp_path, fake_srun):
-    (tmp_path / "bad").write_text("")
-    env = {**fake_srun, "FAKE_TMPDIR_n1": str(tmp_path / "bad")}
-    plan = NodePlan(active=["n1", "n2"], spare=[])
-    c = check_nodes(SlurmCLI(env=env), plan, Policy(nodes=2, tasks_per_node=1, min_nodes=1), env, False, str(tmp_path))
+    _gpus(fake_srun, "n1", {"0": None})
+    env, plan = fake_srun, NodePlan(active=["n1", "n2"], spare=[])
+    c = check_nodes(SlurmCLI(env=env), plan, Policy(nodes=2, tasks_per_node=1, min_nodes=1), env, False, str(tmp_path),
+                    Seen())
     assert c.plan.active == ["n2"] and list(c.failed) == ["n1"]
     c = check_nodes(SlurmCLI(env=env), NodePlan(active=["n1", "n2"], spare=[]), Policy(nodes=2, tasks_per_node=1),
-                    env, False, str(tmp_path))
+                    env, False, str(tmp_path), Seen())
     assert c.plan is None and "fewer than --min-nodes 2" in c.change
     assert health_row(c, 0, "7")["not_started"] == c.change
+
+
+def test_a_job_whose_scratch_is_tiny_but_unused_loses_no_node(tmp_path, fake_srun):
+    """Issue 38, bug 5: a diskless node (its scratch takes no file) runs a job that stages nothing."""
+    (tmp_path / "nodisk").write_text("")
+    env = {**fake_srun, "FAKE_TMPDIR_n1": str(tmp_path / "nodisk"), "FAKE_TMPDIR_n2": str(tmp_path / "nodisk")}
+    c = check_nodes(SlurmCLI(env=env), NodePlan(active=["n1", "n2"], spare=[]), Policy(nodes=2, tasks_per_node=1),
+                    env, True, str(tmp_path), Seen())
+    assert c.failed == {} and c.plan.active == ["n1", "n2"] and c.notes == ()
+
+
+def test_a_checkpoint_folder_that_takes_no_file_excludes_no_node_and_is_said_once(tmp_path, fake_srun):
+    """Issue 38, bug 5: the checkpoint folder is on the shared filesystem; its problem is every
+    node's alike, so it is said (once) and no node is excluded for it."""
+    (tmp_path / "blocked").write_text("")
+    ev = {"event": "checkpoint", "rank": 0, "restart": 0, "step": 4, "path": str(tmp_path / "blocked" / "step4.pt")}
+    (tmp_path / "rank0.events.jsonl").write_text(json.dumps(ev) + "\n")
+    seen, cli = Seen(), SlurmCLI(env=fake_srun)
+    c = check_nodes(cli, NodePlan(active=["n1", "n2"], spare=[]), Policy(nodes=2, tasks_per_node=1), fake_srun, True,
+                    str(tmp_path), seen)
+    assert c.failed == {} and c.plan.active == ["n1", "n2"]
+    assert c.notes == (f"checkpoint folder {tmp_path / 'blocked'} not writable (Not a directory): "
+                       "not a node's fault, no node excluded",)
+    again = check_nodes(cli, c.plan, Policy(nodes=2, tasks_per_node=1), fake_srun, True, str(tmp_path), seen)
+    assert again.failed == {} and again.notes == ()
+
+
+def test_only_a_growing_ecc_count_excludes_a_node(tmp_path, fake_srun):
+    """Issue 38, bug 5: a volatile ECC count that does not grow between two checks (an earlier
+    job's error, since the driver loaded) is no reason to exclude; growth is."""
+    _gpus(fake_srun, "n1", {"0": {"ecc": 3}})
+    seen, cli = Seen(), SlurmCLI(env=fake_srun)
+    policy, plan = Policy(nodes=2, tasks_per_node=1, spare_nodes=1), NodePlan(active=["n1", "n2"], spare=["n3"])
+    first = check_nodes(cli, plan, policy, fake_srun, False, str(tmp_path), seen)
+    assert first.failed == {} and first.plan.active == ["n1", "n2"]
+    assert first.notes == ("n1: GPU 0 had 3 uncorrected ECC error(s) since the driver loaded "
+                           "(excluded only if the count grows)",)
+    second = check_nodes(cli, first.plan, policy, fake_srun, True, str(tmp_path), seen)
+    assert second.failed == {} and second.notes == ()
+    _gpus(fake_srun, "n1", {"0": {"ecc": 4}})
+    third = check_nodes(cli, second.plan, policy, fake_srun, True, str(tmp_path), seen)
+    assert third.failed == {"n1": "GPU 0: uncorrected ECC errors grew from 3 to 4 since the last health check"}
+    assert third.plan.active == ["n2", "n3"] and third.plan.excluded == ["n1"]
 
 
 def test_status_says_why_a_node_was_excluded(tmp_path):
