@@ -339,3 +339,7 @@ def test_a_scripts_long_rank0_save_or_eval_behind_a_barrier_is_no_hang(tmp_path,
     asked = [e for e in RunLogs(log_dir).ranks[0].of_restart(0) if e.get("event") == "stack"]
     assert asked, "the hang limit never asked for the stacks: the test did not test the rule"
     assert all(e["work"]["over_s"] >= 1 for e in asked)
+    held = [r for r in alloc_restarts(None, str(log_dir), RunLogs(log_dir)) if r.get("held_run") == 0]
+    assert held and held[-1]["ranks"] == [0]
+    [line] = [x for x in restart_lines(held) if x.startswith("Hang limit stood back")]
+    assert "rank(s) 0 worked outside a collective" in line and line.endswith("no step stopped")

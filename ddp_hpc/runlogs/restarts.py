@@ -1,7 +1,8 @@
 """In-allocation restarts as the run logs keep them, written: the supervisor in the batch step
 (``ddp_hpc.supervise``) appends one JSON object per restart (`schema.ALLOC_RESTART_KEYS`), and one
 per step it stopped without restarting (`schema.ALLOC_STOP_KEYS`) and one per health check that
-excluded nodes (`schema.ALLOC_HEALTH_KEYS`), to ``restarts.jsonl`` in the
+excluded nodes (`schema.ALLOC_HEALTH_KEYS`) and one per hang limit that stood back
+(`schema.ALLOC_HOLD_KEYS`), to ``restarts.jsonl`` in the
 run's log directory; ``ddp_hpc.judge.restarts`` reads them back.
 """
 from __future__ import annotations
@@ -10,9 +11,15 @@ import json
 import os
 from pathlib import Path
 
-from ddp_hpc.runlogs.schema import ALLOC_HEALTH_KEYS, ALLOC_RESTART_KEYS, ALLOC_RESTARTS_FILE, ALLOC_STOP_KEYS
+from ddp_hpc.runlogs.schema import (
+    ALLOC_HEALTH_KEYS,
+    ALLOC_HOLD_KEYS,
+    ALLOC_RESTART_KEYS,
+    ALLOC_RESTARTS_FILE,
+    ALLOC_STOP_KEYS,
+)
 
-__all__ = ["append_restart", "append_stop", "append_health"]
+__all__ = ["append_restart", "append_stop", "append_health", "append_hold"]
 
 
 def append_restart(log_dir: str | Path, entry: dict) -> None:
@@ -29,6 +36,11 @@ def append_stop(log_dir: str | Path, entry: dict) -> None:
 def append_health(log_dir: str | Path, entry: dict) -> None:
     """Append a health check that excluded nodes before a start (`ALLOC_HEALTH_KEYS`)."""
     _append(log_dir, {k: entry.get(k) for k in ALLOC_HEALTH_KEYS})
+
+
+def append_hold(log_dir: str | Path, entry: dict) -> None:
+    """Append a hang limit that stood back: ranks worked outside a collective (`ALLOC_HOLD_KEYS`)."""
+    _append(log_dir, {k: entry.get(k) for k in ALLOC_HOLD_KEYS})
 
 
 def _append(log_dir: str | Path, rec: dict) -> None:

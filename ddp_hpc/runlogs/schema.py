@@ -18,8 +18,9 @@ Files in a run's log directory, per rank R:
 - ``restarts.jsonl``:       the in-allocation restarts (``ddp_hpc.supervise``): one JSON object per
                             restart (`ALLOC_RESTART_KEYS`), and one for a step the supervisor
                             stopped without restarting it (`ALLOC_STOP_KEYS`), and one for a
-                            health check that excluded nodes (`ALLOC_HEALTH_KEYS`), written by
-                            the batch step.
+                            health check that excluded nodes (`ALLOC_HEALTH_KEYS`), and one for a
+                            hang limit that stood back (`ALLOC_HOLD_KEYS`), written by the
+                            batch step.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ ALLOC_STOP_KEYS = ("stopped_run", "job_id", "fault_at", "detected_at", "trigger"
 #: the job, when, how long the check took, node -> why it was excluded, the nodes the run starts
 #: on, and why it did not start (too few healthy nodes; None: it started)
 ALLOC_HEALTH_KEYS = ("health_check", "job_id", "time", "seconds", "excluded", "nodes_after", "not_started")
+#: the keys of a hang limit that stood back (``ddp_hpc.supervise``: the stacks showed ranks working
+#: outside a collective, so no hang): the run, the job, when, the seconds without a step it had
+#: waited, the ranks that worked and their work in words, when it asks again (seconds)
+ALLOC_HOLD_KEYS = ("held_run", "job_id", "time", "after_s", "ranks", "work", "again_s")
 
 EVENTS_RE = re.compile(r"^rank(\d+)\.events\.jsonl$")
 OUT_RE = re.compile(r"^rank(\d+)\.out$")

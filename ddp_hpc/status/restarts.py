@@ -16,6 +16,7 @@ from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import (
     phases,
     read_health,
+    read_holds,
     read_restarts_and_stops,
     restored_event,
     restored_text,
@@ -25,13 +26,15 @@ from ddp_hpc.judge.restarts import (
 from ddp_hpc.parsing import to_float
 from ddp_hpc.records import JobRecord
 
-__all__ = ["alloc_restarts", "restart_lines", "health_lines", "supervisor_stop", "phase_line", "current_restore"]
+__all__ = ["alloc_restarts", "restart_lines", "health_lines", "hold_lines", "supervisor_stop", "phase_line",
+           "current_restore"]
 
 
 def alloc_restarts(rec: JobRecord | None, log_dir: str | None, logs: RunLogs) -> list[dict]:
     """Each restart's record with ``lost_s`` (None while no step followed it yet), then each step
     the supervisor stopped without restarting it (``stopped_run``: no ``restart`` key), then each
-    health check that excluded nodes (``health_check``)."""
+    health check that excluded nodes (``health_check``), then each time the hang limit stood back
+    (``held_run``)."""
     rows, stops = read_restarts_and_stops(log_dir)
     rows = rows or [dict(r) for r in ((rec.alloc_restarts if rec is not None else None) or [])]
     out = []
@@ -41,7 +44,7 @@ def alloc_restarts(rec: JobRecord | None, log_dir: str | None, logs: RunLogs) ->
         out.append({**row, "lost_s": lost, "phases": phases(row, logs) if logs.ranks else row.get("phases") or {},
                     **({"restored": restored_text(ev)} if ev and restored_text(ev) else {}),
                     **({"warm": True} if logs.ranks and warm_start(logs, row.get("restart")) else {})})
-    return out + stops + read_health(log_dir)
+    return out + stops + read_health(log_dir) + read_holds(log_dir)
 
 
 def current_restore(logs, cur) -> str | None:
@@ -107,7 +110,23 @@ def restart_lines(rows: list[dict]) -> list[str]:
         out.append(f"Supervisor: stopped the step of restart {r.get('stopped_run')} at {_when(r.get('detected_at'))} "
                    f"because {r.get('stop') or r.get('trigger')}; not restarted: {r.get('not_restarted') or '-'}")
         out.append(f"  what it found then: {who}{where}: {r.get('why') or '-'} ({r.get('basis') or '-'})")
-    return out + health_lines(rows)
+    return out + health_lines(rows) + hold_lines(rows)
+
+
+def hold_lines(rows: list[dict]) -> list[str]:
+    """One line per run in which the hang limit stood back (ranks worked outside a collective):
+    how often, the newest time, who worked and how."""
+    runs: dict[int, list[dict]] = {}
+    for r in (r for r in rows if r.get("held_run") is not None and r.get("restart") is None):
+        runs.setdefault(r["held_run"], []).append(r)
+    out = []
+    for run, held in sorted(runs.items()):
+        last = held[-1]
+        ranks = ", ".join(map(str, last.get("ranks") or [])) or "every rank"
+        out.append(f"Hang limit stood back {len(held)} time(s) in restart {run}, last at {_when(last.get('time'))}: "
+                   f"rank(s) {ranks} worked outside a collective after {to_float(last.get('after_s')) or 0:g} s "
+                   f"without a step ({last.get('work') or '-'}); no step stopped")
+    return out
 
 
 def health_lines(rows: list[dict]) -> list[str]:

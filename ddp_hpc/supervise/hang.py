@@ -36,8 +36,8 @@ from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.vitals import working
 from ddp_hpc.slurm.cli import SlurmError
 
-__all__ = ["StepClock", "Hang", "find_culprit", "all_busy", "busy_ranks", "work_text", "ask_stacks",
-           "HANG_FACTOR", "EVENT_GAPS", "DEFAULT_HANG_S"]
+__all__ = ["StepClock", "Hang", "find_culprit", "all_busy", "busy_ranks", "no_hang", "hold_row", "work_text",
+           "ask_stacks", "HANG_FACTOR", "EVENT_GAPS", "DEFAULT_HANG_S"]
 
 #: the floor of the hang limit by default (``--hang-timeout``), seconds
 DEFAULT_HANG_S = 30.0
@@ -170,3 +170,18 @@ def all_busy(answers: dict[int, dict], hosts: dict[int, str | None]) -> bool:
     """Every rank answered and none waits in a collective: they work, no rank waits for another."""
     return bool(hosts) and set(answers) >= set(hosts) and not any(
         collective(str(a.get("stack") or "")) for a in answers.values())
+
+
+def no_hang(answers: dict[int, dict], hosts: dict[int, str | None]) -> list[int] | None:
+    """The ranks that work outside a collective (`busy_ranks`; empty when every rank answered
+    outside one: `all_busy`), or None: the answers do not show the ranks at work."""
+    busy = busy_ranks(answers, hosts)
+    return busy if busy or all_busy(answers, hosts) else None
+
+
+def hold_row(run: int, job_id, end, busy: list[int], answers: dict[int, dict], again_s: float) -> dict:
+    """The line of restarts.jsonl for a hang limit that stood back (`schema.ALLOC_HOLD_KEYS`)
+    after the stalled `watch.StepEnd` ``end`` of run ``run``."""
+    return {"held_run": run, "job_id": job_id, "time": round(end.detected_at, 3), "after_s": end.stall_s,
+            "ranks": busy, "again_s": again_s,
+            "work": "; ".join(f"rank {r}: {work_text(answers[r])}" for r in busy) or "every rank outside a collective"}

@@ -29,11 +29,11 @@ from ddp_hpc.exits import EX_TEMPFAIL, exit_status_of_returncode
 from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import read_restarts
-from ddp_hpc.runlogs.restarts import append_health, append_restart, append_stop
+from ddp_hpc.runlogs.restarts import append_health, append_hold, append_restart, append_stop
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, RUN_MARK, rank_out
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.hostlist import compress, expand
-from ddp_hpc.supervise.hang import DEFAULT_HANG_S, Hang, StepClock, all_busy, ask_stacks, busy_ranks, find_culprit
+from ddp_hpc.supervise.hang import DEFAULT_HANG_S, Hang, StepClock, ask_stacks, find_culprit, hold_row, no_hang
 from ddp_hpc.supervise.health import check_nodes, health_row
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
 from ddp_hpc.supervise.warm import Warm
@@ -210,12 +210,13 @@ def _watch(s: Settings, proc, cli, plan: NodePlan, restart: int, job_id, stoppin
         if end.trigger != "stalled" or not job_id:
             return end, None
         answers, hosts = ask_stacks(cli, job_id, EventTail(s.log_dir, restart))
-        busy = busy_ranks(answers, hosts)
-        if (busy or all_busy(answers, hosts)) and end.stall_s != s.stall_timeout_s:   # the hang limit's call
+        busy = no_hang(answers, hosts)
+        if busy is not None and end.stall_s != s.stall_timeout_s:   # the hang limit's call
             who = f"rank(s) {', '.join(map(str, busy))} work" if busy else "every rank works"
             hold = 2 * (end.stall_s or s.hang_timeout_s)
             _say(f"no hang: after {end.stall_s:g} s without a step {who} outside a collective; "
                  f"asking again in {hold:g} s")
+            _keep(append_hold, s.log_dir, hold_row(restart, job_id, end, busy, answers, hold))
             w = dataclasses.replace(w, last_step_at=end.last_step_at, busy_at=end.detected_at, hold_s=hold)
             continue
         hang = find_culprit(answers, hosts)
