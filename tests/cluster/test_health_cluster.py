@@ -1,13 +1,14 @@
-"""The supervisor's health check on the real test cluster: a node whose node-local scratch has no
-room for a checkpoint is excluded before the first start, its spare takes its place, the job
-completes on the other nodes, and status says why (ddp_hpc.supervise.health; the checks
-themselves: tests/test_supervise_health.py).
+"""The supervisor's health check on the real test cluster leaves healthy nodes alone (issue 38,
+bug 5): nodes whose node-local scratch is a 1 MB tmpfs, where a plain script's job never writes a
+checkpoint, are not excluded; the job completes on the nodes it asked for and status says nothing
+of a health check (the exclusions themselves, a lost GPU or a growing ECC count:
+tests/test_supervise_health.py; which folders apply to which job: tests/test_do_no_harm_health.py).
 
 Each node of the test cluster has its own folder behind ``local_dir`` (the same path on every
-node, slurmd's own mount namespace); the job's TMPDIR points there, and on one node a 1 MB tmpfs
-is mounted at that path inside its slurmd's namespace: full for the check, which asks for 100 MB
-before a run wrote its first checkpoint. (A file in the folder's place is no test: the step then
-saw TMPDIR=/tmp, as slurmstepd does with a TMPDIR it cannot use.)"""
+node, slurmd's own mount namespace); the job's TMPDIR points there, and on every node of the
+partition a 1 MB tmpfs is mounted at that path inside its slurmd's namespace. (A file in the
+folder's place is no test: the step then saw TMPDIR=/tmp, as slurmstepd does with a TMPDIR it
+cannot use.)"""
 
 from __future__ import annotations
 
@@ -37,18 +38,20 @@ def _in_node(c, node: str, *argv: str) -> subprocess.CompletedProcess:
                           timeout=30)
 
 
-def test_a_node_whose_scratch_is_full_is_excluded_before_the_start(slurm_cluster):
+def test_nodes_whose_scratch_is_a_tiny_tmpfs_are_not_excluded(slurm_cluster):
     c = slurm_cluster
     name = f"health-scratch-{time.monotonic_ns()}"
     d = c.shared_dir / name
     d.mkdir()
-    good1, bad, good2 = c.spare_nodes[:3]   # the job takes the whole partition: 2 nodes and 1 spare
+    nodes = c.spare_nodes[:3]   # the job takes the whole partition: 2 nodes and 1 spare
     scratch = c.local_dir / name
-    for n in (good1, bad, good2):
-        (c.state_dir / "local" / n / name).mkdir()
-    mounted = _in_node(c, bad, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(scratch))
-    assert mounted.returncode == 0, mounted.stderr
+    mounted = []
     try:
+        for n in nodes:
+            (c.state_dir / "local" / n / name).mkdir()
+            m = _in_node(c, n, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(scratch))
+            assert m.returncode == 0, m.stderr
+            mounted.append(n)
         env = dict(c.env, DDP_HPC_HOME=str(d / "home"), PYTHONPATH=str(REPO), TMPDIR=str(scratch))
         p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-p", c.spare_partition, "-t", "10",
                    "-G", "1", "-N", "2", "--spare-nodes", "1", "-J", "health",
@@ -63,15 +66,13 @@ def test_a_node_whose_scratch_is_full_is_excluded_before_the_start(slurm_cluster
                 if "health check" in ln]
         print(status, *said, sep="\n")
     finally:
-        _in_node(c, bad, "umount", str(scratch))
-        for n in (good1, bad, good2):
+        for n in mounted:
+            _in_node(c, n, "umount", str(scratch))
+        for n in nodes:
             shutil.rmtree(c.state_dir / "local" / n / name, ignore_errors=True)
     assert state == "COMPLETED", status
-    why = f"{scratch} full (0.0 GB free, checkpoint needs 0.1 GB)"
-    [row] = read_health(log_dir)
-    assert row["health_check"] == 0 and row["excluded"] == {bad: why}, row
-    assert row["nodes_after"] == [good1, good2] and row["not_started"] is None, row
+    assert read_health(log_dir) == [], read_health(log_dir)       # nobody excluded
+    assert any("all passed" in ln for ln in said), said            # the check ran, and passed
     hosts = {e["host"] for r in (0, 1) for e in read_events(log_dir / f"rank{r}.events.jsonl").events}
-    assert hosts == {good1, good2}, hosts
-    assert f"{bad} excluded: {why}" in status, status
-    assert f"started on {good1}, {good2}" in status, status
+    assert hosts == set(nodes[:2]), hosts                          # the spare stayed a spare
+    assert "excluded" not in status and "Health check" not in status, status

@@ -1,0 +1,88 @@
+"""Do no harm, on the real test cluster (issue 38): ordinary workloads that every automatic action
+must leave alone complete untouched under the defaults: no restart, no exclusion, nothing deleted,
+and status says nothing alarming.
+
+- a plain script whose ranks work 12 s before their first step, whose rank 0 then saves for 15 s
+  and later evaluates for 15 s while the others wait in ``dist.barrier()``: both longer than the
+  hang limit (``--hang-timeout 5`` here, so the test is short: the rule does not depend on the
+  floor), so the supervisor asks the ranks' stacks, sees rank 0 working outside a collective and
+  stands back; status says so in one line;
+- 4 DataLoader workers per rank on 2 cores (saturated CPUs) and then a killed rank: healed, and
+  blamed on the killed rank.
+
+Elsewhere: nodes whose scratch is a 1 MB tmpfs (test_health_cluster.py), a frozen rank and a
+still one still caught (test_hang_cluster.py, test_restart_cluster.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.restarts import read_health, read_holds, read_restarts, read_stops
+
+from .script_helpers import wait_for
+from .test_restart_cluster import FAST, _stepping
+
+pytestmark = [pytest.mark.cluster]
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+#: words status must not say about a job that did nothing wrong
+ALARMS = ("First failure", "stalled", "Restarts inside the allocation", "excluded", "hung")
+
+
+def _submit(c, d: Path, *args: str, **more_env: str) -> tuple[str, dict]:
+    env = dict(c.env, DDP_HPC_HOME=str(d / "home"), PYTHONPATH=str(REPO), **more_env)
+    p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-t", "10", *args], cwd=str(d), env=env)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()[-1], env
+
+
+def test_a_scripts_slow_first_step_rank0_save_and_eval_behind_a_barrier_complete_untouched(slurm_cluster):
+    c = slurm_cluster
+    d = c.shared_dir / f"harmless-{time.monotonic_ns()}"
+    d.mkdir()
+    job, env = _submit(c, d, "-G", "2", "-N", "2", "--hang-timeout", "5", "-J", "harmless",
+                       str(REPO / "tests" / "cluster" / "ordinary_train.py"),
+                       FIRST_S="12", SAVE_AT="30", SAVE_S="15", EVAL_AT="45", EVAL_S="15", STEPS="60",
+                       CKPT_DIR=str(d))
+    log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("harmless-*"), None), 60)
+    state = c.wait(job, timeout=300)
+    status = c.run([PY, "-m", "ddp_hpc.status", job], cwd="/", env=env, timeout=120).stdout
+    holds = read_holds(log_dir)
+    print(f"{json.dumps(holds, indent=1)}\n{status}")
+    assert state == "COMPLETED", status
+    assert read_restarts(log_dir) == [] and read_stops(log_dir) == [] and read_health(log_dir) == []
+    asked = [e for e in read_events(log_dir / "rank0.events.jsonl").events
+             if e.get("event") == "stack" and e.get("reason") == "on request"]
+    assert asked, "the hang limit never asked the stacks: the test did not reach the rule"
+    assert holds and all(h["ranks"] == [0] for h in holds), holds
+    assert not [w for w in ALARMS if w in status], status
+    assert "Hang limit stood back" in status and "rank(s) 0 worked outside a collective" in status, status
+
+
+def test_saturated_cpus_then_a_killed_rank_is_healed_and_blamed_on_it(slurm_cluster):
+    c = slurm_cluster
+    d = c.shared_dir / f"saturated-{time.monotonic_ns()}"
+    d.mkdir()
+    job, env = _submit(c, d, "-G", "2", "-N", "2", "-J", "saturated", str(REPO / "jobs" / "demo.yaml"), "--",
+                       f"log.dir={d / 'runs'}", *FAST, "data.num_workers=4", "data.kwargs.size=4096")
+    log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("saturated-*"), None), 60)
+    starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 4), 240)
+    os.kill(int(starts0[3]["pid"]), signal.SIGKILL)
+    state = c.wait(job, timeout=400)
+    status = c.run([PY, "-m", "ddp_hpc.status", job], cwd="/", env=env, timeout=120).stdout
+    rows = read_restarts(log_dir)
+    print(f"{json.dumps(rows, indent=1)}\n{status}")
+    assert state == "COMPLETED", status
+    [row] = rows
+    assert (row["rank"], row["kind"], row["excluded"]) == (3, "killed", []), row
+    assert read_holds(log_dir) == [] and read_health(log_dir) == [], status
+    assert "Restarts inside the allocation: 1" in status, status
