@@ -51,6 +51,9 @@ class JobFacts:
     cpus_per_task: int | None = None
     #: SLURM_STEP_ID: this process's job step (None outside an srun step)
     step_id: str | None = None
+    #: SLURM_MEM_PER_NODE, else SLURM_MEM_PER_CPU x SLURM_CPUS_ON_NODE: the job's memory on this
+    #: node in MB (None when Slurm does not say; 0, the whole node, too)
+    memory_mb: int | None = None
 
     @property
     def requeues(self) -> int:
@@ -110,4 +113,11 @@ def job_facts(environ: Mapping[str, str] | None = None) -> JobFacts:
         restart_base=base, alloc_restarts=alloc,
         cpus_per_task=_digits(env.get("SLURM_CPUS_PER_TASK"), 0) or None,
         step_id=env.get("SLURM_STEP_ID") if (env.get("SLURM_STEP_ID") or "").isdigit() else None,
+        memory_mb=_memory_mb(env),
     )
+
+
+def _memory_mb(env: Mapping[str, str]) -> int | None:
+    per_node = _digits(env.get("SLURM_MEM_PER_NODE"), 0)
+    per_cpu = _digits(env.get("SLURM_MEM_PER_CPU"), 0) * _digits(env.get("SLURM_CPUS_ON_NODE"), 0)
+    return per_node or per_cpu or None

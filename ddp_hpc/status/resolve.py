@@ -60,6 +60,7 @@ from ddp_hpc.status import sources as src
 from ddp_hpc.status.diagnose import diagnose, run_causes
 from ddp_hpc.status.job import JobStatus
 from ddp_hpc.status.restarts import alloc_restarts, current_restore
+from ddp_hpc.status.snapshots import snapshot_notes
 from ddp_hpc.status.staging import stage_rows
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.text import plural
@@ -195,6 +196,7 @@ class Resolved:
         if not codes and sched.source == src.RECORD:
             codes = {int(r): c for r, c in (s.final or {}).get("rank_exit_codes", {}).items()}
         cur = logs.current_run()
+        notes += snapshot_notes(logs)      # memory snapshots that stepped back (status/snapshots.py)
         per_hosts = self._per_rank_hosts()
         flight = []
         if s.target.log_dir:  # NCCL's flight recorder dumps of the current run

@@ -48,6 +48,7 @@ from ddp_hpc.env import job_facts
 from ddp_hpc.fsutil import atomic_write_text, locked
 from ddp_hpc.train.asyncsave import Snapshot
 from ddp_hpc.train.checkpoint import FORMAT, checkpoint_path, list_checkpoints, rng_state
+from ddp_hpc.train.memroom import does_not_fit, state_bytes
 from ddp_hpc.train.memsweep import JOB_FILE, job_file_text, sweep_in_background
 
 __all__ = ["NodeStore", "MemSnapshots", "store_for", "node_label", "RETUNE_STEPS", "TARGET_FRACTION"]
@@ -101,6 +102,21 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _event_of(warn: Callable[[str], None]) -> Callable[..., Any]:
+    """Where the ``memsnap`` event goes: the run log whose ``warning`` ``warn`` is (the loop
+    passes its log's), else this process's run log (the script API's `_warn` writes there)."""
+    owner = getattr(warn, "__self__", None)
+    if callable(getattr(owner, "event", None)):
+        return owner.event
+
+    def to_rank_log(name: str, **fields: Any) -> None:
+        from ddp_hpc.progress import rank_log  # the script API's log; not imported by the loop
+        log = rank_log()
+        if log is not None:
+            log.event(name, **fields)
+    return to_rank_log
+
+
 def _atomic_save(obj: Any, final: Path, prefix: str) -> None:
     """Write under a temporary name, then rename; a killed writer's earlier temporary files with
     the same prefix (only one writer writes under it) go first."""
@@ -137,6 +153,10 @@ class NodeStore:
         if not (self.job and job_dir.name.startswith(prefix)):
             return None
         return sweep_in_background(job_dir.parent, prefix, job_dir, _user(), self.cluster, note)
+
+    def held_bytes(self) -> int:
+        """The bytes of the model snapshots here (a new one replaces them)."""
+        return sum(p.stat().st_size for _, p in list_checkpoints(self.folder) if p.exists())
 
     def newest(self) -> tuple[int, Path] | None:
         """(step, path) of the newest whole snapshot here, None when there is none."""
@@ -196,14 +216,17 @@ class MemSnapshots:
         self.nodes = list(nodes or [store.node])      # this run's nodes: a restore names the lost
         self.auto, self.every = every == 0, max(every, 1)
         self.device, self.distributed, self.warn = device, distributed, warn
+        self.event = _event_of(warn)          # the `memsnap` event of a step back: status shows it
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ddp_hpc-memsnap")
         self.pending: Future | None = None
+        self.pending_step: int | None = None  # the step of the snapshot in flight
         self.copies = Snapshot()              # buffers kept between snapshots (pinned on CUDA)
         self.cost_s = self.step_s = 0.0       # the newest snapshot's cost; the step time (EMA)
         self.start_step: int | None = None
         self.last_t: float | None = None
         self.taken = 0
-        self.failed = False
+        self.failed = False                   # stepped back for the run (`step_back`)
+        self.checked = not self.writes_model  # the room for the model's snapshots (memroom.py)
         store.make()
 
     # ------------------------------------------------------------------ when
@@ -242,14 +265,41 @@ class MemSnapshots:
 
     # ------------------------------------------------------------------ how
     def take(self, step: int, state: Callable[[], dict]) -> None:
-        """Copy the state on this thread (after the last write ended); the writer does the rest."""
+        """Copy the state on this thread (after the last write ended); the writer does the rest.
+        Nothing once the snapshots stepped back (a script calls this every step)."""
         self.wait()
+        if self.failed:
+            return
         part = {"rng": rng_state()}
         copy = None
         if self.writes_model:
-            copy = self.copies.take({**state(), "nodes": self.nodes})
+            live = {**state(), "nodes": self.nodes}
+            if not self.checked:          # before the first copy: does it fit at all?
+                self.checked = True
+                why = does_not_fit(state_bytes(live), self.store.folder, self.store.held_bytes())
+                if why is not None:
+                    self.step_back(why, step)
+                    return
+            copy = self.copies.take(live)
             self.copies.ready()
-        self.pending = self.pool.submit(self._write, step, copy, part)
+        self.pending, self.pending_step = self.pool.submit(self._write, step, copy, part), step
+
+    def step_back(self, why: str, step: int | None) -> None:
+        """Snapshots off for the rest of the run (file checkpoints go on): one warning, one
+        ``memsnap`` event for status, the copy's buffers freed."""
+        self.failed = True
+        self.warn(f"{why} (to turn them off: checkpoint.memory_every_steps=-1)")
+        try:
+            self.event("memsnap", status="off", why=why, step=step)
+        except Exception:  # noqa: BLE001 - the run log is a witness, never a reason to stop
+            pass
+        self._free()
+
+    def _free(self) -> None:
+        """The copy's buffers given back (pinned memory also from torch's cache of it)."""
+        self.copies = Snapshot()
+        if self.device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
 
     def _write(self, step: int, copy: dict | None, part: dict) -> None:
         if copy is not None:
@@ -257,21 +307,23 @@ class MemSnapshots:
         self.store.write_part(step, self.rank, part)
 
     def wait(self) -> None:
-        """The last snapshot written (a failure is warned about once; snapshots stop)."""
+        """The last snapshot written; a failure (a full /dev/shm: the writer left no partial
+        file) steps back for the run."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
         try:
             pending.result()
         except Exception as exc:  # noqa: BLE001 - the memory tier is a cache: training goes on
-            self.failed = True
-            self.warn(f"memory snapshots stopped: cannot write into {self.store.folder}: "
-                      f"{type(exc).__name__}: {exc} (file checkpoints go on; free /dev/shm or set "
-                      f"checkpoint.memory_every_steps=-1)")
+            first = (str(exc).strip().splitlines() or [""])[0]
+            self.step_back(f"memory snapshots off: cannot write into {self.store.folder}: "
+                           f"{type(exc).__name__}: {first}; file checkpoints go on", self.pending_step)
 
     def close(self) -> None:
+        """Writes done, the writer thread gone, the copy's buffers freed."""
         self.wait()
         self.pool.shutdown(wait=True)
+        self._free()
 
     def finish(self) -> None:
         """The run's clean end: every rank's writes done, then each node's folder removed (no
