@@ -87,6 +87,9 @@ def _held(store: NodeStore | None, files: str | Path | None, rank: int) -> dict:
             "any_file": bool(rank == 0 and files is not None and Path(files).is_file())}
 
 
+_STOPPED = "no bytes: the send stopped on another rank"
+
+
 def _from_memory(store: NodeStore, table: list[dict], step: int, rank: int, distributed: bool,
                  map_location: Any) -> tuple[dict | None, str, int, str | None]:
     """(state, source, the sending rank, None), or (None, ..., why) when any rank failed: this
@@ -107,7 +110,7 @@ def _from_memory(store: NodeStore, table: list[dict], step: int, rank: int, dist
                 except Exception as exc:  # noqa: BLE001 - said to every rank, then the files
                     error = words(exc)
             elif rank in lack and error is None:
-                error = "no bytes: the send stopped on another rank"
+                error = _STOPPED
             del data
         release(group, member)
     if mine and error is None:
@@ -117,7 +120,7 @@ def _from_memory(store: NodeStore, table: list[dict], step: int, rank: int, dist
             error = words(exc)
     failed = [(r, e) for r, e in enumerate(_gather(error, distributed)) if e]
     if failed:
-        r, e = failed[0]
+        r, e = min(failed, key=lambda f: (f[1] == _STOPPED, f[0]))     # a cause before its echoes
         return None, source, src, f"restore of step {step} from {table[src]['node']}'s memory failed (rank {r}: {e})"
     first_here = min(r for r, held in enumerate(table) if held["node"] == table[rank]["node"])
     parts: dict[int, dict] = {}
