@@ -522,3 +522,26 @@ def test_a_lost_peer_is_a_victim_whatever_its_exit_code_and_report_order(tmp_pat
     f = RunLogs(tmp_path).first_failure(assume_failed=True)
     assert (f.rank, f.kind, f.signal) == (3, "killed", 9)
     assert f.consequences[0]["ranks"] == [0, 1, 2]
+
+
+def test_an_earlier_run_the_supervisor_restarted_is_blamed_as_the_supervisor_found(tmp_path):
+    """Seen on the test cluster (4 DataLoader workers per rank, rank 3 SIGKILLed): srun's stop
+    ended rank 0's workers ("DataLoader worker ... is killed by signal: Terminated"), an error event
+    of rank 0's own; the run history took it for the cause of run 0. The supervisor's finding for
+    that run (restarts.jsonl, which read srun's report) is the cause status shows."""
+    for r in range(3):
+        write(tmp_path, r, run_until(r, 8) + (peer_error(r, 8.5, "DataLoader worker (pid 13903) is killed by "
+                                                                  "signal: Terminated. ") if r == 0 else []))
+    write(tmp_path, 3, run_until(3, 8))
+    for r in range(4):
+        write(tmp_path, r, run_until(r, 16, restart=1)[:1] + run_until(r, 16, restart=1)[9:] + [
+            ev(r, 30, "end", restart=1, status="completed", step=16)])
+    row = {"restart": 1, "job_id": "77", "fault_at": T0 + 8.2, "detected_at": T0 + 9, "trigger": "exited",
+           "stop": None, "why": "rank 3 on n2 killed by signal 9 (SIGKILL)", "kind": "killed", "rank": 3,
+           "node": "n2", "basis": "srun exit report", "excluded": [], "nodes_before": ["n1", "n2"],
+           "nodes_after": ["n1", "n2"], "world_before": 4, "world_after": 4}
+    (tmp_path / "restarts.jsonl").write_text(json.dumps(row) + "\n")
+    lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row(state="COMPLETED", exit_code="0:0")]))[1]
+    [run0] = [ln for ln in lines if ln.strip().startswith("restart 0: ranks")]
+    assert run0.endswith("first failure: rank 3 on n2 killed by signal 9 (SIGKILL) (the supervisor's "
+                         "finding: srun exit report)"), run0

@@ -11,6 +11,7 @@ import dataclasses
 from ddp_hpc.judge.attribution import SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import sched_index
+from ddp_hpc.parsing import to_int
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import JobState, parse_state
 from ddp_hpc.status.restarts import supervisor_stop
@@ -58,15 +59,31 @@ def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0,
 
 
 def run_causes(logs: RunLogs, runs, sched: SourceState, base: int = 0, inside=()) -> list[dict]:
-    """The runs of the event logs; an earlier run that failed says who broke it."""
+    """The runs of the event logs; an earlier run that failed says who broke it: the supervisor's
+    finding when it restarted that run inside the allocation (its row in ``inside`` read srun's
+    reports and the ranks' output while they were the newest; the events alone may name a rank
+    that srun's stop hurt), else the attribution from the run's events."""
     hist = [h.get("state") for h in sched.history]
+    found = {to_int(x.get("restart"), -1) - 1: x for x in inside if x.get("why")}
     out = []
     for r in runs:
         d = dataclasses.asdict(r)
-        if r.restart < logs.current_restart() and r.end_status not in ("completed", "preempted"):
+        if r.restart in found and r.restart < logs.current_restart():
+            d["cause"] = _finding(found[r.restart])
+        elif r.restart < logs.current_restart() and r.end_status not in ("completed", "preempted"):
             name = sched_state_at(hist, r.restart, base, inside)
             f, _ = attribute(logs, restart=r.restart, sched=SchedulerFacts(name), files=False,
                              assume_failed=name is not None and JobState[name] in CRASHED)
             d["cause"] = f.summary if f else None
         out.append(d)
     return out
+
+
+def _finding(row: dict) -> str:
+    """A restart row's finding in the words of a run's cause: ``rank 3 on n2 killed by signal 9
+    (SIGKILL) (the supervisor's finding: srun exit report)``."""
+    who = f"rank {row['rank']}" if row.get("rank") is not None else "no rank named"
+    where = f" on {row['node']}" if row.get("node") else ""
+    why = str(row.get("why"))
+    said = why if why.startswith(f"{who}{where}") else f"{who}{where}: {why}"
+    return f"{said} (the supervisor's finding: {row.get('basis') or row.get('trigger') or '-'})"

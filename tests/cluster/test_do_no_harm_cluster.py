@@ -72,7 +72,7 @@ def test_saturated_cpus_then_a_killed_rank_is_healed_and_blamed_on_it(slurm_clus
     c = slurm_cluster
     d = c.shared_dir / f"saturated-{time.monotonic_ns()}"
     d.mkdir()
-    job, env = _submit(c, d, "-G", "2", "-N", "2", "-J", "saturated", str(REPO / "jobs" / "demo.yaml"), "--",
+    job, env = _submit(c, d, "-G", "2", "-N", "2", "-c", "1", "-J", "saturated", str(REPO / "jobs" / "demo.yaml"), "--",
                        f"log.dir={d / 'runs'}", *FAST, "data.num_workers=4", "data.kwargs.size=4096")
     log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("saturated-*"), None), 60)
     starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 4), 240)
@@ -86,3 +86,6 @@ def test_saturated_cpus_then_a_killed_rank_is_healed_and_blamed_on_it(slurm_clus
     assert (row["rank"], row["kind"], row["excluded"]) == (3, "killed", []), row
     assert read_holds(log_dir) == [] and read_health(log_dir) == [], status
     assert "Restarts inside the allocation: 1" in status, status
+    # the run history names rank 3 too, not a rank whose DataLoader workers srun's stop ended
+    [run0] = [ln for ln in status.splitlines() if ln.strip().startswith("restart 0: ranks")]
+    assert "first failure: rank 3 on " in run0 and "killed by signal 9" in run0, run0
