@@ -343,3 +343,47 @@ def test_a_scripts_long_rank0_save_or_eval_behind_a_barrier_is_no_hang(tmp_path,
     assert held and held[-1]["ranks"] == [0]
     [line] = [x for x in restart_lines(held) if x.startswith("Hang limit stood back")]
     assert "rank(s) 0 worked outside a collective" in line and line.endswith("no step stopped")
+
+
+SPIN = textwrap.dedent("""
+    import datetime, os, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ["SPIN_TIMEOUT"])))
+    rank = dist.get_rank()
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    restart = int(os.environ.get("DDP_HPC_ALLOC_RESTARTS", "0"))
+    for step in range(1, 31):
+        if restart == 0 and rank == 1 and step == 20:
+            while True:                  # an endless loop outside any collective: busy, not frozen
+                pass
+        loss = ddp(torch.randn(8, 4)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.1)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_a_rank_spinning_outside_a_collective_is_left_to_the_collective_timeout_and_then_blamed(tmp_path, signals):
+    """The busy rule's other side: a rank in an endless loop outside a collective works, so the
+    hang limit stands back; the others' collective timeout (15 s here) ends the step, and the
+    restart blames the spinning rank."""
+    bindir, log_dir = tmp_path / "bin", tmp_path / "run"
+    bindir.mkdir()
+    log_dir.mkdir()
+    (bindir / "srun").write_text(f"#!{sys.executable}\n{SRUN}")
+    (bindir / "srun").chmod(0o755)
+    (tmp_path / "train.py").write_text(SPIN)
+    env = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "43", "SLURM_JOB_NODELIST": "n1",
+           "DDP_HPC_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO), "DDP_HPC_LOG_DIR": str(log_dir),
+           "SPIN_TIMEOUT": "15"}
+    s = Settings(policy=Policy(nodes=1, tasks_per_node=2, max_restarts=1), log_dir=str(log_dir),
+                 command=(sys.executable, "-m", "ddp_hpc.exec", "--", sys.executable, str(tmp_path / "train.py")),
+                 stall_timeout_s=600.0, hang_timeout_s=3.0)
+    assert supervise(s, _cli(log_dir), env) == 0
+    [row] = read_restarts(log_dir)
+    print(json.dumps(row, indent=1))
+    assert row["rank"] == 1, row
