@@ -46,8 +46,12 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "checkpoint": ("step", "path", "blocking_s", "write_s"),
     # every rank, once it loaded its state at a (re)start (train/restore.py): the step, where it
     # came from (source "memory" | "peer" | "file" | "none"), the node that held it, seconds, file,
-    # and the nodes of the snapshot's run that no longer held it (lost)
-    "restored": ("step", "source", "node", "seconds", "path", "lost"),
+    # and the nodes of the snapshot's run that no longer held it (lost); fallback: why a restore
+    # from memory failed and the files were taken instead (only then)
+    "restored": ("step", "source", "node", "seconds", "path", "lost", "fallback"),
+    # a node's memory snapshots stepped back (train/memsnap.py, train/memroom.py): status "off",
+    # why (the state does not fit /dev/shm or the job's memory, a write failed), the step
+    "memsnap": ("status", "why", "step"),
     "preempt": ("signal", "reason", "step"),
     "requeue": ("job_id",),
     "error": ("exc_type", "message", "traceback", "exit_code", "signal"),
