@@ -11,8 +11,9 @@ copy of the state between snapshots (pinned on CUDA). A state that does not fit 
   node's older snapshot already takes, and a margin;
 - the job's memory must have room for the two and the copy: the tightest ``memory.max`` (cgroup
   v2) or ``memory.limit_in_bytes`` (v1) from this process's cgroup (``/proc/self/cgroup``) up to
-  the root, less what the cgroup holds that the kernel cannot free (its page cache can go);
-  without a cgroup limit, ``SLURM_MEM_PER_NODE`` / ``SLURM_MEM_PER_CPU`` stand in for it.
+  the root, less what the cgroup holds that the kernel cannot free (its page cache can go), or
+  what the job asked Slurm for (``SLURM_MEM_PER_NODE`` / ``SLURM_MEM_PER_CPU``) when that is less:
+  the job's budget, whether a cgroup enforces it or not.
 
 The margin (`MARGIN_BYTES`, or a tenth of what the snapshots need when that is more) keeps room
 for everything else on the node. The answer is the reason they do not fit, in words, or None.
@@ -133,8 +134,9 @@ def does_not_fit(size: int, folder: Path, held: int, environ: Mapping[str, str] 
         return (f"memory snapshots off: the state ({size_text(size)} x 2) does not fit {fs} "
                 f"({size_text(room)} free); file checkpoints go on")
     limit, used, where = cgroup_memory()
-    if limit is None:
-        limit, used, where = slurm_memory(environ), 0, "Slurm's --mem"
+    asked = slurm_memory(environ)     # what the job asked for: the budget, enforced by a cgroup or not
+    if asked is not None and (limit is None or asked < limit):
+        limit, used, where = asked, 0, "Slurm's --mem"
     if limit is None:
         return None
     free = max(0, limit - (used or 0) + held)    # the older snapshot goes when the new one is whole
