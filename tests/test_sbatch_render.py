@@ -246,6 +246,21 @@ def test_warm_standby_reaches_the_supervisor_and_needs_restarts():
         SlurmOptions(nodes=2, max_restarts=0, warm_standby=True)
 
 
+def test_no_health_check_reaches_the_supervisor():
+    """--no-health-check (slurm.health_check: false; HEALTH_CHECK=0 for slurm/train.sbatch): the
+    supervisor starts the ranks without checking their nodes; by default it checks them."""
+    import argparse
+
+    from ddp_hpc.config.slurm_options import add_arguments, given
+    assert "--no-health-check" not in render(_spec(max_restarts=2))
+    assert " --no-health-check " in render(_spec(max_restarts=2, health_check=False))
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert given(ap.parse_args(["--no-health-check"])) == {"health_check": False}
+    assert given(ap.parse_args([])) == {}
+    assert "SUPERVISE+=(--no-health-check)" in (GOLDEN.parents[1] / "slurm" / "train.sbatch").read_text()
+
+
 def test_spare_nodes_with_a_node_range_are_refused():
     with pytest.raises(Exception, match=r"--spare-nodes 1 \(slurm.spare_nodes\) with the node range --nodes 1-2"):
         SlurmOptions(nodes="1-2", max_restarts=1, spare_nodes=1)

@@ -224,6 +224,11 @@ class SlurmOptions:
         "so a restart skips Python's and torch's start-up (each standby rank holds an imported torch "
         "in host memory, about 0.3-0.4 GB, and imports it beside the training)",
         flags=("--warm-standby",), group=RESTARTS, action="store_true")
+    health_check: bool = _opt(
+        True, check_flag, "before each start and restart, check the next step's nodes (GPUs answer "
+        "NVML, staged data fits, the rendezvous address routes) and exclude a node that fails; "
+        "--no-health-check starts the ranks unchecked", flags=("--no-health-check",), group=RESTARTS,
+        action="store_false")
     stage: tuple = _opt((), check_stage, "before the job starts, copy SRC (a file, an LMDB or a folder) "
                         "once per node to node-local storage and give every rank the path in "
                         "$DDP_HPC_STAGE_<NAME> (NAME: SRC's base name, upper-cased); removed when the job "

@@ -150,6 +150,7 @@ def _step_line(spec: JobSpec) -> str:
     words += ["--stall-timeout", f"{spec.stall_timeout_s:g}"] if spec.stall_timeout_s else []
     words += ["--hang-timeout", f"{o.hang_timeout:g}"] if o.hang_timeout != DEFAULT_HANG_TIMEOUT else []
     words += ["--warm-standby"] if o.warm_standby else []
+    words += ["--no-health-check"] if not o.health_check else []
     words += [f"--srun-arg={a}" for a in srun_args(spec)]
     return ("# the supervisor starts the ranks with srun and again after a fault (docs/restarts.md)\n"
             f'exec {_q(words)} --log-dir "$LOG_DIR" -- "${{ARGS[@]}}"')

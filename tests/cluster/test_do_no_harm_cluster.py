@@ -8,7 +8,9 @@ and status says nothing alarming.
   floor), so the supervisor asks the ranks' stacks, sees rank 0 working outside a collective and
   stands back; status says so in one line;
 - 4 DataLoader workers per rank on 2 cores (saturated CPUs) and then a killed rank: healed, and
-  blamed on the killed rank.
+  blamed on the killed rank;
+- a state whose memory snapshots do not fit the job's memory (``--mem``): the snapshots step back
+  with one status line, the file checkpoints go on, the job completes.
 
 Elsewhere: nodes whose scratch is a 1 MB tmpfs (test_health_cluster.py), a frozen rank and a
 still one still caught (test_hang_cluster.py, test_restart_cluster.py)."""
@@ -89,3 +91,30 @@ def test_saturated_cpus_then_a_killed_rank_is_healed_and_blamed_on_it(slurm_clus
     # the run history names rank 3 too, not a rank whose DataLoader workers srun's stop ended
     [run0] = [ln for ln in status.splitlines() if ln.strip().startswith("restart 0: ranks")]
     assert "first failure: rank 3 on " in run0 and "killed by signal 9" in run0, run0
+
+
+def test_memory_snapshots_that_do_not_fit_the_jobs_memory_step_back_with_one_line(slurm_cluster):
+    sys.path.insert(0, str(REPO / "bench"))
+    from bigstate import overrides
+
+    c = slurm_cluster
+    d = c.shared_dir / f"bigstate-{time.monotonic_ns()}"
+    d.mkdir()
+    # about 60 MB of state: 3 x 60 MB and the margin do not fit 400 MB
+    job, env = _submit(c, d, "-G", "2", "-N", "2", "--mem", "400M", "-J", "bigstate",
+                       str(REPO / "jobs" / "demo.yaml"), "--", f"log.dir={d / 'runs'}", *overrides(60),
+                       "train.max_steps=6", "log.every_n_steps=1", "checkpoint.memory_every_steps=1",
+                       "data.kwargs.size=2048")
+    log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("bigstate-*"), None), 60)
+    state = c.wait(job, timeout=300)
+    status = c.run([PY, "-m", "ddp_hpc.status", job], cwd="/", env=env, timeout=120).stdout
+    print(status)
+    assert state == "COMPLETED", status
+    assert read_restarts(log_dir) == [], status
+    off = [e for r in range(4) for e in read_events(log_dir / f"rank{r}.events.jsonl").events
+           if e.get("event") == "memsnap"]
+    assert off and all(e["status"] == "off" for e in off), off
+    notes = [ln for ln in status.splitlines() if "memory snapshots off" in ln]
+    assert len(notes) == 1 and "does not fit the job's memory" in notes[0] and "--mem" in notes[0], status
+    assert list((log_dir.parent.parent / "runs").glob("*/checkpoints/ckpt-*.pt")) or list(
+        log_dir.glob("checkpoints/ckpt-*.pt")), "no file checkpoint: the files must go on"
