@@ -10,7 +10,10 @@ and status says nothing alarming.
 - 4 DataLoader workers per rank on 2 cores (saturated CPUs) and then a killed rank: healed, and
   blamed on the killed rank;
 - a state whose memory snapshots do not fit the job's memory (``--mem``): the snapshots step back
-  with one status line, the file checkpoints go on, the job completes.
+  with one status line, the file checkpoints go on, the job completes;
+- a job requeued by ``scontrol requeue`` (and held, so it stays requeued while the test looks):
+  its memory snapshots survive the sweep that another job's snapshots start on the same nodes,
+  while an ended job's are freed.
 
 Elsewhere: nodes whose scratch is a 1 MB tmpfs (test_health_cluster.py), a frozen rank and a
 still one still caught (test_hang_cluster.py, test_restart_cluster.py)."""
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -26,8 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc.data.stagedir import private_root
 from ddp_hpc.judge.reader import read_events
 from ddp_hpc.judge.restarts import read_health, read_holds, read_restarts, read_stops
+from ddp_hpc.train.memsnap import user_prefix
+from ddp_hpc.train.memsweep import JOB_FILE, job_file_text
 
 from .script_helpers import wait_for
 from .test_restart_cluster import FAST, _stepping
@@ -118,3 +125,38 @@ def test_memory_snapshots_that_do_not_fit_the_jobs_memory_step_back_with_one_lin
     assert len(notes) == 1 and "does not fit the job's memory" in notes[0] and "--mem" in notes[0], status
     assert list((log_dir.parent.parent / "runs").glob("*/checkpoints/ckpt-*.pt")) or list(
         log_dir.glob("checkpoints/ckpt-*.pt")), "no file checkpoint: the files must go on"
+
+
+def test_a_requeued_jobs_snapshots_survive_another_jobs_sweep(slurm_cluster):
+    c = slurm_cluster
+    d = c.shared_dir / f"requeued-{time.monotonic_ns()}"
+    d.mkdir()
+    held = c.sbatch("#!/bin/bash\nsleep 600\n", "-N1", "-J", "requeued")
+    wait_for("the job to run", lambda: c.run(["squeue", "-h", "-j", held, "-o", "%T"]).stdout.strip() == "RUNNING",
+             60)
+    p = c.run(["scontrol", "requeuehold", held])
+    assert p.returncode == 0, p.stderr
+    kept, ended = _snapshots_of(held, "rq", c.cluster_name), _snapshots_of("1", "ended", c.cluster_name)
+    try:
+        job, env = _submit(c, d, "-G", "2", "-N", "2", "-J", "sweeper", str(REPO / "jobs" / "demo.yaml"), "--",
+                           f"log.dir={d / 'runs'}", "train.max_steps=6", "checkpoint.memory_every_steps=1",
+                           "data.kwargs.size=2048")
+        state = c.wait(job, timeout=300)
+        shown = c.run(["squeue", "-h", "-j", held, "-o", "%T %r"]).stdout.strip()
+        print(f"requeued job {held}: {shown}")
+        assert state == "COMPLETED"
+        assert not ended.exists(), "the sweep did not run: the test did not reach the rule"
+        assert kept.exists(), f"the requeued job's snapshots were freed ({shown})"
+    finally:
+        c.run(["scancel", held])
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.rmtree(ended, ignore_errors=True)
+
+
+def _snapshots_of(job: str, tag: str, cluster: str) -> Path:
+    """A job folder of memory snapshots in /dev/shm as job ``job`` of ``cluster`` leaves it."""
+    folder = Path(private_root("/dev/shm")) / f"{user_prefix()}{job}-{tag}"
+    (folder / "n1").mkdir(parents=True)
+    (folder / "n1" / "ckpt-000000001.pt").write_bytes(b"0" * 1024)
+    (folder / JOB_FILE).write_text(job_file_text(job, cluster))
+    return folder
