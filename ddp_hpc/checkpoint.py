@@ -23,22 +23,36 @@ that one, so the directory must be one every node sees.
 
 ``blocking=False`` (``ddp_hpc.train.asyncsave``): rank 0 only copies the state to CPU buffers kept
 between saves and a background thread writes the file; ``save`` returns a `Saving` handle.  One
-save is in flight at a time (the next ``save`` waits for it); a failed write raises on the next
-``save``, on ``wait()`` or the handle's ``wait()``, and is printed at exit otherwise; ``load``,
-`ddp_hpc.preemption.requeue` and the interpreter's exit wait for the write.
+save is in flight at a time (the next ``save`` waits for it); a failed write is told in the run
+log at once and raises on the next ``save``, on ``wait()`` or the handle's ``wait()``; ``load``,
+`ddp_hpc.preemption.requeue` and the interpreter's exit wait for the write.  A failure nobody
+waited for is printed at exit with its traceback (``ddp_hpc.exec`` makes its ``error`` event of
+it) and the script exits with status 1, not 0 (`_ExitStatus`).
+
+Signs of life (with a run log, ``$DDP_HPC_LOG_DIR``): rank 0's ``save`` writes a ``progress`` event
+of phase ``checkpoint`` as it starts and, like the training core, again at most every 5 s while
+it waits for the previous write (``wait()`` too), then the ``checkpoint`` event once the file is
+complete: the supervisor calls no hang in between, however long a big save takes.
 
 ``snapshot`` keeps the same state in node-local shared memory (``ddp_hpc.train.memsnap``: the
 node's local rank 0 writes it in a background thread, no file, no barrier); ``load`` takes the
 newest of the memory snapshots of every node and the files (``ddp_hpc.train.restore``: a node that
 holds it sends it to the ranks whose node does not), so a restart inside the allocation goes on
-from the last snapshot. ``discard_snapshots`` at the clean end removes them.
+from the last snapshot. ``discard_snapshots`` at the clean end removes them.  The snapshots belong
+to a checkpoint directory, as the training core's do (``memsnap.job_folder``'s key): the one this
+process gave ``load`` (what a restart loads again), else ``save``, as known at the first
+``snapshot``; ``load`` reads only its directory's, so two runs in one job (a sweep's tasks) never
+take or remove each other's.  Before ``load`` or ``save`` named a directory, ``snapshot`` takes
+none (warned once).
 """
 from __future__ import annotations
 
 import atexit
+import os
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -46,7 +60,7 @@ from torch import nn
 
 from ddp_hpc.dist import group_initialized
 from ddp_hpc.env import detect
-from ddp_hpc.progress import rank_log
+from ddp_hpc.progress import hang_watch, rank_log
 from ddp_hpc.train.asyncsave import AsyncSaver, PendingSave
 from ddp_hpc.train.checkpoint import CheckpointError
 from ddp_hpc.train.memsnap import MemSnapshots
@@ -58,6 +72,10 @@ __all__ = ["save", "load", "wait", "snapshot", "discard_snapshots", "last_saved_
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
 _last_saved: list[int] = []
 _snaps: list[MemSnapshots] = []       # this process's snapshot writer, made by the first snapshot
+_dirs: dict[str, str] = {}            # "load" / "save": the directory (absolute) each was last given
+_told: set[str] = set()               # the one-time warnings given
+_exit_status: list = []               # an `_ExitStatus` once the last write failed at exit
+_PID = os.getpid()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -97,7 +115,29 @@ def _written(saved: PendingSave) -> None:
                   blocking_s=round(saved.blocking_s, 6), write_s=round(saved.write_s, 6))
 
 
-_saver = AsyncSaver(on_written=_written)
+def _write_failed(msg: str) -> None:
+    """A background write failed (the writer's thread): the run log (else stderr) says so at once."""
+    log = rank_log()
+    if log is not None:
+        log.warning(msg)
+    else:
+        print(f"ddp_hpc.checkpoint: {msg}", file=sys.stderr, flush=True)
+
+
+_saver = AsyncSaver(on_written=_written, on_failed=_write_failed)
+
+
+def _tick(step: int | None, now: bool = False) -> Callable[[], None] | None:
+    """With a run log: what tells, at most every 5 s while a save is waited for, that this rank
+    is saving (``HangWatch.alive``: a ``progress`` event of phase ``checkpoint``, as the training
+    core's); ``now``: a save starts, its event goes at once (the supervisor then calls no hang
+    until this rank's ``checkpoint`` event). None without a run log: nothing to tell."""
+    watch = hang_watch()
+    if watch is None:
+        return None
+    if now:
+        watch.alive("checkpoint", step, every_s=0.0)
+    return lambda: watch.alive("checkpoint", step)
 
 
 class Saving:
@@ -118,7 +158,7 @@ class Saving:
     def wait(self) -> Path | None:
         """The path once the file is complete (None on other ranks); a failed write raises a
         `CheckpointError` naming the file and the error."""
-        return self._pending.wait() if self._pending is not None else None
+        return self._pending.wait(_tick(self._pending.step)) if self._pending is not None else None
 
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -129,15 +169,16 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     (a barrier when distributed).  A failed earlier background write raises here.  Extras come
     back from `load`."""
     _check_plain(extra, "extras")
+    _dirs["save"] = os.path.abspath(directory)
     pending, failed = None, None
     if _rank() == 0:
         state = {"model": unwrap(model).state_dict(),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "epoch": extra.get("epoch"), "batch_in_epoch": extra.get("batch_in_epoch"),
                  "extra": extra}
-        rank_log()         # opened here, on the caller's thread: the writer's thread only writes
+        tick = _tick(int(step), now=True)   # opens the run log here: the writer's thread only writes
         try:
-            pending = _saver.save(directory, int(step), state, keep_last, blocking=blocking)
+            pending = _saver.save(directory, int(step), state, keep_last, blocking=blocking, tick=tick)
         except CheckpointError as e:
             failed = e
     if group_initialized():
@@ -153,19 +194,47 @@ def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
 def wait() -> Path | None:
     """Wait for this process's background save (``blocking=False``); its path, None when there
     is none, or its failure raised as a `CheckpointError`."""
-    return _saver.wait()
+    pending = _saver.pending
+    return _saver.wait(_tick(pending.step) if pending is not None else None)
+
+
+class _ExitStatus:
+    """A script whose last checkpoint was not written must not end with status 0, and Python
+    lets no exit handler change the status: this object, kept in a module global, ends the
+    process with ``code`` when the interpreter's teardown frees it, after every ``atexit``
+    handler ran and stdout/stderr were flushed (like `ddp_hpc.preemption`'s exit, without the
+    rest of the native teardown)."""
+
+    def __init__(self, code: int) -> None:
+        self.code, self.pid, self._getpid, self._exit = code, os.getpid(), os.getpid, os._exit
+
+    def __del__(self) -> None:
+        if self._getpid() == self.pid:
+            self._exit(self.code)
 
 
 @atexit.register
 def _wait_at_exit() -> None:
-    """A script that ends without waiting: its last write ends first, a failure is printed."""
+    """A script that ends without waiting: its last write ends first (Python joined the writer
+    thread already). A failure is told on stderr and in the run log; unless the script already
+    fails with an exception of its own (whose traceback must stay the last one: ``ddp_hpc.exec``
+    makes the ``error`` event of it), the failure's traceback follows and the exit status becomes
+    1 (also after ``sys.exit(n)``: Python does not tell n to an exit handler)."""
+    if os.getpid() != _PID:      # a forked child: the write in flight is its parent's
+        return
     try:
         _saver.wait()
     except CheckpointError as e:
-        print(f"ddp_hpc.checkpoint: {e}", file=sys.stderr, flush=True)
+        own = getattr(sys, "last_value", None) is not None     # the script failed by itself
+        then = "" if own else "; the script exits with status 1"
+        print(f"ddp_hpc.checkpoint: {e.problem}{then}", file=sys.stderr, flush=True)
         log = rank_log()
         if log is not None:
-            log.warning(str(e))
+            log.warning(f"{e.problem}: the script's last checkpoint is missing{then}")
+        if not own:
+            traceback.print_exception(e)
+            sys.stderr.flush()
+            _exit_status.append(_ExitStatus(1))
 
 
 def last_saved_step() -> int | None:
@@ -178,12 +247,16 @@ def load(directory_or_file: str | Path, model: nn.Module, optimizer: torch.optim
     """Load the newest valid checkpoint in a directory (or the given file) into ``model`` (plain
     or DDP; saved with or without ``module.``) and ``optimizer``; returns the extras saved with it
     plus ``step``, or None when there is no checkpoint yet; a node's memory snapshot (`snapshot`)
-    newer than the newest file is taken instead of it.  Call it on every rank."""
+    newer than the newest file is taken instead of it (only this directory's snapshots: two
+    runs of one job keep theirs apart).  Call it on every rank."""
     _saver.join()                     # this process's background save first
     if _snaps:
         _snaps[0].wait()                # this process's last snapshot whole before the ranks compare
     env = detect()
-    store = None if Path(directory_or_file).is_file() else node_store(env, 0, _warn, make=False)
+    store = None
+    if not Path(directory_or_file).is_file():
+        _dirs["load"] = os.path.abspath(directory_or_file)
+        store = node_store(env, 0, _warn, make=False, key=_dirs["load"])
     got = restore_run(directory_or_file, store, _rank(), group_initialized(), rank_log(), map_location)
     if got.state is None:
         return None
@@ -203,20 +276,51 @@ def _warn(msg: str) -> None:
         log.warning(msg)
 
 
+def _snapshot_dir() -> str | None:
+    """The checkpoint directory this process's snapshots belong to: `load`'s (what a restart
+    loads again), else `save`'s; None before either."""
+    return _dirs.get("load") or _dirs.get("save")
+
+
+def _once(key: str, msg: str) -> None:
+    if key not in _told:
+        _told.add(key)
+        log = rank_log()
+        if log is not None:
+            log.warning(msg)
+        elif _rank() == 0:
+            print(f"ddp_hpc.checkpoint: {msg}", file=sys.stderr, flush=True)
+
+
+def _writer(model: nn.Module) -> MemSnapshots | None:
+    """This process's snapshot writer for its checkpoint directory (None: none yet, or off)."""
+    key = _snapshot_dir()
+    if key is None:
+        _once("no-dir", "no memory snapshot yet: snapshots belong to the checkpoint directory that "
+                        "load() (else save()) was given, so that two runs of one job never take each "
+                        "other's; call checkpoint.load(ckpt_dir, ...) before the first snapshot")
+        return None
+    env = detect()
+    store = node_store(env, 0, _warn, key=key)
+    if store is None:
+        return None
+    device = next(iter(unwrap(model).parameters()), torch.empty(0)).device
+    return MemSnapshots(store, rank=_rank(), local_rank=env.local_rank, every=1, device=device,
+                        distributed=group_initialized(), warn=_warn)
+
+
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
              **extra: Any) -> None:
     """Every rank: keep the state `save` would write in node-local shared memory (the node's
     local rank 0 copies the model and optimizer, each rank its RNG states; written in the
-    background, at most one snapshot in flight). No file, no barrier: call it every step or so."""
+    background, at most one snapshot in flight). No file, no barrier: call it every step or so.
+    The snapshots belong to the directory this process gave `load` (else `save`): none before."""
     _check_plain(extra, "extras")
     if not _snaps:
-        env = detect()
-        store = node_store(env, 0, _warn)
-        if store is None:
+        writer = _writer(model)
+        if writer is None:
             return
-        device = next(iter(unwrap(model).parameters()), torch.empty(0)).device
-        _snaps.append(MemSnapshots(store, rank=_rank(), local_rank=env.local_rank, every=1, device=device,
-                                   distributed=group_initialized(), warn=_warn))
+        _snaps.append(writer)
     _snaps[0].take(int(step), lambda: {
         "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "epoch": extra.get("epoch"), "batch_in_epoch": extra.get("batch_in_epoch"), "extra": extra})

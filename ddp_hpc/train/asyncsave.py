@@ -14,8 +14,11 @@ once, as a `CheckpointError` naming the file and the error, by the next `AsyncSa
 `AsyncSaver.wait` or by the handle's `wait` -- never lost silently.  `on_written` is called on
 the writer thread when a file is complete, with its `PendingSave` (step, path, ``blocking_s``: the
 training thread's seconds in `save`, waiting for the previous write included; ``write_s``: the
-write's own seconds): the ``checkpoint`` event is written then.  A blocking save writes on the
-calling thread without a copy, and reports ``blocking_s == write_s``.
+write's own seconds): the ``checkpoint`` event is written then.  `on_failed` is called on the
+writer thread with a line that says what failed when a background write failed: the run log
+tells it at once, not only at the next save, which may come much later or never (a job killed at
+its time limit).  A blocking save writes on the calling thread without a copy, reports
+``blocking_s == write_s``, and raises its failure at once (no `on_failed`).
 """
 from __future__ import annotations
 
@@ -144,8 +147,9 @@ class PendingSave:
 class AsyncSaver:
     """One process's checkpoint writer: `save` (blocking or not), `wait`, `close`."""
 
-    def __init__(self, on_written: Callable[[PendingSave], None] | None = None) -> None:
-        self.on_written = on_written
+    def __init__(self, on_written: Callable[[PendingSave], None] | None = None,
+                 on_failed: Callable[[str], None] | None = None) -> None:
+        self.on_written, self.on_failed = on_written, on_failed
         self.snapshot = Snapshot()
         self._pending: PendingSave | None = None
 
@@ -212,6 +216,13 @@ class AsyncSaver:
             if self.on_written is not None:
                 self.on_written(pending)
         except BaseException as e:  # noqa: BLE001 - kept and raised on the training thread
+            pending.error = e
+            if t0 is None and self.on_failed is not None:
+                try:
+                    self.on_failed(f"{pending.failure().problem}; training goes on, and the next save "
+                                   "or the end of training fails on it")
+                except Exception:  # noqa: BLE001 - telling it must not hide the failure itself
+                    pass
             pending._finish(e)
             return
         pending._finish()

@@ -261,13 +261,14 @@ class Trainer:
                           batches_per_epoch=self.batches_per_epoch, device=self.device)
         cadence.compute = stepper.compute
         self.watch = HangWatch(self.log, dump_after(cfg.train.collective_timeout_s)).start()
-        self.saver = AsyncSaver(on_written=self._written)
+        self.saver = AsyncSaver(on_written=self._written, on_failed=self.log.warning)   # told at once
         gpu = nvml_id(self.device)
         sampler = GpuSampler(self.log, lambda: gpu).start() if gpu is not None else None
         try:
             self._loop(cadence, stepper)
             self.flag.drain()    # not on errors: a peer that died may never join that collective
-            if self.snaps is not None:
+            self.saver.wait(self._saving)   # the last file is complete (or this raises) before the
+            if self.snaps is not None:      # snapshots go and the signal handlers are given back
                 self.snaps.finish()     # the clean end: the node's snapshots go
         except BaseException:
             self.saver.close(self.log.warning)   # the last copy still lands; its failure is told
@@ -282,7 +283,6 @@ class Trainer:
             progress.close()
         result = self.result
         result.loss = cadence.loss
-        self.saver.wait(self._saving)          # the last checkpoint is complete, or this raises
         if result.status == "completed":
             self._finish(result)
         result.model = self.module
