@@ -62,8 +62,9 @@ EVENTS: dict[str, tuple[str, ...]] = {
     # once per rank when its process group is up (runlogs/startup.py): when its process started,
     # when it called init_process_group, when that returned; a restart's phases come from these
     "rendezvous": ("proc_start", "called_at", "up_at", "step_id", "warm"),
-    # the training core while it evaluates or saves a checkpoint (no step events then): phase
-    # ("eval" | "checkpoint"), the step: signs of life for the supervisor (at most one per 5 s);
+    # the training core while it evaluates or saves a checkpoint (no step events then), and a
+    # script's rank 0 in ddp_hpc.checkpoint.save: phase ("eval" | "checkpoint"), the step: signs
+    # of life for the supervisor (at most one per 5 s);
     # phase "exit": an instrumented script's interpreter ends (no hang is called while it does)
     "progress": ("phase", "step"),
     # data.io=stage and submit --stage, on each node leader: how (copy | sbcast | reused), where,
