@@ -137,6 +137,11 @@ def test_a_restore_from_memory_or_a_peer_equals_the_file_restore_bitwise_also_on
     assert by_file["status"] == by_mem["status"] == "completed" and by_file["step"] == by_mem["step"] == STEPS
     assert _same(by_mem["state"], by_file["state"]) and by_mem["loss"] == by_file["loss"]
     assert not folder.exists()                  # the clean end removed the job's snapshots
+    # the snapshots' seconds on the training thread reach the step events (goodput's checkpoint share)
+    steps = [json.loads(x) for p in (tmp_path / "mem" / "logs").rglob("rank0.events.jsonl")
+             for x in p.read_text().splitlines() if '"step"' in x]
+    spent = [e["snapshot_s"] for e in steps if e["event"] == "step"]
+    assert spent and all(s >= 0 for s in spent) and sum(spent) > 0, spent
 
     # a world size change from a memory snapshot: 2 ranks, accumulation 2, the same global batch
     on2 = _launch(2, 1, job + "-w2", tmp_path / "on2", ckpt2)

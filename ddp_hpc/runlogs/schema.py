@@ -38,7 +38,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "start": ("world_size", "num_nodes", "local_rank", "pid", "total_steps", "epochs", "launcher",
               "device", "command"),
     "step": ("epoch", "step", "total_steps", "loss", "lr", "samples_per_s", "data_s", "rss_mb",
-             "cpu_percent", "metrics", "steps_per_s", "compute_s"),
+             "cpu_percent", "metrics", "steps_per_s", "compute_s", "snapshot_s"),
     "epoch": ("epoch", "step", "loss", "samples_per_s"),
     "eval": ("epoch", "step", "metrics"),
     # written when the file is complete; blocking_s: seconds the training thread was blocked by

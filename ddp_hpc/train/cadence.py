@@ -75,6 +75,7 @@ class _Interval:
     lr: float
     data_s: float
     compute_s: float | None
+    snapshot_s: float | None
     resources: dict
     sums: AsyncSum
 
@@ -97,6 +98,7 @@ class Cadence:
         self.data_wait = 0.0                 # this rank's seconds waiting for batches, this interval
         #: this rank's own forward time (the `Stepper`'s ComputeTimer, set by the loop)
         self.compute: ComputeTimer | None = None
+        self.snapshots = None     # the run's MemSnapshots: their seconds on the training thread (goodput)
         self._pending: _Interval | None = None
 
     def timed(self, batches):
@@ -133,8 +135,10 @@ class Cadence:
             data_s = self.data_wait / max(w.steps, 1)
             self.data_wait = 0.0
             compute_s = self.compute.take(w.steps) if self.compute is not None else None
+            snapshot_s = self.snapshots.take_spent() if self.snapshots is not None else None
             self._pending = _Interval(step, epoch, w.steps, self.lr(), round(data_s, 6),
                                       None if compute_s is None else round(compute_s, 6),
+                                      None if snapshot_s is None else round(snapshot_s, 6),
                                       self.resources.sample(), w.start_reduce())
             w.reset()
 
@@ -151,7 +155,7 @@ class Cadence:
             self.check_every = max(1, min(1000, int(PREEMPT_CHECK_S / max(step_s, 1e-9))))
         self.log.event("step", epoch=p.epoch, step=p.step, total_steps=self.total_steps,
                        loss=self.loss, lr=p.lr, samples_per_s=sps, data_s=p.data_s, compute_s=p.compute_s,
-                       **p.resources)
+                       **({} if p.snapshot_s is None else {"snapshot_s": p.snapshot_s}), **p.resources)
         if self.progress.lines:
             self.log.info(f"epoch {p.epoch} step {p.step}/{self.total_steps} "
                           f"loss {self.loss:.4f} {sps:.0f} samples/s")

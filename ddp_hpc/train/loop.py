@@ -259,7 +259,7 @@ class Trainer:
         stepper = Stepper(self.model, self.parts, self.optimizer, self.scheduler,
                           precision=self.precision, train=cfg.train,
                           batches_per_epoch=self.batches_per_epoch, device=self.device)
-        cadence.compute = stepper.compute
+        cadence.compute, cadence.snapshots = stepper.compute, self.snaps   # their seconds in step events
         self.watch = HangWatch(self.log, dump_after(cfg.train.collective_timeout_s)).start()
         self.saver = AsyncSaver(on_written=self._written, on_failed=self.log.warning)   # told at once
         gpu = nvml_id(self.device)

@@ -222,6 +222,7 @@ class MemSnapshots:
         self.pending_step: int | None = None  # the step of the snapshot in flight
         self.copies = Snapshot()              # buffers kept between snapshots (pinned on CUDA)
         self.cost_s = self.step_s = 0.0       # the newest snapshot's cost; the step time (EMA)
+        self.spent_s = 0.0                    # the training thread's seconds in snapshots (`take_spent`)
         self.start_step: int | None = None
         self.last_t: float | None = None
         self.taken = 0
@@ -259,9 +260,16 @@ class MemSnapshots:
             self.take(step, state)
             self.taken += 1
             self.cost_s = time.perf_counter() - now
+            self.spent_s += self.cost_s
         if self.auto:
             self._retune(step)
         self.last_t = time.perf_counter()
+
+    def take_spent(self) -> float:
+        """The training thread's seconds in snapshots since the last call (the ``snapshot_s`` of
+        a step event, which goodput counts as checkpoint time)."""
+        spent, self.spent_s = self.spent_s, 0.0
+        return spent
 
     # ------------------------------------------------------------------ how
     def take(self, step: int, state: Callable[[], dict]) -> None:
