@@ -71,6 +71,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -551,6 +552,20 @@ def pytest_runtest_teardown(item, nextitem):
             os.close(_exclusive.pop())
 
 
+def _heal(cluster, groups: set[str], when: str) -> None:
+    """Bring back a node a test left out of service (drained, down, its slurmd dead), and name it
+    in the report (a warning): one bad node never fails the tests after it. The default
+    partition's nodes always (no test takes them down on purpose); a spare partition's only for a
+    test of its own xdist group, whose tests run one after another: another group's test may be
+    killing or draining its nodes on purpose right now (a deliberate drain's reason starts with
+    ``heal.DELIBERATE`` and is left alone in any case)."""
+    from ddp_hpc.testcluster.heal import heal
+    mine = [n for g, nodes in getattr(cluster, "spare_sets", {}).items() if g in groups for n in nodes]
+    if found := heal(cluster.state_dir, nodes=[*cluster.nodes, *mine]):
+        warnings.warn(f"test cluster {when}: {'; '.join(f'{n} was {s}' for n, s in found.items())}; "
+                      "brought back", stacklevel=2)
+
+
 @pytest.fixture(autouse=True)
 def _cluster_marker(request):
     """Tests marked ``cluster`` get the cluster (and its skip logic) without naming the fixture;
@@ -562,8 +577,11 @@ def _cluster_marker(request):
         return
     exclusive = request.node.get_closest_marker("cluster_exclusive") is not None
     with _gate(request.config, exclusive):
-        yield
         cluster = request.getfixturevalue("slurm_cluster")
+        groups = {str(m.args[0]) for m in request.node.iter_markers("xdist_group") if m.args}
+        _heal(cluster, groups, "before this test")
+        yield
+        _heal(cluster, groups, "after this test")
         if cluster.slurmdbd_available and cluster.accounting != "slurmdbd":
             cluster.start_slurmdbd()  # a test switched accounting off and did not switch it back
 
