@@ -300,3 +300,22 @@ def test_status_says_why_a_node_was_excluded(tmp_path):
     lines = restart_lines(rows)
     assert lines[0].startswith("Health check before the first start at ")
     assert lines[0].endswith(f"(1.2 s): n2 excluded: {why}") and lines[1] == "  started on n1, n3"
+
+
+def test_status_says_what_a_check_noted_without_excluding_a_node(tmp_path, fake_srun):
+    """A check that excluded no node but noted something (the checkpoint folder takes no file):
+    a line of restarts.jsonl, and status says it in its words, with no node excluded."""
+    from ddp_hpc.judge.reader import RunLogs
+    from ddp_hpc.runlogs.restarts import append_health
+    from ddp_hpc.status.restarts import alloc_restarts, restart_lines
+
+    (tmp_path / "blocked").write_text("")
+    ev = {"event": "checkpoint", "rank": 0, "restart": 0, "step": 4, "path": str(tmp_path / "blocked" / "step4.pt")}
+    (tmp_path / "rank0.events.jsonl").write_text(json.dumps(ev) + "\n")
+    c = check_nodes(SlurmCLI(env=fake_srun), NodePlan(active=["n1", "n2"], spare=[]),
+                    Policy(nodes=2, tasks_per_node=1), fake_srun, True, str(tmp_path), Seen())
+    append_health(tmp_path, health_row(c, 1, "7"))
+    lines = restart_lines(alloc_restarts(None, str(tmp_path), RunLogs(tmp_path)))
+    assert lines[0].startswith("Health check before restart 1 at ") and lines[0].endswith("no node excluded")
+    assert lines[1:] == [f"  noted: checkpoint folder {tmp_path / 'blocked'} not writable (Not a directory): "
+                         "not a node's fault, no node excluded"]

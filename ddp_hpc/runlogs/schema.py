@@ -99,7 +99,8 @@ ALLOC_STOP_KEYS = ("stopped_run", "job_id", "fault_at", "detected_at", "trigger"
 #: line of restarts.jsonl with neither ``restart`` nor ``stopped_run``): the run about to start,
 #: the job, when, how long the check took, node -> why it was excluded, the nodes the run starts
 #: on, and why it did not start (too few healthy nodes; None: it started)
-ALLOC_HEALTH_KEYS = ("health_check", "job_id", "time", "seconds", "excluded", "nodes_after", "not_started")
+ALLOC_HEALTH_KEYS = ("health_check", "job_id", "time", "seconds", "excluded", "nodes_after", "not_started",
+                     "notes")
 #: the keys of a hang limit that stood back (``ddp_hpc.supervise``: the stacks showed ranks working
 #: outside a collective, so no hang): the run, the job, when, the seconds without a step it had
 #: waited, the ranks that worked and their work in words, when it asks again (seconds)

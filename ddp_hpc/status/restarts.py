@@ -139,7 +139,10 @@ def health_lines(rows: list[dict]) -> list[str]:
         when = f"restart {run}" if run else "the first start"
         out.append(f"Health check before {when} at {_when(r.get('time'))} "
                    f"({to_float(r.get('seconds')) or 0:.1f} s): "
-                   + "; ".join(f"{n} excluded: {why}" for n, why in excluded.items()))
+                   + ("; ".join(f"{n} excluded: {why}" for n, why in excluded.items()) or "no node excluded"))
+        out += [f"  noted: {n}" for n in r.get("notes") or ()]
+        if not excluded and not r.get("not_started"):
+            continue
         started = ", ".join(r.get("nodes_after") or [])
         out.append(f"  not started: {r['not_started']}" if r.get("not_started") else f"  started on {started or '-'}")
     return out

@@ -243,8 +243,9 @@ def check_nodes(cli: SlurmCLI, plan: NodePlan, policy: Policy, env: Mapping[str,
 
 
 def health_row(c: Checked, run: int, key) -> dict:
-    """The line of restarts.jsonl for a check that excluded nodes before run ``run``
+    """The line of restarts.jsonl for a check that excluded nodes, or noted what it excludes no
+    node for (a checkpoint folder that is full, snapshots that will step back), before run ``run``
     (`schema.ALLOC_HEALTH_KEYS`)."""
     return {"health_check": run, "job_id": key, "time": round(time.time(), 3), "seconds": c.seconds,
             "excluded": dict(c.failed), "nodes_after": list(c.plan.active) if c.plan else [],
-            "not_started": None if c.plan else c.change}
+            "not_started": None if c.plan else c.change, "notes": list(c.notes)}

@@ -190,7 +190,7 @@ def _healthy(s: Settings, cli, plan: NodePlan, env: dict, done: int, run: int, k
     when = f"restart {done} (restart number {run})" if done else "the first start"
     _say(f"health check of {len(plan.active)} node(s) before {when}: {c.seconds:.1f} s, {c.rounds} round(s); "
          + (f"{why}; {c.change}" if c.failed else c.change or "all passed"))
-    if c.failed:
+    if c.failed or c.notes:
         _keep(append_health, s.log_dir, health_row(c, run, key))
     return c.plan
 
