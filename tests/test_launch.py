@@ -232,7 +232,9 @@ def test_unpicklable_function_is_refused_with_a_hint():
 
 
 def _write_pid_and_sleep(rank, world_size, pid_dir):
-    Path(pid_dir, f"pid{rank}").write_text(str(os.getpid()))
+    tmp = Path(pid_dir, f".pid{rank}")
+    tmp.write_text(str(os.getpid()))
+    tmp.rename(Path(pid_dir, f"pid{rank}"))   # whole when it appears: the test reads it at once
     time.sleep(600)
 
 

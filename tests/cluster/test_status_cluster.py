@@ -119,7 +119,11 @@ def test_running_job_progresses_then_completed(slurm_cluster, env, elsewhere):
     assert running["source"] == "squeue"
     # squeue prints "10:00" and "0:42": shown in the one format, like every other source's
     assert running["time_limit"] == "00:10:00" and re.fullmatch(r"\d\d:\d\d:\d\d", running["elapsed"]), running
-    assert running["progress"]["total_steps"] and 0 < running["progress"]["percent"] < 100
+    # the first of the two steps seen running is short of the total (the second may be the last
+    # step, shown while the run saves its final checkpoint on a loaded machine)
+    first = next(s for s in seen if s["state_name"] == "RUNNING" and s["progress"] and s["progress"]["step"])
+    assert first["progress"]["total_steps"] and 0 < first["progress"]["percent"] < 100, first["progress"]
+    assert 0 < running["progress"]["percent"] <= 100
     assert running["nodes"] == 2 and running["gpus_per_node"] == 2
     # the table, from another directory, lists it as RUNNING too
     table = status(c, env, elsewhere).stdout
