@@ -118,9 +118,9 @@ class Watch:
     """What to watch: the step's nodes, the stall timeout (0: off), how often to look, the hang
     limit's floor (``hang.StepClock``; 0: off) and the clock itself, kept across a watch that goes
     on; going on after the stacks showed ranks busy outside a collective: the newest sign of life
-    then, when they were asked (``busy_at``) and how long the hang limit then waits (``hold_s``,
-    counted from ``last_step_at``, until a step after ``busy_at``; None: no hang limit until
-    then)."""
+    then (the stall timeout counts from it), when they were asked (``busy_at``) and how long the
+    hang limit then waits, counted from ``busy_at`` (``hold_s``, until a step after ``busy_at``;
+    None: no hang limit until then)."""
 
     nodes: tuple[str, ...]
     stall_timeout_s: float = 0.0
