@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -39,13 +40,16 @@ def test_only_ended_jobs_of_this_cluster_are_stale(tmp_path):
     running = _job(tmp_path, "13", "13")
     other_cluster = _job(tmp_path, "14", "14", cluster="c2")
     ended = _job(tmp_path, "15_3", "15_3")
-    local_ended = _job(tmp_path, "local-a", "local-a", cluster="", age_s=old)
-    local_running = _job(tmp_path, "local-b", "local-b", cluster="", age_s=old)
-    local_recent = _job(tmp_path, "local-c", "local-c", cluster="")
+    # local job ids of their own: any process on the machine that carries one keeps its folder
+    # (tests/test_integrations.py runs a process with DDP_HPC_JOB_ID=local-a beside this one)
+    a, b, c = (f"local-{uuid.uuid4().hex[:8]}" for _ in range(3))
+    local_ended = _job(tmp_path, a, a, cluster="", age_s=old)
+    local_running = _job(tmp_path, b, b, cluster="", age_s=old)
+    local_recent = _job(tmp_path, c, c, cluster="")
     unknown = _job(tmp_path, "whatever")                         # no .job, not a Slurm key
     folders = [by_name, running, other_cluster, ended, local_ended, local_running, local_recent, unknown]
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                            env={**os.environ, "DDP_HPC_JOB_ID": "local-b"})
+                            env={**os.environ, "DDP_HPC_JOB_ID": b})
     try:
         asked = []
 
