@@ -147,3 +147,22 @@ def test_the_sweep_keeps_every_slurm_jobs_snapshots_when_squeue_does_not_answer(
     folders = [_job(root, j, j, cluster="") for j in ("22", "23")]
     assert sweep(root, PREFIX, root / "own", "u") == []
     assert all(f.exists() for f in folders)
+
+
+def test_what_a_sweep_freed_is_a_status_line_of_the_run(tmp_path):
+    """The sweep deletes files: what it freed is a ``memsnap`` event of status ``swept`` in the
+    run log (next to the log line), and the detail view's notes say it in one line."""
+    from ddp_hpc.judge.reader import RunLogs
+    from ddp_hpc.runlogs.writer import RunLog
+    from ddp_hpc.status.snapshots import snapshot_notes
+    from ddp_hpc.train.restore import _told
+
+    text = "memory snapshots: freed 0.1 MiB in /dev/shm/ddp_hpc-0 left by ended jobs (15_3)"
+    heard = []
+    log = RunLog(tmp_path, 0, job_id="77", restart=0, console=False)
+    try:
+        _told(heard.append, log.warning)(text)
+    finally:
+        log.close()
+    assert heard == [text]
+    assert snapshot_notes(RunLogs(tmp_path)) == [text]

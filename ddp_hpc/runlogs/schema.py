@@ -50,7 +50,8 @@ EVENTS: dict[str, tuple[str, ...]] = {
     # from memory failed and the files were taken instead (only then)
     "restored": ("step", "source", "node", "seconds", "path", "lost", "fallback"),
     # a node's memory snapshots stepped back (train/memsnap.py, train/memroom.py): status "off",
-    # why (the state does not fit /dev/shm or the job's memory, a write failed), the step
+    # why (the state does not fit /dev/shm or the job's memory, a write failed), the step; or its
+    # sweep freed what ended jobs left there (train/memsweep.py): status "swept", why (what, where)
     "memsnap": ("status", "why", "step"),
     "preempt": ("signal", "reason", "step"),
     "requeue": ("job_id",),

@@ -51,7 +51,7 @@ from ddp_hpc.train.checkpoint import FORMAT, checkpoint_path, list_checkpoints, 
 from ddp_hpc.train.memroom import does_not_fit, state_bytes
 from ddp_hpc.train.memsweep import JOB_FILE, job_file_text, sweep_in_background
 
-__all__ = ["NodeStore", "MemSnapshots", "store_for", "node_label", "RETUNE_STEPS", "TARGET_FRACTION"]
+__all__ = ["NodeStore", "MemSnapshots", "store_for", "node_label", "RETUNE_STEPS", "TARGET_FRACTION", "event_of"]
 
 TARGET_FRACTION = 0.01       # auto: a snapshot costs at most this share of the step time
 RETUNE_STEPS = 100           # auto: the ranks agree on the interval again every this many steps
@@ -102,7 +102,7 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _event_of(warn: Callable[[str], None]) -> Callable[..., Any]:
+def event_of(warn: Callable[[str], None]) -> Callable[..., Any]:
     """Where the ``memsnap`` event goes: the run log whose ``warning`` ``warn`` is (the loop
     passes its log's), else this process's run log (the script API's `_warn` writes there)."""
     owner = getattr(warn, "__self__", None)
@@ -216,7 +216,7 @@ class MemSnapshots:
         self.nodes = list(nodes or [store.node])      # this run's nodes: a restore names the lost
         self.auto, self.every = every == 0, max(every, 1)
         self.device, self.distributed, self.warn = device, distributed, warn
-        self.event = _event_of(warn)          # the `memsnap` event of a step back: status shows it
+        self.event = event_of(warn)           # the `memsnap` event of a step back: status shows it
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ddp_hpc-memsnap")
         self.pending: Future | None = None
         self.pending_step: int | None = None  # the step of the snapshot in flight

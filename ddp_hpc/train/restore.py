@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ddp_hpc.errors import HintError
 from ddp_hpc.judge.restarts import restored_text
 from ddp_hpc.train.checkpoint import CheckpointError, find_latest_valid, list_checkpoints, load_checkpoint
-from ddp_hpc.train.memsnap import NodeStore, store_for
+from ddp_hpc.train.memsnap import NodeStore, event_of, store_for
 from ddp_hpc.train.peercopy import BytesView, release, send_file, subgroup, words
 
 __all__ = ["Restored", "freshest", "node_store", "restore_run", "announce"]
@@ -189,7 +189,8 @@ def node_store(env, every: int, warn: Callable[[str], None], make: bool = True,
     snapshots are off (``every`` -1), outside a job (no job id: no restart inside an allocation to
     serve, and a later run must not find a stale snapshot), or the folder cannot be made (warned:
     the file tier goes on alone). Made, the node's local rank 0 also frees what ended jobs left
-    beside it, in the background (``note`` hears what: `memsweep`)."""
+    beside it, in the background (``note`` hears what, `memsweep`; and a ``memsnap`` event of status
+    ``swept`` in the run log, which status shows: the sweep deletes files, so it says so)."""
     if every < 0 or not env.job_id:
         return None
     try:
@@ -197,11 +198,22 @@ def node_store(env, every: int, warn: Callable[[str], None], make: bool = True,
         if make:
             store.make()
             if env.local_rank == 0:
-                store.sweep_ended_jobs(note)
+                store.sweep_ended_jobs(_told(note, warn))
         return store
     except (OSError, HintError) as exc:
         warn(f"memory snapshots off: {exc}")
         return None
+
+
+def _told(note: Callable[[str], None] | None, warn: Callable[[str], None]) -> Callable[[str], None]:
+    """What the sweep says, to ``note`` and as a ``memsnap`` event (status ``swept``)."""
+    event = event_of(warn)
+
+    def tell(text: str) -> None:
+        if note is not None:
+            note(text)
+        event("memsnap", status="swept", why=text, step=None)
+    return tell
 
 
 def restore_run(files: str | Path, store: NodeStore | None, rank: int, distributed: bool, log,
