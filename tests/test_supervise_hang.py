@@ -103,20 +103,31 @@ def signals():
         signal.signal(s, h)
 
 
-@pytest.mark.slow
-def test_a_hang_is_called_within_its_limit_named_from_the_stacks_and_the_restart_has_phases(tmp_path, signals):
+def _supervise(tmp_path: Path, script: str, job: str, hang_s: float, *args: str, **env: str) -> tuple[int, Path]:
+    """Supervise ``script`` as one node of 2 torchrun-style ranks under ``ddp_hpc.exec`` (srun's
+    stand-in on PATH, job ``job``, a hang floor of ``hang_s``, a stall timeout of 600 s, one
+    restart at most); ``args`` go to the script, ``env`` to its environment. Returns the
+    supervisor's exit status and the run's log directory."""
     bindir, log_dir = tmp_path / "bin", tmp_path / "run"
     bindir.mkdir()
     log_dir.mkdir()
     (bindir / "srun").write_text(f"#!{sys.executable}\n{SRUN}")
     (bindir / "srun").chmod(0o755)
-    (tmp_path / "train.py").write_text(SCRIPT)
-    env = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n1",
-           "DDP_HPC_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO), "DDP_HPC_LOG_DIR": str(log_dir)}
+    (tmp_path / "train.py").write_text(script)
+    environ = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "n1",
+               "DDP_HPC_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO), "DDP_HPC_LOG_DIR": str(log_dir),
+               **env}
     s = Settings(policy=Policy(nodes=1, tasks_per_node=2, max_restarts=1), log_dir=str(log_dir),
-                 command=(sys.executable, "-m", "ddp_hpc.exec", "--", sys.executable, str(tmp_path / "train.py")),
-                 stall_timeout_s=600.0, hang_timeout_s=4.0)
-    assert supervise(s, _cli(log_dir), env) == 0
+                 command=(sys.executable, "-m", "ddp_hpc.exec", "--", sys.executable, str(tmp_path / "train.py"),
+                          *args),
+                 stall_timeout_s=600.0, hang_timeout_s=hang_s)
+    return supervise(s, _cli(log_dir), environ), log_dir
+
+
+@pytest.mark.slow
+def test_a_hang_is_called_within_its_limit_named_from_the_stacks_and_the_restart_has_phases(tmp_path, signals):
+    rc, log_dir = _supervise(tmp_path, SCRIPT, "41", 4.0)
+    assert rc == 0
     [row] = read_restarts(log_dir)
     assert (row["trigger"], row["kind"], row["rank"]) == ("stalled", "stuck", 1), row
     assert "not in a collective" in row["basis"] and "waited in DDP's all-reduce" in row["basis"], row
@@ -322,19 +333,8 @@ def test_a_scripts_long_rank0_save_or_eval_behind_a_barrier_is_no_hang(tmp_path,
     outside a collective, but working (its CPU or IO grows), so the supervisor watches on and the
     run completes with no restart. (A still rank outside a collective is still named: the test
     above; a frozen one too: tests/cluster/test_hang_cluster.py.)"""
-    bindir, log_dir = tmp_path / "bin", tmp_path / "run"
-    bindir.mkdir()
-    log_dir.mkdir()
-    (bindir / "srun").write_text(f"#!{sys.executable}\n{SRUN}")
-    (bindir / "srun").chmod(0o755)
-    (tmp_path / "train.py").write_text(BUSY_RANK0)
-    env = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n1",
-           "DDP_HPC_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO), "DDP_HPC_LOG_DIR": str(log_dir)}
-    s = Settings(policy=Policy(nodes=1, tasks_per_node=2, max_restarts=1), log_dir=str(log_dir),
-                 command=(sys.executable, "-m", "ddp_hpc.exec", "--", sys.executable, str(tmp_path / "train.py"),
-                          work, "20"),
-                 stall_timeout_s=600.0, hang_timeout_s=3.0)
-    assert supervise(s, _cli(log_dir), env) == 0
+    rc, log_dir = _supervise(tmp_path, BUSY_RANK0, "42", 3.0, work, "20")
+    assert rc == 0
     assert read_restarts(log_dir) == []
     asked = [e for e in RunLogs(log_dir).ranks[0].of_restart(0) if e.get("event") == "stack"]
     assert asked, "the hang limit never asked for the stacks: the test did not test the rule"
@@ -371,19 +371,8 @@ def test_a_rank_spinning_outside_a_collective_is_left_to_the_collective_timeout_
     """The busy rule's other side: a rank in an endless loop outside a collective works, so the
     hang limit stands back; the others' collective timeout (15 s here) ends the step, and the
     restart blames the spinning rank."""
-    bindir, log_dir = tmp_path / "bin", tmp_path / "run"
-    bindir.mkdir()
-    log_dir.mkdir()
-    (bindir / "srun").write_text(f"#!{sys.executable}\n{SRUN}")
-    (bindir / "srun").chmod(0o755)
-    (tmp_path / "train.py").write_text(SPIN)
-    env = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "43", "SLURM_JOB_NODELIST": "n1",
-           "DDP_HPC_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO), "DDP_HPC_LOG_DIR": str(log_dir),
-           "SPIN_TIMEOUT": "15"}
-    s = Settings(policy=Policy(nodes=1, tasks_per_node=2, max_restarts=1), log_dir=str(log_dir),
-                 command=(sys.executable, "-m", "ddp_hpc.exec", "--", sys.executable, str(tmp_path / "train.py")),
-                 stall_timeout_s=600.0, hang_timeout_s=3.0)
-    assert supervise(s, _cli(log_dir), env) == 0
+    rc, log_dir = _supervise(tmp_path, SPIN, "43", 3.0, SPIN_TIMEOUT="15")
+    assert rc == 0
     [row] = read_restarts(log_dir)
     print(json.dumps(row, indent=1))
     assert row["rank"] == 1, row
