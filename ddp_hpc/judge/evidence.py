@@ -144,7 +144,7 @@ def _pick(errors: list[dict]) -> dict:
     """The error that explains the rank: its first of its own (not a consequence), else its first
     consequence, else its first. A wrapper's bare exit status (``Exited``: "exited with status 1",
     no traceback) comes last: it only repeats how the process ended, so a rank whose script wrote
-    that it lost a peer stays a victim whatever its exit code (issue 38, bug 8)."""
+    that it lost a peer stays a victim whatever its exit code."""
     def bare(e: dict) -> bool:
         return e.get("exc_type") == "Exited" and not e.get("traceback")
 

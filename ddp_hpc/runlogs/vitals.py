@@ -2,7 +2,7 @@
 seconds, sampled by the rank's watchdog thread (``runlogs.watchdog``) and sent with every stack
 answer, so the supervisor tells a rank that is busy outside a collective (a rank-0 save or
 evaluation while the others wait in a barrier) from a frozen one (stopped, deadlocked, asleep)
-with one request, without a second round of questions (issue 38, docs/restarts.md "A hang").
+with one request, without a second round of questions (docs/restarts.md, "A hang").
 
 A sample is cheap and local: ``time.process_time()`` (one syscall), ``/proc/self/io`` (procfs, not
 the shared filesystem; absent elsewhere: IO then counts nothing) and the main thread's innermost
