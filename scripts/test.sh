@@ -9,16 +9,27 @@
 # wait on real ranks starting, timing out or being stopped; module fixtures stay on one worker); both
 # reports are printed, and the exit status is the first non-zero one. With arguments, one pytest
 # gets them as they are.
+#
+# DDP_HPC_TEST_LOAD=0.33 runs the tests under load: busy loops (scripts/cpu_load.py) take that share
+# of every core for the whole run, as another user's work would; the tests must pass all the same.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PYTEST=(.venv/bin/python -m pytest -ra --durations=12)
+load_pid=
+if [ -n "${DDP_HPC_TEST_LOAD:-}" ]; then
+  python3 scripts/cpu_load.py "$DDP_HPC_TEST_LOAD" &
+  load_pid=$!
+  trap 'kill "$load_pid" 2>/dev/null || true' EXIT
+fi
 if [ "$#" -gt 0 ]; then
-  exec "${PYTEST[@]}" "$@"
+  rc=0
+  "${PYTEST[@]}" "$@" || rc=$?
+  exit "$rc"
 fi
 
 log=$(mktemp "${TMPDIR:-/tmp}/ddp_hpc_cluster_tests.XXXXXX")
-trap 'rm -f "$log"' EXIT
+trap 'rm -f "$log"; [ -z "$load_pid" ] || kill "$load_pid" 2>/dev/null || true' EXIT
 start=$(date +%s)
 "${PYTEST[@]}" -n "${DDP_HPC_CLUSTER_WORKERS:-4}" --dist loadgroup tests/cluster >"$log" 2>&1 &
 cluster_pid=$!
