@@ -1,7 +1,8 @@
-"""The training core on the real test cluster: 2 nodes x 2 tasks train the demo with
+"""The training core on the real test cluster: 2 nodes x 1 task train the demo with
 ``srun python -m ddp_hpc.run``; ``scancel --signal=USR2`` mid-run makes the job checkpoint,
 requeue itself, resume and end COMPLETED with one restart and the same final parameters as an
-uninterrupted run."""
+uninterrupted run. One task a node: the ranks still meet across nodes, and each rank process
+costs ~2 s of CPU to import torch before it does anything."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,8 @@ from ddp_hpc.train.checkpoint import find_latest_valid
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]   # includes waiting for the lock
 
 REPO = Path(__file__).resolve().parents[2]
-OVERRIDES = ["data.kwargs.size=2048", "train.epochs=6", "train.batch_size=16",
+# 2 ranks x 16 samples: 64 steps an epoch, 192 in all (USR2 comes at step 10 or later)
+OVERRIDES = ["data.kwargs.size=2048", "train.epochs=3", "train.batch_size=16",
              "log.every_n_steps=5", "checkpoint.every_steps=0", "log.progress=lines"]
 
 
@@ -59,8 +61,10 @@ def _diagnostics(c, jid: str, run_dir: Path) -> str:
 
 
 def test_usr2_mid_run_checkpoints_requeues_resumes_and_matches_an_uninterrupted_run(slurm_cluster):
+    """Only test that a preempted and requeued run of the training core ends bit-identical to an
+    uninterrupted one, through a real requeue by Slurm."""
     c = slurm_cluster
-    sbatch_args = ("-N2", "--ntasks-per-node=2", "--requeue", "--open-mode=append", "--time=10")
+    sbatch_args = ("-N2", "--ntasks-per-node=1", "--requeue", "--open-mode=append", "--time=10")
     plain_dir, cut_dir = c.shared_dir / "train-plain", c.shared_dir / "train-cut"
 
     # the two jobs run side by side (2 nodes each); the uninterrupted one is only waited for at the end
@@ -86,7 +90,7 @@ def test_usr2_mid_run_checkpoints_requeues_resumes_and_matches_an_uninterrupted_
     print(f"uninterrupted job {plain}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
 
     ev = _events(cut_dir / "logs")
-    assert sorted(ev) == [0, 1, 2, 3]
+    assert sorted(ev) == [0, 1]
     total = next(e["total_steps"] for e in ev[0] if e["event"] == "start")
     for rank, events in ev.items():
         pre = [e for e in events if e["event"] == "preempt"]
@@ -97,7 +101,7 @@ def test_usr2_mid_run_checkpoints_requeues_resumes_and_matches_an_uninterrupted_
         assert starts == [0, 1], (rank, starts)               # exactly one restart
         assert all(e["job_id"] == cut for e in events)
     assert [e["job_id"] for e in ev[0] if e["event"] == "requeue"] == [cut]   # rank 0 requeued
-    assert not any(e["event"] == "requeue" for r in (1, 2, 3) for e in ev[r])
+    assert not any(e["event"] == "requeue" for e in ev[1])
     ends = [(e["restart"], e["status"], e["step"]) for e in ev[0] if e["event"] == "end"]
     assert ends == [(0, "preempted", pre[0]["step"]), (1, "completed", total)]
     resumed = [e for e in ev[0] if e["event"] == "step" and e["restart"] == 1]
