@@ -1,8 +1,13 @@
 """What status says when a rank dies without a Python exception, on the real test cluster (the
-demo job through ``submit --backend sbatch``, 2 nodes x 2 tasks): a rank killed with SIGKILL (what
-the OOM killer does), a rank stopped with SIGSTOP (a hang: STALLED while it lasts, then blamed as
-stuck with its peers' stacks), and a rank whose data loader is slow (named as a straggler). Each
-test prints how long the job took to end and what status said."""
+demo job through ``submit --backend sbatch``): a rank killed with SIGKILL (what the OOM killer
+does), a rank stopped with SIGSTOP (a hang: STALLED while it lasts, then blamed as stuck with its
+peers' stacks), and a rank whose data loader is slow (named as a straggler). Each test prints how
+long the job took to end and what status said.
+
+The killed and the stopped rank run 2 nodes x 1 task (rank 1 on the second node): each rank
+process costs ~2 s of CPU to import torch, and one peer on another node shows the fault as well
+as three. The straggler needs 2 nodes x 2 tasks: a median of 4 ranks to be slower than, and a
+slow rank whose node-mate is not (a slow rank, not a slow node)."""
 
 from __future__ import annotations
 
@@ -32,9 +37,9 @@ def env(slurm_cluster):
     return dict(slurm_cluster.env, DDP_HPC_HOME=str(d / "home"), PYTHONPATH=str(REPO)), d
 
 
-def _submit(c, env, name, overrides) -> tuple[str, Path]:
+def _submit(c, env, name, overrides, gpus: int = 1) -> tuple[str, Path]:
     e, d = env
-    p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-N", "2", "-G", "2", "-t", "10",
+    p = c.run([PY, "-m", "ddp_hpc.submit", "--backend", "sbatch", "-N", "2", "-G", str(gpus), "-t", "10",
                "--max-restarts", "0", "-J", name,
                str(REPO / "jobs" / "demo.yaml"), "--", f"log.dir={d / 'runs'}",
                *overrides], cwd=str(REPO), env=e)
@@ -48,12 +53,12 @@ def _status(c, env, *args) -> str:
     return p.stdout + p.stderr
 
 
-def _start(log_dir: Path, rank: int, steps: int = 4, timeout: float = 180) -> dict:
+def _start(log_dir: Path, rank: int, steps: int = 4, timeout: float = 180, ranks: int = 2) -> dict:
     """Rank ``rank``'s start event, once every rank has written ``steps`` step events."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        evs = {r: read_events(log_dir / f"rank{r}.events.jsonl").events for r in range(4)}
-        if all(sum(e["event"] == "step" for e in evs[r]) >= steps for r in range(4)):
+        evs = {r: read_events(log_dir / f"rank{r}.events.jsonl").events for r in range(ranks)}
+        if all(sum(e["event"] == "step" for e in evs[r]) >= steps for r in range(ranks)):
             return next(e for e in evs[rank] if e["event"] == "start")
         time.sleep(0.5)
     pytest.fail(f"training did not get under way in {log_dir}")
@@ -62,21 +67,23 @@ def _start(log_dir: Path, rank: int, steps: int = 4, timeout: float = 180) -> di
 def test_sigkill_of_one_rank_is_named_killed(slurm_cluster, env):
     c = slurm_cluster
     job, log_dir = _submit(c, env, "f-kill", SLOW)
-    start = _start(log_dir, 3)
+    start = _start(log_dir, 1)
     os.kill(start["pid"], signal.SIGKILL)
     t0 = time.monotonic()
     state = c.wait(job, timeout=240)
     detail = _status(c, env, job)
     print(f"ended {time.monotonic() - t0:.1f} s after SIGKILL ({state})\n{detail}")
     first = next(ln for ln in detail.splitlines() if ln.startswith("First failure:"))
-    assert first.startswith(f"First failure: rank 3 on {start['host']} killed by signal 9 (SIGKILL)")
-    assert "lost their peer rank 3" in detail
+    assert first.startswith(f"First failure: rank 1 on {start['host']} killed by signal 9 (SIGKILL)")
+    assert "lost its peer rank 1" in detail
 
 
 def test_sigstop_of_one_rank_is_stalled_then_stuck(slurm_cluster, env):
+    """Only test of a frozen rank (no stack of its own) shown STALLED while it lasts and blamed as
+    stuck once its peer's collective times out; the stall takes its minimum of 60 s to show."""
     c = slurm_cluster
     job, log_dir = _submit(c, env, "f-stop", [*SLOW, "train.collective_timeout_s=90"])
-    start = _start(log_dir, 3)
+    start = _start(log_dir, 1)
     os.kill(start["pid"], signal.SIGSTOP)
     t0 = time.monotonic()
     stalled = None
@@ -99,17 +106,17 @@ def test_sigstop_of_one_rank_is_stalled_then_stuck(slurm_cluster, env):
           f"({state})\n{detail}")
     assert stalled is not None, detail
     assert "State:      RUNNING, STALLED" in stalled[1]
-    assert "rank 3 wrote no stack while the others did" in stalled[1]
+    assert "rank 1 wrote no stack while the others did" in stalled[1]
     first = next(ln for ln in detail.splitlines() if ln.startswith("First failure:"))
-    assert first.startswith(f"First failure: rank 3 on {start['host']} stuck"), detail
-    assert "timed out waiting for rank 3" in detail and " were in " in detail
+    assert first.startswith(f"First failure: rank 1 on {start['host']} stuck"), detail
+    assert "timed out waiting for rank 1" in detail and "    rank 0 was in " in detail   # its peer's stack
 
 
 def test_a_rank_with_a_slow_loader_is_named(slurm_cluster, env):
     c = slurm_cluster
     job, log_dir = _submit(c, env, "f-slow", [
         *SLOW, "data.dataset=tests.cluster.status_helpers:one_slow_rank", "data.kwargs.size=4096",
-        "data.kwargs.delay=0.002", "data.kwargs.slow_rank=3", "data.kwargs.slow_delay=0.01"])
+        "data.kwargs.delay=0.002", "data.kwargs.slow_rank=3", "data.kwargs.slow_delay=0.01"], gpus=2)
     state = c.wait(job, timeout=300)
     detail = _status(c, env, job)
     print(f"{state}\n{detail}")
