@@ -65,6 +65,8 @@ def _start(log_dir: Path, rank: int, steps: int = 4, timeout: float = 180, ranks
 
 
 def test_sigkill_of_one_rank_is_named_killed(slurm_cluster, env):
+    """Only test of a rank killed by a signal (no supervisor restarts) blamed by status, its peer
+    named a consequence."""
     c = slurm_cluster
     job, log_dir = _submit(c, env, "f-kill", SLOW)
     start = _start(log_dir, 1)
@@ -113,6 +115,7 @@ def test_sigstop_of_one_rank_is_stalled_then_stuck(slurm_cluster, env):
 
 
 def test_a_rank_with_a_slow_loader_is_named(slurm_cluster, env):
+    """Only test of a straggler (a slow data loader) named by status from real ranks' events."""
     c = slurm_cluster
     job, log_dir = _submit(c, env, "f-slow", [
         *SLOW, "data.dataset=tests.cluster.status_helpers:one_slow_rank", "data.kwargs.size=4096",

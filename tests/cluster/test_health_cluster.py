@@ -39,6 +39,7 @@ def _in_node(c, node: str, *argv: str) -> subprocess.CompletedProcess:
 
 
 def test_nodes_whose_scratch_is_a_tiny_tmpfs_are_not_excluded(slurm_cluster):
+    """Only test that the health check before the first start leaves nodes with a tiny scratch in."""
     c = slurm_cluster
     name = f"health-scratch-{time.monotonic_ns()}"
     d = c.shared_dir / name

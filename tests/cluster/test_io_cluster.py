@@ -45,6 +45,8 @@ def _diag(c, jid: str, run_dir: Path) -> str:
 
 
 def test_stage_lmdb_and_broadcast_train_to_the_same_metrics_as_direct(slurm_cluster):
+    """Only test that staged LMDB and group broadcast reads train to the very metrics of direct
+    reads on real nodes (2 x 2: broadcast groups are per node)."""
     from ddp_hpc.data.pack import pack
     from ddp_hpc.examples.images import make_images
 

@@ -25,6 +25,7 @@ SHORT = ["train.max_steps=3", "train.epochs=1", "data.kwargs.size=512", "data.ev
 
 
 def test_a_node_range_starts_on_the_one_free_node_and_runs_with_it(slurm_cluster):
+    """Only test of ``--nodes MIN-MAX`` on real Slurm: the job starts with fewer nodes."""
     c = slurm_cluster
     work = c.shared_dir / f"range-{time.monotonic_ns()}"
     work.mkdir()

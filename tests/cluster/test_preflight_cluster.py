@@ -51,6 +51,7 @@ def test_uneven_ntasks_setup_ddp_does_not_hang(slurm_cluster):
 # Asserts GPU indexes 0,1: on the spare partition, with the other such tests (test_cluster_env.py).
 @pytest.mark.xdist_group("spare")
 def test_more_tasks_than_gpus_on_a_node_fails_with_hint(slurm_cluster):
+    """Only test of the preflight refusal of more tasks than GPUs on a node, with its hint."""
     c = slurm_cluster
     p = c.run(["srun", "-p", c.spare_partition, "-N1", "--ntasks-per-node=4", "--gpus-per-node=2", "--time=3",
                "python", "-m", "ddp_hpc.env", "--check"], timeout=240)

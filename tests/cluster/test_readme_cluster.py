@@ -29,6 +29,7 @@ def test_as_run_here_keeps_every_other_line():
 
 
 def test_readme_cluster_blocks_work(slurm_cluster, tmp_path):
+    """Only test that README.md's cluster blocks run as written on a real Slurm."""
     c = slurm_cluster
     work = fresh_copy(c.shared_dir / f"readme-{int(time.time())}")
     env = {**c.env, "DDP_HPC_HOME": str(tmp_path / "home")}

@@ -43,6 +43,8 @@ def _stage_events(log_dir: str) -> list[dict]:
 
 
 def test_a_plain_script_and_a_lightning_datamodule_read_staged_data_on_two_nodes(slurm_cluster):
+    """Only test of ``submit --stage`` end to end on real nodes, for a plain script (2 x 2) and a
+    Lightning DataModule (2 x 1): one copy per node, and nothing left on the nodes."""
     pytest.importorskip("lightning")
     from ddp_hpc.data.pack import pack
     from ddp_hpc.examples.images import make_images
