@@ -1,7 +1,9 @@
 """ddp_hpc.submit, slurm/train.sbatch and slurm/train_torchrun.sbatch on the real test cluster
 (4 nodes, 4 fake GPUs each): jobs complete with logs in place, sweeps are one array, preemption
 under torchrun checkpoints and requeues, hostile strings stay strings, bad requests fail before
-anything is submitted. Jobs are the demo with a few steps (CPU is scarce)."""
+anything is submitted. Jobs are the demo with a few steps (CPU is scarce), 2 nodes x 2 tasks where
+the layout of two ranks a node is what a test checks (each path once), else 2 nodes x 1 task: each
+rank process costs ~2 s of CPU to import torch."""
 
 from __future__ import annotations
 
@@ -47,16 +49,17 @@ def _events(log_dir: Path, rank: int) -> list[dict]:
     return read_events(Path(log_dir) / f"rank{rank}.events.jsonl").events
 
 
-def _assert_2x2_completed(log_dir: Path, job_id: str | None = None, outs: bool = True):
+def _assert_2x2_completed(log_dir: Path, job_id: str | None = None, outs: bool = True, per_node: int = 2):
+    """Every rank of a 2-node job (``per_node`` ranks a node) completed, rank-ordered by node."""
     starts = []
-    for r in range(4):
+    for r in range(2 * per_node):
         ev = _events(log_dir, r)
         assert ev and ev[-1]["event"] == "end" and ev[-1]["status"] == "completed", (r, ev[-1:])
         starts.append(next(e for e in ev if e["event"] == "start"))
         assert not outs or (log_dir / f"rank{r}.out").exists()
-    assert {s["world_size"] for s in starts} == {4} and {s["num_nodes"] for s in starts} == {2}
+    assert {s["world_size"] for s in starts} == {2 * per_node} and {s["num_nodes"] for s in starts} == {2}
     hosts = [s["host"] for s in sorted(starts, key=lambda s: s["rank"])]
-    assert hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[0] != hosts[2]
+    assert hosts == [hosts[0]] * per_node + [hosts[-1]] * per_node and hosts[0] != hosts[-1], hosts
     if job_id is not None:
         assert {s["job_id"] for s in starts} == {job_id}
     return starts
@@ -70,9 +73,11 @@ def _config_in_checkpoint(log_dir: Path) -> dict:
 
 
 def test_auto_submitit_2x2_completes_with_logs_and_record(slurm_cluster, where):
+    """2 nodes x 1 task: the submitit backend's layout of 2 x 2 is checked by
+    test_scripts_cluster.py's unmodified script (local and group ranks)."""
     c = slurm_cluster
     marker = where[0] / "pwned-submitit"
-    p = _submit(c, where, "--nodes", "2", "--gpus", "2", "--time", "00:15:00", DEMO, "--wait",
+    p = _submit(c, where, "--nodes", "2", "--gpus", "1", "--time", "00:15:00", DEMO, "--wait",
                 "--wait-timeout", "240", "--", *SHORT, "checkpoint.every_epochs=1",
                 f"name=$(touch {marker})")
     assert p.returncode == 0, p.stdout + p.stderr
@@ -81,7 +86,7 @@ def test_auto_submitit_2x2_completes_with_logs_and_record(slurm_cluster, where):
     assert rec.backend == "submitit" and rec.cluster == c.cluster_name and rec.id == p.stdout.split()[-1]
     log_dir = Path(rec.log_dir)
     assert log_dir.parent == where[0] / "runs"
-    _assert_2x2_completed(log_dir, rec.id)
+    _assert_2x2_completed(log_dir, rec.id, per_node=1)
     assert not marker.exists()
     assert _config_in_checkpoint(log_dir)["name"] == f"$(touch {marker})"
     # submitit's own files (pickles, its script and logs) stay in a subfolder
@@ -94,6 +99,8 @@ def test_auto_submitit_2x2_completes_with_logs_and_record(slurm_cluster, where):
 
 
 def test_sbatch_backend_2x2_with_enclosing_job_vars_and_hostile_override(slurm_cluster, where):
+    """Only test of the sbatch backend's 2 x 2 layout, submitted from inside another job's
+    variables (they must not leak) with a hostile override."""
     c = slurm_cluster
     marker = where[0] / "pwned-sbatch"
     fake_enclosing = {"SLURM_JOB_ID": "999999", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1",
@@ -115,27 +122,29 @@ def test_sbatch_backend_2x2_with_enclosing_job_vars_and_hostile_override(slurm_c
 
 
 def test_train_sbatch_as_is_with_variables_and_arguments(slurm_cluster, where):
+    """Only test of slurm/train.sbatch submitted by plain sbatch: overrides by variables and by
+    arguments, and the job record the script writes."""
     c = slurm_cluster
     d, env = where
     script = str(ROOT / "slurm" / "train.sbatch")
-    # overrides through variables ...
-    p = c.run(["sbatch", "--parsable", "--time=10", script], cwd=str(d),
+    # overrides through variables, and sbatch's own flags over the script's layout (2 x 1) ...
+    p = c.run(["sbatch", "--parsable", "--time=10", "--ntasks-per-node=1", "--gpus-per-node=1", script], cwd=str(d),
               env={**env, "CONFIG": DEMO,
                    "OVERRIDES": " ".join([*SHORT, "data.kwargs.size=4096", "train.max_steps=2"])})
     assert p.returncode == 0, p.stderr
     by_vars = p.stdout.strip().split(";")[0]
-    # ... and as arguments after the script (which win)
+    # ... and as arguments after the script (which win), in the script's own layout (2 x 2)
     p = c.run(["sbatch", "--parsable", "--time=10", "--job-name=args", script, DEMO, *SHORT,
                "data.kwargs.size=4096", "train.max_steps=4"], cwd=str(d), env=env)
     assert p.returncode == 0, p.stderr
     by_args = p.stdout.strip().split(";")[0]
-    for job_id, name, steps in ((by_vars, "ddp_hpc", 2), (by_args, "args", 4)):
+    for job_id, name, steps, per_node in ((by_vars, "ddp_hpc", 2, 1), (by_args, "args", 4, 2)):
         assert c.wait(job_id, timeout=240) == "COMPLETED", (d / f"slurm-{name}-{job_id}.out").read_text()
-        starts = _assert_2x2_completed(d / "runs" / f"{name}-{job_id}", job_id)
+        starts = _assert_2x2_completed(d / "runs" / f"{name}-{job_id}", job_id, per_node=per_node)
         assert {s["total_steps"] for s in starts} == {steps}
         # the script recorded the job, so status finds it and its logs from any directory
         rec = records.load_record(job_id, environ=env)
-        assert (rec.name, rec.backend, rec.nodes, rec.gpus_per_node) == (name, "sbatch-script", 2, 2)
+        assert (rec.name, rec.backend, rec.nodes, rec.gpus_per_node) == (name, "sbatch-script", 2, per_node)
         assert rec.log_dir == str(d / "runs" / f"{name}-{job_id}") and rec.config == DEMO
 
 
@@ -167,12 +176,15 @@ def test_sweep_is_one_array_of_four_tasks_with_their_overrides(slurm_cluster, wh
 
 
 def test_torchrun_variant_completes_and_usr2_checkpoints_and_requeues(slurm_cluster, where):
+    """Only test of slurm/train_torchrun.sbatch: torchrun forwarding USR2, a requeue, a resume.
+    One GPU a node (sbatch's flag over the script's 2): one rank under each node's torchrun."""
     c = slurm_cluster
     d, env = where
     script = str(ROOT / "slurm" / "train_torchrun.sbatch")
-    long_run = ["train.epochs=1", "train.max_steps=400", "data.kwargs.size=65536",
+    long_run = ["train.epochs=1", "train.max_steps=256", "data.kwargs.size=65536",
                 "data.eval_split=0.0", "log.every_n_steps=1", "checkpoint.every_epochs=0"]
-    p = c.run(["sbatch", "--parsable", "--time=15", script, DEMO, *long_run], cwd=str(d), env=env)
+    p = c.run(["sbatch", "--parsable", "--time=15", "--gpus-per-node=1", script, DEMO, *long_run],
+              cwd=str(d), env=env)
     assert p.returncode == 0, p.stderr
     job_id = p.stdout.strip().split(";")[0]
     log_dir = d / "runs" / f"ddp_hpc_torchrun-{job_id}"
@@ -197,7 +209,8 @@ def test_torchrun_variant_completes_and_usr2_checkpoints_and_requeues(slurm_clus
     assert preempt["reason"] == "preemption" and preempt["signal"] in ("USR2", "SIGUSR2")
     second = [e for e in ev if e["restart"] == 1 and e["event"] == "step"]
     assert second and second[0]["step"] > preempt["step"] - 1      # resumed, not restarted at 0
-    for r in range(4):
+    assert not (log_dir / "rank2.events.jsonl").exists()       # one rank a node
+    for r in range(2):
         assert _events(log_dir, r)[-1]["status"] == "completed"
     assert "forwards SIGUSR2" in (log_dir / "node0.out").read_text()
 
@@ -230,17 +243,18 @@ def test_bad_requests_fail_before_submitting(slurm_cluster, where):
 
 
 def test_launchers_srun_and_submitit_example(slurm_cluster, where):
+    """launchers/srun.sh in 2 x 2 (its local ranks); launchers/submitit_example.py in 2 x 1."""
     c = slurm_cluster
     d, env = where
     # launchers/srun.sh inside an allocation of 2 nodes x 2 tasks
     job = c.sbatch(f"#!/bin/bash\nexec {ROOT / 'launchers' / 'srun.sh'} {DEMO} {' '.join(SHORT)}\n",
                    "-N2", "--ntasks-per-node=2", "--gpus-per-node=2", "--time=10", cwd=d)
     # launchers/submitit_example.py: submitit's own executor + ddp_hpc.env, waits for the results
-    p = c.run([PY, str(ROOT / "launchers" / "submitit_example.py"), "--nodes", "2", "--gpus", "2",
+    p = c.run([PY, str(ROOT / "launchers" / "submitit_example.py"), "--nodes", "2", "--gpus", "1",
                "--time", "10", "--config", DEMO, "--folder", str(d / "ex"), *SHORT],
               cwd=str(d), env=env, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "results:" in p.stdout and "'rank': 3" in p.stdout
-    _assert_2x2_completed(d / "ex" / "logs", outs=False)   # submitit keeps its own *_log.out
+    assert "results:" in p.stdout and "'rank': 1" in p.stdout and "'rank': 2" not in p.stdout
+    _assert_2x2_completed(d / "ex" / "logs", outs=False, per_node=1)   # submitit keeps its own *_log.out
     assert c.wait(job, timeout=240) == "COMPLETED", c.output(job, cwd=d)
     _assert_2x2_completed(d / "runs" / f"srun-{job}", job)
