@@ -2,18 +2,22 @@
 must leave alone complete untouched under the defaults: no restart, no exclusion, nothing deleted,
 and status says nothing alarming.
 
-- a plain script whose ranks work 12 s before their first step, whose rank 0 then saves for 15 s
-  and later evaluates for 15 s while the others wait in ``dist.barrier()``: both longer than the
+- a plain script whose ranks work 8 s before their first step, whose rank 0 then saves for 10 s
+  and later evaluates for 10 s while the other waits in ``dist.barrier()``: both twice the
   hang limit (``--hang-timeout 5`` here, so the test is short: the rule does not depend on the
   floor), so the supervisor asks the ranks' stacks, sees rank 0 working outside a collective and
   stands back; status says so in one line;
-- 4 DataLoader workers per rank on 2 cores (saturated CPUs) and then a killed rank: healed, and
+- 4 DataLoader workers per rank (8 busy processes) on 2 cores (saturated CPUs) and then a killed
+  rank: healed, and
   blamed on the killed rank;
 - a state whose memory snapshots do not fit the job's memory (``--mem``): the snapshots step back
   with one status line, the file checkpoints go on, the job completes;
 - a job requeued by ``scontrol requeue`` (and held, so it stays requeued while the test looks):
   its memory snapshots survive the sweep that another job's snapshots start on the same nodes,
   while an ended job's are freed.
+
+Every job is 2 nodes x 1 task: each rank process costs ~2 s of CPU to import torch, and none of
+these rules looks at two ranks on one node (the snapshots' fit is per node, whatever its ranks).
 
 Elsewhere: nodes whose scratch is a 1 MB tmpfs (test_health_cluster.py), a frozen rank and a
 still one still caught (test_hang_cluster.py, test_restart_cluster.py)."""
@@ -55,12 +59,14 @@ def _submit(c, d: Path, *args: str, **more_env: str) -> tuple[str, dict]:
 
 
 def test_a_scripts_slow_first_step_rank0_save_and_eval_behind_a_barrier_complete_untouched(slurm_cluster):
+    """Only test that the hang limit, on real ranks, asks the stacks of long work outside a
+    collective and stands back."""
     c = slurm_cluster
     d = c.shared_dir / f"harmless-{time.monotonic_ns()}"
     d.mkdir()
-    job, env = _submit(c, d, "-G", "2", "-N", "2", "--hang-timeout", "5", "-J", "harmless",
+    job, env = _submit(c, d, "-G", "1", "-N", "2", "--hang-timeout", "5", "-J", "harmless",
                        str(REPO / "tests" / "cluster" / "ordinary_train.py"),
-                       FIRST_S="12", SAVE_AT="30", SAVE_S="15", EVAL_AT="45", EVAL_S="15", STEPS="60",
+                       FIRST_S="8", SAVE_AT="30", SAVE_S="10", EVAL_AT="45", EVAL_S="10", STEPS="60",
                        CKPT_DIR=str(d))
     log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("harmless-*"), None), 60)
     state = c.wait(job, timeout=300)
@@ -78,29 +84,32 @@ def test_a_scripts_slow_first_step_rank0_save_and_eval_behind_a_barrier_complete
 
 
 def test_saturated_cpus_then_a_killed_rank_is_healed_and_blamed_on_it(slurm_cluster):
+    """Only test of a killed rank blamed right while DataLoader workers saturate the CPUs (srun's
+    stop ends the workers too, and they must not be blamed)."""
     c = slurm_cluster
     d = c.shared_dir / f"saturated-{time.monotonic_ns()}"
     d.mkdir()
-    job, env = _submit(c, d, "-G", "2", "-N", "2", "-c", "1", "-J", "saturated", str(REPO / "jobs" / "demo.yaml"), "--",
+    job, env = _submit(c, d, "-G", "1", "-N", "2", "-c", "1", "-J", "saturated", str(REPO / "jobs" / "demo.yaml"), "--",
                        f"log.dir={d / 'runs'}", *FAST, "data.num_workers=4", "data.kwargs.size=4096")
     log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("saturated-*"), None), 60)
-    starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 4, 4), 240)
-    os.kill(int(starts0[3]["pid"]), signal.SIGKILL)
+    starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 2, 4), 240)
+    os.kill(int(starts0[1]["pid"]), signal.SIGKILL)
     state = c.wait(job, timeout=400)
     status = c.run([PY, "-m", "ddp_hpc.status", job], cwd="/", env=env, timeout=120).stdout
     rows = read_restarts(log_dir)
     print(f"{json.dumps(rows, indent=1)}\n{status}")
     assert state == "COMPLETED", status
     [row] = rows
-    assert (row["rank"], row["kind"], row["excluded"]) == (3, "killed", []), row
+    assert (row["rank"], row["kind"], row["excluded"]) == (1, "killed", []), row
     assert read_holds(log_dir) == [] and read_health(log_dir) == [], status
     assert "Restarts inside the allocation: 1" in status, status
-    # the run history names rank 3 too, not a rank whose DataLoader workers srun's stop ended
+    # the run history names rank 1 too, not a rank whose DataLoader workers srun's stop ended
     [run0] = [ln for ln in status.splitlines() if ln.strip().startswith("restart 0: ranks")]
-    assert "first failure: rank 3 on " in run0 and "killed by signal 9" in run0, run0
+    assert "first failure: rank 1 on " in run0 and "killed by signal 9" in run0, run0
 
 
 def test_memory_snapshots_that_do_not_fit_the_jobs_memory_step_back_with_one_line(slurm_cluster):
+    """Only test of the snapshots' fit against a real ``--mem``."""
     sys.path.insert(0, str(REPO / "bench"))
     from bigstate import overrides
 
@@ -108,7 +117,7 @@ def test_memory_snapshots_that_do_not_fit_the_jobs_memory_step_back_with_one_lin
     d = c.shared_dir / f"bigstate-{time.monotonic_ns()}"
     d.mkdir()
     # about 60 MB of state: 3 x 60 MB and the margin do not fit 400 MB
-    job, env = _submit(c, d, "-G", "2", "-N", "2", "--mem", "400M", "-J", "bigstate",
+    job, env = _submit(c, d, "-G", "1", "-N", "2", "--mem", "400M", "-J", "bigstate",
                        str(REPO / "jobs" / "demo.yaml"), "--", f"log.dir={d / 'runs'}", *overrides(60),
                        "train.max_steps=6", "log.every_n_steps=1", "checkpoint.memory_every_steps=1",
                        "data.kwargs.size=2048")
@@ -118,7 +127,7 @@ def test_memory_snapshots_that_do_not_fit_the_jobs_memory_step_back_with_one_lin
     print(status)
     assert state == "COMPLETED", status
     assert read_restarts(log_dir) == [], status
-    off = [e for r in range(4) for e in read_events(log_dir / f"rank{r}.events.jsonl").events
+    off = [e for r in range(2) for e in read_events(log_dir / f"rank{r}.events.jsonl").events
            if e.get("event") == "memsnap"]
     assert off and all(e["status"] == "off" for e in off), off
     notes = [ln for ln in status.splitlines() if "memory snapshots off" in ln]
@@ -138,7 +147,7 @@ def test_a_requeued_jobs_snapshots_survive_another_jobs_sweep(slurm_cluster):
     assert p.returncode == 0, p.stderr
     kept, ended = _snapshots_of(held, "rq", c.cluster_name), _snapshots_of("1", "ended", c.cluster_name)
     try:
-        job, env = _submit(c, d, "-G", "2", "-N", "2", "-J", "sweeper", str(REPO / "jobs" / "demo.yaml"), "--",
+        job, env = _submit(c, d, "-G", "1", "-N", "2", "-J", "sweeper", str(REPO / "jobs" / "demo.yaml"), "--",
                            f"log.dir={d / 'runs'}", "train.max_steps=6", "checkpoint.memory_every_steps=1",
                            "data.kwargs.size=2048")
         state = c.wait(job, timeout=300)
