@@ -30,7 +30,7 @@ def _last_step(log_dir: str) -> dict:
     return [e for e in events if e["event"] == "step"][-1]
 
 
-def test_lightning_and_hf_scripts_2x2_show_progress_and_tensorboard(slurm_cluster):
+def test_lightning_and_hf_scripts_on_two_nodes_show_progress_and_tensorboard(slurm_cluster):
     """Only test of the Lightning and Hugging Face integrations on real Slurm ranks."""
     c = slurm_cluster
     d = c.shared_dir / f"frameworks-{time.monotonic_ns()}"

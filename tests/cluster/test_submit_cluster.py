@@ -72,7 +72,7 @@ def _config_in_checkpoint(log_dir: Path) -> dict:
     return torch.load(ckpts[-1], weights_only=True)["config"]
 
 
-def test_auto_submitit_2x2_completes_with_logs_and_record(slurm_cluster, where):
+def test_auto_submitit_2x1_completes_with_logs_and_record(slurm_cluster, where):
     """2 nodes x 1 task: the submitit backend's layout of 2 x 2 is checked by
     test_scripts_cluster.py's unmodified script (local and group ranks)."""
     c = slurm_cluster
