@@ -1,5 +1,7 @@
 """The helpers for users' own scripts: ddp_hpc.preemption, ddp_hpc.checkpoint, ddp_hpc.report, and
-the examples that use them, run as real 2 x 2 jobs under ``ddp-hpc launch`` + ``ddp_hpc.exec``."""
+the examples that use them, run as real jobs of 2 pretend nodes x 1 rank under ``ddp-hpc launch`` +
+``ddp_hpc.exec`` (none of them is about ranks sharing a node; the 2 x 2 layout under the wrapper:
+tests/test_exec.py, and the README's ``submit -N 2 -G 2`` of examples/preemptible.py)."""
 from __future__ import annotations
 
 import os
@@ -26,26 +28,29 @@ ROOT = Path(__file__).resolve().parents[1]
 PREEMPTIBLE = str(ROOT / "examples" / "preemptible.py")
 
 
-# ----------------------------------------------------------------------------- preemption, 2 x 2
+# ----------------------------------------------------------------------------- preemption, 2 x 1
 @pytest.mark.timeout(240)
 def test_usr2_to_one_rank_stops_every_rank_at_the_same_step_and_a_rerun_resumes(tmp_path):
+    """The only real script run (ddp_hpc.preemption under the wrapper) where one rank (rank 1, not
+    rank 0, on the other pretend node) gets the signal and every rank stops at the same step; the
+    rerun resumes from that step."""
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     argv = [*EXEC, "--", sys.executable, PREEMPTIBLE, "--steps", "2000", "--sleep", "0.02", "--ckpt-dir", str(ckpt)]
-    run = start_local(argv, nodes=2, procs_per_node=2, log_dir=logs, env=clean_env())
+    run = start_local(argv, nodes=2, procs_per_node=1, log_dir=logs, env=clean_env())
     try:
-        wait_for(lambda: "step" in kinds(logs, 2), timeout=120, what="rank 2's first step")
-        os.kill(run.procs[2].pid, signal.SIGUSR2)      # rank 2's wrapper, which passes it on
+        wait_for(lambda: "step" in kinds(logs, 1), timeout=120, what="rank 1's first step")
+        os.kill(run.procs[1].pid, signal.SIGUSR2)      # rank 1's wrapper, which passes it on
         codes = [p.wait(timeout=120) for p in run.procs]
     finally:
         run.kill(grace=0)
-    assert codes == [75] * 4, [(logs / f"rank{r}.out").read_text()[-1500:] for r in range(4)]
+    assert codes == [75] * 2, [(logs / f"rank{r}.out").read_text()[-1500:] for r in range(2)]
     stops = {}
-    for r in range(4):
+    for r in range(2):
         ev = events(logs, r)
         (preempt,), end = [e for e in ev if e["event"] == "preempt"], ev[-1]
         assert (end["event"], end["status"], end["exit_code"]) == ("end", "preempted", 75)
         assert preempt["reason"] == "preemption" and "error" not in kinds(logs, r)
-        assert preempt["signal"] == ("SIGUSR2" if r == 2 else None)     # only rank 2 got it
+        assert preempt["signal"] == ("SIGUSR2" if r == 1 else None)     # only rank 1 got it
         assert end["step"] is not None and end["step"] <= preempt["step"]
         stops[r] = preempt["step"]
     (step,) = set(stops.values())                                 # every rank stopped at one step
@@ -53,25 +58,25 @@ def test_usr2_to_one_rank_stops_every_rank_at_the_same_step_and_a_rerun_resumes(
     assert f"stopped at step {step} of 2000" in (logs / "rank0.out").read_text()
 
     res = run_local([*EXEC, "--", sys.executable, PREEMPTIBLE, "--steps", str(step + 3), "--ckpt-dir", str(ckpt)],
-                    nodes=2, procs_per_node=2, log_dir=logs, env=clean_env())
+                    nodes=2, procs_per_node=1, log_dir=logs, env=clean_env())
     assert res.ok, (logs / "rank0.out").read_text()[-2000:]
-    assert f"4 ranks, {step + 3} steps (resumed from step {step})" in (logs / "rank0.out").read_text()
+    assert f"2 ranks, {step + 3} steps (resumed from step {step})" in (logs / "rank0.out").read_text()
     assert events(logs, 0)[-1]["status"] == "completed" and events(logs, 0)[-1]["step"] == step + 3
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("example, words", [
-    ("lightning_style.py", "lightning_style: 4 ranks, 40 steps, final loss"),
-    ("preemptible.py", "preemptible: 4 ranks, 50 steps, final loss"),      # a fresh run: no "resumed"
+    ("lightning_style.py", "lightning_style: 2 ranks, 40 steps, final loss"),
+    ("preemptible.py", "preemptible: 2 ranks, 50 steps, final loss"),      # a fresh run: no "resumed"
 ])
-def test_example_runs_2x2_under_launch_and_exec(tmp_path, example, words):
+def test_example_runs_2x1_under_launch_and_exec(tmp_path, example, words):
     ddp_hpc = Path(sys.executable).with_name("ddp-hpc")
-    p = subprocess.run([str(ddp_hpc), "launch", "--nodes", "2", "--procs-per-node", "2", "--log-dir",
+    p = subprocess.run([str(ddp_hpc), "launch", "--nodes", "2", "--procs-per-node", "1", "--log-dir",
                         str(tmp_path / "logs"), "--", *EXEC, "--", sys.executable, str(ROOT / "examples" / example),
                         "--ckpt-dir", str(tmp_path / "ckpt")],
                        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=170)
     assert p.returncode == 0 and words in p.stdout, p.stdout + p.stderr
-    for r in range(4):
+    for r in range(2):
         assert events(tmp_path / "logs", r)[-1]["status"] == "completed"
         assert "step" in kinds(tmp_path / "logs", r)
     assert len(list_checkpoints(tmp_path / "ckpt")) == 1
