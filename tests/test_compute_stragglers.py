@@ -1,6 +1,7 @@
 """Issue 34 item 1: each rank's own compute per step (``compute_s``, ddp_hpc/instrument/compute.py)
 and the ranks and nodes status names for it (ddp_hpc/judge/compute.py). The end-to-end tests run
-a plain DDP script (no ddp_hpc import) as a real 2 x 2 local job under ``ddp-hpc submit``."""
+a plain DDP script (no ddp_hpc import) as a real local job of 3 ranks on one pretend node under
+``ddp-hpc submit`` (the node judgement of several nodes: the synthetic-event tests here)."""
 from __future__ import annotations
 
 import json
@@ -140,17 +141,19 @@ def test_the_compute_lines_come_first_among_the_stragglers():
     assert with_compute(None, None) is None
 
 
-# --------------------------------------------------------------------------- a real 2 x 2 job
+# --------------------------------------------------------------------------- a real 1 x 3 job
 ARGS = ("--steps", "50", "--step-sleep", "0.02")
 
 
 @pytest.mark.timeout(180)
 def test_a_plain_script_whose_rank_2_computes_slower_is_named(tmp_path):
-    """``ddp-hpc submit`` of the plain script as a 2 x 2 local job, then ``ddp-hpc status``."""
+    """``ddp-hpc submit`` of the plain script as a 1 x 3 local job, then ``ddp-hpc status``: the only
+    real run in which the instrumentation's compute_s names a slow rank (rank 2 against the median
+    of ranks 0 and 1)."""
     from tests.test_instrument import clean_env
     home = tmp_path / "home"
     env = clean_env(DDP_HPC_HOME=str(home))
-    p = subprocess.run([DDP_HPC, "submit", "--backend", "local", "-N", "2", "-G", "2", "--wait", "--log-dir",
+    p = subprocess.run([DDP_HPC, "submit", "--backend", "local", "-N", "1", "-G", "3", "--wait", "--log-dir",
                         str(tmp_path / "runs"), str(SCRIPT), *ARGS, "--slow-rank", "2", "--slow-s", "0.04"],
                        env=env, capture_output=True, text=True, timeout=170, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -163,18 +166,18 @@ def test_a_plain_script_whose_rank_2_computes_slower_is_named(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_the_same_script_without_the_extra_work_names_no_rank(tmp_path):
-    """The same 2 x 2 run (``ddp-hpc launch`` of it under ``ddp_hpc.exec``) without the extra
+    """The same 1 x 3 run (``ddp-hpc launch`` of it under ``ddp_hpc.exec``) without the extra
     work: every rank's compute is measured, none is named."""
     from ddp_hpc.status.collect import collect
     from ddp_hpc.status.targets import StatusTarget
     from ddp_hpc.status.view import render_detail
     from tests.test_instrument import EXEC, clean_env
     log_dir = tmp_path / "logs"
-    p = subprocess.run([DDP_HPC, "launch", "--nodes", "2", "--procs-per-node", "2", "--log-dir", str(log_dir),
+    p = subprocess.run([DDP_HPC, "launch", "--nodes", "1", "--procs-per-node", "3", "--log-dir", str(log_dir),
                         "--", *EXEC, "--", sys.executable, str(SCRIPT), *ARGS],
                        env=clean_env(), capture_output=True, text=True, timeout=170)
     assert p.returncode == 0, p.stdout + p.stderr
     st = collect([StatusTarget("local", None, str(log_dir))], None, only="logs")[0]
     c = st.timing["compute"]
-    assert c["slow_ranks"] == [] and c["slow_nodes"] == [] and len(c["ranks"]) == 4, c
+    assert c["slow_ranks"] == [] and c["slow_nodes"] == [] and len(c["ranks"]) == 3, c
     assert "computes" not in render_detail(st)
