@@ -42,9 +42,11 @@ def _steps(run_dir: Path) -> int:
 
 
 def test_the_same_local_submit_resumes_its_interrupted_run(tmp_path):
-    argv = [sys.executable, "-m", "ddp_hpc.submit", "-N", "1", "-G", "2", "--backend", "local",
+    """The only real local job interrupted (Ctrl-C) and submitted again: one rank, as nothing here
+    is about ranks (a resumed 2-rank job: the next test); 8 steps of 0.64 s as with 2 ranks."""
+    argv = [sys.executable, "-m", "ddp_hpc.submit", "-N", "1", "-G", "1", "--backend", "local",
             DEMO, "--wait", "--", f"log.dir={tmp_path / 'runs'}", "train.epochs=1",
-            "data.kwargs.size=1024", "data.eval_split=0.0", "log.progress=lines", "log.every_n_steps=1",
+            "data.kwargs.size=512", "data.eval_split=0.0", "log.progress=lines", "log.every_n_steps=1",
             "checkpoint.every_steps=0", "data.dataset=tests.cluster.status_helpers:slow_synthetic",
             "data.kwargs.delay=0.01"]
     env = _env(tmp_path)
@@ -85,7 +87,8 @@ def test_the_same_local_submit_resumes_its_interrupted_run(tmp_path):
 
 def test_a_failed_local_run_resumed_to_completion_reads_completed_with_both_runs(tmp_path):
     """The resumed run's events carry restart 1 after the failed run's 0: status judges the
-    newest run (COMPLETED) and lists both."""
+    newest run (COMPLETED) and lists both. Two ranks: the run's cause is its failing rank's,
+    rank 0's, exception."""
     argv = [sys.executable, "-m", "ddp_hpc.submit", "-N", "1", "-G", "2", "--backend", "local",
             DEMO, "--wait", "--", f"log.dir={tmp_path / 'runs'}", "train.epochs=1",
             "data.kwargs.size=1024", "data.eval_split=0.0", "log.progress=lines", "log.every_n_steps=1",
