@@ -126,6 +126,8 @@ def _supervise(tmp_path: Path, script: str, job: str, hang_s: float, *args: str,
 
 @pytest.mark.slow
 def test_a_hang_is_called_within_its_limit_named_from_the_stacks_and_the_restart_has_phases(tmp_path, signals):
+    """The only real-rank run stopped by the supervisor's own hang limit (4 s, not a collective
+    timeout): rank 1 named from the stacks, and the restart's phases add up to the time lost."""
     rc, log_dir = _supervise(tmp_path, SCRIPT, "41", 4.0)
     assert rc == 0
     [row] = read_restarts(log_dir)
@@ -329,11 +331,13 @@ BUSY_RANK0 = textwrap.dedent("""
 @pytest.mark.parametrize("work", ["save", "eval"])
 def test_a_scripts_long_rank0_save_or_eval_behind_a_barrier_is_no_hang(tmp_path, signals, work):
     """Issue 38, bug 1: the commonest script shape, ``if rank == 0: torch.save(...)`` (or an
-    evaluation) and then ``dist.barrier()``, for three times the hang limit: the stacks show rank 0
-    outside a collective, but working (its CPU or IO grows), so the supervisor watches on and the
-    run completes with no restart. (A still rank outside a collective is still named: the test
-    above; a frozen one too: tests/cluster/test_hang_cluster.py.)"""
-    rc, log_dir = _supervise(tmp_path, BUSY_RANK0, "42", 3.0, work, "20")
+    evaluation) and then ``dist.barrier()``, for three times the hang limit (10 s: the limit is
+    about 3 s, the floor and 3 x the 1 s between step events, so the first request for the stacks
+    comes half-way through): the stacks show rank 0 outside a collective, but working (its CPU or
+    IO grows), so the supervisor watches on and the run completes with no restart. (A still rank
+    outside a collective is still named: the test above; a frozen one too:
+    tests/cluster/test_hang_cluster.py.) One torch thread: the evaluation busies one core, not all."""
+    rc, log_dir = _supervise(tmp_path, BUSY_RANK0, "42", 3.0, work, "10", OMP_NUM_THREADS="1")
     assert rc == 0
     assert read_restarts(log_dir) == []
     asked = [e for e in RunLogs(log_dir).ranks[0].of_restart(0) if e.get("event") == "stack"]
@@ -369,9 +373,10 @@ SPIN = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_rank_spinning_outside_a_collective_is_left_to_the_collective_timeout_and_then_blamed(tmp_path, signals):
     """The busy rule's other side: a rank in an endless loop outside a collective works, so the
-    hang limit stands back; the others' collective timeout (15 s here) ends the step, and the
-    restart blames the spinning rank."""
-    rc, log_dir = _supervise(tmp_path, SPIN, "43", 3.0, SPIN_TIMEOUT="15")
+    hang limit stands back; the others' collective timeout (10 s here: after the hang limit of about
+    3 s and the stack request, with room for the ranks' start on a loaded machine, which the
+    timeout also bounds) ends the step, and the restart blames the spinning rank."""
+    rc, log_dir = _supervise(tmp_path, SPIN, "43", 3.0, SPIN_TIMEOUT="10")
     assert rc == 0
     [row] = read_restarts(log_dir)
     print(json.dumps(row, indent=1))
