@@ -81,7 +81,9 @@ def echo(tmp_path, monkeypatch):
     backends.unregister("echo")
 
 
-def test_a_planted_backend_plans_and_submits_through_the_command_line(echo, tmp_path, capsys):
+def test_a_planted_backend_plans_and_submits_through_the_command_line(echo, tmp_path, capsys, monkeypatch):
+    # cancel of a job that does not run here waits for Slurm to report its end (30 s): no Slurm here
+    monkeypatch.setattr(cancel, "SLURM_SETTLE_S", 1.0)
     args = ["--backend", "echo", "-N", "2", "-G", "1", "--log-dir", str(tmp_path / "runs")]
     assert submit_cli.main([*args, "--dry-run", "hello.py", "a", "b"]) == 0
     out, err = capsys.readouterr()
