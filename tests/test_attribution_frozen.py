@@ -39,6 +39,8 @@ def frozen_run(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(300)
 def test_the_frozen_rank_is_blamed_and_the_waiting_ranks_are_its_victims(frozen_run):
+    """Pays for the module's one real run (2 x 2: three victims, whose timeouts race): a SIGSTOPped
+    rank, which writes nothing, is blamed from the others' real gloo timeouts and stacks."""
     stacks = {r: [e for e in read_events(frozen_run / f"rank{r}.events.jsonl").events if e["event"] == "stack"]
               for r in range(4)}
     # the stall, as it was written: the waiting ranks' stacks. (Rank 3 may have written one too,

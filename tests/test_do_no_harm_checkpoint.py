@@ -150,6 +150,8 @@ LAST_SAVE = textwrap.dedent("""
 
 @pytest.mark.timeout(120)
 def test_a_script_whose_last_background_save_failed_exits_1_with_an_error_event(tmp_path):
+    """A background save on a script's last line still fails the script (exit 1; under ddp_hpc.exec
+    with an error event) or writes its file: three real interpreters, each importing torch."""
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the checkpoint directory should be\n")
     target = blocked / "ckpt"

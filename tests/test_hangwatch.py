@@ -111,6 +111,7 @@ def test_sigurg_asks_for_stacks_while_the_main_thread_is_busy():
 
 @pytest.mark.slow
 def test_status_stacks_on_a_running_local_job(tmp_path):
+    """`ddp-hpc status --stacks` of a real running local job: both ranks of the training core answer."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDP_HPC_"))}
     env.update(DDP_HPC_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)

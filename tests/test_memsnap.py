@@ -102,6 +102,8 @@ def job():
 
 @pytest.mark.slow
 def test_a_restore_from_memory_or_a_peer_equals_the_file_restore_bitwise_also_on_another_world(tmp_path, job):
+    """Real 2 x 2 runs: a restore from node memory, or from a peer node for the node whose snapshot
+    was lost, equals the file restore bitwise; and a memory snapshot of 4 ranks resumes on 2."""
     ckpt = tmp_path / "ckpt"
     with pytest.raises(RankFailedError) as info:          # rank 3 fails at step 5: both tiers hold step 3
         _launch(4, 2, job, tmp_path / "first", ckpt, ["checkpoint.memory_every_steps=3"], fail_at=5)

@@ -86,6 +86,8 @@ def test_background_run_records_driver_and_finishes(tmp_path):
 
 
 def test_local_sweep_runs_each_task_with_its_overrides(tmp_path):
+    """The only real local sweep: each task a 1 x 2 run of its own overrides, in its own log
+    directory, with the final state the job table keeps."""
     p = _submit(tmp_path, "--nodes", "1", "--gpus", "2", str(ROOT / "jobs/demo.yaml"), "--wait",
                 "--sweep", "train.max_steps=2,3", "--", *SHORT[1:])
     assert p.returncode == 0, p.stdout + p.stderr
