@@ -213,3 +213,30 @@ def test_submit_refuses_min_nodes_the_batch_cannot_shrink_to(tmp_path):
     assert p.returncode == 2, p.stderr
     assert "--nodes 3 --min-nodes 2" in p.stderr and "2 nodes after starting on 3" in p.stderr, p.stderr
     assert "HINT: set train.allow_batch_size_change=true" in p.stderr, p.stderr
+
+
+def test_the_builtin_names_the_check_knows_are_the_objects_the_job_builds():
+    from ddp_hpc.examples import DATASET_NAMES, MODEL_NAMES
+    from ddp_hpc.examples.models import BUILTIN_MODELS
+    from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
+
+    assert sorted(MODEL_NAMES) == sorted(BUILTIN_MODELS)
+    assert sorted(DATASET_NAMES) == sorted(BUILTIN_DATASETS)
+
+
+def test_checking_a_job_before_submit_does_not_import_torch(tmp_path):
+    """`ddp-hpc submit` runs on a login node and in every test that submits: torch's import
+    (~1.7 s of CPU) is paid by the ranks, not by the check of their config."""
+    import os
+    import subprocess
+
+    code = ("import sys, runpy\n"
+            f"sys.argv = ['submit', '--backend', 'local', '--dry-run', '-N', '2', '-G', '2', {str(DEMO)!r}]\n"
+            "try:\n    runpy.run_module('ddp_hpc.submit', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('torch' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == "False", p.stdout + p.stderr

@@ -20,6 +20,7 @@ from ddp_hpc.config.factory import resolve_factory
 from ddp_hpc.config.sections import DataConfig, JobConfig, TrainConfig
 from ddp_hpc.config.slurm_options import SlurmOptions
 from ddp_hpc.config.typed import ConfigError
+from ddp_hpc.examples import DATASET_NAMES, MODEL_NAMES
 
 __all__ = ["validate_job"]
 
@@ -96,12 +97,11 @@ def _check_precision(cfg: JobConfig, backend: str) -> None:
 
 
 def _builtins() -> dict[str, Mapping[str, Any] | None]:
-    """The built-in names of each factory key; None: names without ':' are not checked here."""
-    from ddp_hpc.examples.models import BUILTIN_MODELS  # torch: imported only when checking
-    from ddp_hpc.examples.synthetic import BUILTIN_DATASETS
-
-    return {"model.name": BUILTIN_MODELS, "data.dataset": BUILTIN_DATASETS,
-            "data.eval_dataset": BUILTIN_DATASETS, "train.loss": None}
+    """The built-in names of each factory key (only the names: the objects need torch, which the
+    check does not import); None: names without ':' are not checked here."""
+    models, datasets = dict.fromkeys(MODEL_NAMES), dict.fromkeys(DATASET_NAMES)
+    return {"model.name": models, "data.dataset": datasets, "data.eval_dataset": datasets,
+            "train.loss": None}
 
 
 def _check_factories(cfg: JobConfig, workdir: str) -> None:
