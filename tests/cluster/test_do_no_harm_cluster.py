@@ -127,8 +127,10 @@ def test_memory_snapshots_that_do_not_fit_the_jobs_memory_step_back_with_one_lin
     print(status)
     assert state == "COMPLETED", status
     assert read_restarts(log_dir) == [], status
+    # what the snapshot writers said about their own snapshots (the sweep of an ended job's
+    # folders, status "swept", is another matter: it says so whenever an earlier test left some)
     off = [e for r in range(2) for e in read_events(log_dir / f"rank{r}.events.jsonl").events
-           if e.get("event") == "memsnap"]
+           if e.get("event") == "memsnap" and e.get("status") != "swept"]
     assert off and all(e["status"] == "off" for e in off), off
     notes = [ln for ln in status.splitlines() if "memory snapshots off" in ln]
     assert len(notes) == 1 and "does not fit the job's memory" in notes[0] and "--mem" in notes[0], status
