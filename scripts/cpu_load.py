@@ -20,9 +20,11 @@ import time
 PERIOD_S = 0.1
 
 
-def spin(share: float) -> None:
+def spin(share: float, parent: int) -> None:
+    """Busy ``share`` of each period until the parent is gone (killed without a chance to stop us,
+    the loops must not spin on for ever)."""
     busy = PERIOD_S * share
-    while True:
+    while os.getppid() == parent:
         start = time.monotonic()
         while time.monotonic() - start < busy:
             pass
@@ -44,13 +46,14 @@ def main() -> int:
         how = "real-time priority"
     except (OSError, AttributeError):
         how = "normal priority (no permission for real-time: the loops may get less than their share)"
-    children = []
+    children, parent = [], os.getpid()
     for _ in range(os.cpu_count() or 1):
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            spin(share)
+            spin(share, parent)
+            os._exit(0)
         children.append(pid)
 
     def stop(*_):
