@@ -46,12 +46,15 @@ from dataclasses import dataclass, field
 from ddp_hpc.judge.tails import RankStream
 from ddp_hpc.parsing import to_float, to_int
 
-__all__ = ["Goodput", "goodput", "PARTS", "STALL_RATIO"]
+__all__ = ["Goodput", "goodput", "PARTS", "PART_NAMES", "STALL_RATIO"]
 
 #: an interval with no checkpoint or eval that took this many times its steps' usual time is a stall
 STALL_RATIO = 3.0
 #: the parts of the wall time that were not useful steps, in the order they are shown
 PARTS = ("restarts", "redone", "checkpoint", "data", "stalls", "eval", "other")
+#: each part as the user reads it (the detail view and the HTML page alike: one place, one wording)
+PART_NAMES = {"restarts": "restarts", "redone": "steps trained twice", "checkpoint": "checkpoints",
+              "data": "data wait", "stalls": "stalls", "eval": "eval", "other": "other"}
 
 
 @dataclass

@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 
+from ddp_hpc.judge.goodput import PART_NAMES
 from ddp_hpc.judge.picture import STATES
 from ddp_hpc.judge.timing import STALL_FACTOR
 from ddp_hpc.slurm.times import format_duration
@@ -29,6 +30,9 @@ CHART_H = 120
 COLORS = {"idle": "#ffffff", "run": "#d9e2ec", "step": "#4c9f70", "data": "#e0a030", "stall": "#d64545",
           "stage": "#7a5cc7", "restart": "#c01c28", "checkpoint": "#1c71d8", "preempt": "#986a44",
           "error": "#c01c28", "end": "#5e5c64"}
+#: the goodput object's other keys, as the detail view words them (its parts: judge.goodput.PART_NAMES)
+GOODPUT_NAMES = {"goodput": "goodput", "wall_s": "since the first step (s)", "useful_s": "useful steps (s)",
+                 "steps_redone": "steps trained twice", "step_s": "seconds per step"}
 PHASE_COLORS = ("#1c71d8", "#26a269", "#e5a50a", "#c64600", "#813d9c", "#865e3c", "#3d3846")
 CSS = """body{font:13px/1.4 system-ui,sans-serif;margin:16px;color:#222}h1{font-size:18px;margin:0 0 4px}
 h2{font-size:15px;margin:18px 0 6px}.fail{border-left:4px solid #c01c28;background:#fdf0f0;padding:6px 10px;
@@ -167,6 +171,17 @@ def _phases(marks: list[dict]) -> str:
     return f'<h2>Restart phases</h2><div class="legend">{legend}</div>{svg}'
 
 
+def _goodput_label(key: str) -> str:
+    """A goodput key (``lost_s.redone``) in the words of the detail view (``lost: steps trained
+    twice (s)``): the page is read by people, its ``data-key`` keeps the key for scripts."""
+    head, _, sub = key.partition(".")
+    if head == "lost_s":
+        return f"lost: {PART_NAMES.get(sub, sub)} (s)"
+    if head == "restart_phases":
+        return f"restart phase: {sub} (s)"
+    return GOODPUT_NAMES.get(key, key)
+
+
 def _goodput(doc: dict | None) -> str:
     """The goodput object (its numbers; a fraction as a percentage), when the status has one."""
     if not isinstance(doc, dict) or not doc:
@@ -177,7 +192,7 @@ def _goodput(doc: dict | None) -> str:
             flat.update({f"{k}.{kk}": vv for kk, vv in v.items() if isinstance(vv, (int, float))})
         elif isinstance(v, (int, float)):
             flat[k] = v
-    rows = "".join(f'<tr data-kind="goodput" data-key="{_e(k)}"><td>{_e(k)}</td><td>'
+    rows = "".join(f'<tr data-kind="goodput" data-key="{_e(k)}"><td>{_e(_goodput_label(k))}</td><td>'
                    f'{_e(f"{v:.1%}" if 0 <= v <= 1 and not k.endswith("_s") else f"{v:.4g}")}</td></tr>'
                    for k, v in flat.items())
     return f'<h2>Goodput</h2><table>{rows}</table>'
