@@ -16,7 +16,7 @@ from typing import Any, Literal, Mapping
 
 from ddp_hpc.errors import HintError
 
-__all__ = ["ConfigError", "build", "to_dict", "key_of"]
+__all__ = ["ConfigError", "build", "to_dict", "key_of", "did_you_mean"]
 
 
 class ConfigError(HintError, ValueError):
@@ -103,10 +103,16 @@ def _bad_value(key: str, value: Any, tp: Any, source: str) -> ConfigError:
     if choices is None:
         return ConfigError(f"config key {key!r} has the wrong type: {value!r} ({type(value).__name__}) "
                            f"from {source}", f"{key} must be {_type_name(tp)}")
-    near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
     return ConfigError(f"config key {key!r} = {value!r} is not one of its values (from {source})",
                        f"{key} is one of {', '.join(repr(c) for c in choices)}"
-                       + (f" (did you mean {near[0]!r}?)" if near else ""))
+                       + did_you_mean(value, choices))
+
+
+def did_you_mean(word: Any, choices: typing.Iterable[Any]) -> str:
+    """`` (did you mean 'batch_size'?)`` when one of ``choices`` is close to ``word`` (as a mistyped
+    flag is answered, ``ddp_hpc.text.did_you_mean``), else ""."""
+    near = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def key_of(f: dataclasses.Field) -> str:
@@ -117,9 +123,10 @@ def key_of(f: dataclasses.Field) -> str:
 
 def _unknown_key(cls: type, unknown: str, where: str, source: str) -> ConfigError:
     key = f"{where}.{unknown}" if where else str(unknown)
-    valid = ", ".join(sorted(key_of(f) for f in dataclasses.fields(cls)))
+    keys = sorted(key_of(f) for f in dataclasses.fields(cls))
+    valid = ", ".join(keys)
     extra = getattr(cls, "UNKNOWN_KEY_HINT", "")
-    return ConfigError(f"unknown config key {key!r} ({source})",
+    return ConfigError(f"unknown config key {key!r}{did_you_mean(unknown, keys)} ({source})",
                        f"valid keys{' in ' + where if where else ''} are: {valid}"
                        + (f"; {extra}" if extra else ""))
 
