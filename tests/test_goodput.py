@@ -159,3 +159,31 @@ def test_memory_snapshot_seconds_count_as_checkpoint_when_recorded(tmp_path):
     g = _gp(tmp_path)
     assert g.lost_s["checkpoint"] == pytest.approx(0.5) and g.useful_s == pytest.approx(9.0), g
     assert g.useful_s + sum(g.lost_s.values()) == pytest.approx(g.wall_s)
+
+
+def test_a_silence_after_the_last_step_is_a_stall_by_the_run_s_own_step_interval(tmp_path):
+    """0.16 s steps, a step event a second: 45 s without an event is a stall (STALL_FACTOR x the
+    1 s interval, no 60 s floor), not 'other'; a save and an evaluation the events name keep
+    their parts, and a completed run's teardown stays 'other'."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d in (a, b, c):
+        d.mkdir()
+    _write(a, 0, _steps(100.0, 6, 600, every=1.0 / 6) [::6])
+    g = goodput(RunLogs(a).ranks, [], end=100.0 + 99 + 45)   # a running job, asked at +45 s
+    assert g.lost_s["stalls"] == pytest.approx(45.0) and g.lost_s["other"] == pytest.approx(0.0)
+    # a hang that ended in the collective's timeout: the error event ends the silence
+    _write(b, 0, _steps(100.0, 1, 20) + [{"time": 19 + 100.0 + 45, "event": "error", "restart": 0},
+                                          {"time": 19 + 100.0 + 46, "event": "end", "status": "failed", "restart": 0}])
+    g = _gp(b)
+    assert g.lost_s["stalls"] == pytest.approx(45.0) and g.lost_s["other"] == pytest.approx(1.0)
+    # the training core's final evaluation and save, then a completed end after a long teardown
+    tail = [{"time": 119.0 + t, "event": "progress", "phase": "eval", "restart": 0} for t in (5, 10, 15)]
+    tail += [{"time": 137.0, "event": "eval", "restart": 0},
+             {"time": 140.0, "event": "progress", "phase": "checkpoint", "restart": 0},
+             {"time": 160.0, "event": "checkpoint", "restart": 0, "blocking_s": 20.0},
+             {"time": 175.0, "event": "end", "status": "completed", "restart": 0}]
+    _write(c, 0, _steps(100.0, 1, 20) + tail)
+    g = _gp(c)
+    assert g.lost_s["eval"] == pytest.approx(18.0) and g.lost_s["checkpoint"] == pytest.approx(23.0)
+    assert g.lost_s["stalls"] == 0.0 and g.lost_s["other"] == pytest.approx(15.0)
+    assert g.useful_s + sum(g.lost_s.values()) == pytest.approx(g.wall_s)

@@ -58,12 +58,12 @@ def test_one_silent_rank_while_the_others_write(tmp_path):
         write(tmp_path, r, steps(r, 200))
     write(tmp_path, 3, steps(3, 70))
     st, lines = status(tmp_path, now=T0 + 203)
-    # threshold max(10 x 1 s, 60 s) = 60 s; rank 3 silent since t=70
-    assert st.stall["ranks"] == [3] and st.stall["silent_for_s"] == 133 and st.stall["threshold_s"] == 60
+    # threshold max(10 x 1 s, 30 s) = 30 s; rank 3 silent since t=70
+    assert st.stall["ranks"] == [3] and st.stall["silent_for_s"] == 133 and st.stall["threshold_s"] == 30
     assert lines[1] == "State:      RUNNING, STALLED 00:02:13   [source: squeue]"
     assert lines[2] == "Stalled:    rank 3 silent for 00:02:13; the others last wrote 00:00:03 ago"
-    assert lines[3] == ("            (no event for > 00:01:00: max(10 x the median interval between "
-                        "step events, 1 s, 60 s))")
+    assert lines[3] == ("            (no event for > 00:00:30: max(10 x the median interval between "
+                        "step events, 1 s, 30 s))")
     row = render_table([st]).splitlines()[1]
     assert "STALLED 00:02:13" in row
     assert st.to_dict()["stall"]["ranks"] == [3]
@@ -81,7 +81,7 @@ def test_every_rank_silent_names_the_one_that_stopped_first(tmp_path):
 
 
 @pytest.mark.parametrize("every,after,stalled", [
-    (1.0, 59, False), (1.0, 61, True),      # fast steps: the 60 s floor
+    (1.0, 29, False), (1.0, 31, True),      # fast steps: the 30 s floor
     (10.0, 99, False), (10.0, 101, True),   # slow steps: 10 x the median interval
 ])
 def test_the_threshold(tmp_path, every, after, stalled):
@@ -163,19 +163,19 @@ def test_a_frozen_rank_is_the_one_that_wrote_no_stack(tmp_path):
 
 
 def test_a_rank_just_past_the_threshold_is_not_yet_called_frozen(tmp_path):
-    """Seen on the cluster: at 61 s of a SIGSTOP on rank 3, rank 2's watchdog had dumped and
-    ranks 0-1's were a second behind; only the rank silent for STACK_GRACE_S past the stall
-    threshold without a stack is named frozen."""
+    """Seen on the cluster (with the 60 s floor of then): a second past the threshold of a
+    SIGSTOP on rank 3, rank 2's watchdog had dumped and ranks 0-1's were a second behind; only the
+    rank silent for STACK_GRACE_S past the stall threshold without a stack is named frozen."""
     stack = ('Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):\n'
              '  File "/src/ddp_hpc/train/step.py", line 56 in micro_batch\n')
     for r in range(4):
-        write(tmp_path, r, steps(r, 41) + ([{"time": T0 + 41 + 60, "event": "stack", "rank": r, "job_id": "88",
+        write(tmp_path, r, steps(r, 41) + ([{"time": T0 + 41 + 30, "event": "stack", "rank": r, "job_id": "88",
                                               "restart": 0, "host": f"n{r // 2 + 1}", "step": 41,
-                                              "reason": "stalled: no step for 60 s", "stack": stack}]
+                                              "reason": "stalled: no step for 30 s", "stack": stack}]
                                             if r == 2 else []))
-    st, _ = status(tmp_path, now=T0 + 41 + 61)
+    st, _ = status(tmp_path, now=T0 + 41 + 31)
     assert st.to_dict()["stall"]["no_stack"] == []     # nobody is late yet
-    st, lines = status(tmp_path, now=T0 + 41 + 60 + timing.STACK_GRACE_S + 1)
+    st, lines = status(tmp_path, now=T0 + 41 + 30 + timing.STACK_GRACE_S + 1)
     assert st.to_dict()["stall"]["no_stack"] == [0, 1, 3]
 
 
@@ -267,3 +267,54 @@ def test_the_detail_view_names_tensorboard_files_of_the_log_directory_it_read(tm
     (d / "events.out.tfevents.1800000000.n1.1.0").write_bytes(b"")
     st, lines = status(d, T0 + 6)
     assert st.tensorboard and f"TensorBoard: tensorboard --logdir {d}" in lines
+
+
+def fast_steps(rank, seconds, per_event=6):
+    """A script of 0.16 s steps: one step event a second (the throttle), 6 steps apart."""
+    return [{**e, "step": e["step"] * per_event} for e in steps(rank, seconds)]
+
+
+def test_a_fast_run_silent_for_45_s_is_stalled_and_its_goodput_counts_the_silence_as_stalls(tmp_path):
+    """0.16 s steps, step events a second apart: the stall threshold is the floor, STALL_MIN_S
+    (30 s), not the 60 s it was; goodput files the silence under stalls, not other."""
+    stack = ('Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):\n'
+             '  File "/src/train.py", line 56 in main\n')
+    for r in range(2):   # each rank's watchdog dumps its stacks at the threshold, 30 s
+        write(tmp_path, r, fast_steps(r, 100) + [{"time": T0 + 130, "event": "stack", "rank": r, "job_id": "88",
+                                                  "restart": 0, "host": "n1", "step": 600, "stack": stack}])
+    st, lines = status(tmp_path, now=T0 + 100 + 45)
+    assert st.stall is not None and st.stall["ranks"] == [0, 1] and st.stall["threshold_s"] == 30
+    assert lines[1] == "State:      RUNNING, STALLED 00:00:45   [source: squeue]"
+    # the wall ends at the newest event (the stacks); all of the silence in it is a stall
+    assert st.goodput["lost_s"]["stalls"] >= 30.0 and st.goodput["lost_s"]["other"] == pytest.approx(0.0)
+    assert not timing.stall({r: fast_steps(r, 100) for r in range(2)}, now=T0 + 100 + 25)   # an ordinary pause
+
+
+def _busy(rank, phase, start, until, every=5.0):
+    """The loop's signs of life in a save or evaluation: a ``progress`` event every ``every`` s."""
+    n = int((until - start) // every) + 1
+    return [{"time": T0 + start + i * every, "event": "progress", "phase": phase, "step": 600, "rank": rank,
+             "job_id": "88", "restart": 0, "host": "n1"} for i in range(n)]
+
+
+@pytest.mark.parametrize("phase", ["checkpoint", "eval"])
+def test_the_others_waiting_for_rank_0s_save_or_eval_are_not_stalled(tmp_path, phase):
+    """Rank 0 saves (or evaluates) for 90 s, writing progress events as the training core does;
+    the others wait in a collective, silent: an ordinary pause, not a stall. Once rank 0's own
+    signs of life stop as well, every rank is silent and the job stalled."""
+    for r in range(4):
+        write(tmp_path, r, fast_steps(r, 100) + (_busy(0, phase, 100.5, 190) if r == 0 else []))
+    st, _ = status(tmp_path, now=T0 + 188)
+    assert st.stall is None
+    assert st.goodput["lost_s"]["stalls"] == pytest.approx(0.0)
+    assert st.goodput["lost_s"][phase] == pytest.approx(85.5)   # to rank 0's newest progress event
+    per_rank = {r: fast_steps(r, 100) + (_busy(0, phase, 100.5, 140) if r == 0 else []) for r in range(4)}
+    got = timing.stall(per_rank, now=T0 + 140.5 + 31)   # rank 0 silent past the floor itself
+    assert got is not None and got["ranks"] == [0, 1, 2, 3]
+
+
+def test_the_watchdogs_first_dump_comes_when_status_calls_the_stall():
+    """The watchdog writes every thread's stack when status would call the rank stalled, so a
+    stalled job shows where its ranks are: the same rule, the same constants."""
+    from ddp_hpc.runlogs import watchdog
+    assert (watchdog.STALL_FACTOR, watchdog.STALL_MIN_S) == (timing.STALL_FACTOR, timing.STALL_MIN_S)

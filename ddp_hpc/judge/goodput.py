@@ -30,8 +30,16 @@ run by run (restart numbers), and the in-allocation restarts' records (``restart
 - **restarts**: from a run's last step event to the next run's first (a restart, or a requeue);
   by phase where the restart's record has ``phases`` (``ddp_hpc.judge.restarts``: detect, stop,
   start, import, rendezvous, restore, first_step), the whole gap otherwise;
-- **other**: after the last run's last step event (the final checkpoint, evaluation and teardown,
-  or a run still going), and intervals whose step number went back within a run.
+- **after the last run's last step event**, each stretch up to the next event of that rank (other
+  than ``stack``), and the last up to the end of the wall, by what ends it: an ``eval`` event or
+  a ``progress`` event of phase ``eval`` (the training core writes them at least every 5 s of an
+  evaluation) is **eval**, a ``checkpoint`` event or ``progress`` of phase ``checkpoint`` is
+  **checkpoint**; else a stretch over ``STALL_FACTOR`` x the median seconds between step events
+  (the rule by which status sees a rank stall, `ddp_hpc.judge.timing`, without its floor: this is
+  accounting, not a verdict) is **stalls**, unless a completed ``end`` event ends it (a final
+  save or evaluation the events do not name, and the teardown);
+- **other**: the rest after the last step event (the teardown, a run still going within its usual
+  pace), and intervals whose step number went back within a run.
 
 Before the first step (start-up, data staging, compilation) is outside the wall; a later run's
 start-up is part of its restart.
@@ -44,6 +52,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ddp_hpc.judge.tails import RankStream
+from ddp_hpc.judge.timing import STALL_FACTOR
 from ddp_hpc.parsing import to_float, to_int
 
 __all__ = ["Goodput", "goodput", "PARTS", "PART_NAMES", "STALL_RATIO"]
@@ -131,7 +140,7 @@ def goodput(ranks: dict[int, RankStream], restarts: list[dict] = (), end: float 
     t0, t_end = runs[0][1][0][0], max(end or 0.0, newest)
     g = Goodput(0.0, max(t_end - t0, 0.0), 0.0, dict.fromkeys(PARTS, 0.0), step_s=_step_s(runs))
     phases = {to_int(r.get("restart"), -1): r.get("phases") for r in restarts}
-    done, last_t = None, None
+    done, last_t, other = None, None, []
     for restart, steps, other in runs:
         if last_t is not None:
             _restart_gap(g, steps[0][0] - last_t, phases.get(restart))
@@ -139,9 +148,31 @@ def goodput(ranks: dict[int, RankStream], restarts: list[dict] = (), end: float 
             _interval(g, a, b, other, done)
         top = max(s[1] for s in steps)
         done, last_t = top if done is None else max(done, top), steps[-1][0]
-    g.lost_s["other"] += max(t_end - last_t, 0.0)
+    gaps = [b[0] - a[0] for _, steps, _ in runs for a, b in zip(steps, steps[1:]) if b[0] > a[0]]
+    _tail(g, last_t, t_end, other, STALL_FACTOR * statistics.median(gaps) if gaps else None)
     g.goodput = g.useful_s / g.wall_s if g.wall_s > 0 else 1.0
     return g
+
+
+def _tail(g: Goodput, last_t: float, t_end: float, other: list[dict], limit: float | None) -> None:
+    """Share the time after the last step event out by the events that end its stretches (the
+    module's rules); ``limit``: the seconds of silence that are a stall (None: no step interval)."""
+    after = sorted(((t, e) for e in other if e.get("event") != "stack"
+                    and (t := to_float(e.get("time"))) is not None and last_t < t <= t_end),
+                   key=lambda te: te[0])
+    t0 = last_t
+    for t, e in [*after, (t_end, {})]:
+        name, phase = e.get("event"), e.get("phase") if e.get("event") == "progress" else None
+        if name == "eval" or phase == "eval":
+            part = "eval"
+        elif name == "checkpoint" or phase == "checkpoint":
+            part = "checkpoint"
+        elif limit is not None and t - t0 > limit and not (name == "end" and e.get("status") == "completed"):
+            part = "stalls"
+        else:
+            part = "other"
+        g.lost_s[part] += max(t - t0, 0.0)
+        t0 = max(t0, t)
 
 
 def _restart_gap(g: Goodput, gap: float, phases) -> None:

@@ -8,7 +8,11 @@ work for the training core and for scripts that call ``ddp_hpc.report`` alike (d
   older than ``max(STALL_FACTOR x the median interval between its step events, STALL_MIN_S)``.
   A rank with fewer than two step events is judged by the median of all ranks' intervals; before
   any rank has two step events nothing is judged (a first step may take long: compilation,
-  data staging). A silent rank "wrote no stack while the others did" only once its silence is
+  data staging). While a rank that is not silent is busy in a save or an evaluation (its newest
+  event a ``progress`` event of phase ``checkpoint`` or ``eval``: the training core writes one at
+  least every 5 s of them, as ``ddp_hpc.checkpoint.save`` does for a script), the others are
+  not silent: they wait for it in a collective (rank 0 saves, the others go on to the next
+  step's all-reduce). A silent rank "wrote no stack while the others did" only once its silence is
   ``STACK_GRACE_S`` past the threshold: its watchdog dumps at the threshold, so a rank just past
   it may still be about to (its peers' thresholds can fall a second or two earlier).
 - **Straggler**: a rank's step time is the median of (seconds / steps) between its consecutive
@@ -34,9 +38,21 @@ from ddp_hpc.parsing import to_float, to_int
 
 #: with data_s, a rank's extra wait must also be at least this share of the median step time
 OWN_MIN_SHARE = 0.1
-#: a rank is silent after max(STALL_FACTOR x its median step-event interval, STALL_MIN_S) seconds
+#: a rank is silent after max(STALL_FACTOR x its median step-event interval, STALL_MIN_S) seconds.
+#: The floor is for fast steps (step events come at most once a second: 10 x 1 s), and 30 s is
+#: above every ordinary pause this rule does not see otherwise: a first step is not judged (two
+#: step events first), a save or evaluation of the training core (or ``ddp_hpc.checkpoint.save``)
+#: writes progress events every 5 s and exempts the ranks waiting for it (`BUSY_PHASES`), a run
+#: log's line is flushed as it is written and status opens each file anew (NFS close-to-open:
+#: its attribute cache does not hide a grown file), a GC pause or a slow batch takes seconds.
+#: What it does call stalled: a script's own evaluation or ``torch.save`` of over 30 s on one
+#: rank, which writes nothing; 60 s was the floor, and a 0.16 s-step run silent for 50 s was
+#: never called stalled. ``runlogs.watchdog`` dumps the stacks at the same threshold.
 STALL_FACTOR = 10.0
-STALL_MIN_S = 60.0
+STALL_MIN_S = 30.0
+#: a rank whose newest event is a ``progress`` event of these phases is busy, and alive: the
+#: ranks silent meanwhile wait for it
+BUSY_PHASES = frozenset({"checkpoint", "eval"})
 #: how long past its stall threshold a silent rank gets to write its stacks before it counts as
 #: frozen (the watchdog looks once a second; a loaded node answers later)
 STACK_GRACE_S = 8.0
@@ -109,7 +125,7 @@ def stall(per_rank: dict[int, list[dict]], now: float) -> dict | None:
     limits = {r: max(STALL_FACTOR * medians.get(r, overall), STALL_MIN_S) for r in live}
     last = {r: _last_time(evs) for r, evs in live.items()}
     silent = sorted(r for r in live if last[r] is not None and now - last[r] > limits[r])
-    if not silent:
+    if not silent or any(r not in silent and _busy(live[r]) for r in live):
         return None
     others = [last[r] for r in live if r not in silent and last[r] is not None]
     steps = {r: newest_step(live[r]) for r in silent}
@@ -123,6 +139,12 @@ def stall(per_rank: dict[int, list[dict]], now: float) -> dict | None:
             "threshold_s": round(max(limits[r] for r in silent), 3),
             "median_interval_s": round(overall, 3), "behind": behind,
             "last_steps": {str(r): steps[r] for r in silent}}
+
+
+def _busy(events: list[dict]) -> bool:
+    """The rank's newest event (other than ``stack``) says it is in a save or an evaluation."""
+    e = next((e for e in reversed(events) if e.get("event") != "stack"), None)
+    return e is not None and e.get("event") == "progress" and e.get("phase") in BUSY_PHASES
 
 
 def newest_step(events: list[dict]) -> int | None:

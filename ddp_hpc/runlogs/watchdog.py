@@ -40,9 +40,10 @@ STACK_SIGNAL = signal.SIGURG
 PROGRESS_EVERY_S = 5.0
 POLL_S = 1.0
 #: the first dump of a silence comes when status would call the job stalled (the same rule as
-#: ``judge.timing``: max(10 x the usual step interval, 60 s)), so a running, stalled job shows
-#: where its ranks are; the second before the collective timeout (`dump_after`)
-STALL_FACTOR, STALL_MIN_S = 10.0, 60.0
+#: ``judge.timing``: max(10 x the usual step interval, 30 s); its docstring says why 30 s), so a
+#: running, stalled job shows where its ranks are; the second before the collective timeout
+#: (`dump_after`). Not imported from there: a rank imports no judge.
+STALL_FACTOR, STALL_MIN_S = 10.0, 30.0
 
 
 def dump_after(collective_timeout_s: float | None) -> float | None:
