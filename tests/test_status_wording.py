@@ -1,5 +1,5 @@
 """How status says things: no Python ``None`` in its lines, a script's exit status said once,
-a table that fits the terminal (the log directory gives way first), and ``--logs`` of a script
+a table that fits the terminal or 100 columns (the log directory gives way first), and ``--logs`` of a script
 job showing the script's own output. Real processes, real records and run logs on disk."""
 import json
 import os
@@ -71,8 +71,11 @@ def test_no_none_and_the_exit_status_said_once(home):
 def test_the_table_fits_columns_cutting_the_log_dir_first(home):
     deep = home / ("very-long-directory-name-" * 6) / "train-20260101-120000-abcdef"
     script_job(home, "902", log_dir=deep)
-    wide = status(home).stdout.splitlines()
-    assert max(map(len, wide)) > 150 and str(deep) in wide[1]    # into a pipe: no limit
+    wide = status(home, "--wide").stdout.splitlines()
+    assert max(map(len, wide)) > 150 and str(deep) in wide[1]    # --wide: no limit
+    piped = status(home).stdout.splitlines()    # into a pipe: 100 columns, the log dir left out and said so
+    assert max(map(len, piped)) <= 100 and piped[1].split()[:2] == ["902", "train"], piped
+    assert piped[-1] == "more with --wide: LOG DIR", piped
     narrow = status(home, columns=120).stdout.splitlines()
     assert max(map(len, narrow)) <= 120, narrow
     cell = narrow[1].split()[-1]

@@ -1,6 +1,8 @@
 """``ddp-hpc status`` (also ``python -m ddp_hpc.status``): the job status command.
 
-    ddp-hpc status                          # recent ddp_hpc jobs as a table
+    ddp-hpc status                          # recent ddp_hpc jobs as a table (100 columns, or
+                                            # the terminal's width; --wide: every column whole)
+    ddp-hpc status --here                   # only the jobs submitted from this directory
     ddp-hpc status 1234                     # one job: state (and which source said so), progress,
                                             # each rank's last event, first failing rank +
                                             # traceback, exit codes, requeues
@@ -37,6 +39,7 @@ from ddp_hpc.status.stacks import ask_stacks, render_stacks, silence_causes
 from ddp_hpc.status.targets import StatusError, is_slurm_id, job_targets, recent_targets
 from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
+FIT_COLUMNS = 100  # the table's width into a pipe or file (a terminal: its own width)
 FOLLOW_STATE_S = 5.0  # --follow: how often to ask whether the job still runs
 LOGS, OUTS = text_log("*"), rank_out("*")  # rank*.log, rank*.out
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -67,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
     p.add_argument("--limit", type=int, default=20, metavar="N",
                    help="table: the N most recent jobs (0 for all)")
+    p.add_argument("--wide", action="store_true",
+                   help=f"table: every column whole, however wide (default: fit the terminal, "
+                        f"{FIT_COLUMNS} columns into a pipe or file)")
+    p.add_argument("--here", action="store_true",
+                   help="table: only the jobs submitted from this directory or one below it (jobs "
+                        "from elsewhere are marked * otherwise)")
     p.add_argument("--source", choices=("auto", "squeue", "sacct", "sacct-c", "logs"),
                    default="auto",
                    help="where the state comes from: auto (squeue, else sacct, else sacct -c, else "
@@ -92,6 +101,8 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
     if (args.rank is not None or args.follow or args.files) and not args.logs:
         parser.error(f"--rank, --follow, --out and --all-files go with --logs: "
                      f"{me} JOBID --logs --rank R --follow")
+    if (args.wide or args.here) and args.job is not None:
+        parser.error(f"--wide and --here go with the table of jobs, not with a job id: {me} --here --wide")
     if args.logs and args.job is None:
         parser.error(f"--logs needs a job id: {me} JOBID --logs")
     if args.stacks and (args.job is None or args.logs or args.watch is not None):
@@ -123,8 +134,12 @@ def run(args, me: str) -> int:
     only = None if args.source == "auto" else args.source.replace("sacct-c", "sacct -c")
     if args.job is None:
         def render():
-            sts = collect(recent_targets(args.limit), cli, note, only=only, brief=not args.json)
-            return view.to_json([s.to_dict() for s in sts]) if args.json else view.render_table(sts, _width())
+            here = os.getcwd()
+            sts = collect(recent_targets(args.limit, here if args.here else None), cli, note, only=only,
+                          brief=not args.json)
+            if args.json:
+                return view.to_json([s.to_dict() for s in sts])
+            return view.render_table(sts, None if args.wide else _width(), here)
     else:
         targets = job_targets(args.job, args.log_dir,
                               current_cluster(cli) if is_slurm_id(args.job) else None)
@@ -170,11 +185,12 @@ def _html(args, targets, cli, note, only) -> int:
     return 0
 
 
-def _width() -> int | None:
-    """The table's width: $COLUMNS, else the terminal's; None (no limit) into a pipe or file."""
+def _width() -> int:
+    """The table's width: $COLUMNS, else the terminal's (wider or narrower than FIT_COLUMNS: a
+    table that wraps is unreadable); FIT_COLUMNS into a pipe or file."""
     if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
         return max(40, shutil.get_terminal_size().columns)
-    return None
+    return FIT_COLUMNS
 
 
 def _stacks(args, targets, cli) -> int:
@@ -214,7 +230,7 @@ def _logs(args, targets, cli, note) -> int:
         raise StatusError(f"job {args.job}: no {which}log files ({LOGS}, {OUTS}) in {t.log_dir}",
                           "the job may not have started yet; add --follow to wait for them")
     if not args.json:  # on stderr: stdout stays exactly the log lines (for grep and pipes)
-        print(view.files_guide(), file=sys.stderr, flush=True)
+        print(view.files_guide(script and not args.files), file=sys.stderr, flush=True)
         if script and not args.files:
             print(f"a script job: its own output ({OUTS}); --all-files adds the wrapper's start and end "
                   f"lines ({LOGS})", file=sys.stderr, flush=True)

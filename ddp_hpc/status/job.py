@@ -85,6 +85,13 @@ class JobStatus:
     def job_state(self) -> JobState:
         return JobState[self.state_name]
 
+    @property
+    def script(self) -> bool:
+        """The user's own script, module or function (the record's ``command``), not ddp_hpc's
+        loop: what it printed and raised is in ``rank*.out``; its ``rank*.log`` holds only the
+        exec wrapper's start and end lines."""
+        return self.command is not None
+
     def to_dict(self) -> dict:
         """The fields as plain data for JSON: the nested dataclasses (progress, failure) become
         dicts, the rest is shared with this status rather than deep-copied (copying 8,192 ranks'

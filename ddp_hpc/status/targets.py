@@ -6,6 +6,7 @@ The scheduler is asked about the targets in ``sources``; ``collect`` puts the an
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
 
@@ -88,7 +89,17 @@ def _load(job_id: str, cluster: str | None):
     return records.load_record(job_id)
 
 
-def recent_targets(limit: int) -> list[StatusTarget]:
-    """Targets of the ``limit`` newest records (all for 0), newest first."""
-    recs = list(reversed(records.list_records()))
+def submitted_here(cwd: str | None, here: str | None) -> bool:
+    """Whether a job whose record says ``cwd`` was submitted from ``here`` or a directory below
+    it (a checkout's jobs, wherever in it they were submitted); True when either is not known."""
+    if not cwd or not here:
+        return True
+    cwd, here = os.path.realpath(cwd), os.path.realpath(here)
+    return cwd == here or cwd.startswith(here.rstrip(os.sep) + os.sep)
+
+
+def recent_targets(limit: int, here: str | None = None) -> list[StatusTarget]:
+    """Targets of the ``limit`` newest records (all for 0), newest first; with ``here``, of the
+    records submitted from that directory or one below it (``status --here``) alone."""
+    recs = [r for r in reversed(records.list_records()) if here is None or submitted_here(r.cwd, here)]
     return targets_from_records(recs[:limit] if limit else recs)

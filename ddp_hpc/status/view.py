@@ -11,8 +11,9 @@ import os
 import shlex
 import sys
 import time
-from typing import Callable, Iterable
+from typing import Callable
 
+from ddp_hpc.exits import signal_name, signal_of_exit_status, signal_text
 from ddp_hpc.judge.consequences import compress as compress_ranks
 from ddp_hpc.judge.consequences import ranks_text
 from ddp_hpc.judge.tails import follow_logs, log_line, logs_tail, rank_files, render_logs
@@ -24,28 +25,16 @@ from ddp_hpc.status.job import JobStatus
 from ddp_hpc.status.restarts import restart_lines
 from ddp_hpc.status.spark import spark_lines, unicode_ok
 from ddp_hpc.status.staging import stage_lines
-from ddp_hpc.text import fit_columns, plural, prog
+from ddp_hpc.status.table import progress_text, render_table, short, state_text
+from ddp_hpc.text import plural
 
 __all__ = ["render_table", "render_detail", "failure_lines", "to_json", "files_guide", "watch", "compress_ranks",
-           "follow_logs", "log_line", "logs_tail", "rank_files", "render_logs"]
+           "follow_logs", "log_line", "logs_tail", "rank_files", "render_logs", "exit_words", "progress_text",
+           "state_text"]
 
-COLUMNS = ("ID", "NAME", "BACKEND", "STATE", "NODESxGPUS", "ELAPSED/LIMIT", "RESTARTS",
-           "PROGRESS", "LOSS", "SAMPLES/S", "ETA", "LOG DIR")
-#: columns shown only when some job has them, before LOG DIR: final eval metrics, sweep overrides,
-#: the mean GPU utilisation of the ranks' newest samples
-OPTIONAL = ("EVAL", "OVERRIDES", "GPU%")
-CELL_MAX = 40  # characters of an EVAL / OVERRIDES cell
-#: shown where some job has it and the terminal has room for it beside the other columns
-GOODPUT = "GOODPUT"
 #: the parts of the time lost besides useful steps, as the detail view names them (judge.goodput.PARTS)
 LOST_NAMES = {"restarts": "restarts", "redone": "steps trained twice", "checkpoint": "checkpoints",
               "data": "data wait", "stalls": "stalls", "eval": "eval", "other": "other"}
-#: the columns that give way to fit the terminal, in that order, and their narrowest widths
-SHRINK = (("LOG DIR", 16), ("OVERRIDES", 12), ("EVAL", 12), ("NAME", 8), ("STATE", 9))
-
-
-def _num(v, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
 
 
 def shape_text(st: JobStatus) -> str:
@@ -59,92 +48,6 @@ def shape_text(st: JobStatus) -> str:
     return f"{nodes} x {plural(per, 'GPU')}"
 
 
-def progress_text(st: JobStatus) -> str:
-    p = st.progress
-    if p is None:
-        return "-"
-    parts = []
-    if p.epoch is not None:
-        parts.append(f"e{p.epoch}")
-    if p.step is not None:
-        parts.append(f"s{p.step}" + (f"/{p.total_steps}" if p.total_steps else ""))
-    if p.percent is not None:
-        parts.append(f"{p.percent:.0f}%")
-    return " ".join(parts) or "-"
-
-
-def state_text(st: JobStatus) -> str:
-    """The STATE cell: ``STALLED 00:02:10`` for a running job whose ranks went silent."""
-    if st.stall:
-        return f"STALLED {format_duration(st.stall['silent_for_s'])}"
-    return st.state
-
-
-def eval_text(st: JobStatus, limit: int = CELL_MAX) -> str:
-    """``accuracy=0.91 loss=0.32``: the newest eval event's metrics, or ``-``."""
-    m = st.eval_metrics or {}
-    return _cut(" ".join(f"{k}={_short(v)}" for k, v in m.items()) or "-", limit)
-
-
-def overrides_text(st: JobStatus, limit: int = CELL_MAX) -> str:
-    return _cut(" ".join(st.overrides or []) or "-", limit)
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def goodput_text(st: JobStatus) -> str:
-    """``87.3%``: the GOODPUT cell, or ``-``."""
-    g = st.goodput
-    return f"{100 * g['goodput']:.1f}%" if g and g.get("goodput") is not None else "-"
-
-
-def table_row(st: JobStatus, optional: tuple[str, ...] = (), goodput: bool = False) -> list[str]:
-    p = st.progress
-    per = "-" if st.gpus_per_node is None else str(st.gpus_per_node)
-    extra = {"EVAL": eval_text, "OVERRIDES": overrides_text,
-             "GPU%": lambda s: _num(s.gpu_percent, ".0f")}
-    return [
-        st.id, st.name or "-", st.backend or "-", state_text(st),
-        f"{st.nodes or st.node_range or '-'}x{per}" + ("cpu" if st.device == "cpu" else ""),
-        f"{st.elapsed or '-'}/{st.time_limit or '-'}",
-        str(st.restarts), *([goodput_text(st)] if goodput else []), progress_text(st),
-        _num(p.loss if p else None, ".4g"), _num(p.samples_per_s if p else None, ".1f"),
-        (format_duration(p.eta_s) if p and p.eta_s is not None and not st.job_state.terminal else "-"),
-    ] + [extra[c](st) for c in optional] + [st.log_dir or "-"]
-
-
-def render_table(statuses: Iterable[JobStatus], width: int | None = None) -> str:
-    """The jobs as a table within ``width`` columns (None: as wide as its cells): the log
-    directory gives way first (its middle cut), then overrides, eval metrics, names and states.
-    A GOODPUT column (after RESTARTS) where some job has a goodput and the table has room for it
-    without cutting any other cell further."""
-    statuses = list(statuses)
-    optional = tuple(c for c, have in zip(OPTIONAL, (any(s.eval_metrics for s in statuses),
-                                                     any(s.overrides for s in statuses),
-                                                     any(s.gpu_percent is not None for s in statuses))) if have)
-    if any(s.goodput for s in statuses):
-        wider = _table(statuses, optional, None, goodput=True)
-        if width is None or max(map(len, wider.splitlines())) <= width:
-            return wider
-    return _table(statuses, optional, width)
-
-
-def _table(statuses: list[JobStatus], optional: tuple[str, ...], width: int | None, goodput: bool = False) -> str:
-    at_restarts = COLUMNS.index("RESTARTS") + 1
-    columns = (list(COLUMNS[:at_restarts]) + ([GOODPUT] if goodput else []) + list(COLUMNS[at_restarts:-1])
-               + list(optional) + [COLUMNS[-1]])
-    rows = [columns] + [table_row(s, optional, goodput) for s in statuses]
-    if len(rows) == 1:
-        return f"no ddp_hpc jobs recorded (submit one with {prog('submit')})\n"
-    at = {c: i for i, c in enumerate(columns)}
-    rows = fit_columns(rows, width, [(at[c], n, c == "LOG DIR") for c, n in SHRINK if c in at])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines) + "\n"
-
-
 def _ago(t, now) -> str:
     if t is None:
         return "-"
@@ -154,21 +57,27 @@ def _ago(t, now) -> str:
 def _event_text(ev: dict) -> str:
     skip = {"time", "event", "rank", "job_id", "host", "traceback", "restart", "stack"}
     # a field the event leaves unknown (an end event's step or exit code) is left out, not "None"
-    extras = " ".join(f"{k}={_short(v)}" for k, v in ev.items() if k not in skip and v is not None)
+    extras = " ".join(f"{k}={short(v)}" for k, v in ev.items() if k not in skip and v is not None)
     return f"{ev.get('event')}" + (f" {extras}" if extras else "")
 
 
-def _short(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    text = json.dumps(v) if isinstance(v, (dict, list)) else str(v)
-    return text if len(text) <= 60 else text[:57] + "..."
+#: a script job's rank files (`JobStatus.script`): the prints and tracebacks are in rank*.out,
+#: the log holds only the exec wrapper's start and end lines
+SCRIPT_FILE_ROLES = {"out": "your script's output: prints and tracebacks, read it first",
+                     "log": "ddp_hpc's notes (exec: lines)"}
 
 
-def files_guide() -> str:
+def file_roles(script: bool = False) -> list[tuple[str, str]]:
+    """(file name, what it holds) of a rank's text files, the one to read first first: the
+    training log of ddp_hpc's own loop, a script's own output (``rank{R}.out``) for a script."""
+    if script:
+        return [(rank_out("{R}"), SCRIPT_FILE_ROLES["out"]), (text_log("{R}"), SCRIPT_FILE_ROLES["log"])]
+    return [(text_log("{R}"), RANK_FILE_ROLES["log"]), (rank_out("{R}"), RANK_FILE_ROLES["out"])]
+
+
+def files_guide(script: bool = False) -> str:
     """Which rank file is which, in one line (printed above ``--logs``)."""
-    return "; ".join(f"{name} = {RANK_FILE_ROLES[kind]}"
-                     for kind, name in (("log", text_log("{R}")), ("out", rank_out("{R}"))))
+    return "; ".join(f"{name} = {role}" for name, role in file_roles(script))
 
 
 def render_detail(st: JobStatus, now: float | None = None, unicode: bool | None = None) -> str:
@@ -210,15 +119,14 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
         out.append("Progress:   " + ", ".join(bits))
     if st.eval_metrics:
         at = f" (step {st.eval_step})" if st.eval_step is not None else ""
-        out.append("Eval:       " + ", ".join(f"{k}={_short(v)}" for k, v in st.eval_metrics.items()) + at)
+        out.append("Eval:       " + ", ".join(f"{k}={short(v)}" for k, v in st.eval_metrics.items()) + at)
     if st.command:
         out.append(f"Command:    {shlex.join(st.command)}")
     if st.overrides:
         out.append(f"Overrides:  {shlex.join(st.overrides)}")
     out.append(f"Log dir:    {st.log_dir or '-'}")
     if st.log_dir:
-        out += [f"            {name:<12} {RANK_FILE_ROLES[kind]}"
-                for kind, name in (("log", text_log("{R}")), ("out", rank_out("{R}")))]
+        out += [f"            {name:<12} {role}" for name, role in file_roles(st.script)]
         if st.tensorboard:
             out.append(f"TensorBoard: tensorboard --logdir {shlex.quote(st.log_dir)}")
     if st.node_list:
@@ -261,12 +169,26 @@ def _ending_lines(st: JobStatus) -> list[str]:
     return ["Ranks:      " + "; ".join(f"{compress_ranks(r)} {how}" for how, r in groups.items())]
 
 
+def exit_words(code: str | None) -> str:
+    """Slurm's ``N:S`` (exit status : the signal that ended it) in words: ``1:0`` -> ``exit
+    status 1``, ``0:9`` -> ``killed by signal 9 (SIGKILL)``, ``137:0`` -> ``exit status 137
+    (128 + 9: killed by SIGKILL)``; anything else as it is (``--json`` keeps the raw form)."""
+    try:
+        status, sig = (int(x) for x in str(code).split(":"))
+    except ValueError:
+        return str(code or "-")
+    if sig:
+        return f"killed by {signal_text(sig)}"
+    by = signal_of_exit_status(status)
+    return f"exit status {status}" + (f" (128 + {by}: killed by {signal_name(by)})" if by and by < 65 else "")
+
+
 def _exit_lines(st: JobStatus) -> list[str]:
     if not (st.exit_code or st.steps or st.rank_exit_codes):
         return _ending_lines(st)
-    out = ["Exit codes: " + (f"job {st.exit_code}" if st.exit_code else "job -")]
-    out += [f"            step {s['id']}: {s['state']} {s.get('exit_code') or ''}".rstrip()
-            for s in st.steps]
+    out = ["Exit:       " + (exit_words(st.exit_code) if st.exit_code else "-")]
+    out += [f"            step {s['id']}: {s['state']}"
+            + (f", {exit_words(s['exit_code'])}" if s.get("exit_code") else "") for s in st.steps]
     if st.rank_exit_codes:
         codes = ", ".join(f"rank {r}: {'killed' if c < 0 else c}"
                           for r, c in sorted(st.rank_exit_codes.items()))
