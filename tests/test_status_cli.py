@@ -34,10 +34,10 @@ def env_for(home):
     return env
 
 
-def status(home, *args, check=True, timeout=60):
+def status(home, *args, check=True, timeout=60, cwd=None):
     elsewhere = home / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
-    p = subprocess.run([sys.executable, "-m", "ddp_hpc.status", *args], cwd=elsewhere,
+    p = subprocess.run([sys.executable, "-m", "ddp_hpc.status", *args], cwd=cwd or elsewhere,
                        env=env_for(home), capture_output=True, text=True, timeout=timeout)
     if check:
         assert p.returncode == 0, p.stderr
@@ -115,15 +115,27 @@ def test_table_newest_first_with_progress_from_any_directory(home, sleeper):
     assert (done["state"], done["source"], done["restarts"]) == ("COMPLETED", "logs", 0)
     assert done["progress"]["loss"] == 0.25 and done["progress"]["samples_per_s"] == 321.0
     assert any("slurm" in t for t in done["tried"])  # it looked for Slurm first and says so
-    text = status(home).stdout
+    text = status(home, "--wide").stdout
     lines = text.splitlines()
     assert lines[0].split()[:4] == ["ID", "NAME", "BACKEND", "STATE"]
-    assert lines[1].split()[:5] == ["local-run", "demo", "local", "RUNNING", "1x2"]
+    # submitted from `home`, listed from home/elsewhere: marked, and the mark explained
+    assert lines[1].split()[:5] == ["local-run", "demo*", "local", "RUNNING", "1x2"]
     assert "s30/100 30%" in lines[1] and str(home / "logs" / "local-run") in lines[1]
-    assert lines[2].split()[:4] == ["101", "demo", "sbatch", "COMPLETED"]
+    assert "321 smp/s" in lines[1]
+    assert lines[2].split()[:4] == ["101", "demo*", "sbatch", "COMPLETED"]
     assert "/00:10:00" in lines[2]
     assert lines[2].split()[-2] == "-", lines[2]  # an ended job has no ETA (not 00:00:00)
+    assert lines[3].startswith("* submitted from another directory") and "--here" in lines[3]
     assert "ETA" not in status(home, "101").stdout
+    # into a pipe the table fits 100 columns, every id whole
+    fit = status(home).stdout.splitlines()
+    assert max(map(len, fit)) <= 100 and [ln.split()[0] for ln in fit[1:3]] == ["local-run", "101"], fit
+    # --here: only the jobs submitted from this directory (or below it)
+    assert "no jobs submitted from" in status(home, "--here").stdout
+    here = status(home, "--here", "--wide", cwd=home).stdout.splitlines()
+    assert [ln.split()[:2] for ln in here[1:]] == [["local-run", "demo"], ["101", "demo"]], here
+    assert [r["id"] for r in json.loads(status(home, "--here", "--json", cwd=home).stdout)] == ["local-run", "101"]
+    assert json.loads(status(home, "--here", "--json").stdout) == []
 
 
 def test_limit(home):
@@ -261,7 +273,7 @@ def test_one_duration_format_and_the_shape_of_a_cpu_run(home):
     assert "Elapsed:    00:01:10 / limit 00:30:00" in text
     assert "(s)" not in text
     assert status(home, "708").stdout.splitlines()[0] == "Job 708 (demo), backend sbatch, 1 node x 2 GPUs"
-    rows = {ln.split()[0]: ln.split() for ln in status(home).stdout.splitlines()[1:]}
+    rows = {ln.split()[0]: ln.split() for ln in status(home, "--wide").stdout.splitlines()[1:]}
     assert rows["707"][4:6] == ["1x2cpu", "00:01:10/00:30:00"]
     assert rows["708"][4:6] == ["1x2", "00:00:21/00:10:00"]
     assert "3x2" in rows["709"] and "2-4x2" in rows["710"]   # their STATE cells hold spaces
@@ -324,6 +336,8 @@ def test_damaged_event_lines_are_skipped_and_reported(home):
     (["101", "--logs", "--follow", "--watch"], 2, "do not combine"),
     (["424242"], 1, "job '424242': no job record in"),
     (["--limit", "-3"], 2, "--limit -3"),
+    (["101", "--wide"], 2, "--wide and --here go with the table of jobs"),
+    (["101", "--here"], 2, "--wide and --here go with the table of jobs"),
     (["local-nothing"], 1, "error: no job record with id 'local-nothing'"),
     (["local-nothing"], 1, "\nHINT: recent ids there"),
     (["424242"], 1, "\nHINT: check the id with `python -m ddp_hpc.status`"),
@@ -413,7 +427,7 @@ def test_sweep_table_shows_eval_metrics_and_each_tasks_overrides(home):
         tasks.append({"task_id": i, "overrides": [f"optim.lr={lr}", "seed=1"], "log_dir": str(d)})
     record(home, "909", home / "logs" / "909", array=tasks)
     completed_job(home, "101")  # no eval events: "-" in the new columns
-    lines = status(home).stdout.splitlines()
+    lines = status(home, "--wide").stdout.splitlines()
     head = lines[0].split()
     assert head[-3:] == ["EVAL", "OVERRIDES", "LOG"] or head[-4:] == ["EVAL", "OVERRIDES", "LOG", "DIR"]
     rows = {ln.split()[0]: ln for ln in lines[1:]}
@@ -447,5 +461,5 @@ def test_a_script_job_without_gpus_reads_on_cpu_like_a_config_job(home):
         js = json.loads(status(home, job_id, "--json").stdout)
         assert (js["state_name"], js["device"]) == ("COMPLETED", "cpu"), js
         assert status(home, job_id).stdout.splitlines()[0].endswith("1 node x 2 processes on CPU")
-    rows = {ln.split()[0]: ln.split() for ln in status(home).stdout.splitlines()[1:]}
+    rows = {ln.split()[0]: ln.split() for ln in status(home, "--wide").stdout.splitlines()[1:]}
     assert [rows[i][4] for i in ids] == ["1x2cpu", "1x2cpu"]

@@ -99,6 +99,9 @@ def test_logs_of_a_script_job_show_its_own_output(home):
     assert p.stdout.splitlines() == ["[rank 0 out] loading data", "[rank 0 out] epoch 1 loss 0.5",
                                      "[rank 0 out] bad config, giving up"]
     assert "--all-files" in p.stderr
+    # the guide names the script's own output first, and the log for what it is
+    assert p.stderr.startswith("rank{R}.out = your script's output: prints and tracebacks, read it first; "
+                               "rank{R}.log = ddp_hpc's notes (exec: lines)"), p.stderr
     both = status(home, "901", "--logs", "--all-files").stdout
     assert "[rank 0] exec: started python train.py" in both and "[rank 0 out] bad config" in both
 

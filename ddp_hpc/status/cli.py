@@ -139,6 +139,8 @@ def run(args, me: str) -> int:
                           brief=not args.json)
             if args.json:
                 return view.to_json([s.to_dict() for s in sts])
+            if args.here and not sts:
+                return f"no jobs submitted from {here} or below it ({me} without --here lists them all)\n"
             return view.render_table(sts, None if args.wide else _width(), here)
     else:
         targets = job_targets(args.job, args.log_dir,
@@ -230,7 +232,7 @@ def _logs(args, targets, cli, note) -> int:
         raise StatusError(f"job {args.job}: no {which}log files ({LOGS}, {OUTS}) in {t.log_dir}",
                           "the job may not have started yet; add --follow to wait for them")
     if not args.json:  # on stderr: stdout stays exactly the log lines (for grep and pipes)
-        print(view.files_guide(script and not args.files), file=sys.stderr, flush=True)
+        print(view.files_guide(script), file=sys.stderr, flush=True)
         if script and not args.files:
             print(f"a script job: its own output ({OUTS}); --all-files adds the wrapper's start and end "
                   f"lines ({LOGS})", file=sys.stderr, flush=True)
