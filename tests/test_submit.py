@@ -210,7 +210,7 @@ def test_auto_backend_says_why(tmp_path):
     assert b.name == "local" and "no `sbatch` on PATH" in why
     # sbatch "installed" but the controller cannot be asked (sinfo is not found here)
     b, why = backends.choose(SlurmOptions(), _NoCluster(True))
-    assert b.name == "local" and "controller does not answer" in why
+    assert b.name == "local" and "no Slurm controller answered" in why
 
 
 def _cli(args, cwd, env=None, **kw):

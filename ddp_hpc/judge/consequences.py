@@ -32,6 +32,29 @@ def compress(ranks: list[int]) -> str:
     return ",".join(out)
 
 
+def failure_lines(f) -> list[str]:
+    """A `ddp_hpc.judge.attribution.Failure` in words, as ``ddp-hpc status JOB`` and
+    ``submit --wait`` show it: the first failure line, what followed from it, the blamed rank's
+    stack and where the others were, and the tail of its traceback."""
+    head = f.summary
+    if not head:  # a Failure made elsewhere (no attribution): today's words
+        where = f" on {f.host}" if f.host else ""
+        what = f.message if f.exc_type in ("Exited", "Signal") and f.message else \
+            ": ".join(x for x in (f.exc_type, f.message) if x)
+        head = f"rank {f.rank}{where} (restart {f.restart}, from {f.basis})" + (f": {what}" if what else "")
+    out = [f"First failure: {head}"]
+    out += [f"    {ranks_text(c['ranks'])}: {c['text']}" for c in f.consequences]
+    if f.kind in ("killed", "vanished", "stuck"):
+        out.append(f"    how we know: {f.basis} (restart {f.restart})")
+    if f.stack and f.stack.get("summary"):
+        why = f" ({f.stack['reason']})" if f.stack.get("reason") else ""
+        out.append(f"    rank {f.rank} was in {f.stack['summary']}{why}:")
+        out += [f"        {ln}" for ln in f.stack.get("lines", [])]
+    out += [f"    {ranks_text(p['ranks'])} {'was' if len(p['ranks']) == 1 else 'were'} in {p['summary']}"
+            for p in f.peer_stacks]
+    return out + [f"    {ln}" for ln in f.traceback_tail]
+
+
 def relabel(endings: dict[int, RankEnding], blamed: list[RankEnding]) -> None:
     """Ranks whose ending followed the blamed one's: srun's kills reported after it are srun
     stopping the step; errors written after a killed, lost, stuck or vanished rank's last event

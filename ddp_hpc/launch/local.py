@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -27,6 +28,7 @@ from ddp_hpc.launch.tree import (
     thread_env,
 )
 from ddp_hpc.runlogs.schema import rank_out
+from ddp_hpc.text import shown_path
 
 
 @dataclass
@@ -130,7 +132,7 @@ class LocalRun:
         signal kills at once. With ``echo``, rank 0's output is copied there as it is written.
         """
         first_failed = None
-        with _caught_signals() as received, _echoing(self, echo):
+        with _caught_signals() as received, _echoing(self, echo) as echoed:
             while True:
                 if received:
                     self.kill(stop_grace, first=received[0], escalate=lambda: len(received) > 1)
@@ -139,6 +141,8 @@ class LocalRun:
                 failed = [r for r, rc in enumerate(codes) if rc not in (None, 0)]
                 if failed:
                     first_failed = failed[0]  # within one poll interval: the lowest rank
+                    if echoed is not None:
+                        echoed.failing.set()
                     self.kill()
                     break
                 if all(rc is not None for rc in codes):
@@ -164,39 +168,94 @@ def _caught_signals() -> Iterator[list[int]]:
             signal.signal(sig, handler)
 
 
-class _Echo(threading.Thread):
-    """Copies what is appended to one file, from ``start`` on, to ``out`` until stopped."""
+#: the first line of a Python traceback in a rank's output (torch prefixes each line of an
+#: uncaught one with ``[rankN]: ``)
+TRACEBACK_RE = re.compile(r"^(\[rank\d+\]:\s*)?Traceback \(most recent call last\):", re.MULTILINE)
+#: a traceback rank 0 prints while it goes on running (caught and printed, a thread's) is shown
+#: after this many seconds; one printed as the run breaks is held back (see `_Echo`)
+HOLD_S = 2.0
 
-    def __init__(self, path: Path, start: int, out: TextIO, poll: float = 0.1):
+
+class _Echo(threading.Thread):
+    """Copies what is appended to one file, from ``start`` on, to ``out`` until stopped.
+
+    A traceback is held back while the run may be breaking: when another rank fails, rank 0's
+    own traceback ("Connection closed by peer") is only a consequence, and printed on the console
+    it would hide the real error, which the driver prints from the judge once the run ended. So a
+    traceback is shown once ``HOLD_S`` passed with rank 0 still running and no rank failed;
+    when the run failed, the held lines stay in the rank's file and one line says where.
+    """
+
+    def __init__(self, path: Path, start: int, out: TextIO, proc: subprocess.Popen | None = None,
+                 poll: float = 0.1):
         super().__init__(name="ddp_hpc-echo", daemon=True)
         self.path, self.start_at, self.out, self.poll = path, start, out, poll
+        self.proc = proc
         self.stopped = threading.Event()
+        self.failing = threading.Event()   # a rank failed: hold tracebacks until the end
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.held: list[str] = []
+        self.held_since = 0.0
+        self.at_line_start = True
 
     def run(self) -> None:
         with open(self.path, "rb") as f:
             f.seek(self.start_at)
             while True:
                 last = self.stopped.is_set()  # read once more after the stop: nothing is lost
-                text = self.decoder.decode(f.read(), final=last)
-                if text:
-                    self.out.write(text)
-                    self.out.flush()
+                self._take(self.decoder.decode(f.read(), final=last))
+                if self.held and not self.failing.is_set() and self.proc is not None \
+                        and self.proc.poll() is None and time.monotonic() - self.held_since > HOLD_S:
+                    self._write("".join(self.held))   # rank 0 goes on: it was no ending
+                    self.held = []
                 if last:
+                    self._finish()
                     return
                 self.stopped.wait(self.poll)
 
+    def _take(self, text: str) -> None:
+        if not text:
+            return
+        if self.held:
+            self.held.append(text)
+            return
+        m = TRACEBACK_RE.search(text)
+        while m is not None and not (m.start() == 0 and self.at_line_start
+                                     or m.start() > 0 and text[m.start() - 1] == "\n"):
+            m = TRACEBACK_RE.search(text, m.end())
+        if m is None:
+            self._write(text)
+            return
+        self._write(text[:m.start()])
+        self.held, self.held_since = [text[m.start():]], time.monotonic()
+
+    def _finish(self) -> None:
+        if not self.held:
+            return
+        text = "".join(self.held)
+        if self.failing.is_set():
+            self._write(f"[ddp_hpc: rank 0's traceback ({text.count(chr(10))} lines) is in "
+                        f"{shown_path(self.path)}]\n")
+        else:
+            self._write(text)
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.at_line_start = text.endswith("\n")
+
 
 @contextlib.contextmanager
-def _echoing(run: LocalRun, out: TextIO | None) -> Iterator[None]:
+def _echoing(run: LocalRun, out: TextIO | None) -> Iterator[_Echo | None]:
     """Echo rank 0's log to ``out`` (if given) for the duration of the block."""
     if out is None:
-        yield
+        yield None
         return
-    echo = _Echo(run.log_paths[0], run.log_starts[0], out)
+    echo = _Echo(run.log_paths[0], run.log_starts[0], out, run.procs[0])
     echo.start()
     try:
-        yield
+        yield echo
     finally:
         echo.stopped.set()
         echo.join()

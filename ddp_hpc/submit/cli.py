@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                          "log.dir for a config)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the script / parameters / commands; submit nothing")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="say more: e.g. the error of a Slurm controller that did not answer")
     ap.add_argument("--wait", action="store_true",
                     help="wait for the end (showing rank 0's progress); exit non-zero unless "
                          "every rank completed")
@@ -138,9 +140,12 @@ def _load(config: str, overrides: Sequence[str], tasks: Sequence[Sequence[str]])
     return cfg, [load_config(config, [*overrides, *extra]) for extra in tasks] or [cfg]
 
 
-def _backend(opts, cli: SlurmCLI) -> Backend:
+def _backend(opts, cli: SlurmCLI, verbose: bool = False) -> Backend:
     backend, why = backends.choose(opts, cli)
-    say(f"backend {backend.name}: {why}")
+    say(f"backend {backend.name}: {why}"
+        + ("" if verbose or not getattr(cli, "unreachable", None) else " (-v: why)"))
+    if verbose and getattr(cli, "unreachable", None):
+        say(f"  {cli.unreachable}")
     return backend
 
 
@@ -154,7 +159,7 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     cfg, task_cfgs = _load(config, overrides, sweep_tasks(sweeps))
     opts = slurm_options.merged(cfg.slurm, slurm_options.given(args))
     cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
-    backend = _backend(opts, cli)
+    backend = _backend(opts, cli, args.verbose)
     spec = build_spec(dataclasses.replace(opts, backend=backend.name), config_path=config, cfg=cfg,
                       overrides=overrides, sweeps=sweeps)
     spec = dataclasses.replace(spec, stage=stage_items([(f"{config}: slurm.stage", cfg.slurm.stage),
@@ -180,7 +185,7 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
     stage = stage_items([("--stage", args.stage)]) if args.stage else ()   # before the backend is chosen
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
     cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
-    backend = _backend(opts, cli)
+    backend = _backend(opts, cli, args.verbose)
     spec = build_command_spec(dataclasses.replace(opts, backend=backend.name), command=command,
                               name=name, log_root=args.log_dir or "runs", sweeps=sweeps)
     return backends.dispatch(dataclasses.replace(spec, stage=stage), backend, cli, _options(args)).exit_code

@@ -28,6 +28,7 @@ from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch import start_local
 from ddp_hpc.launch.tree import start_time
 from ddp_hpc.runlogs.schema import rank_out
+from ddp_hpc.submit import wait
 from ddp_hpc.text import plural
 
 __all__ = ["run_plan", "ending_words", "main"]
@@ -86,20 +87,26 @@ def _summary(log_dir: str) -> dict | None:
 
 
 def _run_one(plan: dict, run: dict, env: Mapping[str, str] | None,
-             follow: bool) -> tuple[int, bool]:
-    """One run of the plan: (exit status, 0 when every rank exited 0; interrupted?)."""
+             follow: bool, announce: bool = True) -> tuple[int, bool]:
+    """One run of the plan: (exit status, 0 when every rank exited 0; interrupted?).
+    ``announce``: say where the run's logs are and that it completed (``submit --wait`` of a
+    single run has said the first and says the second itself)."""
     n, g = plan["nodes"], plan["procs_per_node"]
     label = f"task {run['task_id']}" if run["task_id"] is not None else "job"
-    print(f"ddp_hpc local: {label} {run['job_id']}: {plural(n * g, 'process')} on "
-          f"{plural(n, 'pretend node')}, logs in {run['log_dir']}", flush=True)
+    if announce:
+        print(f"ddp_hpc local: {label} {run['job_id']}: {plural(n * g, 'process')} on "
+              f"{plural(n, 'pretend node')}, logs in {run['log_dir']}", flush=True)
     run_env = {**(os.environ if env is None else env), "DDP_HPC_LOG_DIR": run["log_dir"]}
     started = time.time()
     lr = start_local(run["argv"], nodes=n, procs_per_node=g, log_dir=run["log_dir"], env=run_env,
                      job_id=run["job_id"])
     _set_pids(plan, [os.getpid(), *lr.pids])
     res = lr.wait(echo=sys.stdout if follow else None)
-    _set_final(plan, {_task_key(run): {**_ending(res, started), "logs": _summary(run["log_dir"])}})
+    final = _ending(res, started)
+    _set_final(plan, {_task_key(run): {**final, "logs": _summary(run["log_dir"])}})
     if res.ok:
+        if not announce:
+            return 0, False
         print(f"ddp_hpc local: {label} {run['job_id']} completed: "
               f"{'the process' if n * g == 1 else f'all {n * g} ranks'} exited 0", flush=True)
         return 0, False
@@ -107,21 +114,27 @@ def _run_one(plan: dict, run: dict, env: Mapping[str, str] | None,
         print(f"ddp_hpc local: {label} interrupted by {res.interrupted}", file=sys.stderr)
         return res.exitcode, True
     r = res.first_failed_rank
-    print(f"ddp_hpc local: {label} {run['job_id']} FAILED: rank {r} exited with "
-          f"{res.returncodes[r]}; see {Path(run['log_dir']) / rank_out(r)}",
+    culprit = wait.culprit_lines(run["log_dir"], "FAILED", [final.get("exit_code") or ""],
+                                 job_id=run["job_id"])
+    print(f"ddp_hpc local: {label} {run['job_id']} FAILED (exit status {res.exitcode})" + ("" if culprit else
+          f": rank {r} exited with {res.returncodes[r]}; see {Path(run['log_dir']) / rank_out(r)}"),
           file=sys.stderr, flush=True)
+    for line in culprit:
+        print(line, file=sys.stderr, flush=True)
     return res.exitcode, False
 
 
 def run_plan(plan_path: str | os.PathLike, follow: bool = False,
-             env: Mapping[str, str] | None = None) -> int:
+             env: Mapping[str, str] | None = None, announce: bool = True) -> int:
     """Run every run of the plan in turn with ``env`` (default: this process's environment);
     with ``follow``, rank 0's output is copied to stdout as it is written. Returns the exit
-    status of the first failing run, else 0; an interrupted run ends the plan."""
+    status of the first failing run, else 0; an interrupted run ends the plan. ``announce``:
+    a line where each run logs and one when it completed (a plan of several runs always has them)."""
     plan = json.loads(Path(plan_path).read_text())
     worst = 0
+    announce = announce or len(plan["runs"]) > 1
     for i, run in enumerate(plan["runs"]):
-        rc, interrupted = _run_one(plan, run, env, follow)
+        rc, interrupted = _run_one(plan, run, env, follow, announce)
         if interrupted:
             now = time.time()
             _set_final(plan, {_task_key(r): records.local_final(

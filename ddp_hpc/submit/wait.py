@@ -10,11 +10,15 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ddp_hpc.judge.attribution import SchedulerFacts
+from ddp_hpc.judge.consequences import failure_lines
+from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.tails import read_events
-from ddp_hpc.runlogs.schema import events_file
+from ddp_hpc.runlogs.schema import events_file, rank_out
 from ddp_hpc.slurm.states import parse_state
+from ddp_hpc.text import prog, shown_path
 
-__all__ = ["wait_for_jobs", "latest_step", "run_verdict", "wait_and_judge"]
+__all__ = ["wait_for_jobs", "latest_step", "run_verdict", "wait_and_judge", "culprit_lines"]
 
 
 def _state_of(row: Mapping[str, str]):
@@ -101,6 +105,23 @@ def run_verdict(log_dir: str | os.PathLike, world_size: int) -> tuple[bool, str]
     return False, "; ".join(parts) + f" (logs in {d})"
 
 
+def culprit_lines(log_dir: str | os.PathLike, state: str | None = "FAILED",
+                  exit_codes: Sequence[str] = (), job_id: str | None = None) -> list[str]:
+    """The first failure of the run in ``log_dir`` as ``ddp-hpc status`` judges it (the culprit
+    rank, its node, its error and the tail of its traceback; what the others did as one line
+    each), then where its whole output is; [] when the logs name no failing rank. ``state`` and
+    ``exit_codes``: what the scheduler (or the local driver) said of the run."""
+    try:
+        f = RunLogs(log_dir).first_failure(assume_failed=True,
+                                           sched=SchedulerFacts(state, [c for c in exit_codes if c]))
+    except (OSError, ValueError):
+        return []
+    if f is None:
+        return []
+    return failure_lines(f) + [f"Its output: {shown_path(Path(log_dir) / rank_out(f.rank))}"] + (
+        [f"Every rank: {prog('status')} {job_id}"] if job_id else [])
+
+
 def world_that_ran(log_dir: str | os.PathLike, default: int) -> int:
     """The world size in rank 0's newest ``start`` event (a job with a node range MIN-MAX runs
     with the nodes it got), else ``default``."""
@@ -124,6 +145,11 @@ def wait_and_judge(spec, job_id: str, cli, timeout: float | None, say) -> int:
         ok, why = run_verdict(t.log_dir, world)
         label = f"task {t.task_id}" if t.task_id is not None else f"job {job_id}"
         say(f"{label}: {'completed' if ok else 'NOT completed'}: {why}")
+        if not ok:
+            key = f"{job_id}_{t.task_id}" if t.task_id is not None else job_id
+            state = str(states.get(key) or "").split()[0] or None
+            for line in culprit_lines(t.log_dir, state, job_id=key):
+                print(line, file=sys.stderr, flush=True)
         ok_all = ok_all and ok
     say("final Slurm state: " + ", ".join(f"{k} {v}" for k, v in sorted(states.items())))
     return 0 if ok_all else 1

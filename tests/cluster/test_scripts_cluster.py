@@ -92,6 +92,8 @@ def test_script_rank1_raises_status_names_it(slurm_cluster, where, backend):
     assert p.returncode != 0
     assert "FAILED" in detail
     assert "First failure: rank 1" in detail and "RuntimeError: rank 1 was told to fail" in detail
+    # --wait ends with the same first failure status shows, the culprit's error line included
+    assert "First failure: rank 1" in p.stderr and "RuntimeError: rank 1 was told to fail" in p.stderr
 
 
 def test_too_many_cpus_per_task_fails_before_submitting(slurm_cluster, where):

@@ -88,9 +88,9 @@ def choose(opts: SlurmOptions, cli) -> tuple[Backend, str]:
         return _LOCAL, "no `sbatch` on PATH, so this machine is not a Slurm login node"
     try:
         parts = cli.sinfo_partitions()
-    except SlurmError as exc:
-        first = str(exc).splitlines()[0]
-        return _LOCAL, f"`sbatch` is installed but the Slurm controller does not answer ({first})"
+    except SlurmError as exc:   # a login node without a cluster configured: common, and no error
+        cli.unreachable = str(exc).splitlines()[0]    # --verbose shows it
+        return _LOCAL, "`sbatch` is installed, but no Slurm controller answered"
     why = (f"`sbatch` is on PATH and the controller answers (partitions: "
            f"{', '.join(p['name'] for p in parts) or 'none'})")
     if isinstance(opts.nodes, str):

@@ -50,7 +50,7 @@ from ddp_hpc.submit.backends.base import (
 )
 from ddp_hpc.submit.functions import describe, local_driver
 from ddp_hpc.submit.spec import JobSpec, SpecError
-from ddp_hpc.text import plural, prog
+from ddp_hpc.text import plural, prog, shown_path
 
 __all__ = ["LocalBackend", "CANCEL", "check_gpus", "write_plan", "start_detached"]
 
@@ -103,10 +103,13 @@ class LocalBackend:
         path = write_plan(spec, job_id, record_id=job_id,
                                  ddp_hpc_home=os.environ.get("DDP_HPC_HOME"))
         say(f"job {job_id}: {plural(spec.world_size, 'process')} "
-            f"({plural(spec.nodes, 'pretend node')} x {spec.gpus_per_node}), logs in {spec.log_dir}")
+            f"({plural(spec.nodes, 'pretend node')} x {spec.gpus_per_node})")
+        say(f"logs in {shown_path(spec.log_dir)}")
         if opts.wait:
-            rc = driver.run_plan(path, follow=True, env=plan.env)
-            say(f"job {job_id} {driver.ending_words(rc)}")
+            rc = driver.run_plan(path, follow=True, env=plan.env, announce=False)
+            words = driver.ending_words(rc)
+            if len(spec.tasks) > 1 or not words.startswith("failed"):   # a failed run's last
+                say(f"job {job_id} {words}")                            # lines: its first failure
             return Submitted(rec, rc)
         rec.pids = [start_detached(path, plan.env, spec.python)]
         rec.pid_times = [start_time(rec.pids[0])]

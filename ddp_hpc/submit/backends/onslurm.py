@@ -27,7 +27,7 @@ from ddp_hpc.submit.backends.base import (
 from ddp_hpc.submit.checks import check_resources, partition_named
 from ddp_hpc.submit.spec import JobSpec, SpecError
 from ddp_hpc.submit.wait import wait_and_judge
-from ddp_hpc.text import plural
+from ddp_hpc.text import plural, shown_path
 
 __all__ = ["SlurmBackend", "scancel", "cluster_of"]
 
@@ -111,7 +111,8 @@ class SlurmBackend:
         nodes = (f"{spec.options.nodes} nodes" if isinstance(spec.options.nodes, str)
                  else plural(spec.nodes, "node"))
         say(f"submitted job {job_id} ({self.name}, {nodes} x "
-            f"{plural(spec.tasks_per_node, 'task')}{array}), logs in {spec.log_dir}")
+            f"{plural(spec.tasks_per_node, 'task')}{array})")
+        say(f"logs in {shown_path(spec.log_dir)}")
         if not opts.quiet:
             print(job_id, flush=True)
         if not opts.wait:
