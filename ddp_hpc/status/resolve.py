@@ -209,7 +209,7 @@ class Resolved:
             rank_classification={str(r): e.to_dict() for r, e in endings.items()},
             timing=with_compute(timing.stragglers(*per_hosts), compute_stragglers(*per_hosts)),
             flight=flight, staging=stage_rows(logs), alloc_restarts=inside, tensorboard=logs.tensorboard,
-            goodput=_goodput(logs, inside), gpus=gpu.gpus(*per_hosts),
+            goodput=_goodput(logs, inside, s.now if sched.state.state.active else None), gpus=gpu.gpus(*per_hosts),
             picture=picture.build(logs, inside, lanes), restored=current_restore(logs, cur)), notes)
 
     def _status(self, detail: dict, notes: list[str]) -> JobStatus:
@@ -306,10 +306,11 @@ class Resolved:
         return src.final_to_keep(self.state, self.logs, s.now, s.final)
 
 
-def _goodput(logs: RunLogs | KeptLogs, restarts: list[dict]) -> dict | None:
-    """The job's goodput from its logs (`judge.goodput`, the restarts' phases where recorded);
+def _goodput(logs: RunLogs | KeptLogs, restarts: list[dict], end: float | None = None) -> dict | None:
+    """The job's goodput from its logs (`judge.goodput`, the restarts' phases where recorded)
+    up to ``end`` (a running job: now, so a silence that goes on counts; else its last event);
     None from kept facts, or before a step."""
-    g = None if isinstance(logs, KeptLogs) else goodput(logs.ranks, restarts)
+    g = None if isinstance(logs, KeptLogs) else goodput(logs.ranks, restarts, end=end)
     return g.to_dict() if g is not None else None
 
 
