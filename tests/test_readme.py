@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
 from readme_blocks import REPO, blocks, fresh_copy, newest_job_id, path_without_slurm, run_block, venv_points_at_repo
+
+from ddp_hpc.cli import COMMANDS
 
 
 def test_every_block_says_how_it_is_checked():
@@ -16,6 +19,13 @@ def test_every_block_says_how_it_is_checked():
     assert not unmarked, f"README.md blocks at lines {unmarked} have no <!-- readme-check: ... --> marker"
     assert all(b.why for b in found if b.kind == "skip"), "a skipped block must say why"
     assert [b.kind for b in found].count("run") >= 4
+
+
+def test_the_readmes_list_of_commands_is_the_one_ddp_hpc_help_shows():
+    text = (REPO / "README.md").read_text()
+    listed = re.search(r"`ddp-hpc ([a-z|]+)` \(`ddp-hpc --help`", text)
+    assert listed, "README.md lost its `ddp-hpc a|b|c` (`ddp-hpc --help` ...) line"
+    assert sorted(listed.group(1).split("|")) == sorted(COMMANDS)
 
 
 def test_the_marker_parser_sees_a_missing_marker():
