@@ -221,3 +221,15 @@ def test_detail_of_a_failed_script_names_its_output_first(tmp_path, utc):
     assert st.to_dict()["exit_code"] == "1:0"    # --json keeps Slurm's raw form
     assert view.files_guide(script=True).startswith("rank{R}.out = your script's output")
     assert view.files_guide().startswith("rank{R}.log = the training log: read it first")
+
+
+def test_short_ids_leave_room_for_more_columns():
+    """Slurm's short ids: the same jobs but the local ones keep their shape and whole states,
+    and one job keeps its backend too: the table gives way only as far as it must."""
+    slurm = [s for s in ten_jobs() if not s.id.startswith("local-")]
+    lines = render_table(slurm, 100, HERE).splitlines()
+    assert max(map(len, lines)) <= 100 and "NODESxGPUS" in lines[0].split()
+    assert "STALLED 00:02:10" in lines[5] and "CANCELLED by 1000" in lines[7] and "e1 s400/800 50%" in lines[1]
+    one = render_table(slurm[:1], 100, HERE).splitlines()
+    assert one[0].split()[:3] == ["ID", "NAME", "BACKEND"] and one[1].split()[:3] == ["4242", "resnet50", "sbatch"]
+    assert one[-1] == "more with --wide: ETA, EVAL, GPU%, LOG DIR, LIMIT, RESTARTS"

@@ -3,7 +3,7 @@
 A table that wraps is unreadable, and a local job's id alone is 31 characters, so the columns
 give way in one fixed order (`STEPS`) until the table fits: the log directory is cut in the
 middle, then the columns a detail view tells just as well go (ETA, EVAL, GPU%, LOG DIR,
-OVERRIDES, BACKEND, the limit, RESTARTS), then the cells take their short forms (``s57/300``
+OVERRIDES, the limit, RESTARTS, BACKEND), then the cells take their short forms (``s57/300``
 without its percent and epoch, ``CANCELLED`` without "by 1000"), then the shape, long names and
 the loss give way; the ID is never cut (users copy it). ``width=None`` (``status --wide``)
 shows every column whole. Which columns went, and which jobs were submitted from another
@@ -125,7 +125,7 @@ CELLS: dict[str, Callable[[JobStatus], str]] = {
 #: ("drop", column) leaves it out; ("form", column, short form, its header) shortens its cells
 STEPS = (("cut", "LOG DIR", 24), ("cut", "OVERRIDES", 16), ("cut", "EVAL", 16),
          ("drop", "ETA"), ("drop", "EVAL"), ("drop", "GPU%"), ("drop", "LOG DIR"), ("drop", "OVERRIDES"),
-         ("drop", "BACKEND"), ("form", "ELAPSED/LIMIT", "ELAPSED", "ELAPSED"), ("drop", "RESTARTS"),
+         ("form", "ELAPSED/LIMIT", "ELAPSED", "ELAPSED"), ("drop", "RESTARTS"), ("drop", "BACKEND"),
          ("form", "PROGRESS", "PROGRESS-", "PROGRESS"), ("form", "NODESxGPUS", "NODESxGPUS", "NxG"),
          ("form", "STATE", "STATE-", "STATE"), ("form", "PROGRESS", "PROGRESS--", "PROGRESS"),
          ("drop", "NODESxGPUS"), ("cut", "NAME", 8), ("drop", "LOSS"), ("cut", "STATE", 9))
