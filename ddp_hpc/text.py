@@ -80,6 +80,17 @@ def did_you_mean(message: str, flags: list[str]) -> str:
     return " (did you mean " + ", ".join(f"`{near}` for {w}" for w, near in pairs) + "?)"
 
 
+def shown_path(path: str | os.PathLike) -> str:
+    """``path`` as a user reads it in a one-line message: relative to the working directory when
+    it lies inside it (``runs/demo-...``), else as given."""
+    text = os.fspath(path)
+    try:
+        rel = os.path.relpath(text)
+    except ValueError:   # another drive (Windows)
+        return text
+    return text if rel == ".." or rel.startswith(".." + os.sep) else rel
+
+
 def cut_middle(text: str, width: int) -> str:
     """``/scratch/u/.../demo-20260101-1a2b``: the ends of a path kept, its middle cut."""
     if len(text) <= width:
