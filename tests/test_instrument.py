@@ -366,3 +366,41 @@ def test_the_elastic_error_file_is_the_ranks_error(tmp_path):
     assert (err["exc_type"], err["message"]) == ("ValueError", "bad batch 42"), err
     assert 'raise ValueError("bad batch 42")' in err["traceback"]
     assert json.loads((log_dir / "rank0.error.json").read_text())["message"]["message"].startswith("ValueError")
+
+
+HELD = """
+import sys, time
+import torch
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range(30):                     # far under a second: the throttle holds the newest back
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+print("stepped", flush=True)
+time.sleep(120)                         # as a rank waiting for a peer that failed
+"""
+
+
+def test_a_rank_killed_while_its_newest_step_was_held_back_ends_at_that_step(tmp_path):
+    """The throttle writes a step event at most once a second and the held one at exit, which a
+    SIGTERM skips: the watchdog writes the held step's number once no step came for a second,
+    so the end event says step 30 (it said the step of the last event written, 2)."""
+    import signal
+    script = tmp_path / "held.py"
+    script.write_text(HELD)
+    log_dir = tmp_path / "logs"
+    p = subprocess.Popen([*EXEC, "--log-dir", str(log_dir), "--", sys.executable, str(script)],
+                         env=clean_env(RANK="0", WORLD_SIZE="1"), stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "stepped"
+        _wait(lambda: any(e.get("phase") == "step" for e in events(log_dir, 0, "progress")), timeout=60)
+        steps = [e["step"] for e in events(log_dir, 0, "step")]
+        assert steps and max(steps) < 30, steps            # the newest step was held back
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert [e["step"] for e in events(log_dir, 0, "progress") if e.get("phase") == "step"] == [30]
+    (end,) = events(log_dir, 0, "end")
+    assert end["status"] == "killed" and end["signal"] == "SIGTERM" and end["step"] == 30, end

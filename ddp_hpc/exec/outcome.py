@@ -121,10 +121,12 @@ def error_fields(outcome: Outcome, out_path: Path | None, out_start: int,
 
 def last_step(events_path: Path | None, start: int) -> int | None:
     """The step of the newest ``step`` event appended to ``events_path`` after offset ``start``
-    (what the child reported through ``ddp_hpc.report``), or None."""
+    (what the child reported through ``ddp_hpc.report``), or of a ``progress`` event of phase
+    ``step`` (the number of a step the throttle held back, `ddp_hpc.progress`), or None."""
     if events_path is None:
         return None
     for event in reversed(read_events(events_path, since=start).events):
-        if event.get("event") == "step" and isinstance(event.get("step"), int):
+        if (event.get("event") == "step" or event.get("event") == "progress" and event.get("phase") == "step") \
+                and isinstance(event.get("step"), int):
             return event["step"]
     return None

@@ -157,7 +157,7 @@ def goodput(ranks: dict[int, RankStream], restarts: list[dict] = (), end: float 
 def _tail(g: Goodput, last_t: float, t_end: float, other: list[dict], limit: float | None) -> None:
     """Share the time after the last step event out by the events that end its stretches (the
     module's rules); ``limit``: the seconds of silence that are a stall (None: no step interval)."""
-    after = sorted(((t, e) for e in other if e.get("event") != "stack"
+    after = sorted(((t, e) for e in other if e.get("event") != "stack" and not _step_note(e)
                     and (t := to_float(e.get("time"))) is not None and last_t < t <= t_end),
                    key=lambda te: te[0])
     t0 = last_t
@@ -173,6 +173,12 @@ def _tail(g: Goodput, last_t: float, t_end: float, other: list[dict], limit: flo
             part = "other"
         g.lost_s[part] += max(t - t0, 0.0)
         t0 = max(t0, t)
+
+
+def _step_note(e: dict) -> bool:
+    """A held-back step's number (``progress`` of phase ``step``, `ddp_hpc.progress`): no stretch
+    of its own, as a stack event is none."""
+    return e.get("event") == "progress" and e.get("phase") == "step"
 
 
 def _restart_gap(g: Goodput, gap: float, phases) -> None:

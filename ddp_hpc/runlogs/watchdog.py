@@ -90,6 +90,9 @@ class HangWatch:
         self._old_fd: int | None = None
         self._old_handler: Any = None
         self._alive_at: float | None = None   # the newest progress event (`alive`)
+        #: called from the watchdog thread every poll with the seconds since the last beat
+        #: (``ddp_hpc.progress`` writes the step its throttle held back)
+        self.idle: Callable[[float], None] | None = None
         self.vitals = Vitals()                # CPU, IO and place of the last seconds, for answers
 
     def alive(self, phase: str, step: int | None, every_s: float = PROGRESS_EVERY_S) -> None:
@@ -179,6 +182,11 @@ class HangWatch:
                 self.dump("on request")
                 continue
             silent = self.clock() - self._last
+            if self.idle is not None:
+                try:
+                    self.idle(silent)
+                except Exception:  # noqa: BLE001 - a log that fails never stops the watchdog
+                    pass
             marks = self.thresholds()
             if self._dumps < len(marks) and silent >= marks[self._dumps]:
                 last = self.dump_after_s is not None and marks[self._dumps] == self.dump_after_s
