@@ -15,7 +15,9 @@ from typing import Callable
 
 from ddp_hpc.exits import signal_name, signal_of_exit_status, signal_text
 from ddp_hpc.judge.consequences import compress as compress_ranks
+from ddp_hpc.judge.consequences import failure_lines as judge_failure_lines
 from ddp_hpc.judge.consequences import ranks_text
+from ddp_hpc.judge.goodput import PART_NAMES
 from ddp_hpc.judge.tails import follow_logs, log_line, logs_tail, rank_files, render_logs
 from ddp_hpc.judge.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
@@ -31,11 +33,6 @@ from ddp_hpc.text import plural
 __all__ = ["render_table", "render_detail", "failure_lines", "to_json", "files_guide", "watch", "compress_ranks",
            "follow_logs", "log_line", "logs_tail", "rank_files", "render_logs", "exit_words", "progress_text",
            "state_text"]
-
-#: the parts of the time lost besides useful steps, as the detail view names them (judge.goodput.PARTS)
-LOST_NAMES = {"restarts": "restarts", "redone": "steps trained twice", "checkpoint": "checkpoints",
-              "data": "data wait", "stalls": "stalls", "eval": "eval", "other": "other"}
-
 
 def shape_text(st: JobStatus) -> str:
     """``2 nodes x 4 GPUs``, or ``1 node x 2 processes on CPU`` when the run says it used the CPU;
@@ -143,7 +140,7 @@ def goodput_lines(st: JobStatus) -> list[str]:
     out = [f"Goodput:    {100 * g['goodput']:.1f}% of {g['wall_s']:.1f} s since the first step were useful steps "
            f"({g['useful_s']:.1f} s)"]
     parts = []
-    for key, name in LOST_NAMES.items():
+    for key, name in PART_NAMES.items():
         secs = lost.get(key) or 0.0
         if secs < 0.05:
             continue
@@ -224,26 +221,9 @@ def _stall_lines(st: JobStatus) -> list[str]:
 
 
 def failure_lines(st: JobStatus) -> list[str]:
-    f = st.failure
-    if f is None:
-        return []
-    head = f.summary
-    if not head:  # a Failure made elsewhere (no attribution): today's words
-        where = f" on {f.host}" if f.host else ""
-        what = f.message if f.exc_type in ("Exited", "Signal") and f.message else \
-            ": ".join(x for x in (f.exc_type, f.message) if x)
-        head = f"rank {f.rank}{where} (restart {f.restart}, from {f.basis})" + (f": {what}" if what else "")
-    out = [f"First failure: {head}"]
-    out += [f"    {ranks_text(c['ranks'])}: {c['text']}" for c in f.consequences]
-    if f.kind in ("killed", "vanished", "stuck"):
-        out.append(f"    how we know: {f.basis} (restart {f.restart})")
-    if f.stack and f.stack.get("summary"):
-        why = f" ({f.stack['reason']})" if f.stack.get("reason") else ""
-        out.append(f"    rank {f.rank} was in {f.stack['summary']}{why}:")
-        out += [f"        {ln}" for ln in f.stack.get("lines", [])]
-    out += [f"    {ranks_text(p['ranks'])} {'was' if len(p['ranks']) == 1 else 'were'} in {p['summary']}"
-            for p in f.peer_stacks]
-    return out + [f"    {ln}" for ln in f.traceback_tail]
+    """The first failure in words (`ddp_hpc.judge.consequences.failure_lines`, which
+    ``submit --wait`` prints too)."""
+    return [] if st.failure is None else judge_failure_lines(st.failure)
 
 
 def _timing_lines(st: JobStatus) -> list[str]:
