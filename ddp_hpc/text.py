@@ -103,27 +103,3 @@ def cut_middle(text: str, width: int) -> str:
 
 def cut_end(text: str, width: int) -> str:
     return text if len(text) <= width else (text[:width - 3] + "..." if width > 3 else text[:width])
-
-
-def fit_columns(rows: list[list[str]], width: int | None, shrink: list[tuple[int, int, bool]],
-                gap: int = 2) -> list[list[str]]:
-    """Cut cells so that the rows, as columns ``gap`` apart, fit in ``width`` characters (None:
-    no limit). ``shrink``: (column, narrowest width, cut in the middle) in the order the columns
-    give way: each is cut down to its narrowest before the next is touched; the header row
-    (``rows[0]``) is cut like the others. Rows are returned unchanged when they fit or when
-    nothing may shrink further."""
-    if not rows or width is None:
-        return rows
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    excess = sum(widths) + gap * (len(widths) - 1) - width
-    for col, narrowest, middle in shrink:
-        if excess <= 0:
-            break
-        target = max(narrowest, widths[col] - excess)
-        if target >= widths[col]:
-            continue
-        excess -= widths[col] - target
-        widths[col] = target
-        cut = cut_middle if middle else cut_end
-        rows = [r[:col] + [cut(r[col], target)] + r[col + 1:] for r in rows]
-    return rows

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.text import cut_middle, fit_columns
+from ddp_hpc.text import cut_middle
 
 
 @pytest.fixture
@@ -83,13 +83,7 @@ def test_the_table_fits_columns_cutting_the_log_dir_first(home):
     assert narrow[1].split()[:2] == ["902", "train"]    # the other columns whole
 
 
-def test_fit_columns_gives_way_in_order_and_stops_at_the_narrowest():
-    rows = [["ID", "NAME", "LOG DIR"], ["1", "a-long-name", "/a/b/c/d/e/f/g/h/i/j"]]
-    shrink = [(2, 8, True), (1, 6, False)]
-    assert fit_columns(rows, None, shrink) == rows and fit_columns(rows, 37, shrink) == rows
-    assert fit_columns(rows, 25, shrink) == [["ID", "NAME", "LOG DIR"], ["1", "a-long-name", "/.../i/j"]]
-    assert fit_columns(rows, 20, shrink) == [["ID", "NAME", "LOG DIR"], ["1", "a-l...", "/.../i/j"]]
-    assert fit_columns(rows, 10, shrink) == fit_columns(rows, 20, shrink)    # no narrower than that
+def test_cut_middle_keeps_both_ends_of_a_path():
     assert cut_middle("/scratch/user/runs/job-1", 12) == "/sc.../job-1"
 
 

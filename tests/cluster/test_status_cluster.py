@@ -132,7 +132,7 @@ def test_running_job_progresses_then_is_requeued_and_completed(slurm_cluster, en
     assert 0 < running["progress"]["percent"] <= 100
     assert running["nodes"] == 2 and running["gpus_per_node"] == 1
     # the table, from another directory, lists it as RUNNING too
-    table = status(c, env, elsewhere).stdout
+    table = status(c, env, elsewhere, "--wide").stdout
     row = next(line for line in table.splitlines() if line.startswith(job + " "))
     assert "st-ok" in row and "sbatch" in row and "2x1" in row
     # preemption the way Slurm announces it: the training core checkpoints, rank 0 requeues the
