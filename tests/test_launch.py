@@ -469,3 +469,35 @@ def test_cli_puts_the_run_logs_beside_every_ranks_output(tmp_path):
         assert {f"rank{r}.out", f"rank{r}.log", f"rank{r}.events.jsonl"} <= {f.name for f in logs.iterdir()}
         assert '"event": "end"' in (logs / f"rank{r}.events.jsonl").read_text()
     assert not (tmp_path / "config-logs").exists()
+
+
+#: rank 0 raises when rank 1's failure stops it (SIGTERM, as a gloo error reaches a real one);
+#: with `own`, rank 0 fails first itself
+VICTIM = ("import os, signal, sys, time\n"
+          "def stopped(*_):\n"
+          "    raise RuntimeError('rank 0 only lost its peer')\n"
+          "signal.signal(signal.SIGTERM, stopped)\n"
+          "rank, own = os.environ['RANK'], sys.argv[1] == 'own'\n"
+          "if rank == '0' and own:\n"
+          "    raise ValueError('rank 0 itself broke')\n"
+          "if rank == '1' and not own:\n"
+          "    time.sleep(0.5); raise ValueError('rank 1 broke')\n"
+          "time.sleep(60)\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("who", ["own", "peer"])
+def test_rank_0s_traceback_is_shown_when_it_failed_first_and_left_in_its_file_when_a_peer_did(tmp_path, who):
+    p = _cli("--nodes", "1", "--procs-per-node", "2", "--log-dir", str(tmp_path / "l"), "--",
+             sys.executable, "-c", VICTIM, who)
+    assert p.returncode == 1, p.stdout + p.stderr
+    rank0 = (tmp_path / "l" / "rank0.out").read_text()
+    if who == "own":
+        assert "ValueError: rank 0 itself broke" in p.stdout and "Traceback" in p.stdout
+        assert "FAILED: rank 0 exited with 1" in p.stderr
+    else:
+        lost = "RuntimeError: rank 0 only lost its peer"
+        assert lost in rank0                                   # it raised, in its file ...
+        assert lost not in p.stdout and "Traceback" not in p.stdout       # ... not on the console
+        assert "[ddp_hpc: rank 0's traceback (" in p.stdout and "rank0.out]" in p.stdout
+        assert "FAILED: rank 1 exited with 1" in p.stderr

@@ -141,7 +141,7 @@ class LocalRun:
                 failed = [r for r, rc in enumerate(codes) if rc not in (None, 0)]
                 if failed:
                     first_failed = failed[0]  # within one poll interval: the lowest rank
-                    if echoed is not None:
+                    if echoed is not None and first_failed != 0:   # rank 0's own error is shown
                         echoed.failing.set()
                     self.kill()
                     break
@@ -182,8 +182,9 @@ class _Echo(threading.Thread):
     A traceback is held back while the run may be breaking: when another rank fails, rank 0's
     own traceback ("Connection closed by peer") is only a consequence, and printed on the console
     it would hide the real error, which the driver prints from the judge once the run ended. So a
-    traceback is shown once ``HOLD_S`` passed with rank 0 still running and no rank failed;
-    when the run failed, the held lines stay in the rank's file and one line says where.
+    traceback is shown once ``HOLD_S`` passed with rank 0 still running and no rank failed, or
+    at the end when rank 0 failed first; when another rank failed first, the held lines stay in
+    the rank's file and one line says where.
     """
 
     def __init__(self, path: Path, start: int, out: TextIO, proc: subprocess.Popen | None = None,

@@ -137,7 +137,7 @@ def wait_and_judge(spec, job_id: str, cli, timeout: float | None, say) -> int:
     states = wait_for_jobs(cli, job_id, timeout=timeout,
                            echo=lambda m: print(m, file=sys.stderr, flush=True),
                            progress=lambda: latest_step([t.log_dir for t in spec.tasks]))
-    ok_all = True
+    ok_all, culprits = True, []
     for t in spec.tasks:
         world = spec.world_size
         if isinstance(spec.options.nodes, str):     # a range: as many ranks as the nodes it got
@@ -148,8 +148,9 @@ def wait_and_judge(spec, job_id: str, cli, timeout: float | None, say) -> int:
         if not ok:
             key = f"{job_id}_{t.task_id}" if t.task_id is not None else job_id
             state = str(states.get(key) or "").split()[0] or None
-            for line in culprit_lines(t.log_dir, state, job_id=key):
-                print(line, file=sys.stderr, flush=True)
+            culprits += culprit_lines(t.log_dir, state, job_id=key)
         ok_all = ok_all and ok
     say("final Slurm state: " + ", ".join(f"{k} {v}" for k, v in sorted(states.items())))
+    for line in culprits:   # the last lines: who broke it, as status judges it
+        print(line, file=sys.stderr, flush=True)
     return 0 if ok_all else 1

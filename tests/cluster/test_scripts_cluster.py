@@ -88,7 +88,7 @@ def test_script_rank1_raises_status_names_it(slurm_cluster, where, backend):
     took = time.monotonic() - started
     job_id = p.stdout.split()[-1]
     detail = _status(c, where, job_id)
-    print(f"ended after {took:.1f} s\n{detail}")
+    print(f"ended after {took:.1f} s\n{p.stderr}\n{detail}")
     assert p.returncode != 0
     assert "FAILED" in detail
     assert "First failure: rank 1" in detail and "RuntimeError: rank 1 was told to fail" in detail
