@@ -455,6 +455,16 @@ def _shared_cluster(d: Path) -> SlurmTestCluster:
     return cluster
 
 
+@pytest.fixture
+def utc(monkeypatch):
+    """Local times (a record's, a restart's) printed in UTC, so golden files hold anywhere."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
 @pytest.fixture(autouse=True)
 def _spare_set(request):
     """A test in xdist group "spare2" gets the second spare partition as its ``spare_partition``

@@ -9,7 +9,6 @@ import io
 import json
 import os
 import re
-import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -26,16 +25,6 @@ from ddp_hpc.status.targets import StatusTarget
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("DDP_HPC_UPDATE_GOLDEN") == "1"
 NOW = pe.T0 + 700.0
-
-
-@pytest.fixture
-def utc(monkeypatch):
-    """The detail view prints local times (a restart's): UTC, so the golden files hold anywhere."""
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def _status(log_dir: Path, lanes: bool = False):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -187,16 +186,6 @@ def write_boom(d: Path) -> None:
         (d / f"rank{r}.events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evs))
         (d / f"rank{r}.log").write_text(f"exec: started python as pid {100 + r}\nexec: command ended\n")
         (d / f"rank{r}.out").write_text("step 0 0.52\n" + (TB if r == 3 else ""))
-
-
-@pytest.fixture
-def utc(monkeypatch):
-    """The detail view prints local times (the record's): UTC, so the golden file holds anywhere."""
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def test_detail_of_a_failed_script_names_its_output_first(tmp_path, utc):
