@@ -10,6 +10,7 @@ import json
 import pytest
 
 from ddp_hpc.judge.reader import RunLogs
+from ddp_hpc.judge.srun import SUPERVISOR_PREFIX, starting_line, stopping_line, task_reports
 from ddp_hpc.judge.stacks import stack_excerpt, stack_summary
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.targets import StatusTarget
@@ -545,3 +546,36 @@ def test_an_earlier_run_the_supervisor_restarted_is_blamed_as_the_supervisor_fou
     [run0] = [ln for ln in lines if ln.strip().startswith("restart 0: ranks")]
     assert run0.endswith("first failure: rank 3 on n2 killed by signal 9 (SIGKILL) (the supervisor's "
                          "finding: srun exit report)"), run0
+
+
+def test_a_rank_the_supervisor_killed_while_stopping_the_step_is_the_stuck_one_not_killed(tmp_path):
+    """A hang under the supervisor: the others time out and exit, srun does not end the step (rank 3
+    is stopped), so the supervisor kills its tasks (``scancel --signal=KILL``), which srun reports
+    as "task 3: Killed" with no abort line of its own before it. Its line before the kill marks the
+    reports after it as the supervisor's doing: rank 3 is stuck, not killed by signal 9 (with one
+    rank a node, a fresh-clone CI run blamed the kill)."""
+    for r in range(3):   # each wrote its timeout, and was killed in its teardown: no end event
+        write(tmp_path, r, run_until(r, 41) + [
+            ev(r, 65, "stack", reason="collective timeout: no step for 24 s", stack=STACK_PEER, step=41)]
+            + peer_error(r, 76 + r / 100, TIMEOUT)[:1])
+    write(tmp_path, 3, run_until(3, 41))
+    (tmp_path / "slurm-77.out").write_text(
+        f"{SUPERVISOR_PREFIX} {starting_line(0)}\n{SUPERVISOR_PREFIX} {stopping_line(0, 'rank failed')}\n"
+        "srun: error: n2: task 3: Killed\nsrun: error: n1: tasks 0-1: Killed\nsrun: error: n2: task 2: Killed\n")
+    st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))
+    assert first_failure(lines)[0] == \
+        "First failure: rank 3 on n2 stuck: its last event (step 41) is 35 s older than the others'"
+    assert st.to_dict()["rank_classification"]["3"]["kind"] == "stuck"
+
+
+def test_a_kill_reported_after_the_next_start_is_that_runs_own(tmp_path):
+    """The supervisor's stop marks srun's reports up to its next start line only: a rank killed in
+    the next run (the OOM killer) is that run's fault, not the supervisor's."""
+    lines = [f"{SUPERVISOR_PREFIX} {starting_line(0)}", f"{SUPERVISOR_PREFIX} {stopping_line(0, 'stalled')}",
+             "srun: error: n2: task 1: Killed", "srun: error: n1: task 0: Killed"]
+    out = tmp_path / "slurm-1.out"
+    out.write_text("\n".join(lines) + "\n")
+    assert {t: r.after_abort for t, r in task_reports([out]).items()} == {0: True, 1: True}
+    out.write_text("\n".join(lines + [f"{SUPERVISOR_PREFIX} {starting_line(1)}",
+                                      "srun: error: n2: task 1: Killed"]) + "\n")
+    assert {t: r.after_abort for t, r in task_reports([out]).items()} == {0: True, 1: False}

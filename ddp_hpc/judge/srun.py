@@ -27,6 +27,13 @@ SRUN_EXIT_RE = re.compile(
 #: srun / slurmstepd stopping the whole step: reports after one of these are of tasks it stopped
 ABORT_RE = re.compile(r"srun: (?:Terminating|Job step aborted|forcing job termination)|"
                       r"\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED")
+#: what the supervisor (``ddp_hpc.supervise``) writes to the batch output, in which srun reports too:
+#: a step it starts, and a step it stops. It stops one by killing its tasks at once (``scancel
+#: --signal=KILL JOB.STEP``), which srun reports as "task 1: Killed" with no line of its own before
+#: them: a report after the supervisor's stop (and before the next start) is of a task it stopped.
+SUPERVISOR_PREFIX = "ddp_hpc supervise:"
+SUPERVISOR_RE = re.compile(r"^ddp_hpc supervise: (?:(?P<start>starting the step of run \d+)|"
+                           r"(?P<stop>stopping the step of run \d+))")
 #: Slurm's words for a lost node: srun's "Node failure on n2", slurmstepd's "... DUE TO NODE FAILURE"
 NODE_FAILURE_RE = re.compile(r"Node failure on (?P<nodes>\S+)|(?P<stepd>DUE TO NODE FAILURE)")
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
@@ -72,9 +79,21 @@ def task_reports(paths) -> dict[int, TaskReport]:
                                    oom=m.group("word") == "Out Of Memory")
     first = min((r.order for r in out.values()), default=0)
     aborts = [i for i, ln in enumerate(lines) if i >= first and ABORT_RE.search(ln)]
+    ours = [(i, m.group("stop") is not None) for i, ln in enumerate(lines) if (m := SUPERVISOR_RE.match(ln))]
     for r in out.values():
-        r.after_abort = any(a < r.order for a in aborts)
+        before = [stop for i, stop in ours if i < r.order]
+        r.after_abort = any(a < r.order for a in aborts) or bool(before and before[-1])
     return out
+
+
+def starting_line(restart: int) -> str:
+    """The supervisor's line as it starts run ``restart``'s step (`SUPERVISOR_RE`)."""
+    return f"starting the step of run {restart}"
+
+
+def stopping_line(restart: int, why: str) -> str:
+    """The supervisor's line as it stops run ``restart``'s step (`SUPERVISOR_RE`)."""
+    return f"stopping the step of run {restart}: {why}"
 
 
 def node_failures(paths) -> tuple[bool, list[str]]:

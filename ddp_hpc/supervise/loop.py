@@ -29,6 +29,7 @@ from ddp_hpc.exits import EX_TEMPFAIL, exit_status_of_returncode
 from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import read_restarts
+from ddp_hpc.judge.srun import SUPERVISOR_PREFIX, starting_line, stopping_line
 from ddp_hpc.runlogs.restarts import append_health, append_hold, append_restart, append_stop
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, RUN_MARK, rank_out
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
@@ -42,7 +43,7 @@ from ddp_hpc.supervise.watch import EventTail, StepEnd, Watch, node_health, stop
 __all__ = ["Settings", "Finding", "Judgement", "supervise", "find", "judge", "restart_row", "stop_row",
            "step_env", "step_args"]
 
-PREFIX = "ddp_hpc supervise:"
+PREFIX = SUPERVISOR_PREFIX   # the judge reads our start and stop lines in the batch output
 #: how long srun gets to end a step after its abort when the supervisor stopped it (a lost node,
 #: a rank that lost a peer, a hang): its tasks were already SIGKILLed (`_stop`), and what srun
 #: still waits for is a node that does not answer (KillWait + 2 s: 8.6 s of the bench's lost-node
@@ -139,6 +140,7 @@ def _supervise(s: Settings, cli, environ: dict, warm: Warm | None) -> int:
         _mark_outputs(s, len(plan.active) * s.policy.tasks_per_node, restart)
         if killer is not None:   # the old ranks gone before new ones start on their nodes and GPUs
             killer.join(max(0.0, stopped_at + KILL_WAIT_S - time.time()))
+        _say(starting_line(restart))   # srun's reports after it are of this run's step
         proc = warm.take(plan.active, {ALLOC_RESTARTS_VAR: env[ALLOC_RESTARTS_VAR]}, lost) if warm and done else None
         if proc is None:
             proc = cli.start_step(step_args(s, plan.active, again=done > 0), env)
@@ -148,7 +150,7 @@ def _supervise(s: Settings, cli, environ: dict, warm: Warm | None) -> int:
             return exit_status_of_returncode(_wait(proc))
         if end.trigger == "exited" and end.returncode in (0, EX_TEMPFAIL):
             return end.returncode
-        rc, killer = _stop(cli, proc, end, facts.job_id)
+        rc, killer = _stop(cli, proc, end, facts.job_id, restart)
         rc = exit_status_of_returncode(rc)
         stopped_at = round(time.time(), 3)
         j = judge(s, cli, plan, end, restart, done, hang)
@@ -224,13 +226,17 @@ def _watch(s: Settings, proc, cli, plan: NodePlan, restart: int, job_id, stoppin
         return end, hang
 
 
-def _stop(cli, proc, end: StepEnd, job_id) -> tuple[int | None, threading.Thread | None]:
+def _stop(cli, proc, end: StepEnd, job_id, restart: int) -> tuple[int | None, threading.Thread | None]:
     """End a step that needs stopping: one the supervisor stopped is broken for certain (a rank
     lost a peer, a node is lost, a hang whose stacks were taken), so its tasks are killed at once
     (``scancel --signal=KILL JOB.STEP``, the step named by the ranks' rendezvous events: srun's
     abort would let each survivor tear down, about 2-3 s of Python and torch finalisation), then
     srun's own abort. Returns srun's exit status and the thread that kills the tasks (None: no
-    kill needed), which a restart waits for before it starts new ranks."""
+    kill needed), which a restart waits for before it starts new ranks. A line in the batch output
+    says so first: srun then reports the tasks it killed ("task 1: Killed"), and the judge must not
+    take the supervisor's kill for a rank's own fault (`ddp_hpc.judge.srun.SUPERVISOR_RE`)."""
+    if end.trigger != "exited" and proc.poll() is None:
+        _say(stopping_line(restart, end.trigger))
     killer = None
     if end.trigger != "exited" and end.step_id and job_id and proc.poll() is None:
         # in the background: scancel waits for the nodes' answers, 10 s and more for a lost one
