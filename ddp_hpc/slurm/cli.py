@@ -101,6 +101,9 @@ class SlurmCLI:
         #: why the controller is known not to answer (set by the first command that found out);
         #: later commands that need it fail at once instead of retrying for seconds each
         self.controller_down: str | None = None
+        #: the first line of the error of the sinfo that found no controller when a backend was
+        #: chosen (``submit.backends.choose``; ``submit -v`` shows it)
+        self.unreachable: str | None = None
 
     # -- plumbing -------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from ddp_hpc.status.job import JobStatus
 from ddp_hpc.status.targets import submitted_here
 from ddp_hpc.text import cut_end, cut_middle, prog
 
-__all__ = ["render_table", "progress_text", "state_text", "rate_text", "table_row", "short", "shape_cell"]
+__all__ = ["render_table", "progress_text", "state_text", "rate_text", "short", "shape_cell"]
 
 COLUMNS = ("ID", "NAME", "BACKEND", "STATE", "NODESxGPUS", "ELAPSED/LIMIT", "RESTARTS",
            "PROGRESS", "LOSS", "RATE", "ETA", "LOG DIR")
@@ -129,11 +129,6 @@ STEPS = (("cut", "LOG DIR", 24), ("cut", "OVERRIDES", 16), ("cut", "EVAL", 16),
          ("form", "PROGRESS", "PROGRESS-", "PROGRESS"), ("form", "NODESxGPUS", "NODESxGPUS", "NxG"),
          ("form", "STATE", "STATE-", "STATE"), ("form", "PROGRESS", "PROGRESS--", "PROGRESS"),
          ("drop", "NODESxGPUS"), ("cut", "NAME", 8), ("drop", "LOSS"), ("cut", "STATE", 9))
-
-
-def table_row(st: JobStatus, optional: tuple[str, ...] = (), goodput: bool = False) -> list[str]:
-    """The row of ``st`` with every column whole (``--wide``)."""
-    return [CELLS[c](st) for c in _columns(optional, goodput)]
 
 
 def _columns(optional: tuple[str, ...], goodput: bool) -> list[str]:

@@ -142,10 +142,10 @@ def _load(config: str, overrides: Sequence[str], tasks: Sequence[Sequence[str]])
 
 def _backend(opts, cli: SlurmCLI, verbose: bool = False) -> Backend:
     backend, why = backends.choose(opts, cli)
-    say(f"backend {backend.name}: {why}"
-        + ("" if verbose or not getattr(cli, "unreachable", None) else " (-v: why)"))
-    if verbose and getattr(cli, "unreachable", None):
-        say(f"  {cli.unreachable}")
+    unreachable = getattr(cli, "unreachable", None)   # SlurmCLI's; a stand-in may lack it
+    say(f"backend {backend.name}: {why}" + ("" if verbose or not unreachable else " (-v: why)"))
+    if verbose and unreachable:
+        say(f"  {unreachable}")
     return backend
 
 
