@@ -493,7 +493,8 @@ def test_a_rank_that_moved_on_after_its_waiting_stack_and_then_raised_is_blamed(
 def test_a_traceback_of_an_earlier_run_is_no_evidence_after_the_supervisors_run_mark(tmp_path, marked):
     """Rank 3 lost its peer in run 0 (its traceback stays in rank3.out: srun appends every run's
     output to it); in run 1 it is SIGKILLed. The supervisor's mark before run 1 keeps run 0's
-    traceback out of run 1's evidence: rank 3 was killed, no consequence of an old error."""
+    traceback out of run 1's evidence: rank 3 was killed, no consequence of an old error. Without
+    the mark the old traceback is read, and srun's report of the kill still outweighs it."""
     for r in range(3):
         write(tmp_path, r, run_until(r, 40, restart=1) + peer_error(r, 40.3 + r / 10, RESET, restart=1))
     write(tmp_path, 3, run_until(3, 40, restart=1))
@@ -504,7 +505,7 @@ def test_a_traceback_of_an_earlier_run_is_no_evidence_after_the_supervisors_run_
     logs = RunLogs(tmp_path)
     assert (logs.out_traceback(3) is None) is marked
     failure = logs.first_failure(assume_failed=True)
-    assert ((failure.rank, failure.kind, failure.basis) == (3, "killed", "srun exit report")) is marked
+    assert (failure.rank, failure.kind, failure.basis) == (3, "killed", "srun exit report")
 
 
 def test_a_lost_peer_is_a_victim_whatever_its_exit_code_and_report_order(tmp_path):
@@ -579,3 +580,42 @@ def test_a_kill_reported_after_the_next_start_is_that_runs_own(tmp_path):
     out.write_text("\n".join(lines + [f"{SUPERVISOR_PREFIX} {starting_line(1)}",
                                       "srun: error: n2: task 1: Killed"]) + "\n")
     assert {t: r.after_abort for t, r in task_reports([out]).items()} == {0: True, 1: False}
+
+
+WORKER_RESET = """Traceback (most recent call last):
+  File "/usr/lib/python3.11/multiprocessing/resource_sharer.py", line 138, in _serve
+    with self._listener.accept() as conn:
+         ^^^^^^^^^^^^^^^^^^^^^^^
+  File "/usr/lib/python3.11/multiprocessing/connection.py", line 395, in _recv
+    chunk = read(handle, remaining)
+            ^^^^^^^^^^^^^^^^^^^^^^^
+ConnectionResetError: [Errno 104] Connection reset by peer
+"""
+
+
+@pytest.mark.parametrize("first", ["killed rank first", "stopped rank first"])
+def test_a_killed_rank_with_dataloader_workers_is_blamed_not_the_workers_srun_stopped(tmp_path, first):
+    """Rank 3 SIGKILLed while DataLoader workers saturate the CPUs: its orphaned workers print a
+    multiprocessing "Connection reset by peer" traceback into rank3.out (seen on a real kill), and
+    srun's stop reaches rank 0's workers before rank 0's own handler, so torch raises "DataLoader
+    worker ... is killed by signal: Terminated" there (a fresh-clone CI run blamed rank 0 for it,
+    and the supervisor gave up instead of restarting)."""
+    stopped = "DataLoader worker (pid 21504) is killed by signal: Terminated. "
+    write(tmp_path, 0, run_until(0, 6) + [
+        ev(0, 6.4, "error", exc_type="RuntimeError", message=stopped,
+           traceback=f"Traceback (most recent call last):\n  File \"step.py\", line 61\nRuntimeError: {stopped}"),
+        ev(0, 6.5, "end", status="failed", step=6)])
+    for r in (1, 2):
+        write(tmp_path, r, run_until(r, 6) + peer_error(r, 6.3, RESET))
+    write(tmp_path, 3, run_until(3, 5))
+    (tmp_path / "rank3.out").write_text(WORKER_RESET)
+    reports = ["srun: error: n2: task 3: Killed", "srun: error: n1: task 0: Killed"]
+    (tmp_path / "slurm-77.out").write_text(
+        "\n".join(reports if first == "killed rank first" else reports[::-1])
+        + "\nsrun: Terminating StepId=77.1\nsrun: error: n1: task 1: Exited with exit code 1\n"
+          "srun: error: n2: task 2: Exited with exit code 1\n")
+    st, lines = detail(tmp_path, FakeSlurm(sacct=[sacct_row()]))
+    assert first_failure(lines)[0] == "First failure: rank 3 on n2 killed by signal 9 (SIGKILL)", lines
+    kinds = {r: c["kind"] for r, c in st.to_dict()["rank_classification"].items()}
+    assert kinds == {"0": "stopped", "1": "consequence", "2": "consequence", "3": "killed"}, kinds
+    assert st.to_dict()["rank_classification"]["0"]["text"] == "stopped by SIGTERM via its DataLoader workers"

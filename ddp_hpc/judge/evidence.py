@@ -46,6 +46,11 @@ _WRAPPER_WORDS = re.compile(r"exited with (?:exit )?status -?\d+|exited with cod
 _ERROR_LINE = re.compile(r"\berror\b:?\s", re.IGNORECASE)
 #: signals that mean "stopped from outside" (scancel, Ctrl-C, srun ending the step)
 STOP_SIGNALS = frozenset({1, 2, 15})
+#: torch's error when a stop signal (srun ending the step, scancel) reached a DataLoader worker
+#: before the rank's own handler did: the rank was stopped, it did not fail ("Killed" is left out:
+#: the OOM killer's SIGKILL of a worker is a failure of its own)
+_WORKER_STOPPED = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: (Terminated|Interrupt|Hangup)")
+_STRSIGNAL = {"Terminated": 15, "Interrupt": 2, "Hangup": 1}
 
 
 @dataclass
@@ -130,14 +135,24 @@ def own_ending(rank: int, events: list[dict], out_tb: list[str] | None, out_tail
         return _from_error(base, _pick(errors), end, out_tb, out_tail, out_name)
     if end is not None:
         return _from_end(base, end, out_tb, out_tail, out_name)
-    if out_tb:
+    if out_tb and not _killed_first(report):
         exc_type, message = exception_of(out_tb)
         return _words(base, exc_type, message, out_tb, f"traceback in {out_name}", out_tail)
-    if phrase := consequence_phrase(*reversed(out_tail)):
+    if phrase := consequence_phrase(*reversed(out_tail)) if not _killed_first(report) else None:
         return _set(base, "consequence", phrase, out_name, phrase=phrase)
     if report is not None:
         return _from_report(base, report)
     return base
+
+
+def _killed_first(report: TaskReport | None) -> bool:
+    """srun reports the rank killed by a signal of its own (not a stop, not NCCL's abort after a
+    collective timeout, not one of srun's kills as it ended the step): that outweighs a traceback
+    or words in its ``rank{R}.out`` when the rank wrote no event of its end. A SIGKILLed rank's
+    DataLoader workers print "ConnectionResetError ... Connection reset by peer" into that file as
+    they lose their parent; those are not the rank's own words."""
+    return bool(report is not None and report.signal and report.signal not in STOP_SIGNALS | {6}
+                and not report.after_abort)
 
 
 def _pick(errors: list[dict]) -> dict:
@@ -226,7 +241,12 @@ def _from_report(base: RankEnding, r: TaskReport) -> RankEnding:
 
 
 def _words(base: RankEnding, exc_type, message, tb, basis: str, out_tail) -> RankEnding:
-    """A Python error: a consequence when its words say a peer failed, else ``raised``."""
+    """A Python error: a consequence when its words say a peer failed, ``stopped`` when a stop
+    signal reached its DataLoader workers first, else ``raised``."""
+    if m := _WORKER_STOPPED.search(str(message or "")):
+        sig = _STRSIGNAL[m.group(1)]
+        return _set(base, "stopped", f"stopped by {signal_name(sig)} via its DataLoader workers", basis,
+                    signal=sig, exc_type=exc_type, message=message, traceback=tb)
     tail = (tb or [])[-3:]
     phrase = consequence_phrase(message, exc_type, *reversed(tail))
     return _set(base, "consequence" if phrase else "raised", _said(exc_type, message), basis, phrase=phrase,
