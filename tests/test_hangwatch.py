@@ -156,12 +156,17 @@ def test_vitals_tell_a_working_process_from_a_still_one_and_leave_out_the_watchd
     time.sleep(1.2)
     w = still.recent()
     assert w.over_s >= 1.0 and w.io_bytes < 64 * 1024 and working(w.to_dict()) is False
-    busy = Vitals()
-    busy.sample()
-    end = time.monotonic() + 1.2
-    while time.monotonic() < end:
-        sum(i * i for i in range(1000))
-    assert working(busy.recent().to_dict()) is True
+    seen = []   # a spinning process, a fresh window at a time: on a machine saturated by other
+    for _ in range(10):   # work it may get under 5 % of a core for a while (seen in a full run)
+        busy = Vitals()
+        busy.sample()
+        end = time.monotonic() + 1.2
+        while time.monotonic() < end:
+            sum(i * i for i in range(1000))
+        seen.append(busy.recent().to_dict())
+        if working(seen[-1]):
+            break
+    assert working(seen[-1]) is True, seen
     writer = Vitals()
     writer.sample()
     (tmp_path / "ckpt").write_bytes(b"x" * 1_000_000)    # a save: no CPU to speak of, but bytes

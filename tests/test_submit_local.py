@@ -82,7 +82,11 @@ def test_background_run_records_driver_and_finishes(tmp_path):
         time.sleep(0.5)
     ok, why = run_verdict(rec.log_dir, 2)
     assert ok, why
-    assert "exit status 0" in (Path(rec.log_dir) / "local-driver.out").read_text()
+    # the driver clears its pids, then writes its last line: give it that moment
+    out = Path(rec.log_dir) / "local-driver.out"
+    while "exit status 0" not in out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "exit status 0" in out.read_text()
 
 
 def test_local_sweep_runs_each_task_with_its_overrides(tmp_path):
