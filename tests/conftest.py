@@ -612,6 +612,11 @@ def _signal_wakeup_fd_left_free():
 
 DURATIONS = Path(__file__).with_name("cluster") / "durations.json"
 DEFAULT_DURATION_S = 30
+#: the unit tests' seconds per file (``--dist loadfile``: a file is what a worker takes), from a full
+#: run's ``--durations=0`` (scripts/durations.py writes both files); a file not listed counts
+#: DEFAULT_FILE_S
+FILE_DURATIONS = Path(__file__).with_name("durations.json")
+DEFAULT_FILE_S = 20
 
 
 def _group(item) -> str:
@@ -626,6 +631,8 @@ def _plan_for_xdist(config, items) -> None:
     exclusive tests of a group last in it; and write down each test's group for the controller's
     scheduler (:func:`pytest_xdist_make_scheduler`)."""
     d = _run_dir(config)
+    if hasattr(config, "workerinput") and not getattr(config.option, "loadgroup", False):
+        _longest_files_first(items)   # xdist set ``dist`` to "no" on its workers: loadfile here
     if d is None or not getattr(config.option, "loadgroup", False):   # xdist sets it on workers
         return
     try:
@@ -644,11 +651,31 @@ def _plan_for_xdist(config, items) -> None:
     os.replace(tmp, d / "groups.json")
 
 
+def _longest_files_first(items) -> None:
+    """On an xdist worker of another ``--dist`` than loadgroup (loadfile): the files longest first (by
+    tests/durations.json), each file's tests in their order. xdist's own order (most tests first)
+    left the few long real-process files for last, where one worker ran them while the others
+    had nothing left."""
+    try:
+        seconds = json.loads(FILE_DURATIONS.read_text())
+    except (OSError, ValueError):
+        seconds = {}
+    index = {id(item): i for i, item in enumerate(items)}
+
+    def file_of(item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    items.sort(key=lambda item: (-seconds.get(file_of(item), DEFAULT_FILE_S), file_of(item), index[id(item)]))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` with the groups the workers wrote down (pytest-xdist 3.8 marks a group
     by changing the test's nodeid, which pytest 9.2 no longer lets it do: its own loadgroup would
     spread a group over workers), in the workers' order (longest first)."""
+    if config.getoption("dist", "no") == "loadfile":
+        config.option.loadscopereorder = False   # keep the workers' order: longest file first
+        return None
     d = _run_dir(config)
     if d is None or config.getoption("dist", "no") != "loadgroup":
         return None
