@@ -15,6 +15,7 @@ and error event).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from ddp_hpc.config import ConfigError, JobConfig, load_config, run_key
@@ -64,7 +65,15 @@ def _train(cfg: JobConfig):
     (``$DDP_HPC_STAGE_<NAME>``), given back after the run unless it was preempted (the requeue
     reuses them); None when that staging failed (said on stderr and in an ``error`` event)."""
     from ddp_hpc.train.api import run_job  # torch: imported once the configuration is good
+    from ddp_hpc.train.preempt import preempt_signum
 
+    # the loop catches the preemption notice while it trains and then gives back this handler: a
+    # notice after that (in the rank's teardown, its run complete) is moot, and the default action
+    # would kill a rank whose run completed (srun then reports the job failed by that signal);
+    # SIGTERM and SIGINT keep their meaning (a stop) whatever preempt.signal says
+    notice = preempt_signum(cfg.preempt.signal)
+    if notice not in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(notice, signal.SIG_IGN)
     items = requested_items()
     if not items:
         return run_job(cfg)

@@ -123,6 +123,23 @@ def test_a_step_stopped_and_not_restarted_is_a_stop_line_of_restarts_jsonl(tmp_p
     assert "not restarting: " in capsys.readouterr().err
 
 
+def test_a_step_whose_ranks_completed_and_then_died_of_a_late_notice_completed(tmp_path, monkeypatch, signals,
+                                                                              capsys):
+    """A preemption notice that reached the ranks after they wrote their end (seen on the test
+    cluster: scancel --signal=USR2 as a loaded run finished) kills them by the signal's default
+    action; srun then exits non-zero, but the run completed: the job must not fail."""
+    log_dir, env = _job(tmp_path, monkeypatch)
+    (tmp_path / "rank.py").write_text(RANK.replace("time.sleep(120)", "pass") + textwrap.dedent("""
+        import signal
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(5)
+    """))
+    rc = supervise(_settings(log_dir, tmp_path, 2), _sinfo({"n1": "mixed"}), env)
+    assert rc == 0
+    assert read_restarts(log_dir) == [] and read_stops(log_dir) == []
+    assert "every rank completed; srun's exit status came after their end" in capsys.readouterr().err
+
+
 def test_a_failed_write_of_restarts_jsonl_is_reported_and_the_restart_goes_on(tmp_path, monkeypatch, signals,
                                                                               capsys):
     log_dir, env = _job(tmp_path, monkeypatch)

@@ -147,3 +147,14 @@ def test_rerunning_a_completed_run_says_it_is_complete_and_trains_nothing(tmp_pa
     assert "already complete (step 3; logs in " in again.stderr, again.stderr
     assert str(events.parent) in again.stderr and "log.dir=" in again.stderr
     assert "resumed from" not in again.stderr and events.read_text() == before   # nothing trained
+
+
+def test_a_preemption_notice_after_the_run_completed_does_not_kill_the_rank(tmp_path):
+    """The loop gives its USR2 handler back when it ends; a notice after that (the rank's teardown:
+    seen on the test cluster as `scancel --signal=USR2` reached a loaded run that had just
+    finished) killed the rank by the signal's default action, and srun called the job failed."""
+    code = ("import os, signal, sys\nfrom ddp_hpc.run import main\n"
+            f"rc = main({_argv(tmp_path, 'train.max_steps=2', 'train.epochs=1')[3:]!r})\n"
+            "os.kill(os.getpid(), signal.SIGUSR2)\nprint('alive after the notice, exit', rc)\n")
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "alive after the notice, exit 0" in p.stdout, (p.returncode, p.stderr[-2000:])

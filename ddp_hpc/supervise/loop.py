@@ -1,9 +1,10 @@
 """The supervisor's loop in the batch step: start the ranks as one srun step, watch it, and after
-a fault stop every rank, judge what failed from the run logs (the evidence ``ddp-hpc status``
-uses: ``ddp_hpc.judge.attribution``), exclude what failed and start the ranks again, up to
-``--max-restarts`` times. `judge` returns a `Judgement`: the `Finding` (what ended the step, what
-failed) and the next `NodePlan`, or why not. Before every start (``Settings.health_check``, on in
-the command line) the step's nodes are checked (``supervise.health``) and a failing one excluded.
+a fault stop every rank, judge what failed from the run logs (``supervise.finding``: the evidence
+``ddp-hpc status`` uses), exclude what failed and start the ranks again, up to
+``--max-restarts`` times. A step whose every rank wrote that it completed ended well, whatever
+srun's exit status (a signal that reached the ranks in their teardown). Before every start
+(``Settings.health_check``, on in the command line) the step's nodes are checked
+(``supervise.health``) and a failing one excluded.
 
 Every restart is appended to ``restarts.jsonl`` in the log directory and to the job's record; a
 step the supervisor stopped and did not restart is a line of ``restarts.jsonl`` too (`stop_row`),
@@ -26,22 +27,21 @@ from typing import Mapping
 from ddp_hpc import records
 from ddp_hpc.env.job import ALLOC_RESTARTS_VAR, job_facts
 from ddp_hpc.exits import EX_TEMPFAIL, exit_status_of_returncode
-from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
-from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import read_restarts
 from ddp_hpc.judge.srun import SUPERVISOR_PREFIX, starting_line, stopping_line
 from ddp_hpc.runlogs.restarts import append_health, append_hold, append_restart, append_stop
 from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, RUN_MARK, rank_out
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.hostlist import compress, expand
+from ddp_hpc.supervise.finding import Finding, Judgement, all_completed, find, judge, restart_row, stop_row
 from ddp_hpc.supervise.hang import DEFAULT_HANG_S, Hang, StepClock, ask_stacks, find_culprit, hold_row, no_hang
 from ddp_hpc.supervise.health import check_nodes, health_row
-from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
+from ddp_hpc.supervise.plan import NodePlan, Policy
 from ddp_hpc.supervise.warm import Warm
-from ddp_hpc.supervise.watch import EventTail, StepEnd, Watch, node_health, stop_step, watch_step
+from ddp_hpc.supervise.watch import EventTail, StepEnd, Watch, stop_step, watch_step
 
 __all__ = ["Settings", "Finding", "Judgement", "supervise", "find", "judge", "restart_row", "stop_row",
-           "step_env", "step_args"]
+           "step_env", "step_args"]   # the judging ones from supervise.finding
 
 PREFIX = SUPERVISOR_PREFIX   # the judge reads our start and stop lines in the batch output
 #: how long srun gets to end a step after its abort when the supervisor stopped it (a lost node,
@@ -150,6 +150,10 @@ def _supervise(s: Settings, cli, environ: dict, warm: Warm | None) -> int:
             return exit_status_of_returncode(_wait(proc))
         if end.trigger == "exited" and end.returncode in (0, EX_TEMPFAIL):
             return end.returncode
+        if end.trigger == "exited" and (done_words := all_completed(s.log_dir, restart, len(plan.active)
+                                                                    * s.policy.tasks_per_node)):
+            _say(done_words)   # e.g. a preemption notice that reached the ranks in their teardown
+            return 0
         rc, killer = _stop(cli, proc, end, facts.job_id, restart)
         rc = exit_status_of_returncode(rc)
         stopped_at = round(time.time(), 3)
@@ -266,127 +270,6 @@ def _keep(append, log_dir: str, row: dict) -> None:
         append(log_dir, row)
     except OSError as exc:
         _say(f"warning: could not write to {log_dir}/{ALLOC_RESTARTS_FILE}: {exc}; going on")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """What ended a step and what failed, as the evidence tells: the trigger (`plan.TRIGGERS`),
-    ``why`` in words, ``stop`` (why the supervisor stopped the step; None: it ended by itself), the
-    blamed rank's failure kind, rank and node, how we know (``basis``), when the fault happened and
-    when it was seen, and the nodes that are lost, suspect (a killed or hung rank's) or draining."""
-
-    trigger: str
-    why: str
-    stop: str | None
-    kind: str | None
-    rank: int | None
-    node: str | None
-    basis: str
-    fault_at: float
-    detected_at: float
-    lost: tuple[str, ...] = ()
-    suspect: tuple[str, ...] = ()
-    draining: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Judgement:
-    """The supervisor's conclusion after a step ended: the `Finding`, and either the next start's
-    ``plan`` (a restart; ``change`` says what changed) or no plan (``change`` says why not)."""
-
-    finding: Finding
-    plan: NodePlan | None
-    change: str
-
-
-def _stop_reason(end: StepEnd, down: list[str], stall_timeout_s: float) -> str | None:
-    """Why the supervisor stopped the step, in words (None: srun ended it by itself)."""
-    return {"node down": f"node(s) {', '.join(down)} stopped answering (sinfo: down or not responding)",
-            "stalled": f"no rank showed a sign of life (a step, an eval, a checkpoint) for "
-                       f"{end.stall_s or stall_timeout_s:g} s",
-            "rank failed": f"a rank lost a peer and srun had not ended the step {end.grace_s:g} s later",
-            }.get(end.trigger)
-
-
-def find(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, hang: Hang | None = None) -> Finding:
-    """What ended run ``restart``'s step on ``plan.active``, from the run logs (the attribution
-    ``ddp-hpc status`` uses) and the nodes' states now; for a stalled step whose stacks named the
-    hung rank (``hang``), that rank."""
-    health = node_health(cli, plan.active + plan.spare)
-    down = sorted(set(end.down) | {n for n in health.lost if n in plan.active})
-    logs = RunLogs(s.log_dir)
-    failure, endings = attribute(logs, restart=restart, assume_failed=True,
-                                 sched=SchedulerFacts("NODE_FAIL" if down else None))
-    stop = _stop_reason(end, down, s.stall_timeout_s)
-    if hang is not None and not down:
-        return Finding(trigger=end.trigger, why=hang.why, stop=stop, kind="stuck", rank=hang.rank,
-                       node=hang.host, basis=hang.basis, fault_at=_fault_at(None, end),
-                       detected_at=round(end.detected_at, 3), suspect=(hang.host,) if hang.host else (),
-                       draining=health.draining)
-    kind = failure.kind if failure else None
-    why = failure.summary if failure else {"stalled": f"no training step for {s.stall_timeout_s:g} s",
-                                          "node down": f"node(s) {', '.join(down)} down"}.get(
-                                              end.trigger, f"the step ended ({end.trigger}; {_seen(logs, endings)})")
-    lost = down + ([failure.node] if failure and kind == "vanished" and failure.node else [])
-    suspect = [failure.host] if failure and failure.host and kind in ("killed", "stuck", "lost") else []
-    return Finding(
-        trigger=end.trigger, why=why, stop=stop, kind=kind, rank=failure.rank if failure else None,
-        node=(failure.node or failure.host) if failure else (down[0] if down else None),
-        basis=failure.basis if failure else end.trigger, fault_at=_fault_at(failure, end),
-        detected_at=round(end.detected_at, 3), lost=tuple(dict.fromkeys(lost)), suspect=tuple(suspect),
-        draining=health.draining)
-
-
-def _seen(logs: RunLogs, endings: dict) -> str:
-    """What the evidence held when it named no cause: each rank's ending and srun's reports, so a
-    user (and a test's log) can tell a step that left no trace from evidence that was misread."""
-    ranks = ", ".join(f"{r} {e.kind}" for r, e in sorted(endings.items())) or "none"
-    reports = ", ".join(f"{t} " + (f"code {rep.exit_code}" if rep.exit_code is not None else f"signal {rep.signal}")
-                        for t, rep in sorted(logs.task_reports().items())) or "none"
-    return f"ranks' endings: {ranks}; srun's task reports: {reports}"
-
-
-def judge(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, done: int,
-          hang: Hang | None = None) -> Judgement:
-    """Restart after the step of run ``restart`` ended (``done`` restarts behind), and on which
-    nodes, or give up (`Judgement.plan` None, ``change`` says why)."""
-    f = find(s, cli, plan, end, restart, hang)
-    v = verdict(f.kind, f.trigger, s.policy, done)
-    if not v.restart:
-        return Judgement(f, None, v.reason)
-    try:
-        new, words = next_nodes(plan, list(f.lost), list(f.suspect), s.policy, f.draining)
-    except ValueError as exc:
-        return Judgement(f, None, str(exc))
-    return Judgement(f, new, words)
-
-
-def restart_row(f: Finding, before: NodePlan, after: NodePlan, restart: int, key, tasks_per_node: int) -> dict:
-    """The restart's line of restarts.jsonl (`ALLOC_RESTART_KEYS`): the new run ``restart`` on
-    ``after.active``, after the step on ``before.active`` ended as `Finding` ``f`` says."""
-    return {"restart": restart, "job_id": key, "fault_at": f.fault_at, "detected_at": f.detected_at,
-            "trigger": f.trigger, "stop": f.stop, "why": f.why, "kind": f.kind, "rank": f.rank,
-            "node": f.node, "basis": f.basis, "excluded": after.excluded[len(before.excluded):],
-            "nodes_before": list(before.active), "nodes_after": list(after.active),
-            "world_before": len(before.active) * tasks_per_node,
-            "world_after": len(after.active) * tasks_per_node}
-
-
-def stop_row(j: Judgement, run: int, key) -> dict:
-    """The line of restarts.jsonl for run ``run``'s step, stopped and not restarted (`ALLOC_STOP_KEYS`)."""
-    f = j.finding
-    return {"stopped_run": run, "job_id": key, "fault_at": f.fault_at, "detected_at": f.detected_at,
-            "trigger": f.trigger, "stop": f.stop, "why": f.why, "kind": f.kind, "rank": f.rank,
-            "node": f.node, "basis": f.basis, "not_restarted": j.change}
-
-
-def _fault_at(failure: Failure | None, end: StepEnd) -> float:
-    """When the fault happened, as well as the evidence tells: the blamed rank's failure time (a
-    silent rank's last event), the first failed rank's event, the newest step of a stalled run."""
-    seen = [t for t in (failure.time if failure else None, end.first_bad_at) if t]
-    if end.trigger == "stalled" and end.last_step_at:
-        seen.append(end.last_step_at)
-    return round(min(seen) if seen else end.detected_at, 3)
 
 
 def _to_record(key, row: dict) -> None:

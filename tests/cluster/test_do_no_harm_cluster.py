@@ -89,11 +89,16 @@ def test_saturated_cpus_then_a_killed_rank_is_healed_and_blamed_on_it(slurm_clus
     c = slurm_cluster
     d = c.shared_dir / f"saturated-{time.monotonic_ns()}"
     d.mkdir()
+    # 128 steps whose batches sleep until the kill is done (a loaded machine once ran all of 32
+    # steps between the test's look at step 4 and its kill), then run at full speed
+    go = d / "go"
     job, env = _submit(c, d, "-G", "1", "-N", "2", "-c", "1", "-J", "saturated", str(REPO / "jobs" / "demo.yaml"), "--",
-                       f"log.dir={d / 'runs'}", *FAST, "data.num_workers=4", "data.kwargs.size=4096")
+                       f"log.dir={d / 'runs'}", *FAST, "data.num_workers=4", "data.kwargs.size=16384",
+                       f"data.kwargs.until={go}")
     log_dir = wait_for("the log directory", lambda: next((d / "runs").glob("saturated-*"), None), 60)
     starts0 = wait_for("steps of the first run", lambda: _stepping(log_dir, 0, 2, 4), 240)
     os.kill(int(starts0[1]["pid"]), signal.SIGKILL)
+    go.touch()
     state = c.wait(job, timeout=400)
     status = c.run([PY, "-m", "ddp_hpc.status", job], cwd="/", env=env, timeout=120).stdout
     rows = read_restarts(log_dir)

@@ -131,15 +131,15 @@ def test_running_job_progresses_then_is_requeued_and_completed(slurm_cluster, en
     assert first["progress"]["total_steps"] and 0 < first["progress"]["percent"] < 100, first["progress"]
     assert 0 < running["progress"]["percent"] <= 100
     assert running["nodes"] == 2 and running["gpus_per_node"] == 1
-    # the table, from another directory, lists it as RUNNING too
-    table = status(c, env, elsewhere, "--wide").stdout
-    row = next(line for line in table.splitlines() if line.startswith(job + " "))
-    assert "st-ok" in row and "sbatch" in row and "2x1" in row
     # preemption the way Slurm announces it: the training core checkpoints, rank 0 requeues the
     # job, the next run resumes (a bare `scontrol requeue` also SIGTERMs the ranks, which the
     # core takes for a preemption and answers with a second requeue of its own)
-    p = c.run(["scancel", "--signal=USR2", job])
+    p = c.run(["scancel", "--signal=USR2", job])   # at once: a loaded run may reach its end
     assert p.returncode == 0, p.stderr
+    # the table, from another directory, lists it too
+    table = status(c, env, elsewhere, "--wide").stdout
+    row = next(line for line in table.splitlines() if line.startswith(job + " "))
+    assert "st-ok" in row and "sbatch" in row and "2x1" in row
     st, seen = poll(c, env, elsewhere, job, lambda s: s["state_name"] in ENDED, timeout=300, every=3)
     assert st["state_name"] == "COMPLETED", f"{[s['state'] for s in seen]}\n{diag(c, env, elsewhere, job)}"
     assert st["restarts"] == 1, st
