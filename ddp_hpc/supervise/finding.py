@@ -7,16 +7,21 @@ every rank wrote that it completed, whatever srun's exit status says (a signal i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.supervise.hang import Hang
-from ddp_hpc.supervise.plan import NodePlan, next_nodes, verdict
+from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
 from ddp_hpc.supervise.watch import StepEnd, node_health
 
-if TYPE_CHECKING:
-    from ddp_hpc.supervise.loop import Settings
+
+class StepSettings(Protocol):
+    """What the judging reads of the supervisor's ``loop.Settings``."""
+
+    policy: Policy
+    log_dir: str
+    stall_timeout_s: float
 
 __all__ = ["Finding", "Judgement", "find", "judge", "restart_row", "stop_row", "all_completed"]
 
@@ -61,7 +66,7 @@ def _stop_reason(end: StepEnd, down: list[str], stall_timeout_s: float) -> str |
             }.get(end.trigger)
 
 
-def find(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, hang: Hang | None = None) -> Finding:
+def find(s: StepSettings, cli, plan: NodePlan, end: StepEnd, restart: int, hang: Hang | None = None) -> Finding:
     """What ended run ``restart``'s step on ``plan.active``, from the run logs (the attribution
     ``ddp-hpc status`` uses) and the nodes' states now; for a stalled step whose stacks named the
     hung rank (``hang``), that rank."""
@@ -99,7 +104,7 @@ def _seen(logs: RunLogs, endings: dict) -> str:
     return f"ranks' endings: {ranks}; srun's task reports: {reports}"
 
 
-def judge(s: Settings, cli, plan: NodePlan, end: StepEnd, restart: int, done: int,
+def judge(s: StepSettings, cli, plan: NodePlan, end: StepEnd, restart: int, done: int,
           hang: Hang | None = None) -> Judgement:
     """Restart after the step of run ``restart`` ended (``done`` restarts behind), and on which
     nodes, or give up (`Judgement.plan` None, ``change`` says why)."""
