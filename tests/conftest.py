@@ -76,6 +76,15 @@ from pathlib import Path
 
 import pytest
 
+# One intra-op thread per rank process unless the caller chose (every process the tests start, the
+# test cluster's jobs included, inherits it). A rank that runs `python -m ddp_hpc.run` without a
+# launcher that shares out the cores (a bare srun, a single process) takes torch's default, one
+# thread per core; with a dozen ranks on CI's 2 cores their OpenMP threads spin for each other:
+# the demo's 204 steps cost 7.2 s of CPU with 2 threads against 4.6 s with 1 on a loaded machine,
+# 15 s under heavier load. A real cluster gives each task its CPUs (the sbatch scripts set
+# OMP_NUM_THREADS to them); the tests of that rule pass their own environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 LOCK_WAIT_S = float(os.environ.get("DDP_HPC_CLUSTER_LOCK_WAIT", "1200"))
 TERMINAL = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY",
             "PREEMPTED", "BOOT_FAIL", "DEADLINE"}

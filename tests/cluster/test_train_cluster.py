@@ -92,14 +92,19 @@ def test_usr2_mid_run_checkpoints_requeues_resumes_and_matches_an_uninterrupted_
     ev = _events(cut_dir / "logs")
     assert sorted(ev) == [0, 1]
     total = next(e["total_steps"] for e in ev[0] if e["event"] == "start")
+    signals = []
     for rank, events in ev.items():
         pre = [e for e in events if e["event"] == "preempt"]
         assert len(pre) == 1, (rank, pre)
-        assert pre[0]["signal"] == "SIGUSR2" and pre[0]["reason"] == "preemption"
+        assert pre[0]["reason"] == "preemption", pre
+        signals.append(pre[0]["signal"])
         assert pre[0]["restart"] == 0 and 10 <= pre[0]["step"] < total
         starts = [e["restart"] for e in events if e["event"] == "start"]
         assert starts == [0, 1], (rank, starts)               # exactly one restart
         assert all(e["job_id"] == cut for e in events)
+    # Slurm delivers the signal node by node: a rank may learn of it from its peer at the agreed
+    # step before its own copy arrives (under load, seen in CI); it names no signal of its own then
+    assert "SIGUSR2" in signals and set(signals) <= {"SIGUSR2", None}, signals
     assert [e["job_id"] for e in ev[0] if e["event"] == "requeue"] == [cut]   # rank 0 requeued
     assert not any(e["event"] == "requeue" for e in ev[1])
     ends = [(e["restart"], e["status"], e["step"]) for e in ev[0] if e["event"] == "end"]
