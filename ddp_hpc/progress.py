@@ -83,7 +83,8 @@ def _tell_held(silent_s: float) -> None:
     throttle held back (the rank waits in a collective for a peer that failed, or a signal that
     skips ``atexit`` is about to end it), that step's number as a ``progress`` event of phase
     ``step``, so the rank's end event and the judge's "whose last step is behind" read the step
-    the rank reached, not the one a second before. Only the number: the loss or a rate could be
+    the rank reached, not the one a second before; ``step_at`` is when that step was (the judge's
+    silence counts from it, not from this note). Only the number: the loss or a rate could be
     a GPU tensor, which this thread must not wait for; the held step event itself is still written
     by the next step or at exit."""
     held = _state.held
@@ -91,7 +92,7 @@ def _tell_held(silent_s: float) -> None:
         return
     _state.told = held[0]
     if _state.log is not None and _state.log.active:
-        _state.log.event("progress", phase="step", step=held[0])
+        _state.log.event("progress", phase="step", step=held[0], step_at=round(time.time() - silent_s, 3))
 
 
 def close() -> None:

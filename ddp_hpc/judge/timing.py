@@ -84,7 +84,10 @@ def _steps(events: list[dict]) -> list[tuple[float, dict]]:
 
 
 def _last_time(events: list[dict]) -> float | None:
-    times = [to_float(e.get("time")) for e in events if e.get("event") != "stack"]
+    """The newest sign of life: a watchdog's stack is none, and its note of a held step counts
+    from that step (``step_at``), not from when the note was written."""
+    times = [to_float(e.get("step_at") if e.get("event") == "progress" and e.get("step_at") else e.get("time"))
+             for e in events if e.get("event") != "stack"]
     times = [t for t in times if t is not None]
     return max(times) if times else None
 
