@@ -110,7 +110,11 @@ def test_running_job_progresses_then_is_requeued_and_completed(slurm_cluster, en
     progress; a USR2 makes it checkpoint and requeue itself; it resumes and completes, and status
     shows the restart count and both runs (their events, sacct -D, TensorBoard)."""
     c = slurm_cluster
-    job = submit(c, env, "st-ok", SLOW + ["checkpoint.every_steps=2"])
+    # batches four times slower than SLOW until the USR2 is sent (a loaded run once reached its
+    # end before the signal came), then at full speed (``until``: sleeping, no CPU)
+    go = c.shared_dir / f"st-ok-go-{time.monotonic_ns()}"
+    job = submit(c, env, "st-ok", [*SLOW[:1], "data.kwargs.delay=0.03", f"data.kwargs.until={go}",
+                                   "checkpoint.every_steps=2"])
     steps = []
 
     def advanced(st):
@@ -136,6 +140,7 @@ def test_running_job_progresses_then_is_requeued_and_completed(slurm_cluster, en
     # core takes for a preemption and answers with a second requeue of its own)
     p = c.run(["scancel", "--signal=USR2", job])   # at once: a loaded run may reach its end
     assert p.returncode == 0, p.stderr
+    go.touch()
     # the table, from another directory, lists it too
     table = status(c, env, elsewhere, "--wide").stdout
     row = next(line for line in table.splitlines() if line.startswith(job + " "))
