@@ -135,10 +135,11 @@ def own_ending(rank: int, events: list[dict], out_tb: list[str] | None, out_tail
         return _from_error(base, _pick(errors), end, out_tb, out_tail, out_name)
     if end is not None:
         return _from_end(base, end, out_tb, out_tail, out_name)
-    if out_tb and not _killed_first(report):
+    killed = _killed_first(report)
+    if out_tb and not killed:
         exc_type, message = exception_of(out_tb)
         return _words(base, exc_type, message, out_tb, f"traceback in {out_name}", out_tail)
-    if phrase := consequence_phrase(*reversed(out_tail)) if not _killed_first(report) else None:
+    if not killed and (phrase := consequence_phrase(*reversed(out_tail))):
         return _set(base, "consequence", phrase, out_name, phrase=phrase)
     if report is not None:
         return _from_report(base, report)

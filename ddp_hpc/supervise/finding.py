@@ -15,6 +15,8 @@ from ddp_hpc.supervise.hang import Hang
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes, verdict
 from ddp_hpc.supervise.watch import StepEnd, node_health
 
+__all__ = ["Finding", "Judgement", "find", "judge", "restart_row", "stop_row", "all_completed"]
+
 
 class StepSettings(Protocol):
     """What the judging reads of the supervisor's ``loop.Settings``."""
@@ -22,8 +24,6 @@ class StepSettings(Protocol):
     policy: Policy
     log_dir: str
     stall_timeout_s: float
-
-__all__ = ["Finding", "Judgement", "find", "judge", "restart_row", "stop_row", "all_completed"]
 
 
 @dataclass(frozen=True)
