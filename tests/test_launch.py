@@ -407,8 +407,9 @@ TRAP = ("import os, signal, sys, time\n"
         ".write(signal.Signals(sig).name)\n"
         "    sys.exit(0)\n"
         "signal.signal(signal.SIGINT, stop); signal.signal(signal.SIGTERM, stop)\n"
-        "open(os.path.join(sys.argv[1], 'pid' + os.environ['RANK']), 'w')"
-        ".write(str(os.getpid()))\n"
+        "pid = os.path.join(sys.argv[1], 'pid' + os.environ['RANK'])\n"
+        "open(pid + '.tmp', 'w').write(str(os.getpid()))\n"
+        "os.replace(pid + '.tmp', pid)  # whole, never seen empty\n"
         "time.sleep(600)\n")
 
 
