@@ -24,10 +24,10 @@ OVERRIDES = ["data.kwargs.size=2048", "train.epochs=3", "train.batch_size=16",
              "log.every_n_steps=5", "checkpoint.every_steps=0", "log.progress=lines"]
 
 
-def _script(run_dir: Path) -> str:
+def _script(run_dir: Path, *extra: str) -> str:
     logs = run_dir / "logs"
     argv = [sys.executable, "-m", "ddp_hpc.run", str(REPO / "jobs" / "demo.yaml"),
-            f"checkpoint.dir={run_dir / 'ckpt'}", *OVERRIDES]
+            f"checkpoint.dir={run_dir / 'ckpt'}", *OVERRIDES, *extra]
     return (
         "#!/bin/bash\n"
         f"export DDP_HPC_LOG_DIR={shlex.quote(str(logs))}\n"
@@ -67,10 +67,16 @@ def test_usr2_mid_run_checkpoints_requeues_resumes_and_matches_an_uninterrupted_
     sbatch_args = ("-N2", "--ntasks-per-node=1", "--requeue", "--open-mode=append", "--time=10")
     plain_dir, cut_dir = c.shared_dir / "train-plain", c.shared_dir / "train-cut"
 
-    # the two jobs run side by side (2 nodes each); the uninterrupted one is only waited for at the end
+    # the two jobs run side by side (2 nodes each); the uninterrupted one is only waited for at the
+    # end. Both read the demo's samples through the same dataset; the cut one's fetches sleep until
+    # the signal is sent (on a loaded machine the test once saw step 50 only as the run ended, and
+    # the notice came after the loop: nothing was preempted).
+    go = c.shared_dir / "train-cut-go"
+    data = ["data.dataset=tests.cluster.status_helpers:slow_synthetic"]
     t0 = time.monotonic()
-    plain = c.sbatch(_script(plain_dir), *sbatch_args)
-    cut = c.sbatch(_script(cut_dir), *sbatch_args)
+    plain = c.sbatch(_script(plain_dir, *data, "data.kwargs.delay=0"), *sbatch_args)
+    cut = c.sbatch(_script(cut_dir, *data, "data.kwargs.delay=0.02", f"data.kwargs.until={go}"),
+                   *sbatch_args)
     deadline = time.monotonic() + 240
     while True:                                     # wait until training is under way
         steps = [e["step"] for e in _events(cut_dir / "logs").get(0, []) if e["event"] == "step"]
@@ -82,6 +88,7 @@ def test_usr2_mid_run_checkpoints_requeues_resumes_and_matches_an_uninterrupted_
         time.sleep(0.2)
     p = c.run(["scancel", "--signal=USR2", cut])
     assert p.returncode == 0, p.stderr
+    go.touch()
     print(f"job {cut}: USR2 sent at step {steps[-1]} after {time.monotonic() - t0:.1f} s",
           file=sys.stderr)
     assert c.wait(cut, timeout=300) == "COMPLETED", _diagnostics(c, cut, cut_dir)
