@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -84,6 +85,14 @@ import pytest
 # 15 s under heavier load. A real cluster gives each task its CPUs (the sbatch scripts set
 # OMP_NUM_THREADS to them); the tests of that rule pass their own environment.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The unit tests that start ranks with start_method="forkserver" (FAST in their files) fork them
+# from one server per test process that imported these once: torch (1.7 s of CPU per process),
+# torch._dynamo (1.5 s more, which DDP's constructor imports in every rank) and ours. One list for
+# the whole run: the forkserver starts once per process, with whichever list was set last.
+multiprocessing.get_context("forkserver").set_forkserver_preload(
+    ["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "ddp_hpc.dist",
+     "ddp_hpc.train"])
 
 LOCK_WAIT_S = float(os.environ.get("DDP_HPC_CLUSTER_LOCK_WAIT", "1200"))
 TERMINAL = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY",

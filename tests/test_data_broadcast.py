@@ -7,8 +7,6 @@ start; only the group readers may touch the shared folder.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
@@ -17,10 +15,7 @@ from ddp_hpc.data import samplers
 
 N_SAMPLES = 29  # not a multiple of 6: DistributedSampler pads
 BATCH = 2
-# forkserver with torch preloaded: the 6 ranks fork from one process that imported torch, instead
-# of 6 spawned interpreters importing it each (tests/test_dist.py; test_launch covers "spawn")
-FAST = "forkserver"
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.dist"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 class IndexDataset(torch.utils.data.Dataset):

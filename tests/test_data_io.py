@@ -4,7 +4,6 @@ technique yields the same batches as direct reads, staging reads the shared copy
 and bad settings fail with the key named."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import pytest
@@ -12,10 +11,7 @@ import torch
 
 from ddp_hpc.config import DataConfig
 
-# forkserver with torch preloaded: the ranks fork from one process that imported torch, instead of
-# spawned interpreters importing it each (tests/test_dist.py; test_launch covers "spawn")
-FAST = "forkserver"
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.dist"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 def _digest(x: torch.Tensor) -> tuple:

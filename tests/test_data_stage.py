@@ -15,10 +15,7 @@ import pytest
 from ddp_hpc.data import fsio
 from ddp_hpc.data.stage import StageError, cleanup_staged, resolve_stage_dir, stage
 
-# forkserver with torch preloaded for the 4-rank launch: the ranks fork from one process that
-# imported torch, instead of spawned interpreters importing it each (tests/test_dist.py)
-FAST = "forkserver"
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.dist"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 def _big_file(path, mib):

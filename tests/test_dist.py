@@ -2,7 +2,6 @@
 (device binding tables, rank lists, interface choice, argument errors)."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 
@@ -32,10 +31,7 @@ from ddp_hpc.dist import (
 from ddp_hpc.env import DistEnv, EnvError, free_port
 from ddp_hpc.launch import launch_distributed
 
-# forkserver with torch preloaded: a 4-rank launch costs ~0.2 s instead of ~4 s of imports per
-# spawned process (test_launch covers the default "spawn" path).
-FAST = "forkserver"
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.dist"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)

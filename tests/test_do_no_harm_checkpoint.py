@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -31,8 +30,7 @@ from ddp_hpc.launch import launch_distributed
 from ddp_hpc.train.memsnap import job_folder
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = "forkserver"
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 @pytest.fixture

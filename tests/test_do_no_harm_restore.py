@@ -8,7 +8,6 @@ brings every rank to the file checkpoint, without a hang, and the ``restored`` e
 rank's log say why."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import resource
 from pathlib import Path
 
@@ -19,8 +18,7 @@ from ddp_hpc.launch import launch_distributed
 from ddp_hpc.train.checkpoint import save_checkpoint
 from ddp_hpc.train.memsnap import NodeStore
 
-FAST = "forkserver"
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 def _state(seed: int, numel: int) -> dict:

@@ -2,7 +2,6 @@
 never hang (every multi-process test has a generous pytest timeout instead of a time assert)."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -22,8 +21,7 @@ from ddp_hpc.launch import (
     run_local,
 )
 
-FAST = "forkserver"  # torch preloaded once: see tests/test_dist.py
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.dist"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
              "MASTER_PORT", "DDP_HPC_LAUNCHER", "DDP_HPC_NUM_NODES", "DDP_HPC_JOB_ID")

@@ -23,8 +23,7 @@ import torch
 from ddp_hpc.launch import RankFailedError, launch_distributed
 from ddp_hpc.train.memsnap import MemSnapshots, NodeStore, job_folder
 
-FAST = "forkserver"
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 # 96 samples, 4 ranks x batch 4 = global batch 16: 6 steps an epoch, 2 epochs; dropout draws from
 # each rank's RNG, so a restore that lost a rank's RNG states would train differently (a rank whose

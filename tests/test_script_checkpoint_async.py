@@ -4,7 +4,6 @@ waiting for the write (a failure at exit is printed, never lost)."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -16,8 +15,7 @@ import torch
 from ddp_hpc.launch import launch_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = "forkserver"
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 def _saver(rank: int, world: int, tmp: str) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -18,8 +17,7 @@ from ddp_hpc.launch import RankFailedError, launch_distributed
 from ddp_hpc.train.asyncsave import AsyncSaver, Snapshot
 from ddp_hpc.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 
-FAST = "forkserver"   # torch preloaded once: a launch costs ~0.2 s instead of seconds of imports
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 class Gate:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import multiprocessing as mp
 import os
 import signal
 from pathlib import Path
@@ -15,8 +14,7 @@ from torch.utils.data import DistributedSampler
 
 from ddp_hpc.launch import launch_distributed
 
-FAST = "forkserver"   # torch preloaded once: a launch costs ~0.2 s instead of seconds of imports
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 def _cfg(tmp: str, *extra: str) -> list[str]:

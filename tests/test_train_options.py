@@ -2,16 +2,13 @@
 clipping and zero-gradient filtering, and the refusals that name the fix."""
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 from torch import nn
 
 from ddp_hpc.launch import RankFailedError, launch_distributed
 
-FAST = "forkserver"
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 class TwoHeads(nn.Module):

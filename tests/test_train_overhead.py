@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -19,8 +18,7 @@ import torch
 from ddp_hpc.launch import launch_distributed
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = "forkserver"   # torch preloaded once: a launch costs ~0.2 s instead of seconds of imports
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 
 def _fit_worker(rank: int, world: int, tmp: str, overrides: list[str], signal_at: int | None,

@@ -6,7 +6,6 @@ before the layout fields existed still resume; the ranks' RNG states are carried
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -20,8 +19,7 @@ from ddp_hpc.data.samplers import ResumableDistributedSampler, epoch_permutation
 from ddp_hpc.launch import RankFailedError, launch_distributed
 from ddp_hpc.train.reshape import plan_resume, rank_rng
 
-FAST = "forkserver"   # torch preloaded once: a launch costs ~0.2 s instead of seconds of imports
-mp.get_context(FAST).set_forkserver_preload(["torch", "torch.distributed", "ddp_hpc.train"])
+FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
 
 # 96 samples, 4 ranks x batch 4 x accumulation 1 = global batch 16: 6 steps an epoch, 2 epochs
 SIZE, STEPS = 96, 12
