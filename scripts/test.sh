@@ -33,6 +33,10 @@ fi
 log=$(mktemp "${TMPDIR:-/tmp}/ddp_hpc_cluster_tests.XXXXXX")
 trap 'rm -f "$log"; [ -z "$load_pid" ] || kill "$load_pid" 2>/dev/null || true' EXIT
 start=$(date +%s)
+# the machine's CPU seconds (busy and idle, all cores) from /proc/stat's first line, to tell a slow
+# run that did more work from one on a slower or shared machine
+cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6, $9}' /proc/stat 2>/dev/null || echo "0 0 0"; }
+read -r busy0 idle0 steal0 <<<"$(cpu_ticks)"
 "${PYTEST[@]}" -n "${DDP_HPC_CLUSTER_WORKERS:-4}" --dist loadgroup tests/cluster >"$log" 2>&1 &
 cluster_pid=$!
 unit_rc=0
@@ -43,6 +47,10 @@ wait "$cluster_pid" || cluster_rc=$?
 echo "================================ cluster tests (tests/cluster) ================================"
 cat "$log"
 echo "cluster tests: exit $cluster_rc after $(( $(date +%s) - start )) s"
+read -r busy1 idle1 steal1 <<<"$(cpu_ticks)"
+hz=$(getconf CLK_TCK 2>/dev/null || echo 100)
+echo "both lanes: $(( $(date +%s) - start )) s on $(nproc) cores; CPU (all of the machine's processes)" \
+     "busy $(( (busy1 - busy0) / hz )) s, idle $(( (idle1 - idle0) / hz )) s, stolen $(( (steal1 - steal0) / hz )) s"
 # pytest's 5 means "collected nothing": never a pass here, both runs must have collected tests
 if [ "$unit_rc" -ne 0 ]; then exit "$unit_rc"; fi
 exit "$cluster_rc"
