@@ -146,19 +146,19 @@ LAST_SAVE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(400)   # 3 interpreters one after another: 100 s in a loaded fresh-clone run
 def test_a_script_whose_last_background_save_failed_exits_1_with_an_error_event(tmp_path):
     """A background save on a script's last line still fails the script (exit 1; under ddp_hpc.exec
     with an error event) or writes its file: three real interpreters, each importing torch."""
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the checkpoint directory should be\n")
     target = blocked / "ckpt"
-    plain = subprocess.run([sys.executable, "-c", LAST_SAVE, str(target)], cwd=tmp_path, timeout=100,
+    plain = subprocess.run([sys.executable, "-c", LAST_SAVE, str(target)], cwd=tmp_path, timeout=120,
                            env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True)
     assert plain.returncode == 1, plain.stderr
     assert "Traceback (most recent call last):" in plain.stderr and "CheckpointError" in plain.stderr
     assert f"{target}/ckpt-000000005.pt" in plain.stderr
-    ok = subprocess.run([sys.executable, "-c", LAST_SAVE, str(tmp_path / "ok")], cwd=tmp_path, timeout=100,
+    ok = subprocess.run([sys.executable, "-c", LAST_SAVE, str(tmp_path / "ok")], cwd=tmp_path, timeout=120,
                         env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True)
     assert ok.returncode == 0 and (tmp_path / "ok" / "ckpt-000000005.pt").exists(), ok.stderr
 
@@ -167,7 +167,7 @@ def test_a_script_whose_last_background_save_failed_exits_1_with_an_error_event(
     with open(logs / "rank0.out", "wb") as out:
         wrapped = subprocess.run([*EXEC, "--log-dir", str(logs), "--", sys.executable, "-c", LAST_SAVE,
                                   str(target)], cwd=tmp_path, env=clean_env(PYTHONPATH=str(ROOT)),
-                                 stdout=out, stderr=subprocess.STDOUT, timeout=100)
+                                 stdout=out, stderr=subprocess.STDOUT, timeout=120)
     assert wrapped.returncode == 1, (logs / "rank0.out").read_text()
     ev = {e["event"]: e for e in events(logs, 0)}
     assert ev["end"]["status"] == "failed" and ev["end"]["exit_code"] == 1
