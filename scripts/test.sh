@@ -33,8 +33,8 @@ fi
 log=$(mktemp "${TMPDIR:-/tmp}/ddp_hpc_cluster_tests.XXXXXX")
 trap 'rm -f "$log"; [ -z "$load_pid" ] || kill "$load_pid" 2>/dev/null || true' EXIT
 start=$(date +%s)
-# the machine's CPU seconds (busy and idle, all cores) from /proc/stat's first line, to tell a slow
-# run that did more work from one on a slower or shared machine
+# the machine's CPU seconds (busy, idle, stolen; all cores) from /proc/stat's first line: idle
+# seconds tell a run that waited from a CPU-bound one, stolen ones a hypervisor's other guests
 cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6, $9}' /proc/stat 2>/dev/null || echo "0 0 0"; }
 read -r busy0 idle0 steal0 <<<"$(cpu_ticks)"
 "${PYTEST[@]}" -n "${DDP_HPC_CLUSTER_WORKERS:-4}" --dist loadgroup tests/cluster >"$log" 2>&1 &
