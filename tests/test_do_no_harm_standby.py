@@ -56,6 +56,26 @@ def _listen():
     return server, server.getsockname()[1]
 
 
+def _accept(server, proc):
+    """The connection of ``proc`` and its hello line. Another test's standby may reach this port
+    too: a standby retries its supervisor's port for a minute, and the system may give that port
+    to this test once the supervisor closed it (the very case the hand-shake guards against). Such
+    a stranger's connection is closed, and the test waits for its own standby's."""
+    while True:
+        conn, _ = server.accept()
+        conn.settimeout(60)
+        f = conn.makefile("rb")
+        hello = f.readline()
+        try:
+            pid = json.loads(hello).get("pid")
+        except ValueError:
+            pid = None
+        if pid == proc.pid:
+            return conn, f, hello
+        f.close()
+        conn.close()
+
+
 @pytest.mark.parametrize("answer", ["go", "forged challenge"])
 def test_a_standby_that_reached_an_impostor_runs_nothing_and_opens_nothing(start_standby, answer):
     """Whoever holds the port sends an env with LD_PRELOAD and PYTHONPATH and an output file
@@ -67,9 +87,7 @@ def test_a_standby_that_reached_an_impostor_runs_nothing_and_opens_nothing(start
     outside.parent.mkdir()
     proc = start(port)
     try:
-        conn, _ = server.accept()
-        conn.settimeout(60)
-        hello = conn.makefile("rb").readline()
+        conn, _, hello = _accept(server, proc)
         if answer == "forged challenge":
             conn.sendall(_line({"nonce": "00" * 16, "proof": "ab" * 32}))
         conn.sendall(_line({"rank": 0, "env": {"LD_PRELOAD": "/nonexistent/evil.so", "PYTHONPATH": str(tmp_path)},
@@ -86,9 +104,10 @@ def test_a_standby_that_reached_an_impostor_runs_nothing_and_opens_nothing(start
     assert "Traceback" not in out and proc.returncode == 0, out
 
 
-def _authenticated(conn, f) -> tuple[str, str]:
-    """The supervisor's side of the hand-shake, as a test's stand-in: (their nonce, ours)."""
-    theirs = json.loads(f.readline())["nonce"]
+def _authenticated(conn, f, hello) -> tuple[str, str]:
+    """The supervisor's side of the hand-shake after the standby's ``hello``, as a test's
+    stand-in: (their nonce, ours)."""
+    theirs = json.loads(hello)["nonce"]
     ours = "12" * 16
     conn.sendall(_line({"nonce": ours, "proof": proof(TOKEN, "supervisor", theirs, ours)}))
     answer = json.loads(f.readline())
@@ -109,10 +128,8 @@ def test_even_the_supervisors_go_carries_only_the_steps_variables_and_an_output_
     server, port = _listen()
     proc = start(port)
     try:
-        conn, _ = server.accept()
-        conn.settimeout(60)
-        f = conn.makefile("rb")
-        theirs, ours = _authenticated(conn, f)
+        conn, f, hello = _accept(server, proc)
+        theirs, ours = _authenticated(conn, f, hello)
         text = json.dumps(go)
         conn.sendall(_line({"go": text, "mac": proof(TOKEN, "go", theirs, ours, text)}))
         out, _ = proc.communicate(timeout=60)
@@ -133,10 +150,8 @@ def test_the_authenticated_go_runs_the_command(start_standby):
     server, port = _listen()
     proc = start(port)
     try:
-        conn, _ = server.accept()
-        conn.settimeout(60)
-        f = conn.makefile("rb")
-        theirs, ours = _authenticated(conn, f)
+        conn, f, hello = _accept(server, proc)
+        theirs, ours = _authenticated(conn, f, hello)
         text = json.dumps({"rank": 0, "env": {"SLURM_PROCID": "0", "DDP_HPC_ALLOC_RESTARTS": "1"},
                            "out": str(logs / "rank0.out")})
         conn.sendall(_line({"go": text, "mac": proof(TOKEN, "go", theirs, ours, text)}))
