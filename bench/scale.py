@@ -45,6 +45,11 @@ Goal: linear or better everywhere, and the status of an 8,192-rank job in under 
     python bench/scale.py --quick          # 8 and 64 ranks only: a smoke run
     python bench/scale.py --json out.json --events 2000 --workdir /tmp/scale
     python bench/scale.py --only table,scheduler   # the job table over many records and Slurm jobs only
+
+The supervisor's reading of a run's events (``bench/pollcost.py``, which these flags hand over to):
+
+    python bench/scale.py --make-run DIR --ranks 8192 --nodes 1024   # a synthetic run directory
+    python bench/scale.py --poll DIR --polls 20 [--step] [--count]    # the supervisor's reader over it
 """
 from __future__ import annotations
 
@@ -613,6 +618,10 @@ def scheduler_lines(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a.startswith(("--make-run", "--poll")) for a in argv):
+        import pollcost  # bench/pollcost.py, beside this file
+        return pollcost.main(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} only (a smoke run)")
     p.add_argument("--sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
