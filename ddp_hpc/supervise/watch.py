@@ -23,6 +23,7 @@ a lost node; the supervisor avoids it at the next restart (``plan.next_nodes``).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from ddp_hpc.judge.evidence import consequence_phrase
 from ddp_hpc.parsing import to_float, to_int
-from ddp_hpc.runlogs.schema import EVENTS_RE
+from ddp_hpc.runlogs.schema import EVENTS_RE, NODE_EVENTS_RE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.supervise.hang import StepClock
 
@@ -65,32 +66,66 @@ _DRAIN_STATES = ("drain", "fail", "maint", "reboot", "inval")
 
 
 class EventTail:
-    """New events of run ``restart`` in a log directory's event files, read incrementally."""
+    """New events of run ``restart`` in a log directory's event files (one per node; one per rank
+    in run directories of earlier versions), read incrementally.
+
+    A poll costs one stat of the directory and one of each event file it knows, and reads only the
+    files that grew (a job of thousands of ranks is polled every second for as long as it runs, on a
+    shared filesystem whose metadata server every job shares). The directory is listed again only
+    when its modification time changed, or changed within `RECENT_S` (a coarse clock may give two
+    creations one time), or `RELIST_S` passed."""
+
+    #: list the directory again while its last change is this recent, seconds
+    RECENT_S = 2.0
+    #: list it again at least this often, seconds
+    RELIST_S = 30.0
 
     def __init__(self, log_dir: str | Path, restart: int):
         self.dir, self.restart = Path(log_dir), restart
-        self._pos: dict[Path, int] = {}
-        self._rest: dict[Path, str] = {}
+        self._pos: dict[str, int] = {}
+        self._rest: dict[str, bytes] = {}
+        self._names: list[str] = []
+        self._listed: tuple[int, float] | None = None   # (the directory's mtime_ns, when listed)
+
+    def _files(self) -> list[str]:
+        """The event files' names, listed again only when the directory may have changed."""
+        try:
+            mtime = os.stat(self.dir).st_mtime_ns
+        except OSError:
+            return []
+        now = time.time()
+        if (self._listed is None or mtime != self._listed[0] or now - mtime / 1e9 < self.RECENT_S
+                or now - self._listed[1] > self.RELIST_S):
+            try:
+                self._names = sorted(n for n in os.listdir(self.dir) if NODE_EVENTS_RE.match(n) or EVENTS_RE.match(n))
+            except OSError:
+                return self._names
+            self._listed = (mtime, now)
+        return self._names
 
     def poll(self) -> list[dict]:
         out: list[dict] = []
-        for path in sorted(self.dir.glob("rank*.events.jsonl")):
-            if not EVENTS_RE.match(path.name):
-                continue
+        for name in self._files():
+            path = os.path.join(self.dir, name)
+            pos = self._pos.get(name, 0)
             try:
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    f.seek(self._pos.get(path, 0))
+                size = os.stat(path).st_size
+                if size == pos:
+                    continue
+                if size < pos:             # the file was replaced: read it from its start
+                    pos, self._rest[name] = 0, b""
+                with open(path, "rb") as f:
+                    f.seek(pos)
                     chunk = f.read()
-                    self._pos[path] = f.tell()
             except OSError:
                 continue
-            text = self._rest.pop(path, "") + chunk
-            lines = text.split("\n")
+            self._pos[name] = pos + len(chunk)
+            lines = (self._rest.pop(name, b"") + chunk).split(b"\n")
             if lines[-1]:
-                self._rest[path] = lines[-1]
+                self._rest[name] = lines[-1]       # a line the writer has not ended yet
             for line in lines[:-1]:
                 try:
-                    ev = json.loads(line)
+                    ev = json.loads(line.decode("utf-8", errors="replace"))
                 except ValueError:
                     continue
                 if isinstance(ev, dict) and to_int(ev.get("restart"), 0) == self.restart:
