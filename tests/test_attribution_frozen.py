@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.judge.reader import RunLogs, read_events
+from ddp_hpc.judge.nodefiles import rank_events
+from ddp_hpc.judge.reader import RunLogs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "frozen_rank.py"
@@ -41,7 +42,7 @@ def frozen_run(tmp_path_factory) -> Path:
 def test_the_frozen_rank_is_blamed_and_the_waiting_ranks_are_its_victims(frozen_run):
     """Pays for the module's one real run (2 x 2: three victims, whose timeouts race): a SIGSTOPped
     rank, which writes nothing, is blamed from the others' real gloo timeouts and stacks."""
-    stacks = {r: [e for e in read_events(frozen_run / f"rank{r}.events.jsonl").events if e["event"] == "stack"]
+    stacks = {r: [e for e in rank_events(frozen_run, r).events if e["event"] == "stack"]
               for r in range(4)}
     # the stall, as it was written: the waiting ranks' stacks. (Rank 3 may have written one too,
     # before it froze: on a loaded machine its own wait for the previous step's all-reduce, right
@@ -67,11 +68,11 @@ def test_a_stack_the_frozen_rank_writes_on_waking_at_the_teardown_does_not_clear
     stack after the others had timed out. The blame stays with rank 3."""
     logs = tmp_path / "logs"
     shutil.copytree(frozen_run, logs)
-    rank0 = read_events(logs / "rank0.events.jsonl").events
-    last = max(e["time"] for r in range(3) for e in read_events(logs / f"rank{r}.events.jsonl").events)
+    rank0 = rank_events(logs, 0).events
+    last = max(e["time"] for r in range(3) for e in rank_events(logs, r).events)
     late = dict(next(e for e in rank0 if e["event"] == "stack"), rank=3, time=last + 0.01,
                 reason="stopped (SIGTERM)")
-    with open(logs / "rank3.events.jsonl", "a") as f:
+    with open(logs / "node1.events.jsonl", "a") as f:     # rank 3 ran on the second node
         f.write(json.dumps(late) + "\n")
     failure = RunLogs(logs).first_failure(assume_failed=True)
     assert failure.rank == 3 and failure.kind == "stuck", failure.summary
@@ -81,7 +82,7 @@ def test_a_stack_the_frozen_rank_writes_on_waking_at_the_teardown_does_not_clear
 def test_status_names_the_frozen_rank(frozen_run):
     env = {k: v for k, v in os.environ.items() if not DROP.match(k) and k != "COLUMNS"}
     env["DDP_HPC_HOME"] = str(frozen_run.parent / "home")
-    job = read_events(frozen_run / "rank0.events.jsonl").events[0]["job_id"]
+    job = rank_events(frozen_run, 0).events[0]["job_id"]
     p = subprocess.run([sys.executable, "-m", "ddp_hpc.status", job, "--log-dir", str(frozen_run)], env=env,
                        capture_output=True, text=True, timeout=60)
     print(p.stdout)

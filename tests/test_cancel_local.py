@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from ddp_hpc import records
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.launch.tree import recorded_alive
 
 #: each rank starts a grandchild (it must die with the job), then reports a step every 0.1 s
@@ -78,8 +79,8 @@ def wait_steps(job_id, timeout=120):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         rec = records.load_record(job_id)
-        evs = [Path(rec.log_dir) / f"rank{r}.events.jsonl" for r in (0, 1)]
-        if len(rec.pids or []) == 3 and all(p.exists() and '"event": "step"' in p.read_text() for p in evs):
+        if len(rec.pids or []) == 3 and all(any(e["event"] == "step" for e in rank_events(rec.log_dir, r).events)
+                                             for r in (0, 1)):
             return rec
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} did not start: {records.load_record(job_id)}")
@@ -349,11 +350,12 @@ def test_a_real_hang_cancelled_keeps_its_diagnosis(home):
     p = ddp_hpc(home, "submit", "--backend", "local", "-N", "2", "-G", "1", "--log-dir", str(home / "runs"), "hang.py")
     job_id = p.stdout.strip().splitlines()[-1]
     rec = wait_steps(job_id, timeout=60)
-    stacks = [Path(rec.log_dir) / f"rank{r}.events.jsonl" for r in (0, 1)]
+    def stacked():
+        return all(any(e["event"] == "stack" for e in rank_events(rec.log_dir, r).events) for r in (0, 1))
     end = time.monotonic() + 150
-    while time.monotonic() < end and not all('"stack"' in p.read_text() for p in stacks):
+    while time.monotonic() < end and not stacked():
         time.sleep(1)
-    assert all('"stack"' in p.read_text() for p in stacks), "the watchdogs wrote no stacks"
+    assert stacked(), "the watchdogs wrote no stacks"
     ddp_hpc(home, "cancel", job_id, "--grace", "5")
     js = json.loads(ddp_hpc(home, "status", job_id, "--json").stdout)
     assert js["state_name"] == "CANCELLED" and js["failure"] is not None, js["failure"]

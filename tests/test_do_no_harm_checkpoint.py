@@ -26,6 +26,7 @@ import torch
 from test_exec import DROP, EXEC, clean_env, events
 
 from ddp_hpc import checkpoint, progress
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.launch import launch_distributed
 from ddp_hpc.train.memsnap import job_folder
 
@@ -219,8 +220,7 @@ def test_the_end_of_training_waits_for_the_last_write_before_it_cleans_up(tmp_pa
     assert out["snapshots"] is True, "the snapshots were removed while the last checkpoint was written"
     assert out["sigterm_caught"] is True, "the signal handlers were given back while the last checkpoint was written"
     log = "".join(p.read_text() for p in (tmp_path / "logs").rglob("rank0.log"))
-    evs = [json.loads(line) for p in (tmp_path / "logs").rglob("rank0.events.jsonl")
-           for line in p.read_text().splitlines()]
+    evs = [e for d in {p.parent for p in (tmp_path / "logs").rglob("*.events.jsonl")} for e in rank_events(d, 0).events]
     if not fail:
         assert (out["status"], out["step"]) == ("completed", 4) and out["snapshots_after"] is False
         assert (tmp_path / "ckpt" / "ckpt-000000004.pt").exists()

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.judge.reader import RunLogs, read_events
+from ddp_hpc.judge.nodefiles import rank_events
+from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch import run_local, start_local
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def events(log_dir: Path, rank: int) -> list[dict]:
-    return read_events(log_dir / f"rank{rank}.events.jsonl").events
+    return rank_events(log_dir, rank).events
 
 
 def kinds(log_dir: Path, rank: int) -> list[str]:
@@ -229,15 +230,17 @@ def test_the_end_events_step_is_the_newest_step_the_child_appended(tmp_path):
     event: an earlier run's steps never count; an epoch event after the step and a torn last
     line do not hide it."""
     from ddp_hpc.exec.outcome import last_step
-    p = tmp_path / "rank0.events.jsonl"
-    p.write_text("".join(json.dumps(e) + "\n" for e in [{"event": "step", "step": 40}, {"event": "start"}]))
+    p = tmp_path / "node0.events.jsonl"
+    p.write_text("".join(json.dumps(e) + "\n" for e in [{"event": "step", "step": 40, "rank": 0},
+                                                        {"event": "start", "rank": 0}]))
     offset = p.stat().st_size
-    assert last_step(p, offset) is None and last_step(None, 0) is None
+    assert last_step(p, offset, 0) is None and last_step(None, 0, 0) is None
     with open(p, "a") as f:
-        for e in [{"event": "step", "step": 3}, {"event": "step", "step": "x"}, {"event": "epoch", "epoch": 1}]:
-            f.write(json.dumps(e) + "\n")
+        for e in [{"event": "step", "step": 3}, {"event": "step", "step": "x"}, {"event": "epoch", "epoch": 1},
+                  {"event": "step", "step": 9, "rank": 1}]:      # the node's other rank
+            f.write(json.dumps({"rank": 0, **e}) + "\n")
         f.write('{"event": "step", "st')
-    assert last_step(p, offset) == 3 and last_step(p, 0) == 3
+    assert last_step(p, offset, 0) == 3 and last_step(p, 0, 0) == 3 and last_step(p, 0, 1) == 9
 
 
 def test_usage_errors():

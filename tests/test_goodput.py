@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc.judge.goodput import goodput
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.judge.reader import RunLogs
 
 
@@ -87,11 +88,7 @@ def test_data_wait_stall_eval_and_the_tail(tmp_path):
 
 
 def _newest_step(log_dir: Path) -> int:
-    try:
-        lines = (log_dir / "rank0.events.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    steps = [e.get("step") for e in map(json.loads, filter(None, lines)) if e.get("event") == "step"]
+    steps = [e.get("step") for e in rank_events(log_dir, 0).events if e.get("event") == "step"]
     return max(steps, default=0)
 
 

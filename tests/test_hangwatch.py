@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL, HangWatch, dump_after, format_stacks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,9 +128,7 @@ def test_status_stacks_on_a_running_local_job(tmp_path):
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:   # until training is under way on both ranks
-            if all(any('"event": "step"' in ln for ln in (log_dir / f"rank{r}.events.jsonl").read_text().splitlines())
-                   for r in (0, 1) if (log_dir / f"rank{r}.events.jsonl").exists()) and \
-                    (log_dir / "rank1.events.jsonl").exists():
+            if all(any(e["event"] == "step" for e in rank_events(log_dir, r).events) for r in (0, 1)):
                 break
             time.sleep(0.5)
         s = subprocess.run([sys.executable, "-m", "ddp_hpc.status", job, "--stacks", "--json"],

@@ -15,7 +15,8 @@ import pytest
 
 from ddp_hpc.instrument.hooks import when_imported
 from ddp_hpc.instrument.steps import StepCounter
-from ddp_hpc.judge.reader import RunLogs, read_events
+from ddp_hpc.judge.nodefiles import rank_events
+from ddp_hpc.judge.reader import RunLogs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "plain_ddp.py"
@@ -35,7 +36,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def events(log_dir: Path, rank: int, kind: str | None = None) -> list[dict]:
-    evs = read_events(log_dir / f"rank{rank}.events.jsonl").events
+    evs = rank_events(log_dir, rank).events
     return [e for e in evs if kind is None or e["event"] == kind]
 
 
@@ -241,8 +242,7 @@ def test_stacks_name_the_rank_outside_the_collective(tmp_path):
     job = json.loads(next((home / "jobs").glob("*.json")).read_text())["id"]
     log_dir = Path(json.loads(next((home / "jobs").glob("*.json")).read_text())["log_dir"])
     try:
-        _wait(lambda: all((log_dir / f"rank{r}.events.jsonl").exists() and events(log_dir, r, "step")
-                          for r in range(2)))
+        _wait(lambda: all(events(log_dir, r, "step") for r in range(2)))
         out = ""
         for _ in range(20):   # until both ranks sit where they hang
             out = subprocess.run([DDP_HPC, "status", job, "--stacks"], env=env, capture_output=True,

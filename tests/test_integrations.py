@@ -6,7 +6,6 @@ and a real requeue in tests/cluster/test_status_cluster.py)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import pickle
 import re
@@ -19,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from ddp_hpc import records
 from ddp_hpc.env.tracking import wandb_environ
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.runlogs import tboard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def test_hf_trainer_script_unchanged_1x2_shows_progress(tmp_path):
     detail = _run(tmp_path, "-m", "ddp_hpc.status", rec.id).stdout
     assert re.search(r"Progress:   e0 s6/6 100%, loss [\d.]+, [\d.]+ samples/s", detail), detail
     assert "Eval:       eval_loss=" in detail
-    events = map(json.loads, (Path(rec.log_dir) / "rank0.events.jsonl").read_text().splitlines())
+    events = rank_events(rec.log_dir, 0).events
     final = [e for e in events if e["event"] == "step"][-1]
     assert final["step"] == final["total_steps"] == 6 and final["lr"] > 0
     assert [s for s, _ in _scalars(rec.log_dir)["train/loss"]][-1] == 6

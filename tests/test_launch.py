@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.launch import (
     RankFailedError,
     launch_distributed,
@@ -457,7 +458,7 @@ def test_cli_without_a_command_runs_the_ddp_demo():
 @pytest.mark.timeout(180)
 def test_cli_puts_the_run_logs_beside_every_ranks_output(tmp_path):
     """`ddp-hpc launch -- python -m ddp_hpc.run CONFIG`: rankR.out and the run's own logs
-    (rankR.log, rankR.events.jsonl) in the one --log-dir, not the config's log.dir."""
+    (rankR.log, nodeK.events.jsonl) in the one --log-dir, not the config's log.dir."""
     logs = tmp_path / "launch-logs"
     demo = Path(__file__).resolve().parents[1] / "jobs" / "demo.yaml"
     p = _cli("--nodes", "1", "--procs-per-node", "2", "--log-dir", str(logs), "--", sys.executable, "-m",
@@ -465,8 +466,8 @@ def test_cli_puts_the_run_logs_beside_every_ranks_output(tmp_path):
              "train.epochs=1", f"checkpoint.dir={tmp_path / 'ckpt'}", "log.progress=off")
     assert p.returncode == 0, p.stdout + p.stderr
     for r in (0, 1):
-        assert {f"rank{r}.out", f"rank{r}.log", f"rank{r}.events.jsonl"} <= {f.name for f in logs.iterdir()}
-        assert '"event": "end"' in (logs / f"rank{r}.events.jsonl").read_text()
+        assert {f"rank{r}.out", f"rank{r}.log", "node0.events.jsonl"} <= {f.name for f in logs.iterdir()}
+        assert rank_events(logs, r).events[-1]["event"] == "end"
     assert not (tmp_path / "config-logs").exists()
 
 

@@ -6,7 +6,6 @@ killed with SIGKILL while it writes leaves its node's newest snapshot whole."""
 from __future__ import annotations
 
 import io
-import json
 import multiprocessing as mp
 import os
 import random
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddp_hpc.judge.nodefiles import log_events, rank_events
 from ddp_hpc.launch import RankFailedError, launch_distributed
 from ddp_hpc.train.memsnap import MemSnapshots, NodeStore, job_folder
 
@@ -68,11 +68,11 @@ def _launch(world: int, nodes: int, job: str, run: Path, ckpt: Path, extra=(), f
 
 def _restored(run: Path) -> dict[int, dict]:
     out = {}
-    for p in (run / "logs").rglob("rank*.events.jsonl"):
-        for line in p.read_text().splitlines():
-            e = json.loads(line)
-            if e["event"] == "restored":
-                out[e["rank"]] = e
+    for d in {p.parent for p in (run / "logs").rglob("*.events.jsonl")}:
+        for stream in log_events(d).values():
+            for e in stream.events:
+                if e["event"] == "restored":
+                    out[e["rank"]] = e
     return out
 
 
@@ -139,8 +139,8 @@ def test_a_restore_from_memory_or_a_peer_equals_the_file_restore_bitwise_also_on
     assert _same(by_mem["state"], by_file["state"]) and by_mem["loss"] == by_file["loss"]
     assert not folder.exists()                  # the clean end removed the job's snapshots
     # the snapshots' seconds on the training thread reach the step events (goodput's checkpoint share)
-    steps = [json.loads(x) for p in (tmp_path / "mem" / "logs").rglob("rank0.events.jsonl")
-             for x in p.read_text().splitlines() if '"step"' in x]
+    steps = [e for d in {p.parent for p in (tmp_path / "mem" / "logs").rglob("*.events.jsonl")}
+             for e in rank_events(d, 0).events]
     spent = [e["snapshot_s"] for e in steps if e["event"] == "step"]
     assert spent and all(s >= 0 for s in spent) and sum(spent) > 0, spent
 

@@ -3,7 +3,6 @@ the one-in-flight rule and a failure raised on the next save, `preemption.requeu
 waiting for the write (a failure at exit is printed, never lost)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.launch import launch_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_background_saves_in_a_two_rank_script(tmp_path):
     assert r0["loaded"] == {"note": "a", "step": 1}
     # the file holds the state of the moment of save, not what training did after it
     assert torch.equal(r0["weight_1"] + 1.0, r0["weight_live"])
-    events = [json.loads(line) for line in (tmp_path / "logs" / "rank0.events.jsonl").read_text().splitlines()]
+    events = rank_events(tmp_path / "logs", 0).events
     saves = [e for e in events if e["event"] == "checkpoint"]
     assert [e["step"] for e in saves] == [1, 2]
     assert all(e["blocking_s"] >= 0 and e["write_s"] > 0 for e in saves)
@@ -97,8 +97,7 @@ def test_requeue_and_the_exit_wait_for_the_write_and_a_failure_at_exit_is_printe
     assert done.returncode == 75, done.stderr
     state = torch.load(tmp_path / "ckpt" / "ckpt-000000005.pt", weights_only=True)
     assert torch.equal(state["model"]["ballast"], torch.arange(4_000_000, dtype=torch.float32))
-    events = [json.loads(line)["event"]
-              for line in (tmp_path / "logs" / "rank0.events.jsonl").read_text().splitlines()]
+    events = [e["event"] for e in rank_events(tmp_path / "logs", 0).events]
     assert events.index("checkpoint") < events.index("preempt")
 
     exit_ = _script(tmp_path, "exit", str(tmp_path / "ckpt2"))      # ends right after the save

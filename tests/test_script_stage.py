@@ -19,6 +19,7 @@ import pytest
 from ddp_hpc.data.errors import StageError
 from ddp_hpc.data.scriptstage import SPEC_VAR, decode_items, encode_items, parse_stage_items, run_staged
 from ddp_hpc.exits import EX_TEMPFAIL
+from ddp_hpc.judge.nodefiles import log_events
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -202,8 +203,7 @@ def _staged_left(tmp_path) -> list[str]:
 
 
 def _stage_events(log_dir: Path) -> list[dict]:
-    return [e for f in sorted(log_dir.glob("rank*.events.jsonl")) for e in map(json.loads, f.open())
-            if e["event"] == "stage"]
+    return [e for _, s in sorted(log_events(log_dir).items()) for e in s.events if e["event"] == "stage"]
 
 
 def _result(stdout: str, tag: str) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.status.stacks import FROZEN, render_stacks, silence_causes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,11 +69,11 @@ def test_the_exec_wrapper_says_in_its_start_event_whether_it_instrumented_the_sc
                             "-c", "pass"], env={**env, "DDP_HPC_INSTRUMENT": value}, capture_output=True,
                            text=True, timeout=60)
         assert p.returncode == 0, p.stderr
-        first = read_events(d / "rank0.events.jsonl").events[0]
+        first = rank_events(d, 0).events[0]
         assert first["event"] == "start" and first["instrumented"] is want, first
     p = subprocess.run([sys.executable, "-m", "ddp_hpc.exec", "--log-dir", str(tmp_path / "sh"), "--", "true"],
                        env=env, capture_output=True, text=True, timeout=60)
-    assert read_events(tmp_path / "sh" / "rank0.events.jsonl").events[0]["instrumented"] is False
+    assert rank_events(tmp_path / "sh", 0).events[0]["instrumented"] is False
 
 
 @pytest.mark.timeout(180)
@@ -91,9 +91,8 @@ def test_stacks_of_a_script_that_has_not_imported_torch_do_not_blame_the_flag(tm
     assert p.returncode == 0, p.stderr
     rec = json.loads(next((tmp_path / "home" / "jobs").glob("*.json")).read_text())
     try:
-        events = Path(rec["log_dir"]) / "rank0.events.jsonl"
         deadline = time.monotonic() + 90
-        while not (events.exists() and '"start"' in events.read_text()) and time.monotonic() < deadline:
+        while not rank_events(rec["log_dir"], 0).events and time.monotonic() < deadline:
             time.sleep(0.3)
         s = subprocess.run([sys.executable, "-m", "ddp_hpc.status", rec["id"], "--stacks", "--json"],
                            cwd="/", env=env, capture_output=True, text=True, timeout=60)

@@ -2,7 +2,6 @@
 job as N pretend nodes x G real processes (gloo on CPU), leaves per-rank logs and a job record,
 and sweeps run task by task in their own log directories."""
 
-import json
 import os
 import re
 import subprocess
@@ -15,6 +14,7 @@ import yaml
 from ddp_hpc import records
 from ddp_hpc.config import load_config
 from ddp_hpc.judge import kept
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ def _submit(tmp_path, *args, timeout=240):
 
 
 def _events(log_dir: Path, rank: int) -> list[dict]:
-    return [json.loads(ln) for ln in (log_dir / f"rank{rank}.events.jsonl").read_text().splitlines() if ln.strip()]
+    return rank_events(log_dir, rank).events
 
 
 def test_main_command_runs_four_local_processes(tmp_path):

@@ -20,6 +20,7 @@ import pytest
 from ddp_hpc import records
 from ddp_hpc.config import config_to_dict, load_config
 from ddp_hpc.config.slurm_options import merged
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.submit import render
@@ -38,7 +39,7 @@ def _env(tmp_path) -> dict:
 
 
 def _steps(run_dir: Path) -> int:
-    return sum('"event": "step"' in ln for ln in (run_dir / "rank0.events.jsonl").read_text().splitlines())
+    return sum(e["event"] == "step" for e in rank_events(run_dir, 0).events)
 
 
 def test_the_same_local_submit_resumes_its_interrupted_run(tmp_path):
@@ -54,7 +55,7 @@ def test_the_same_local_submit_resumes_its_interrupted_run(tmp_path):
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:          # a few steps, then Ctrl-C (the whole group)
-        found = list((tmp_path / "runs").glob("*/rank0.events.jsonl"))
+        found = list((tmp_path / "runs").glob("*/node0.events.jsonl"))
         if found and _steps(found[0].parent) >= 3:
             break
         time.sleep(0.2)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import rank_events
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def _wrapper() -> str:
 
 
 def _events(d: Path, r: int):
-    return read_events(d / f"rank{r}.events.jsonl").events
+    return rank_events(d, r).events
 
 
 def test_usr2_to_wrapper_group_reaches_torchrun_workers(tmp_path):

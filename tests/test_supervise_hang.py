@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc.judge.nodefiles import log_events
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import PHASES, phases, read_restarts, time_lost
 from ddp_hpc.slurm.cli import SlurmCLI
@@ -84,8 +85,8 @@ def _cli(log_dir: Path) -> SlurmCLI:
     def runner(argv, **kw):
         out = "n1\x1fmixed\n" if argv[0] == "sinfo" else ""
         if argv[0] == "scancel" and "--signal=URG" in argv:
-            for path in log_dir.glob("rank*.events.jsonl"):
-                starts = [json.loads(line) for line in path.read_text().splitlines() if '"start"' in line]
+            for stream in log_events(log_dir).values():
+                starts = [e for e in stream.events if e["event"] == "start"]
                 if starts:
                     try:
                         os.kill(starts[-1]["pid"], signal.SIGURG)

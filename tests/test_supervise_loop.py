@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.judge.restarts import read_restarts, read_stops
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.supervise import watch
@@ -104,7 +105,7 @@ def test_supervise_restarts_a_stalled_step_and_records_why(tmp_path, monkeypatch
         ["n1"], ["n1"], 1, 1)
     assert row["fault_at"] <= row["detected_at"]
     assert records.load_record("41").alloc_restarts == rows          # _to_record: the same row
-    ends = [json.loads(line) for line in (log_dir / "rank0.events.jsonl").read_text().splitlines()]
+    ends = rank_events(log_dir, 0).events
     assert [e["restart"] for e in ends if e["event"] == "end"] == [1]
     assert "restart 1 of at most 2 (restart number 1)" in capsys.readouterr().err
 
@@ -164,7 +165,7 @@ def test_a_long_evaluation_of_the_training_core_is_no_stall(tmp_path, monkeypatc
     s = Settings(policy=Policy(nodes=1, tasks_per_node=1, max_restarts=1), log_dir=str(log_dir), command=command,
                  stall_timeout_s=14.0)
     rc = supervise(s, _sinfo({"n1": "mixed"}), env)
-    evs = [json.loads(line) for line in (log_dir / "rank0.events.jsonl").read_text().splitlines()]
+    evs = rank_events(log_dir, 0).events
     names = [e["event"] for e in evs]
     assert rc == 0 and read_restarts(log_dir) == [] and read_stops(log_dir) == [], names
     assert names.count("eval") == 1 and names[-1] == "end"

@@ -4,7 +4,6 @@ writer; a resumed run from an async checkpoint equals one from a synchronous che
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.launch import RankFailedError, launch_distributed
 from ddp_hpc.train.asyncsave import AsyncSaver, Snapshot
 from ddp_hpc.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
@@ -168,8 +168,7 @@ def _launch(world: int, *args, timeout: float = 180):
 
 def _events(tmp: Path) -> list[dict]:
     """Rank 0's events of every run in ``tmp`` (a launch is a job of its own), in time order."""
-    out = [json.loads(line) for f in (tmp / "logs").rglob("rank0.events.jsonl")
-           for line in f.read_text().splitlines()]
+    out = [e for d in {f.parent for f in (tmp / "logs").rglob("*.events.jsonl")} for e in rank_events(d, 0).events]
     return sorted(out, key=lambda e: e["time"])
 
 

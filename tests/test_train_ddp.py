@@ -3,7 +3,6 @@ stopped by the preemption signal resuming to bitwise the same parameters."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from ddp_hpc.judge.nodefiles import log_events
 from ddp_hpc.launch import launch_distributed
 
 FAST = "forkserver"  # ranks fork from one server that imported torch (tests/conftest.py)
@@ -110,8 +110,8 @@ def test_exact_evaluation_on_4n_plus_3_samples_over_4_ranks():
 
 def _events(log_root: Path, name: str) -> list[dict]:
     out = []
-    for f in log_root.rglob("rank*.events.jsonl"):
-        out += [e for e in map(json.loads, f.read_text().splitlines()) if e["event"] == name]
+    for d in {f.parent for f in log_root.rglob("*.events.jsonl")}:
+        out += [e for s in log_events(d).values() for e in s.events if e["event"] == name]
     return sorted(out, key=lambda e: e["time"])
 
 

@@ -4,13 +4,14 @@ command (same config and overrides) finds the same run directory and resumes fro
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ddp_hpc.judge.nodefiles import rank_events
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +35,8 @@ def test_sigint_checkpoints_and_the_same_command_resumes(tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:      # until a few steps are done
-        events = list((tmp_path / "runs").glob("*/rank0.events.jsonl"))
-        if events and sum('"event": "step"' in ln for ln in events[0].read_text().splitlines()) >= 3:
+        runs = list((tmp_path / "runs").glob("*/"))
+        if runs and sum(e["event"] == "step" for e in rank_events(runs[0], 0).events) >= 3:
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
@@ -45,8 +46,7 @@ def test_sigint_checkpoints_and_the_same_command_resumes(tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert run_dir.name.startswith("demo-")
     assert "to resume: run the same command again" in out and f"checkpoint.dir={run_dir}/checkpoints" in out
-    ends = [json.loads(ln) for ln in (run_dir / "rank0.events.jsonl").read_text().splitlines()
-            if '"end"' in ln]
+    ends = [e for e in rank_events(run_dir, 0).events if e["event"] == "end"]
     assert ends[-1]["status"] == "interrupted"
     stopped = ends[-1]["step"]
     again = subprocess.run(args, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,

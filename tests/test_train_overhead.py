@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ddp_hpc.judge.nodefiles import log_events
 from ddp_hpc.launch import launch_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,10 +50,10 @@ def _run(tmp: Path, world: int, overrides: list[str], signal_at: int | None = No
 
 def _events(root: Path) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
-    for f in root.rglob("rank*.events.jsonl"):
-        for e in map(json.loads, f.read_text().splitlines()):
-            out.setdefault(e["rank"], []).append(e)
-    return out          # in file order: the order each rank wrote them
+    for d in {f.parent for f in root.rglob("*.events.jsonl")}:
+        for r, s in log_events(d).items():
+            out.setdefault(r, []).extend(s.events)
+    return out          # in the order each rank wrote them
 
 
 def test_flag_checked_every_3_steps_stops_every_rank_at_the_same_step(tmp_path):

@@ -2,7 +2,6 @@
 (USR2 -> checkpoint -> exit code 75 on every rank -> the same command resumes and completes)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from ddp_hpc.judge.nodefiles import log_events
 from ddp_hpc.launch import run_local, start_local
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,9 +34,9 @@ def _env() -> dict:
 
 def _events(root: Path) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
-    for f in root.rglob("rank*.events.jsonl"):
-        for e in map(json.loads, f.read_text().splitlines()):
-            out.setdefault(e["rank"], []).append(e)
+    for d in {f.parent for f in root.rglob("*.events.jsonl")}:
+        for r, s in log_events(d).items():
+            out.setdefault(r, []).extend(s.events)
     return {r: sorted(v, key=lambda e: e["time"]) for r, v in out.items()}
 
 
@@ -140,7 +140,7 @@ def test_rerunning_a_completed_run_says_it_is_complete_and_trains_nothing(tmp_pa
             "data.kwargs.size=512", "train.epochs=1", "train.max_steps=3"]
     first = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=120)
     assert first.returncode == 0, first.stderr[-2000:]
-    [events] = list((tmp_path / "logs").rglob("rank0.events.jsonl"))
+    [events] = list((tmp_path / "logs").rglob("node0.events.jsonl"))
     before = events.read_text()
     again = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]

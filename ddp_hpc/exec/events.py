@@ -33,6 +33,14 @@ class SafeLog:
     def active(self) -> bool:
         return self._log is not None
 
+    @property
+    def node(self) -> int:
+        """The node whose event file this log writes (0 without a log)."""
+        return self._log.node if self._log is not None else 0
+
+    def flush(self, wait: bool = False) -> None:
+        self._call("flush", wait)
+
     def event(self, name: str, **fields: Any) -> dict | None:
         return self._call("event", name, **fields)
 

@@ -119,13 +119,16 @@ def error_fields(outcome: Outcome, out_path: Path | None, out_start: int,
     return {**fields, "exit_code": outcome.exit_code, "signal": outcome.signal}
 
 
-def last_step(events_path: Path | None, start: int) -> int | None:
-    """The step of the newest ``step`` event appended to ``events_path`` after offset ``start``
-    (what the child reported through ``ddp_hpc.report``), or of a ``progress`` event of phase
-    ``step`` (the number of a step the throttle held back, `ddp_hpc.progress`), or None."""
+def last_step(events_path: Path | None, start: int, rank: int) -> int | None:
+    """The step of rank ``rank``'s newest ``step`` event appended to ``events_path`` (its node's
+    event file) after offset ``start`` (what the child reported through ``ddp_hpc.report``), or of
+    a ``progress`` event of phase ``step`` (the number of a step the throttle held back,
+    `ddp_hpc.progress`), or None."""
     if events_path is None:
         return None
     for event in reversed(read_events(events_path, since=start).events):
+        if event.get("rank") != rank:
+            continue
         if (event.get("event") == "step" or event.get("event") == "progress" and event.get("phase") == "step") \
                 and isinstance(event.get("step"), int):
             return event["step"]

@@ -5,7 +5,7 @@ facts with `ddp_hpc.env.detect` (refusing a setup that would hang), starts CMD a
 the torchrun contract (`DistEnv.child_environ`), passes on the signals a scheduler or a user sends
 (`FORWARDED`), and exits with the child's exit status (128 + N when signal N killed it).  The
 child's output is left alone: srun or the launcher already write it to ``rank<R>.out``.  Around it
-the wrapper writes ``start``, ``error`` and ``end`` events to ``rank<R>.events.jsonl`` (rules in
+the wrapper writes ``start``, ``error`` and ``end`` events to its node's ``node<K>.events.jsonl`` (rules in
 `ddp_hpc.exec.outcome`); a log it cannot write costs a message on stderr, never the exit status.
 The child also gets torchrun's other variables and, for a Python command, ddp_hpc's
 instrumentation (`ddp_hpc.exec.instrumented`, docs/scripts.md "What status sees without changes").
@@ -39,7 +39,7 @@ from ddp_hpc.exec.instrumented import (
 )
 from ddp_hpc.exec.outcome import classify, error_fields, last_step
 from ddp_hpc.fsutil import file_size
-from ddp_hpc.runlogs.schema import error_file, events_file, rank_out
+from ddp_hpc.runlogs.schema import error_file, node_events_file, rank_out
 from ddp_hpc.runlogs.startup import PROC_START_VAR, process_start
 from ddp_hpc.runlogs.watchdog import STACK_SIGNAL
 from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
                     "from whichever launcher started this process, signals passed on, start and\n"
                     "end events in the run log.")
     ap.add_argument("--log-dir", metavar="DIR",
-                    help="where rankR.events.jsonl and rankR.log go (default: $DDP_HPC_LOG_DIR, else "
+                    help="where nodeK.events.jsonl and rankR.log go (default: $DDP_HPC_LOG_DIR, else "
                          "the directory of this process's output file when it is rankR.out)")
     ap.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD [ARGS...]",
                     help="the command every rank runs, with its arguments (verbatim, no shell)")
@@ -171,12 +171,13 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
                   instrumented=inst.read_fd is not None)
         log.info(f"exec: started {cmd[0]} as pid {proc.pid} (rank {env.rank} of {env.world_size}, "
                  f"node {env.node_rank} of {env.num_nodes})")
-        events = log.dir / events_file(env.rank) if log.dir else None
+        events = log.dir / node_events_file(log.node) if log.dir else None
         events_start = file_size(events)
         outcome = classify(proc.wait(), fwd.forwarded, inst.ending())
+        log.flush(wait=True)     # the child's last events, held by the node's writer, into the file
         try:
             why = (read_error_file(errfile, started), inst.fault_stack())
-            _record_end(log, outcome, (out_path, out_start, *why), (events, events_start), started)
+            _record_end(log, outcome, (out_path, out_start, *why), (events, events_start, env.rank), started)
         except Exception as exc:  # noqa: BLE001 - the exit status must survive a broken log
             print(f"{prog('exec')}: cannot record how rank {env.rank} ended: {type(exc).__name__}: "
                   f"{exc}", file=sys.stderr, flush=True)

@@ -5,8 +5,8 @@ thousands of ended jobs reads one record per job and no event files (docs/status
 the facts the table's row is made of: how the current run ended, its progress, device, newest
 eval metrics, srun's per-task exit codes, unreadable lines (of rank 0's file alone where the job
 completed: ``rank0_only``, `RunLogs`); and a stamp of what they were read from (the directory's
-modification time, and size and modification time of every rank's event file -- rank 0's alone
-for a ``rank0_only`` reading -- and of the batch outputs when srun's codes were read). The record keeps it
+modification time, and size and modification time of every event file read -- rank 0's or node
+0's alone for a ``rank0_only`` reading -- and of the batch outputs when srun's codes were read). The record keeps it
 in the job's final state (``final["logs"]``: the local driver when a run ends, ``ddp-hpc status``
 when the scheduler reports the end). `kept_logs` answers the table's questions from it, as
 `RunLogs` would, while the directory is unchanged or gone; changed (a resumed run writes to it):
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -23,17 +24,20 @@ from ddp_hpc.judge.goodput import goodput
 from ddp_hpc.judge.reader import RunLogs, RunProgress, RunSummary
 from ddp_hpc.judge.srun import srun_exit_codes
 from ddp_hpc.parsing import to_int
-from ddp_hpc.runlogs.schema import batch_outputs, events_file
+from ddp_hpc.runlogs.schema import EVENTS_RE, NODE_EVENTS_RE, batch_outputs
 
 __all__ = ["summarize", "kept_logs", "KeptLogs", "start_nodes", "table_goodput", "VERSION"]
 
+#: an event file's name, of either layout
+EVENT_FILE_RE = re.compile(f"{EVENTS_RE.pattern}|{NODE_EVENTS_RE.pattern}")
 #: bumped whenever what a summary holds or how it is worked out changes: older ones are ignored
-VERSION = 3
+VERSION = 4
 
 
-def stamp(log_dir: str | Path | None, ranks: Iterable[int] = (), batch: bool = False) -> list | None:
+def stamp(log_dir: str | Path | None, files: Iterable[str] = (), batch: bool = False) -> list | None:
     """[the directory's mtime, [name, size, mtime] of every file the facts were read from]: the
-    event files of ``ranks`` (every rank's, or rank 0's alone for a ``rank0_only`` reading), and
+    event files named ``files`` (every one, or rank 0's or node 0's alone for a ``rank0_only``
+    reading), and
     with ``batch`` the batch outputs (srun's per-task exit codes were read from them); a file
     gone reads [name, None, None]. A rank's late write (an appended ``end``, NFS attribute
     caching) changes its file, not the directory: it is in the stamp; a new file changes the
@@ -44,7 +48,7 @@ def stamp(log_dir: str | Path | None, ranks: Iterable[int] = (), batch: bool = F
         d = os.stat(log_dir).st_mtime_ns
     except OSError:
         return None
-    paths = [os.path.join(log_dir, events_file(r)) for r in sorted(ranks)]
+    paths = [os.path.join(log_dir, name) for name in sorted(files)]
     paths += [str(p) for p in batch_outputs(Path(log_dir))] if batch else []
     files = []
     for path in paths:
@@ -56,6 +60,11 @@ def stamp(log_dir: str | Path | None, ranks: Iterable[int] = (), batch: bool = F
     return [d, files]
 
 
+def event_names(logs: RunLogs) -> list[str]:
+    """The names of the event files ``logs`` read (a node's file once for all its ranks)."""
+    return sorted({s.path.name for s in logs.ranks.values()})
+
+
 def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict | None:
     """The table's facts of ``logs`` (read with ``ends_only``) as plain data; None for any
     other reading (a detail view's facts can differ) or a directory without a known path.
@@ -64,7 +73,7 @@ def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict |
     if not logs.ends_only or logs.log_dir is None:
         return None
     cur, prog, ev = logs.current_run(), logs.progress(), logs.last_eval()
-    return {"v": VERSION, "stamp": stamp(logs.log_dir, logs.ranks, srun_codes is not None),
+    return {"v": VERSION, "stamp": stamp(logs.log_dir, event_names(logs), srun_codes is not None),
             "listed": logs.listed, "exists": logs.exists,
             "outcome": logs.outcome(), "run": dict(vars(cur)) if cur is not None else None,
             "num_nodes": start_nodes(logs, cur),
@@ -101,8 +110,8 @@ def kept_logs(summary: object, log_dir: str | Path | None) -> "KeptLogs | None":
     if not isinstance(summary, dict) or summary.get("v") != VERSION or not log_dir:
         return None
     try:
-        ranks = [int(r) for r in summary.get("bad_lines") or {}]   # the ranks whose files were read
-        now = stamp(log_dir, ranks, summary.get("srun_codes") is not None)
+        names = [f[0] for f in summary["stamp"][1] if EVENT_FILE_RE.match(f[0])]   # the files read
+        now = stamp(log_dir, names, summary.get("srun_codes") is not None)
         if now is not None and now != summary.get("stamp"):
             return None
         return KeptLogs(summary, log_dir, there=now is not None)

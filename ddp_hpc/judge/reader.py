@@ -23,6 +23,7 @@ from pathlib import Path
 from ddp_hpc.fsutil import file_size
 from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.judge.newest import read_newest_run
+from ddp_hpc.judge.nodefiles import ending, merge_streams, rank_events, read_node_events
 from ddp_hpc.judge.srun import (
     TaskReport,
     exception_of,
@@ -42,11 +43,11 @@ from ddp_hpc.runlogs.schema import (
     EVENTS_RE,
     LOCAL_DRIVER_OUT,
     LOG_RE,
+    NODE_EVENTS_RE,
     OUT_RE,
     RUN_MARK_RE,
     TBOARD_GLOB,
     batch_outputs,
-    events_file,
 )
 
 __all__ = ["RunLogs", "RankStream", "Failure", "RunProgress", "RunSummary", "RunEnding", "read_events",
@@ -89,7 +90,7 @@ def run_ending(log_dir: str | Path) -> RunEnding:
     """Rank 0's account of the newest run in ``log_dir`` (every field None without events)."""
     status = step = None
     saved: list[tuple[int | None, str]] = []
-    for e in read_events(Path(log_dir) / events_file(0)).events:
+    for e in rank_events(log_dir, 0).events:
         kind = e.get("event")
         if kind == "start":
             status = None
@@ -128,23 +129,41 @@ class RunLogs:
             return
         self.listed = self.log_dir is not None
         self.tensorboard = any(fnmatch.fnmatchcase(name, TBOARD_GLOB) for name in names)
-        events = []
+        events, self._nodes = [], []
         for name in names:
             if m := EVENTS_RE.match(name):
                 events.append((int(m.group(1)), self.log_dir / name))
+            elif m := NODE_EVENTS_RE.match(name):
+                self._nodes.append((int(m.group(1)), self.log_dir / name))
             elif m := OUT_RE.match(name):
                 self._names["out"][int(m.group(1))] = name
             elif m := LOG_RE.match(name):
                 self._names["log"][int(m.group(1))] = name
-        if rank0_only and ends_only and any(r == 0 for r, _ in events):
+        if rank0_only and ends_only and (any(r == 0 for r, _ in events) or any(n == 0 for n, _ in self._nodes)):
             events, self.rank0_only = [(r, p) for r, p in events if r == 0], True
-        window = ends_only or window or over_budget([p for _, p in events])
+            self._nodes = [(n, p) for n, p in self._nodes if n == 0]
+        window = ends_only or window or over_budget([p for _, p in events + self._nodes])
         for rank, p in events:
             big = rank != 0 or file_size(p) > FULL_READ_BYTES
             self.ranks[rank] = read_newest_run(p) if ends_only and not big else read_events(
                 p, window and big, ends=ends_only and rank != 0)
+        self._read_nodes(window, ends_only)
         if (s := self.ranks.get(0)) and s.newest_only and max(self.restarts()) > max(s.restart_numbers()):
             self.ranks[0] = read_events(s.path)  # another rank ran a newer run than rank 0's newest
+
+    def _read_nodes(self, window: bool, ends_only: bool) -> None:
+        """The node files' streams (the per-node layout): node 0's whole (it holds rank 0; of its
+        other ranks only their endings with ``ends_only``), the others' as the budget allows."""
+        for node, p in self._nodes:
+            big = node != 0 or file_size(p) > FULL_READ_BYTES
+            got = read_node_events(p, window and big, ends=ends_only and big)
+            if ends_only and not big:
+                for r, s in got.items():
+                    if r != 0:
+                        s.events = ending(s.events)
+            if self.rank0_only:
+                got = {r: s for r, s in got.items() if r == 0}
+            merge_streams(self.ranks, got)
 
     @functools.cached_property
     def outs(self) -> dict[int, Path]:
@@ -163,8 +182,12 @@ class RunLogs:
             return
         self.ends_only = False
         for rank, stream in self.ranks.items():
-            if rank != 0 or stream.newest_only:
+            if EVENTS_RE.match(stream.path.name) and (rank != 0 or stream.newest_only):
                 self.ranks[rank] = read_events(stream.path, rank != 0)
+        widened: dict[int, RankStream] = {}
+        for node, p in self._nodes:
+            merge_streams(widened, read_node_events(p, node != 0 or file_size(p) > FULL_READ_BYTES))
+        self.ranks.update(widened)
         self._memo.clear()  # keyed by the streams' ids: a new list may take a freed one's
 
     @property

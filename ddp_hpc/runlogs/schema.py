@@ -4,7 +4,10 @@ batch output paths) and the reader (status) all spell names through here.
 
 Files in a run's log directory, per rank R:
 - ``rank{R}.log``:          the training core's text log (one line per epoch / interval). Read this first.
-- ``rank{R}.events.jsonl``: one JSON object per line (the events below): what status reads.
+- ``node{K}.events.jsonl``: per node K of the job (its index, 0-based), one JSON object per line
+                            (the events below, each with its rank) from every rank on that node:
+                            what status reads. Run directories of earlier versions hold one
+                            ``rank{R}.events.jsonl`` per rank instead; both are read.
 - ``rank{R}.out``:          the process's raw stdout/stderr, captured by srun or the local launcher:
                             Python tracebacks, library warnings, anything printed outside the logger.
 - ``slurm-<id>.out``:       the batch script's own output (srun's exit reports), Slurm jobs only.
@@ -108,6 +111,8 @@ ALLOC_HEALTH_KEYS = ("health_check", "job_id", "time", "seconds", "excluded", "n
 ALLOC_HOLD_KEYS = ("held_run", "job_id", "time", "after_s", "ranks", "work", "again_s")
 
 EVENTS_RE = re.compile(r"^rank(\d+)\.events\.jsonl$")
+#: the event file of node K of a job (``runlogs.nodelog``): every rank of that node writes there
+NODE_EVENTS_RE = re.compile(r"^node(\d+)\.events\.jsonl$")
 OUT_RE = re.compile(r"^rank(\d+)\.out$")
 LOG_RE = re.compile(r"^rank(\d+)\.log$")
 
@@ -124,7 +129,13 @@ def text_log(rank: int | str) -> str:
 
 
 def events_file(rank: int) -> str:
+    """A rank's own event file: the layout before events went per node (still read)."""
     return f"rank{rank}.events.jsonl"
+
+
+def node_events_file(node: int) -> str:
+    """The event file of node ``node`` (its index in the job, 0-based): its ranks' events."""
+    return f"node{node}.events.jsonl"
 
 
 def rank_out(rank: int | str) -> str:

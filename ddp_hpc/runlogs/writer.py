@@ -1,10 +1,13 @@
-"""Per-rank run logs: ``rank{R}.log`` (text) and ``rank{R}.events.jsonl`` (one JSON per line).
+"""A rank's run logs: ``rank{R}.log`` (text) and its events in its node's ``node{K}.events.jsonl``
+(one JSON per line, each with its rank).
 
 Why: these files are the contract with ``ddp_hpc.status`` (docs/architecture.md, "Run logs"),
 which names the failing rank and the last step from them; their names and the keys every event
-carries (`EVENT_KEYS`) are spelled in ``ddp_hpc.runlogs.schema``.  Files are opened in append mode
-so a requeued job's second run continues the same stream, and every line is flushed at once so a
-killed process leaves a complete record up to its last event.  Console lines go through
+carries (`EVENT_KEYS`) are spelled in ``ddp_hpc.runlogs.schema``.  Files are appended to, so a
+requeued job's second run continues the same stream. Events go through the node's one writer
+(``runlogs.nodelog``: at most one append per second per node, at once for the evidence of a
+failure or an end, so a killed process leaves its error and its end); text lines are flushed at
+once.  Console lines go through
 ``tqdm.write``, which clears rank 0's progress bar first and redraws it below, so a log line never
 lands on the bar's line.  Writes hold a lock: a background checkpoint writer's thread writes
 its ``checkpoint`` event beside the training thread's (train/asyncsave.py).
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -23,14 +27,28 @@ from typing import Any, Mapping
 from tqdm import tqdm
 
 from ddp_hpc.env import job_facts
+from ddp_hpc.env.sources import derive
+from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs import tboard
-from ddp_hpc.runlogs.schema import EVENT_KEYS, events_file, text_log
+from ddp_hpc.runlogs.nodelog import URGENT_EVENTS, node_log
+from ddp_hpc.runlogs.schema import EVENT_KEYS, node_events_file, text_log
 
 
 def resolve_log_dir(log_dir_cfg: str, run_id: str, environ: Mapping[str, str] | None = None) -> Path:
     """``$DDP_HPC_LOG_DIR`` when set (the submit backends set it), else ``<log.dir>/<run id>``."""
     override = job_facts(environ).log_dir
     return Path(override) if override else Path(log_dir_cfg) / run_id
+
+
+def node_index(environ: Mapping[str, str] | None = None) -> int:
+    """This process's node within its job (``SLURM_NODEID``, torchrun's ``GROUP_RANK``, ...: the
+    launcher's own count); where the variables contradict each other (the launcher's own checks
+    report them), the raw ``SLURM_NODEID`` or ``GROUP_RANK``; 0 where none is told (one machine)."""
+    env = os.environ if environ is None else environ
+    try:
+        return derive(env).node_rank
+    except Exception:  # noqa: BLE001 - never fail a write over it
+        return max(0, to_int(env.get("SLURM_NODEID"), to_int(env.get("GROUP_RANK"), 0)))
 
 
 def echo(line: str) -> None:
@@ -43,12 +61,13 @@ class RunLog:
     """Writes one rank's text log and event stream; the rank-0 console gets the text lines too."""
 
     def __init__(self, log_dir: str | Path, rank: int, job_id: str | None = None,
-                 restart: int = 0, console: bool | None = None) -> None:
+                 restart: int = 0, console: bool | None = None, node: int | None = None) -> None:
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.job_id, self.restart = rank, job_id, restart
         self.host = socket.gethostname()
-        self._events = open(self.dir / events_file(rank), "a", encoding="utf-8")
+        self.node = node_index() if node is None else node
+        self._events = node_log(str(self.dir / node_events_file(self.node)))
         self._text = open(self.dir / text_log(rank), "a", encoding="utf-8")
         self.console = (rank == 0) if console is None else console
         self._tb = tboard.sink_for(self.dir, rank)   # rank 0: step/epoch/eval also to TensorBoard
@@ -61,8 +80,7 @@ class RunLog:
         rec.update(fields)
         line = json.dumps(rec, default=_jsonable) + "\n"
         with self._lock:
-            self._events.write(line)
-            self._events.flush()
+            self._events.write(line, urgent=name in URGENT_EVENTS)
             if self._tb is not None:
                 self._tb.write(rec)
         return rec
@@ -81,14 +99,19 @@ class RunLog:
         echo(f"[rank {self.rank}] WARNING: {msg}")
         logging.getLogger("ddp_hpc.train").debug(msg)
 
+    def flush(self, wait: bool = False) -> bool:
+        """Have the node's events so far appended now (its writer batches them); ``wait``: until
+        they are (`nodelog.NodeLog.flush`)."""
+        return self._events.flush(wait)
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
-        for f in (self._events, self._text):
-            try:
-                f.close()
-            except OSError:
-                pass
+        self._events.flush()    # the node's file stays open for the process's other run logs
+        try:
+            self._text.close()
+        except OSError:
+            pass
 
 
 def _jsonable(obj: Any) -> Any:

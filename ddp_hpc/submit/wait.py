@@ -12,9 +12,9 @@ from typing import Mapping, Sequence
 
 from ddp_hpc.judge.attribution import SchedulerFacts
 from ddp_hpc.judge.consequences import failure_lines
+from ddp_hpc.judge.nodefiles import NODE_RANKS, log_events, rank_events
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.tails import read_events
-from ddp_hpc.runlogs.schema import events_file, rank_out
+from ddp_hpc.runlogs.schema import events_file, node_events_file, rank_out
 from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.text import prog, shown_path
 
@@ -62,10 +62,11 @@ def latest_step(log_dirs: Sequence[str | os.PathLike]) -> str | None:
     """``task0 step 40/87 loss 1.23`` from the newest step event of rank 0 of each log dir."""
     parts = []
     for d in log_dirs:
-        p = Path(d) / events_file(0)
+        own = Path(d) / events_file(0)      # rank 0's own file (the earlier layout), else node 0's
+        p = own if own.exists() else Path(d) / node_events_file(0)
         try:
             with open(p, "rb") as f:
-                f.seek(max(0, p.stat().st_size - 8192))
+                f.seek(max(0, p.stat().st_size - (8192 if p == own else 8192 * NODE_RANKS)))
                 lines = f.read().decode(errors="replace").splitlines()
         except OSError:
             continue
@@ -74,7 +75,7 @@ def latest_step(log_dirs: Sequence[str | os.PathLike]) -> str | None:
                 ev = json.loads(line)
             except ValueError:
                 continue
-            if ev.get("event") in ("step", "epoch", "end"):
+            if isinstance(ev, dict) and ev.get("rank", 0) == 0 and ev.get("event") in ("step", "epoch", "end"):
                 loss = ev.get("loss")
                 label = f"{Path(d).name} " if len(log_dirs) > 1 else ""
                 parts.append(f"{label}step {ev.get('step')}/{ev.get('total_steps', '?')}"
@@ -88,9 +89,9 @@ def run_verdict(log_dir: str | os.PathLike, world_size: int) -> tuple[bool, str]
     """From the run logs: did every rank write ``end`` with status completed?"""
     d = Path(log_dir)
     ends: dict[int, str] = {}
-    for r in range(world_size):
-        for ev in read_events(d / events_file(r)).events:
-            if ev.get("event") == "end":
+    for r, stream in log_events(d).items():
+        for ev in stream.events:
+            if ev.get("event") == "end" and r < world_size:
                 ends[r] = str(ev.get("status"))
     done = [r for r, s in ends.items() if s == "completed"]
     if len(done) == world_size:
@@ -125,7 +126,7 @@ def culprit_lines(log_dir: str | os.PathLike, state: str | None = "FAILED",
 def world_that_ran(log_dir: str | os.PathLike, default: int) -> int:
     """The world size in rank 0's newest ``start`` event (a job with a node range MIN-MAX runs
     with the nodes it got), else ``default``."""
-    for ev in reversed(read_events(Path(log_dir) / events_file(0)).events):
+    for ev in reversed(rank_events(log_dir, 0).events):
         if ev.get("event") == "start" and isinstance(ev.get("world_size"), int):
             return ev["world_size"]
     return default

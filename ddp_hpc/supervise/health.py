@@ -33,8 +33,8 @@ from typing import Callable, Mapping, NamedTuple
 import yaml
 
 from ddp_hpc.fsutil import file_size
-from ddp_hpc.judge.tails import read_events
-from ddp_hpc.runlogs.schema import CONFIG_FILE, events_file
+from ddp_hpc.judge.nodefiles import rank_events
+from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.hostlist import compress
 from ddp_hpc.supervise.plan import NodePlan, Policy, next_nodes
@@ -97,8 +97,7 @@ def checkpoint_need(log_dir: str | Path) -> tuple[list[str], int]:
     """(the checkpoint folder, the free space one checkpoint needs) from rank 0's newest
     ``checkpoint`` event: its file's folder and size; ([], `NO_CHECKPOINT_NEED_BYTES`) before the
     run wrote one."""
-    path = Path(log_dir, events_file(0))
-    events = read_events(path).events if path.exists() else []
+    events = rank_events(log_dir, 0).events
     for e in reversed(events):
         ckpt = e.get("path") if e.get("event") == "checkpoint" else None
         if isinstance(ckpt, str) and ckpt:
@@ -123,8 +122,7 @@ def job_needs(log_dir: str | Path) -> Needs:
     (`checkpoint_need`; none before the first checkpoint), memory snapshots when its config keeps
     them or rank 0's events show them (a restore from memory or a peer, a step's ``snapshot_s``),
     the newest ``stage`` event of each staged source. Nothing known: nothing to check."""
-    path = Path(log_dir, events_file(0))
-    events = read_events(path).events if path.exists() else []
+    events = rank_events(log_dir, 0).events
     dirs, need = checkpoint_need(log_dir)
     size = need if dirs else 0
     used = _config_snapshots(log_dir) or any(

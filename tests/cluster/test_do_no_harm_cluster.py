@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc.data.stagedir import private_root
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.judge.restarts import read_health, read_holds, read_restarts, read_stops
 from ddp_hpc.train.memsnap import user_prefix
 from ddp_hpc.train.memsweep import JOB_FILE, job_file_text
@@ -75,7 +75,7 @@ def test_a_scripts_slow_first_step_rank0_save_and_eval_behind_a_barrier_complete
     print(f"{json.dumps(holds, indent=1)}\n{status}")
     assert state == "COMPLETED", status
     assert read_restarts(log_dir) == [] and read_stops(log_dir) == [] and read_health(log_dir) == []
-    asked = [e for e in read_events(log_dir / "rank0.events.jsonl").events
+    asked = [e for e in rank_events(log_dir, 0).events
              if e.get("event") == "stack" and e.get("reason") == "on request"]
     assert asked, "the hang limit never asked the stacks: the test did not reach the rule"
     assert holds and all(h["ranks"] == [0] for h in holds), holds
@@ -134,7 +134,7 @@ def test_memory_snapshots_that_do_not_fit_the_jobs_memory_step_back_with_one_lin
     assert read_restarts(log_dir) == [], status
     # what the snapshot writers said about their own snapshots (the sweep of an ended job's
     # folders, status "swept", is another matter: it says so whenever an earlier test left some)
-    off = [e for r in range(2) for e in read_events(log_dir / f"rank{r}.events.jsonl").events
+    off = [e for r in range(2) for e in rank_events(log_dir, r).events
            if e.get("event") == "memsnap" and e.get("status") != "swept"]
     assert off and all(e["status"] == "off" for e in off), off
     notes = [ln for ln in status.splitlines() if "memory snapshots off" in ln]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import rank_events
 
 pytestmark = pytest.mark.cluster
 
@@ -57,7 +57,7 @@ def _start(log_dir: Path, rank: int, steps: int = 4, timeout: float = 180, ranks
     """Rank ``rank``'s start event, once every rank has written ``steps`` step events."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        evs = {r: read_events(log_dir / f"rank{r}.events.jsonl").events for r in range(ranks)}
+        evs = {r: rank_events(log_dir, r).events for r in range(ranks)}
         if all(sum(e["event"] == "step" for e in evs[r]) >= steps for r in range(ranks)):
             return next(e for e in evs[rank] if e["event"] == "start")
         time.sleep(0.5)

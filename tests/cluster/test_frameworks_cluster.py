@@ -6,7 +6,6 @@ rank process imports torch and a framework (seconds of CPU) before it does anyth
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddp_hpc import records
+from ddp_hpc.judge.nodefiles import rank_events
 
 pytestmark = pytest.mark.cluster
 
@@ -26,7 +26,7 @@ BOOTSTRAP = ROOT / "tests" / "bootstrap_site"
 
 
 def _last_step(log_dir: str) -> dict:
-    events = [json.loads(ln) for ln in (Path(log_dir) / "rank0.events.jsonl").read_text().splitlines()]
+    events = rank_events(log_dir, 0).events
     return [e for e in events if e["event"] == "step"][-1]
 
 

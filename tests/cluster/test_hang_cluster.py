@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.judge.restarts import read_restarts
 
 from .script_helpers import wait_for
@@ -49,7 +49,7 @@ def test_a_hang_is_healed_by_the_hang_limit_and_status_names_the_rank(slurm_clus
     [row] = rows
     assert (row["trigger"], row["kind"], row["rank"], row["world_after"]) == ("stalled", "stuck", 1, 2), row
     assert "not in a collective" in row["basis"] and "hang_train.py" in row["why"], row
-    asked = [e for e in read_events(log_dir / "rank1.events.jsonl").events
+    asked = [e for e in rank_events(log_dir, 1).events
              if e.get("event") == "stack" and e.get("restart") == 0]
     assert asked and asked[-1]["reason"] == "on request"      # the stacks taken before the stop
     assert re.search(r"restart 1 at .*\(stalled\): rank 1 on \S+: hung in <module> \(hang_train\.py:\d+\)",

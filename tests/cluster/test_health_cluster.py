@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.judge.restarts import read_health
 
 from .script_helpers import wait_for
@@ -74,6 +74,6 @@ def test_nodes_whose_scratch_is_a_tiny_tmpfs_are_not_excluded(slurm_cluster):
     assert state == "COMPLETED", status
     assert read_health(log_dir) == [], read_health(log_dir)       # nobody excluded
     assert any("all passed" in ln for ln in said), said            # the check ran, and passed
-    hosts = {e["host"] for r in (0, 1) for e in read_events(log_dir / f"rank{r}.events.jsonl").events}
+    hosts = {e["host"] for r in (0, 1) for e in rank_events(log_dir, r).events}
     assert hosts == set(nodes[:2]), hosts                          # the spare stayed a spare
     assert "excluded" not in status and "Health check" not in status, status

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc.judge.nodefiles import rank_events
+
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,8 +35,7 @@ def _script(run_dir: Path, data: Path, overrides: list[str]) -> str:
 
 
 def _final_eval(run_dir: Path) -> dict:
-    evals = [json.loads(line) for line in (run_dir / "logs" / "rank0.events.jsonl").read_text().splitlines()
-             if '"eval"' in line]
+    evals = [e for e in rank_events(run_dir / "logs", 0).events if e.get("event") == "eval"]
     assert evals, f"no eval event in {run_dir / 'logs'}"
     return evals[-1]["metrics"]
 

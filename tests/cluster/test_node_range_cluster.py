@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import log_events, rank_events
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("spare")]
 
@@ -45,11 +45,11 @@ def test_a_node_range_starts_on_the_one_free_node_and_runs_with_it(slurm_cluster
     (rec,) = records.list_records({"DDP_HPC_HOME": str(work / "home")})
     log_dir = Path(rec.log_dir)
     assert "#SBATCH --nodes=1-2\n" in (log_dir / "job.sbatch").read_text()
-    starts = [next(e for e in read_events(log_dir / f"rank{r}.events.jsonl").events if e["event"] == "start")
+    starts = [next(e for e in rank_events(log_dir, r).events if e["event"] == "start")
               for r in range(2)]
     assert [(s["world_size"], s["num_nodes"]) for s in starts] == [(2, 1)] * 2
     if c.layout == "netns":                       # each node has its own hostname
         assert {s["host"] for s in starts} == {free}
-    assert not (log_dir / "rank2.events.jsonl").exists()
-    ends = [read_events(log_dir / f"rank{r}.events.jsonl").events[-1] for r in range(2)]
+    assert 2 not in log_events(log_dir)
+    ends = [rank_events(log_dir, r).events[-1] for r in range(2)]
     assert [(e["event"], e["status"], e["step"]) for e in ends] == [("end", "completed", 3)] * 2

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.hostlist import expand
 
@@ -46,7 +46,7 @@ def _job_row(cli: SlurmCLI, job: str) -> dict:
 def _steps(log_dir: Path, restart: int) -> dict[int, int]:
     out = {}
     for r in range(2):
-        evs = read_events(log_dir / f"rank{r}.events.jsonl").events
+        evs = rank_events(log_dir, r).events
         out[r] = sum(e["event"] == "step" and e.get("restart", 0) == restart for e in evs)
     return out
 
@@ -78,7 +78,7 @@ def test_a_dead_node_is_named_the_job_resumes_elsewhere_and_later_avoids_it(slur
     request.addfinalizer(lambda: c.run(["scancel", job], timeout=30))
     log_dir = next((d / "runs").glob("nodefail-*"))
     wait_for("6 steps on every rank", lambda: min(_steps(log_dir, 0).values()) >= 6, 180, 0.5)
-    dead = next(e for e in read_events(log_dir / "rank1.events.jsonl").events if e["event"] == "start")["host"]
+    dead = next(e for e in rank_events(log_dir, 1).events if e["event"] == "start")["host"]
     t0 = time.monotonic()
     try:
         c.fail_node(dead)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.judge.restarts import read_restarts, read_stops
 from ddp_hpc.supervise.watch import FAILED_GRACE_S
 
@@ -41,7 +41,7 @@ FAST = ["data.dataset=tests.cluster.status_helpers:slow_synthetic", "data.kwargs
 
 
 def _events(log_dir: Path, rank: int, restart: int) -> list[dict]:
-    return [e for e in read_events(log_dir / f"rank{rank}.events.jsonl").events if e.get("restart") == restart]
+    return [e for e in rank_events(log_dir, rank).events if e.get("restart") == restart]
 
 
 def _stepping(log_dir: Path, restart: int, ranks: int, steps: int = 2) -> dict[int, dict] | None:
@@ -242,7 +242,8 @@ def test_killed_ranks_restart_from_the_warm_standby_and_srun_still_names_the_ran
         (d / "go").touch()
     except BaseException:
         # every rank's output and last events: which rank's report the supervisor blamed, and why
-        for name in ("slurm-*.out", "standby.out", "restarts.jsonl", "rank*.out", "rank*.events.jsonl"):
+        for name in ("slurm-*.out", "standby.out", "restarts.jsonl", "rank*.out", "rank*.events.jsonl",
+                     "node*.events.jsonl"):
             for p in sorted(log_dir.glob(name)):
                 print(f"--- {p.name}\n{p.read_text()[-4000:]}")
         c.run(["scancel", job], timeout=30)     # not the partition held until its time limit

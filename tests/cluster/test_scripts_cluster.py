@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import rank_events
 
 pytestmark = pytest.mark.cluster
 
@@ -72,7 +72,7 @@ def test_unmodified_torchrun_script_runs_2x2_with_its_arguments_verbatim(slurm_c
     assert rec.config is None and rec.command[-len(hostile) - 3:] == [PLAIN, str(out), "--echo", *hostile]
     assert rec.backend == backend
     for r in range(4):
-        evs = read_events(Path(rec.log_dir) / f"rank{r}.events.jsonl").events
+        evs = rank_events(rec.log_dir, r).events
         assert evs[0]["event"] == "start" and evs[-1]["event"] == "end", evs
         assert evs[-1]["status"] == "completed" and evs[-1]["exit_code"] == 0
     assert "COMPLETED" in _status(c, where, rec.id)
@@ -134,7 +134,7 @@ def test_python_api_function_result_and_failure(slurm_cluster, where):
 
 
 def _events(log_dir: Path, rank: int) -> list[dict]:
-    return read_events(Path(log_dir) / f"rank{rank}.events.jsonl").events
+    return rank_events(log_dir, rank).events
 
 
 def test_preemption_api_usr2_checkpoints_requeues_and_resumes(slurm_cluster, where):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import log_events
 
 pytestmark = pytest.mark.cluster
 
@@ -38,7 +38,7 @@ def _job(c, d: Path, env: dict, args: list[str]) -> tuple[str, str, dict]:
 
 
 def _stage_events(log_dir: str) -> list[dict]:
-    return [e for f in sorted(Path(log_dir).glob("rank*.events.jsonl")) for e in read_events(f).events
+    return [e for _, s in sorted(log_events(log_dir).items()) for e in s.events
             if e["event"] == "stage"]
 
 

@@ -20,7 +20,7 @@ import picture_events as pe  # tests/ is on sys.path (pytest's rootdir insertion
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.html import render_html
 from ddp_hpc.status.targets import StatusTarget
@@ -93,10 +93,10 @@ def test_the_page_of_a_failed_restarted_job_draws_the_restart_and_the_failing_ra
         started = time.monotonic()
         job, log_dir, page = _failed_job(c, d)
         print(f"job {job} failed and was drawn {time.monotonic() - started:.1f} s after its submission")
-        last = max(e["restart"] for r in (0, 1) for e in read_events(log_dir / f"rank{r}.events.jsonl").events)
-        second = min(e["time"] for r in (0, 1) for e in read_events(log_dir / f"rank{r}.events.jsonl").events
+        last = max(e["restart"] for r in (0, 1) for e in rank_events(log_dir, r).events)
+        second = min(e["time"] for r in (0, 1) for e in rank_events(log_dir, r).events
                      if e["restart"] == last)
-        ending = [e for e in read_events(log_dir / "rank1.events.jsonl").events
+        ending = [e for e in rank_events(log_dir, 1).events
                   if e["restart"] == last and e["event"] in ("error", "end")]
         assert ending, "rank 1 wrote neither an error nor an end event in its last run"
 

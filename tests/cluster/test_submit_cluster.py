@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
-from ddp_hpc.judge.reader import read_events
+from ddp_hpc.judge.nodefiles import log_events, rank_events
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 
 pytestmark = pytest.mark.cluster
@@ -46,7 +46,7 @@ def _records(where):
 
 
 def _events(log_dir: Path, rank: int) -> list[dict]:
-    return read_events(Path(log_dir) / f"rank{rank}.events.jsonl").events
+    return rank_events(log_dir, rank).events
 
 
 def _assert_2x2_completed(log_dir: Path, job_id: str | None = None, outs: bool = True, per_node: int = 2):
@@ -209,7 +209,7 @@ def test_torchrun_variant_completes_and_usr2_checkpoints_and_requeues(slurm_clus
     assert preempt["reason"] == "preemption" and preempt["signal"] in ("USR2", "SIGUSR2")
     second = [e for e in ev if e["restart"] == 1 and e["event"] == "step"]
     assert second and second[0]["step"] > preempt["step"] - 1      # resumed, not restarted at 0
-    assert not (log_dir / "rank2.events.jsonl").exists()       # one rank a node
+    assert 2 not in log_events(log_dir)       # one rank a node
     for r in range(2):
         assert _events(log_dir, r)[-1]["status"] == "completed"
     assert "forwards SIGUSR2" in (log_dir / "node0.out").read_text()

@@ -5,7 +5,6 @@ uninterrupted run. One task a node: the ranks still meet across nodes, and each 
 costs ~2 s of CPU to import torch before it does anything."""
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddp_hpc.judge.nodefiles import log_events
 from ddp_hpc.train.checkpoint import find_latest_valid
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]   # includes waiting for the lock
@@ -38,15 +38,8 @@ def _script(run_dir: Path, *extra: str) -> str:
 
 
 def _events(logs: Path) -> dict[int, list[dict]]:
-    out: dict[int, list[dict]] = {}
-    for f in logs.glob("rank*.events.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:   # a line being written right now
-                continue
-            out.setdefault(e["rank"], []).append(e)
-    return out
+    # log_events skips a line that is no JSON (one being written right now)
+    return {r: s.events for r, s in log_events(logs).items()}
 
 
 def _final_params(run_dir: Path) -> dict:

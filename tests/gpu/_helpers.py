@@ -8,13 +8,14 @@ suite's own plumbing, so that GPU time is not spent finding a typo (docs/gpu.md)
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from ddp_hpc.judge.nodefiles import log_events
 
 REPO = Path(__file__).resolve().parents[2]
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
@@ -56,9 +57,9 @@ def python() -> str:
 def events(root: Path) -> dict[int, list[dict]]:
     """Every rank's run-log events under ``root``, in time order."""
     out: dict[int, list[dict]] = {}
-    for f in Path(root).rglob("rank*.events.jsonl"):
-        for e in map(json.loads, f.read_text().splitlines()):
-            out.setdefault(e["rank"], []).append(e)
+    for log_dir in sorted({p.parent for p in Path(root).rglob("*.events.jsonl")}):
+        for r, s in log_events(log_dir).items():
+            out.setdefault(r, []).extend(s.events)
     return {r: sorted(v, key=lambda e: e["time"]) for r, v in out.items()}
 
 
