@@ -2,6 +2,7 @@
 ranks on M nodes, and the supervisor's own reader (``ddp_hpc.supervise.watch.EventTail``) polling it.
 
     python bench/scale.py --make-run DIR --ranks 8192 --nodes 1024   # the run directory, current layout
+    python bench/scale.py --make-run DIR --ranks 8192 --nodes 1024 --layout rank   # a file per rank, as before
     python bench/scale.py --poll DIR --polls 20                       # a first poll, then 20 idle ones
     python bench/scale.py --poll DIR --polls 20 --count               # the same under strace: file ops
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from ddp_hpc.runlogs.schema import events_file, rank_out, text_log  # noqa: E402
+from ddp_hpc.runlogs.schema import events_file, node_events_file, rank_out, text_log  # noqa: E402
 from ddp_hpc.supervise.watch import EventTail  # noqa: E402
 
 JOB_ID = "900002"
@@ -52,15 +53,18 @@ def step_line(rank: int, node: int, step: int, t: float) -> str:
                   samples_per_s=51234.5, data_s=0.012, rss_mb=30512.3, cpu_percent=101.5)
 
 
-def make_run(log_dir: Path, ranks: int, nodes: int, steps: int = STEPS) -> dict:
+def make_run(log_dir: Path, ranks: int, nodes: int, steps: int = STEPS, layout: str = "node") -> dict:
     """A run directory as a job of ``ranks`` ranks on ``nodes`` nodes leaves it some minutes in: each
-    rank's event stream (start, rendezvous, ``steps`` step events) in the writer's layout, its
-    ``rank{R}.out`` and its ``rank{R}.log``. Returns what it wrote."""
+    rank's event stream (start, rendezvous, ``steps`` step events) in the writer's layout (``node``:
+    one file per node, as ``runlogs.nodelog`` writes it: a second's lines of the node's ranks
+    together; ``rank``: one file per rank, as versions before it did), its ``rank{R}.out`` and its
+    ``rank{R}.log``. Returns what it wrote."""
     if ranks % nodes:
         raise SystemExit(f"--ranks {ranks} is not a multiple of --nodes {nodes}")
     per_node = ranks // nodes
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time() - 600
+    by_node: dict[int, list[list[str]]] = {}
     for r in range(ranks):
         node = r // per_node
         lines = [_event(t0, "start", r, node, world_size=ranks, num_nodes=nodes, local_rank=r % per_node, pid=4242,
@@ -68,19 +72,31 @@ def make_run(log_dir: Path, ranks: int, nodes: int, steps: int = STEPS) -> dict:
                  _event(t0 + 5, "rendezvous", r, node, proc_start=t0 - 4, called_at=t0 + 1, up_at=t0 + 5,
                         step_id=f"{JOB_ID}.0", warm=False)]
         lines += [step_line(r, node, s, t0 + 10 + s) for s in range(1, steps + 1)]
-        (log_dir / events_file(r)).write_text("".join(lines))
+        if layout == "rank":
+            (log_dir / events_file(r)).write_text("".join(lines))
+        else:
+            by_node.setdefault(node, []).append(lines)
         (log_dir / rank_out(r)).write_text("UserWarning: TF32 is enabled\n")
         (log_dir / text_log(r)).write_text(f"2026-01-01 00:00:00 [rank {r}] start\n")
-    return {"dir": str(log_dir), "ranks": ranks, "nodes": nodes, "files": len(os.listdir(log_dir))}
+    for node, streams in by_node.items():   # the ranks' lines of each second, together
+        (log_dir / node_events_file(node)).write_text("".join(line for group in zip(*streams) for line in group))
+    return {"dir": str(log_dir), "ranks": ranks, "nodes": nodes, "files": len(os.listdir(log_dir)), "layout": layout}
 
 
-def append_step(log_dir: Path, ranks: int, nodes: int, step: int) -> None:
-    """One step's events: every rank appends its ``step`` line, as the writer does."""
+def append_step(log_dir: Path, ranks: int, nodes: int, step: int) -> int:
+    """One step's events as the layout's writer appends them: every rank its ``step`` line to its
+    own file, or each node's forwarder the node's lines in one append. Returns the appends."""
     per_node = max(1, ranks // nodes)
     t = time.time()
-    for r in range(ranks):
-        with open(log_dir / events_file(r), "a", encoding="utf-8") as f:
-            f.write(step_line(r, r // per_node, step, t))
+    if (log_dir / events_file(0)).exists():
+        for r in range(ranks):
+            with open(log_dir / events_file(r), "a", encoding="utf-8") as f:
+                f.write(step_line(r, r // per_node, step, t))
+        return ranks
+    for node in range(nodes):
+        with open(log_dir / node_events_file(node), "a", encoding="utf-8") as f:
+            f.write("".join(step_line(r, node, step, t) for r in range(node * per_node, (node + 1) * per_node)))
+    return nodes
 
 
 def _cpu() -> float:
@@ -101,16 +117,17 @@ def poll(log_dir: Path, polls: int, step: bool = False) -> dict:
         out.update(idle_s=(_cpu() - c) / polls, idle_events=idle)
     if step:
         start = _start_event(log_dir)
-        append_step(log_dir, start["world_size"], start["num_nodes"], STEPS + 1)
+        appends = append_step(log_dir, start["world_size"], start["num_nodes"], STEPS + 1)
         c = _cpu()
         n = len(tail.poll())
-        out.update(step_s=_cpu() - c, step_events=n)
+        out.update(step_s=_cpu() - c, step_events=n, step_appends=appends)
     return out
 
 
 def _start_event(log_dir: Path) -> dict:
     """Rank 0's start event (the job's size), from `make_run`'s files."""
-    with open(log_dir / events_file(0), encoding="utf-8") as f:
+    own = log_dir / events_file(0)
+    with open(own if own.exists() else log_dir / node_events_file(0), encoding="utf-8") as f:
         return json.loads(f.readline())
 
 
@@ -146,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--make-run", metavar="DIR", help="write a synthetic run directory there")
     p.add_argument("--ranks", type=int, default=8192)
     p.add_argument("--nodes", type=int, default=1024)
+    p.add_argument("--layout", choices=("node", "rank"), default="node",
+                   help="event files per node (this version's writer, default) or per rank (earlier versions)")
     p.add_argument("--poll", metavar="DIR", help="run the supervisor's reader over that run directory")
     p.add_argument("--polls", type=int, default=20, help="idle polls after the first (default 20)")
     p.add_argument("--step", action="store_true", help="then append one step's events and poll once more")
@@ -153,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.make_run:
-        made = make_run(Path(args.make_run), args.ranks, args.nodes)
-        print(f"bench: {made['files']} files for {made['ranks']} ranks on {made['nodes']} nodes in {made['dir']}")
+        made = make_run(Path(args.make_run), args.ranks, args.nodes, layout=args.layout)
+        print(f"bench: {made['files']} files for {made['ranks']} ranks on {made['nodes']} nodes in {made['dir']} "
+              f"(event files per {made['layout']})")
         return 0
     if not args.poll:
         p.error("give --make-run DIR or --poll DIR")
@@ -169,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.polls:
             line += f"; idle poll {r['idle_s']:.4f} s CPU ({args.polls} polls, {r['idle_events']} events)"
         if args.step:
-            line += f"; poll after one step {r['step_s']:.3f} s CPU ({r['step_events']} events)"
+            line += (f"; poll after one step {r['step_s']:.3f} s CPU ({r['step_events']} events, written in "
+                     f"{r['step_appends']} appends)")
         print(line)
     return 0
 

@@ -81,6 +81,8 @@ JOB_ID = "900001"
 STATUS_GOAL_S = 5.0
 HTML_GOAL_S = 2.0   # the page of a job (--html) drawn and written, its logs read
 GROWTH_OK = 2.0
+#: the layout of the synthetic jobs' event files: ``node`` (this version's writer) or ``rank`` (`--layout`)
+LAYOUT = ["node"]
 #: the table over many records, Slurm jobs and array tasks: the first view (no row kept yet) and a
 #: refresh within SCHED_GOAL_S (CPU seconds), one squeue and one sacct call however many
 #: (what, how many, one in how many runs): a running job's row is worked out on every refresh
@@ -244,13 +246,16 @@ def _bodies(ranks: int, n_events: int, t0: float) -> dict[bool, str]:
 
 def write_logs(log_dir: Path, ranks: int, n_events: int) -> int:
     """Every rank's files of a 2-run job whose second run failed: rank ``ranks // 2 + 3`` raised,
-    the others lost their peer. Returns the failing rank."""
+    the others lost their peer; its events in the `LAYOUT` of event files (``node``: a file per
+    node, its ranks' lines of each moment together, as ``runlogs.nodelog`` appends them; ``rank``:
+    a file per rank, as earlier versions wrote them). Returns the failing rank."""
     log_dir.mkdir(parents=True)
     now = time.time()
     t_fail = now - 3600
     t0 = t_fail - 600 - STEP_S * n_events
     bodies = _bodies(ranks, n_events, t0)
     bad, slow_node = ranks // 2 + 3 if ranks > 8 else ranks - 1, 1 if ranks > 16 else -1
+    per_node: list[list[str]] = []
     for r in range(ranks):
         node = r // PER_NODE
         if r == bad:
@@ -265,7 +270,14 @@ def write_logs(log_dir: Path, ranks: int, n_events: int) -> int:
                           duration_s=1.0)]
             out = f"[rank{r}]: RuntimeError: {PEER_LOST}\n"
         text = (bodies[node == slow_node] + "".join(tail)).replace(str(LOCAL), str(r % PER_NODE))
-        (log_dir / f"rank{r}.events.jsonl").write_text(text.replace(str(RANK), str(r)).replace(HOST, host(node)))
+        text = text.replace(str(RANK), str(r)).replace(HOST, host(node))
+        if LAYOUT[0] == "rank":
+            (log_dir / f"rank{r}.events.jsonl").write_text(text)
+        else:
+            per_node.append(text.splitlines(keepends=True))
+            if len(per_node) == PER_NODE:
+                (log_dir / f"node{node}.events.jsonl").write_text("".join(x for g in zip(*per_node) for x in g))
+                per_node = []
         (log_dir / f"rank{r}.out").write_text("UserWarning: TF32 is enabled\n" + out)
         (log_dir / f"rank{r}.log").write_text(f"2026-01-01 00:00:00 [rank {r}] start\n")
     nodes = ranks // PER_NODE
@@ -631,7 +643,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", type=lambda s: frozenset(s.split(",")), default=frozenset(PARTS),
                    help=f"run only these parts, comma-separated (of {','.join(PARTS)}; default all)")
     p.add_argument("--workdir", help="where the synthetic logs and records go (default: a temporary directory)")
+    p.add_argument("--layout", choices=("node", "rank"), default="node",
+                   help="the jobs' event files: one per node (this version, default) or one per rank (earlier)")
     args = p.parse_args(argv)
+    LAYOUT[0] = args.layout
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     if args.only - set(PARTS):
         p.error(f"--only: {','.join(sorted(args.only - set(PARTS)))} is not one of {','.join(PARTS)}")
@@ -646,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(rows)
-    print(f"bench/scale.py: {PER_NODE} ranks per node, {events} events per rank, sizes {sizes}")
+    print(f"bench/scale.py: {PER_NODE} ranks per node, {events} events per rank, sizes {sizes}, "
+          f"event files per {args.layout}")
     sys.stdout.write(render(rows, summary))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary, "events": events}, indent=2))
