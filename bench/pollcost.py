@@ -5,6 +5,7 @@ ranks on M nodes, and the supervisor's own reader (``ddp_hpc.supervise.watch.Eve
     python bench/scale.py --make-run DIR --ranks 8192 --nodes 1024 --layout rank   # a file per rank, as before
     python bench/scale.py --poll DIR --polls 20                       # a first poll, then 20 idle ones
     python bench/scale.py --poll DIR --polls 20 --count               # the same under strace: file ops
+    python bench/pollcost.py --sweep [--json OUT]   # 64, 512, 8,192 ranks, both layouts: the table
 
 ``--poll`` prints the CPU seconds of the first poll (every file read from its start) and of one idle
 poll (nothing new: what the supervisor pays every second for as long as the job runs), and of a
@@ -131,6 +132,28 @@ def _start_event(log_dir: Path) -> dict:
         return json.loads(f.readline())
 
 
+def status_cost(log_dir: Path, reps: int = 3) -> dict:
+    """``ddp-hpc status JOB`` (the detail view) of the run in ``log_dir``, in this process, as
+    ``bench/scale.py`` times it (a job record pointing at the directory, no scheduler asked): the
+    least CPU and wall seconds of ``reps`` runs after a first one."""
+    import scale  # bench/scale.py, beside this file
+    start = _start_event(log_dir)
+    home = Path(tempfile.mkdtemp(prefix="ddp_hpc_pollcost-home-"))
+    try:
+        scale.write_record(home, JOB_ID, log_dir, start["num_nodes"], time.time() - 3600)
+        with scale.status_home(home):
+            text = scale.run_status([JOB_ID])
+            cpu, wall = [], []
+            for _ in range(reps):
+                c, w = _cpu(), time.perf_counter()
+                scale.run_status([JOB_ID])
+                cpu.append(_cpu() - c)
+                wall.append(time.perf_counter() - w)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    return {"cpu_s": min(cpu), "wall_s": min(wall), "lines": len(text.splitlines())}
+
+
 def _strace_counts(argv: list[str]) -> dict[str, int]:
     """System calls of ``argv`` (and its threads) by name, as ``strace -f -c`` counts them."""
     with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
@@ -157,6 +180,36 @@ def count(log_dir: Path, polls: int) -> dict:
             "per_poll": {k: round(v, 1) for k, v in sorted(per.items()) if k in META_CALLS + DATA_CALLS and v}}
 
 
+#: the sizes of `sweep`: (ranks, nodes), 8 ranks a node
+SWEEP = ((64, 8), (512, 64), (8192, 1024))
+
+
+def sweep(work: Path, polls: int = 10) -> list[dict]:
+    """Both layouts at every size of `SWEEP`: CPU of an idle poll and of one after a step, the
+    appends of a step, and (with strace) the metadata operations of an idle poll."""
+    rows = []
+    for ranks, nodes in SWEEP:
+        for layout in ("rank", "node"):
+            d = work / f"{layout}-{ranks}"
+            make_run(d, ranks, nodes, layout=layout)
+            r = poll(d, polls, step=True)
+            c = count(d, polls)["metadata_ops_per_poll"] if shutil.which("strace") else None
+            rows.append({"ranks": ranks, "nodes": nodes, "layout": layout, "idle_s": r["idle_s"],
+                         "step_s": r["step_s"], "step_appends": r["step_appends"], "metadata_ops": c})
+            shutil.rmtree(d, ignore_errors=True)
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    out = [f"{'ranks':>6} {'nodes':>6} {'files':>6}  {'idle poll: metadata ops':>24} {'CPU s':>8}  "
+           f"{'one step: appends':>18} {'poll CPU s':>10}"]
+    for r in rows:
+        ops = f"{r['metadata_ops']:.0f}" if r["metadata_ops"] is not None else "(no strace)"
+        out.append(f"{r['ranks']:>6} {r['nodes']:>6} {('rank' if r['layout'] == 'rank' else 'node'):>6}  "
+                   f"{ops:>24} {r['idle_s']:>8.4f}  {r['step_appends']:>18} {r['step_s']:>10.3f}")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -169,8 +222,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--polls", type=int, default=20, help="idle polls after the first (default 20)")
     p.add_argument("--step", action="store_true", help="then append one step's events and poll once more")
     p.add_argument("--count", action="store_true", help="count the file operations per idle poll (strace)")
+    p.add_argument("--status", action="store_true", help="time `ddp-hpc status JOB` of the run instead")
+    p.add_argument("--sweep", action="store_true", help="both layouts at 64, 512 and 8,192 ranks: the table")
+    p.add_argument("--json", metavar="PATH", help="with --sweep: also write the rows as JSON")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.sweep:
+        work = Path(tempfile.mkdtemp(prefix="ddp_hpc_pollcost-"))
+        try:
+            rows = sweep(work, args.polls)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        sys.stdout.write(render(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
     if args.make_run:
         made = make_run(Path(args.make_run), args.ranks, args.nodes, layout=args.layout)
         print(f"bench: {made['files']} files for {made['ranks']} ranks on {made['nodes']} nodes in {made['dir']} "
@@ -178,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.poll:
         p.error("give --make-run DIR or --poll DIR")
+    if args.status:
+        st = status_cost(Path(args.poll))
+        print(f"bench: status JOB (detail view, {st['lines']} lines): {st['cpu_s']:.2f} s CPU, "
+              f"{st['wall_s']:.2f} s wall (the least of 3)")
+        return 0
     if args.count:
         c = count(Path(args.poll), max(1, args.polls))
         print(f"bench: {c['metadata_ops_per_poll']:.0f} metadata operations per idle poll "

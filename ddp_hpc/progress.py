@@ -6,7 +6,7 @@
         report(step=step + 1, total=total, loss=loss, lr=sched.get_last_lr()[0])
 
 Each call may write a ``step`` event (epoch, step, total_steps, loss, lr, samples_per_s, and any
-other keyword under ``metrics``) to this rank's ``rank<R>.events.jsonl`` in ``$DDP_HPC_LOG_DIR``
+other keyword under ``metrics``) to its node's ``node<K>.events.jsonl`` in ``$DDP_HPC_LOG_DIR``
 (set by ``python -m ddp_hpc.exec`` and the submit backends); without a log directory it does
 nothing.  Cheap enough for every step: the file stays open, and at most one event per second is
 written (the first and the final one, ``step >= total``, always), so a tensor ``loss`` is turned

@@ -7,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "scale.py"
 
 
@@ -38,11 +40,14 @@ def test_quick_run_prints_every_section(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [out_json]  # the synthetic logs and records are removed
 
 
-def test_big_event_files_are_read_in_windows_with_the_same_verdict(tmp_path, monkeypatch):
-    """Beyond the read budget status reads rank 0 whole and the others' first KiB and last lines:
-    the failing rank, every rank's last event and both runs stay what a full read gives."""
+@pytest.mark.parametrize("layout", ["node", "rank"])
+def test_big_event_files_are_read_in_windows_with_the_same_verdict(tmp_path, monkeypatch, layout):
+    """Beyond the read budget status reads rank 0 whole and the others' first KiB and last lines
+    (a node's file: 8 times that, rank 0's lines on node 0 whole): the failing rank, every rank's
+    last event and both runs stay what a full read gives; in either layout of the event files."""
     from ddp_hpc.judge import reader, tails
     scale = _load_bench()
+    scale.LAYOUT[0] = layout              # a module of its own (_load_bench): nothing to undo
     bad = scale.write_logs(tmp_path / "logs", 16, 300)
     full = reader.RunLogs(tmp_path / "logs")
     assert not full.partial

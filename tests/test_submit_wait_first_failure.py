@@ -4,6 +4,7 @@ the ranks that only lost their peer; and, on a machine where Slurm is installed 
 answers, short lines and no raw Slurm error unless asked for with ``-v``."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -70,10 +71,17 @@ def test_wait_ends_with_the_culprits_error_and_no_victims_traceback(tmp_path):
     assert len(first) == 1 and "rank 3" in first[0] and "RuntimeError: boom on rank 3 at step 120" in first[0]
     tail = p.stderr[p.stderr.index("First failure:"):]
     assert 'raise RuntimeError(f"boom on rank 3 at step {step}")' in tail     # its traceback's tail
-    assert "\n    ranks 0-2: " in tail, tail           # what the others did: one line for all three
+    # what the others did, one line per way they ended: usually one line for all three ("lost their
+    # peer"); on a loaded machine the driver's stop can reach ranks 1-2 before their peer's error
+    named = set()
+    for m in re.finditer(r"^    ranks? ([\d, -]+): ", tail, re.M):
+        for part in m.group(1).split(","):
+            lo, _, hi = part.strip().partition("-")
+            named |= set(range(int(lo), int(hi or lo) + 1))
+    assert named == {0, 1, 2}, tail
     assert "Its output: runs/boom-" in tail and "rank3.out" in tail and "status local-boom-" in tail
     # the victims' tracebacks stay in their files: rank 0's gloo error is not on the console
-    assert "Connection closed by peer" not in out and "[rank0]: Traceback" not in out
+    assert "[rank0]: Traceback" not in out and "gloo/transport" not in out
     assert "rank 0's traceback (" in p.stdout and "rank0.out]" in p.stdout
     log_dir = next((tmp_path / "runs").iterdir())
     assert "Traceback" in (log_dir / "rank0.out").read_text()      # ... where it still is, whole

@@ -7,7 +7,7 @@
 
 With ``data.io=stage`` each node leader logs where the data went, how many bytes, how long it took
 and how (``copy`` | ``sbcast`` | ``reused``): a line in its ``rank<R>.log`` and a ``stage`` event
-in ``rank<R>.events.jsonl`` when the run's log directory is known at staging time
+in its node's ``node<K>.events.jsonl`` when the run's log directory is known at staging time
 (``$DDP_HPC_LOG_DIR``: the submit backends set it); otherwise :func:`take_stage_log` hands both
 to the training core, which writes them once its run log is open.
 

@@ -203,3 +203,18 @@ def derive(environ: Mapping[str, str]) -> DistEnv:
     """The `DistEnv` of the launcher `launcher_of` finds; raises `EnvError` (or the host list's
     `ValueError`) on variables that contradict each other."""
     return SOURCES[launcher_of(environ)](environ)
+
+
+def node_index(environ: Mapping[str, str]) -> int:
+    """This process's node within its job (``DistEnv.node_rank``: ``SLURM_NODEID``, torchrun's
+    ``GROUP_RANK``, ...); where the variables contradict each other (the launcher's own checks
+    report that), the launcher's raw count of nodes (``SLURM_NODEID``, else ``GROUP_RANK``); 0 where
+    none is told (one machine). Never raises: it names a node's run-log file."""
+    try:
+        return derive(environ).node_rank
+    except Exception:  # noqa: BLE001 - a file name must not fail a run
+        for var in ("SLURM_NODEID", "GROUP_RANK"):
+            value = str(environ.get(var, "")).strip()
+            if value.isdigit():
+                return int(value)
+        return 0

@@ -68,14 +68,20 @@ def read_event_file(f: EventFile, window: bool = False, ends: bool = False) -> d
     return read_node_events(f.path, window, ends)
 
 
-def read_node_events(path: Path, window: bool = False, ends: bool = False) -> dict[int, RankStream]:
+def read_node_events(path: Path, window: bool = False, ends: bool = False,
+                     whole_rank: int | None = None) -> dict[int, RankStream]:
     """A node file's events by rank: whole, or its window (``window``: its head and its tail, with
     `NODE_RANKS` times a rank file's budget), or each rank's ending (``ends``: its events after its
     newest step, epoch or start event, and that one, at most `tails.END_LINES` of them, from the
-    file's end). Lines that are no event are counted on the lowest rank's stream."""
+    file's end). With ``window``, ``whole_rank``'s events are read whole all the same (rank 0's, on
+    node 0: progress, ETA and eval metrics come from them, as from rank 0's own file), the other
+    lines only decoded within the window. Lines that are no event are counted on the lowest rank's
+    stream."""
     skipped = 0
     try:
-        if ends:
+        if window and whole_rank is not None:
+            text, skipped = _rank_and_window(path, whole_rank)
+        elif ends:
             text, skipped = _end_text(path)
         elif window:
             head, tail, skipped = read_window(path, HEAD_BYTES * NODE_RANKS, TAIL_LINES * NODE_RANKS,
@@ -97,12 +103,29 @@ def read_node_events(path: Path, window: bool = False, ends: bool = False) -> di
             s = streams[rank] = RankStream(rank=rank, path=path, skipped=skipped)
         s.events.append(ev)
     for s in streams.values():
+        if s.rank == whole_rank:
+            s.skipped = 0
         _in_time_order(s.events)
         if ends:
             s.events = ending(s.events)
     if bad and streams:
         streams[min(streams)].bad_lines += bad
     return streams
+
+
+def _rank_and_window(path: Path, rank: int) -> tuple[str, int]:
+    """The lines of ``rank`` (the writer's ``"rank": R,``, told without decoding) and those of the
+    window around them; and the bytes of the other lines, not read."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    head, tail = HEAD_BYTES * NODE_RANKS, TAIL_LINES * NODE_RANKS
+    mark, taken, size, skipped = f'"rank": {rank},', [], 0, 0
+    for i, line in enumerate(lines):
+        size += len(line) + 1
+        if size <= head or i >= len(lines) - tail or mark in line:
+            taken.append(line)
+        else:
+            skipped += len(line) + 1
+    return "\n".join(taken), skipped
 
 
 def _end_text(path: Path) -> tuple[str, int]:

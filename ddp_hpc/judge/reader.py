@@ -1,7 +1,8 @@
 """Read a run's log directory: per-rank event streams, the first failing rank, progress, requeues.
 
-The training core writes, per rank R, ``rank{R}.events.jsonl`` (one JSON object per line, see
-docs/architecture.md) and ``rank{R}.log``; Slurm adds ``rank{R}.out`` (srun ``--output=rank%t.out``)
+The training core writes, per node K, ``node{K}.events.jsonl`` (one JSON object per line, each
+with its rank, see docs/architecture.md; earlier versions one ``rank{R}.events.jsonl`` per rank,
+read too: ``judge.nodefiles``) and per rank R ``rank{R}.log``; Slurm adds ``rank{R}.out`` (srun ``--output=rank%t.out``)
 and ``slurm-<id>.out``. This module turns those files into the facts the status command shows and
 never raises on a damaged file: a half-written last line (the writer may be mid-flush) or a stray
 non-JSON line is skipped and counted.
@@ -153,10 +154,14 @@ class RunLogs:
 
     def _read_nodes(self, window: bool, ends_only: bool) -> None:
         """The node files' streams (the per-node layout): node 0's whole (it holds rank 0; of its
-        other ranks only their endings with ``ends_only``), the others' as the budget allows."""
+        other ranks only their endings with ``ends_only``; beyond the read budget rank 0's whole
+        and the others' windows), the others' as the budget allows."""
         for node, p in self._nodes:
             big = node != 0 or file_size(p) > FULL_READ_BYTES
-            got = read_node_events(p, window and big, ends=ends_only and big)
+            if node == 0 and big and not ends_only:
+                got = read_node_events(p, window, whole_rank=0 if window else None)
+            else:
+                got = read_node_events(p, window and big, ends=ends_only and big)
             if ends_only and not big:
                 for r, s in got.items():
                     if r != 0:
@@ -186,7 +191,8 @@ class RunLogs:
                 self.ranks[rank] = read_events(stream.path, rank != 0)
         widened: dict[int, RankStream] = {}
         for node, p in self._nodes:
-            merge_streams(widened, read_node_events(p, node != 0 or file_size(p) > FULL_READ_BYTES))
+            big = file_size(p) > FULL_READ_BYTES
+            merge_streams(widened, read_node_events(p, node != 0 or big, whole_rank=0 if node == 0 and big else None))
         self.ranks.update(widened)
         self._memo.clear()  # keyed by the streams' ids: a new list may take a freed one's
 

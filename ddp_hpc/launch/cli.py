@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="processes per pretend node")
     ap.add_argument("--log-dir", metavar="DIR",
                     help="where rank R's output goes, as rankR.out, and the run logs (rankR.log, "
-                         "rankR.events.jsonl: DDP_HPC_LOG_DIR for the ranks) (default: runs/<job id>)")
+                         "nodeK.events.jsonl: DDP_HPC_LOG_DIR for the ranks) (default: runs/<job id>)")
     ap.add_argument("--job-id", metavar="ID",
                     help="DDP_HPC_JOB_ID for the ranks (default: local-<date>-<time>-<hex>)")
     ap.add_argument("--timeout", type=float, default=300.0, metavar="S",

@@ -115,6 +115,7 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, env: dict, co
                    traceback.format_exc())
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
         msg = ("err", rank, time.time(), type(exc).__qualname__, str(exc), traceback.format_exc())
+    _close_run_logs()
     try:
         if msg[0] == "ok":  # pickled here, by value: multiprocessing would pass tensors as shared
             msg = ("ok", rank, pickle.dumps(msg[2]))  # memory of a process about to exit
@@ -130,6 +131,17 @@ def _worker(fn: Callable, rank: int, world_size: int, args: tuple, env: dict, co
             except Exception:
                 pass
         os._exit(1)  # skip interpreter teardown: a wedged process group must not hang the exit
+
+
+def _close_run_logs() -> None:
+    """The run-log lines this rank's node writer still holds, appended before the caller hears of
+    the result (it may read the logs at once) and before an ``os._exit``."""
+    nodelog = sys.modules.get("ddp_hpc.runlogs.nodelog")
+    if nodelog is not None:
+        try:
+            nodelog.close_all()
+        except Exception:  # noqa: BLE001 - the result must reach the parent
+            pass
 
 
 def _exit_with_launcher() -> None:

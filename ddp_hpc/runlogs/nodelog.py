@@ -249,6 +249,7 @@ class NodeLog:
 def node_log(path: str) -> NodeLog:
     """This process's `NodeLog` of the node file ``path`` (one per file: several run logs of one
     process share it)."""
+    _exit_hooks()
     with _lock:
         log = _logs.get(path)
         if log is None or log.closed:
@@ -285,6 +286,24 @@ def _after_fork_in_child() -> None:
     _logs.clear()
 
 
-atexit.register(close_all)
+_hooked: list[int] = []
+
+
+def _exit_hooks() -> None:
+    """`close_all` when this process ends: at the interpreter's exit (``atexit``), and at the exit
+    of a multiprocessing child (forkserver, spawn, a launcher's rank), which ends with ``os._exit``
+    after its own finalizers and runs no ``atexit`` handler. Registered once per process, when it
+    first writes (a forkserver child's finalizers are cleared when it starts)."""
+    if _hooked == [os.getpid()]:
+        return
+    _hooked[:] = [os.getpid()]
+    atexit.register(close_all)
+    try:
+        from multiprocessing import util
+        util.Finalize(None, close_all, exitpriority=100)
+    except Exception:  # noqa: BLE001 - atexit still runs in a plain process
+        pass
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)

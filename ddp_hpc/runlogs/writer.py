@@ -27,8 +27,7 @@ from typing import Any, Mapping
 from tqdm import tqdm
 
 from ddp_hpc.env import job_facts
-from ddp_hpc.env.sources import derive
-from ddp_hpc.parsing import to_int
+from ddp_hpc.env.sources import node_index
 from ddp_hpc.runlogs import tboard
 from ddp_hpc.runlogs.nodelog import URGENT_EVENTS, node_log
 from ddp_hpc.runlogs.schema import EVENT_KEYS, node_events_file, text_log
@@ -38,17 +37,6 @@ def resolve_log_dir(log_dir_cfg: str, run_id: str, environ: Mapping[str, str] | 
     """``$DDP_HPC_LOG_DIR`` when set (the submit backends set it), else ``<log.dir>/<run id>``."""
     override = job_facts(environ).log_dir
     return Path(override) if override else Path(log_dir_cfg) / run_id
-
-
-def node_index(environ: Mapping[str, str] | None = None) -> int:
-    """This process's node within its job (``SLURM_NODEID``, torchrun's ``GROUP_RANK``, ...: the
-    launcher's own count); where the variables contradict each other (the launcher's own checks
-    report them), the raw ``SLURM_NODEID`` or ``GROUP_RANK``; 0 where none is told (one machine)."""
-    env = os.environ if environ is None else environ
-    try:
-        return derive(env).node_rank
-    except Exception:  # noqa: BLE001 - never fail a write over it
-        return max(0, to_int(env.get("SLURM_NODEID"), to_int(env.get("GROUP_RANK"), 0)))
 
 
 def echo(line: str) -> None:
@@ -66,7 +54,7 @@ class RunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.job_id, self.restart = rank, job_id, restart
         self.host = socket.gethostname()
-        self.node = node_index() if node is None else node
+        self.node = node_index(os.environ) if node is None else node
         self._events = node_log(str(self.dir / node_events_file(self.node)))
         self._text = open(self.dir / text_log(rank), "a", encoding="utf-8")
         self.console = (rank == 0) if console is None else console
