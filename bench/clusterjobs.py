@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ddp_hpc.judge.reader import read_events  # noqa: E402
+from ddp_hpc.judge.nodefiles import rank_events  # noqa: E402
 from ddp_hpc.testcluster.nodefail import fail_node  # noqa: E402
 
 PY = sys.executable
@@ -52,8 +52,7 @@ def bench_environ(work: Path) -> dict:
 
 
 def events(log_dir: Path, rank: int) -> list[dict]:
-    path = Path(log_dir, f"rank{rank}.events.jsonl")
-    return read_events(path).events if path.exists() else []
+    return rank_events(log_dir, rank).events
 
 
 def lives(log_dir: Path, rank: int) -> list[list[dict]]:
@@ -243,7 +242,7 @@ def renumbered(log_dir: Path, ranks: int) -> dict:
     out = {}
     for r in range(ranks):
         evs = [{**e, "restart": k} for k, life in enumerate(lives(log_dir, r)) for e in life]
-        out[r] = RankStream(r, Path(log_dir, f"rank{r}.events.jsonl"), evs)
+        out[r] = RankStream(r, Path(log_dir), evs)
     return out
 
 

@@ -54,9 +54,9 @@ def _overrides(a: dict, io: str, scen: str) -> list[str]:
 
 def _epoch_rates(log_root: str, rank: int) -> list[float]:
     """The training core's epoch samples/s (all ranks) from this rank's events."""
-    [events] = glob.glob(os.path.join(log_root, "*", f"rank{rank}.events.jsonl"))
-    with open(events) as f:
-        return [e["samples_per_s"] for e in map(json.loads, f) if e.get("event") == "epoch"]
+    from ddp_hpc.judge.nodefiles import rank_events
+    [run] = {os.path.dirname(p) for p in glob.glob(os.path.join(log_root, "*", "*.events.jsonl"))}
+    return [e["samples_per_s"] for e in rank_events(run, rank).events if e.get("event") == "epoch"]
 
 
 def _one_cell(a: dict, io: str, scen: str, delay: float, rank: int, world: int) -> dict:

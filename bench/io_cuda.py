@@ -15,7 +15,6 @@ a shared filesystem (bench/io.py and docs/io.md do that on CPU).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -37,9 +36,10 @@ def _drop_caches() -> bool:
 
 
 def _epochs(log_root: Path) -> list[float]:
+    from ddp_hpc.judge.nodefiles import rank_events
     out = []
-    for f in sorted(log_root.rglob("rank0.events.jsonl")):
-        out += [e["samples_per_s"] for e in map(json.loads, f.read_text().splitlines()) if e["event"] == "epoch"]
+    for run in sorted({f.parent for f in log_root.rglob("*.events.jsonl")}):
+        out += [e["samples_per_s"] for e in rank_events(run, 0).events if e["event"] == "epoch"]
     return out
 
 

@@ -75,11 +75,12 @@ def _warm(path: str) -> None:
 
 def _stage_seconds(cell: str) -> dict:
     """{node: staging s of its leader} from the stage events."""
+    from ddp_hpc.judge.nodefiles import log_events
     per_node = {}
-    for path in glob.glob(os.path.join(cell, "runs", "*", "rank*.events.jsonl")):
-        for ev in map(json.loads, open(path)):
-            if ev["event"] == "stage":
-                per_node[ev["node"].split("@")[0]] = per_node.get(ev["node"].split("@")[0], 0.0) + ev["seconds"]
+    runs = {os.path.dirname(p) for p in glob.glob(os.path.join(cell, "runs", "*", "*.events.jsonl"))}
+    for ev in (e for run in runs for s in log_events(run).values() for e in s.events):
+        if ev["event"] == "stage":
+            per_node[ev["node"].split("@")[0]] = per_node.get(ev["node"].split("@")[0], 0.0) + ev["seconds"]
     return per_node
 
 
