@@ -227,3 +227,14 @@ def test_a_late_line_after_close_is_appended_directly(tmp_path, flush):
     log.close()
     log.write('{"event": "end", "rank": 0}\n')
     assert [e["event"] for e in _events(path)] == ["step", "end"]
+
+
+def test_a_ranks_events_are_found_in_whichever_node_file_holds_them(tmp_path):
+    """Rank 0 runs on a job's first node under every launcher, but a task layout of the user's own
+    (srun --distribution=arbitrary) can put it elsewhere: it is looked for in the other files."""
+    (tmp_path / "node0.events.jsonl").write_text('{"time": 1, "event": "start", "rank": 5}\n')
+    (tmp_path / "node1.events.jsonl").write_text('{"time": 1, "event": "start", "rank": 0}\n'
+                                                 '{"time": 2, "event": "end", "rank": 0}\n')
+    assert [e["event"] for e in rank_events(tmp_path, 0).events] == ["start", "end"]
+    assert [e["rank"] for e in rank_events(tmp_path, 5).events] == [5]
+    assert rank_events(tmp_path, 9).events == []

@@ -197,7 +197,8 @@ def log_events(log_dir: str | Path) -> dict[int, RankStream]:
 
 def rank_events(log_dir: str | Path, rank: int, node: int | None = None) -> RankStream:
     """One rank's events in ``log_dir``, read whole: its own file where there is one (the earlier
-    layout), else from node ``node``'s file, else from every node file (rank 0: node 0's)."""
+    layout), else from node ``node``'s file, else from every node file (rank 0: node 0's first,
+    where launchers put it; the others where an odd task layout put it elsewhere)."""
     d = Path(log_dir)
     own = d / events_file(rank)
     if own.exists():
@@ -205,14 +206,19 @@ def rank_events(log_dir: str | Path, rank: int, node: int | None = None) -> Rank
     if node is None and rank == 0:
         node = 0
     if node is not None:
-        paths = [d / node_events_file(node)]
-    else:
-        try:
-            paths = [f.path for f in event_files(d, os.listdir(d)) if f.node is not None]
-        except OSError:
-            paths = []
+        got = _rank_from(rank, [d / node_events_file(node)])
+        if got.events:
+            return got
+    try:
+        paths = [f.path for f in event_files(d, os.listdir(d)) if f.node is not None and f.node != node]
+    except OSError:
+        paths = []
+    return _rank_from(rank, paths, d / node_events_file(node if node is not None else 0))
+
+
+def _rank_from(rank: int, paths: list[Path], default: Path | None = None) -> RankStream:
     found: dict[int, RankStream] = {}
     for p in paths:
         if p.exists():
             merge_streams(found, {r: s for r, s in read_node_events(p).items() if r == rank})
-    return found.get(rank) or RankStream(rank=rank, path=paths[0] if paths else own)
+    return found.get(rank) or RankStream(rank=rank, path=default or (paths[0] if paths else Path(".")))
