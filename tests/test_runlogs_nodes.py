@@ -238,3 +238,19 @@ def test_a_ranks_events_are_found_in_whichever_node_file_holds_them(tmp_path):
     assert [e["event"] for e in rank_events(tmp_path, 0).events] == ["start", "end"]
     assert [e["rank"] for e in rank_events(tmp_path, 5).events] == [5]
     assert rank_events(tmp_path, 9).events == []
+
+
+def test_a_flush_asked_of_a_closing_forwarder_is_answered(tmp_path):
+    """A writer waits for the forwarder's answer to its flush (the script wrapper, at its rank's
+    end); a forwarder that closes with that request still queued appends and answers it, so the
+    writer is not held up."""
+    path = tmp_path / "node0.events.jsonl"
+    fwd = NodeLog(str(path))
+    other = NodeLog(str(path))
+    other.write('{"time": 1, "event": "step", "rank": 1, "step": 1}\n')
+    other._client.sendto(b"\0flush", other._addr)     # as flush(wait=True) asks, then the close
+    fwd.close()
+    other._client.settimeout(5)
+    assert other._client.recv(64) == b"\0flushed"
+    assert _events(path)[0]["step"] == 1
+    other.close()

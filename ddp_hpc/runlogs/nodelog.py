@@ -42,8 +42,9 @@ DATAGRAM_MAX = 60 << 10
 #: the message a writer sends to have the forwarder append what it holds at once, and its answer
 _FLUSH = b"\0flush"
 _FLUSHED = b"\0flushed"
-#: how long a writer waits for that answer, seconds
-FLUSH_WAIT_S = 2.0
+#: how long a writer waits for that answer, seconds (a forwarder answers in milliseconds; one that
+#: is stopped or killed must not hold up a rank's end: the script wrapper waits for it then)
+FLUSH_WAIT_S = 0.5
 
 _lock = threading.Lock()
 _logs: dict[str, "NodeLog"] = {}
@@ -59,6 +60,14 @@ def _append(fd: int, data: bytes) -> None:
     while data:
         n = os.write(fd, data)
         data = data[n:]
+
+
+def _answer(server: socket.socket, writer) -> None:
+    """Tell a writer that its flush is done (it may have gone: nothing to do then)."""
+    try:
+        server.sendto(_FLUSHED, socket.MSG_DONTWAIT, writer)
+    except OSError:
+        pass
 
 
 def _append_to(path: str, data: bytes) -> None:
@@ -124,18 +133,17 @@ class NodeLog:
                 data = sender = None
             now = time.monotonic()
             with self._lock:
-                if self.closed:          # a line taken after `close` drained the socket
-                    if data and data != _FLUSH:
+                if self.closed:          # taken after `close` drained the socket and appended
+                    if data == _FLUSH and sender:
+                        _answer(server, sender)
+                    elif data:
                         _append_to(self.path, data)
                     break
                 if data == _FLUSH:
                     self._flush_locked()
                     last = now
                     if sender:
-                        try:
-                            server.sendto(_FLUSHED, socket.MSG_DONTWAIT, sender)
-                        except OSError:
-                            pass
+                        _answer(server, sender)
                     continue
                 if data:
                     self._buf.append(data)
@@ -220,19 +228,25 @@ class NodeLog:
                 return
             if self._server is not None:
                 try:   # writers get EPIPE from now on (and append directly); wakes the thread
-                    self._server.shutdown(socket.SHUT_RDWR)
+                    self._server.shutdown(socket.SHUT_RD)
                 except OSError:
                     pass
+                waiting = []     # writers waiting for the answer to a flush
                 while True:      # what was queued before
                     try:
-                        data = self._server.recv(DATAGRAM_MAX + 1, socket.MSG_DONTWAIT)
+                        data, sender = self._server.recvfrom(DATAGRAM_MAX + 1, socket.MSG_DONTWAIT)
                     except OSError:
                         break
                     if not data:
                         break
-                    if data != _FLUSH:
+                    if data == _FLUSH:
+                        waiting.append(sender)
+                    else:
                         self._buf.append(data)
                 self._flush_locked()
+                for sender in waiting:
+                    if sender:
+                        _answer(self._server, sender)
             elif self._client is not None:
                 try:
                     self._client.sendto(_FLUSH, socket.MSG_DONTWAIT, self._addr)
