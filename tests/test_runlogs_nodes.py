@@ -254,3 +254,21 @@ def test_a_flush_asked_of_a_closing_forwarder_is_answered(tmp_path):
     assert other._client.recv(64) == b"\0flushed"
     assert _events(path)[0]["step"] == 1
     other.close()
+
+
+def test_the_training_cores_run_log_begins_with_its_start(tmp_path):
+    """The training core's set-up may write before its start event (the sweep of snapshots ended
+    jobs left, from a thread): those events follow the start, at their time then; an error
+    before any start lets them go at once."""
+    log = RunLog(tmp_path, 0, job_id="5", console=False, node=0, start_first=True)
+    log.event("memsnap", status="swept", why="freed 1 folder", step=None)
+    log.event("start", world_size=1)
+    log.event("step", step=1)
+    early = RunLog(tmp_path / "early", 0, job_id="6", console=False, node=0, start_first=True)
+    early.event("memsnap", status="swept", why="freed 2 folders", step=None)
+    early.event("error", exc_type="ValueError", message="bad config")
+    from ddp_hpc.runlogs.nodelog import close_all
+    close_all()
+    evs = rank_events(tmp_path, 0).events
+    assert [e["event"] for e in evs] == ["start", "memsnap", "step"] and evs[0]["time"] <= evs[1]["time"]
+    assert [e["event"] for e in rank_events(tmp_path / "early", 0).events] == ["error", "memsnap"]

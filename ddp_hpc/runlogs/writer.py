@@ -49,7 +49,8 @@ class RunLog:
     """Writes one rank's text log and event stream; the rank-0 console gets the text lines too."""
 
     def __init__(self, log_dir: str | Path, rank: int, job_id: str | None = None,
-                 restart: int = 0, console: bool | None = None, node: int | None = None) -> None:
+                 restart: int = 0, console: bool | None = None, node: int | None = None,
+                 start_first: bool = False) -> None:
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.job_id, self.restart = rank, job_id, restart
@@ -60,17 +61,30 @@ class RunLog:
         self.console = (rank == 0) if console is None else console
         self._tb = tboard.sink_for(self.dir, rank)   # rank 0: step/epoch/eval also to TensorBoard
         self._lock = threading.Lock()
+        #: ``start_first``: the events written before the run's ``start`` (the training core's
+        #: set-up: a sweep of snapshots ended jobs left), held and written right after it, at their
+        #: time then, so a run's first event is its start; an ``error`` or ``end`` first lets them go
+        self._held: list[tuple[str, dict]] | None = [] if start_first else None
 
     def event(self, name: str, **fields: Any) -> dict:
+        with self._lock:
+            if self._held is not None and name not in ("start", "error", "end"):
+                self._held.append((name, fields))
+                return {"event": name, **fields}
+            held, self._held = self._held or [], None
+            rec = self._write(name, fields)
+            for n, f in held:
+                self._write(n, f)
+        return rec
+
+    def _write(self, name: str, fields: dict) -> dict:
         # the keys every event carries, in the order the schema lists them
         rec = dict(zip(EVENT_KEYS, (time.time(), name, self.rank, self.job_id, self.restart,
                                     self.host), strict=True))
         rec.update(fields)
-        line = json.dumps(rec, default=_jsonable) + "\n"
-        with self._lock:
-            self._events.write(line, urgent=name in URGENT_EVENTS)
-            if self._tb is not None:
-                self._tb.write(rec)
+        self._events.write(json.dumps(rec, default=_jsonable) + "\n", urgent=name in URGENT_EVENTS)
+        if self._tb is not None:
+            self._tb.write(rec)
         return rec
 
     def info(self, msg: str, *, console: bool = True) -> None:

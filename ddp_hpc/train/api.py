@@ -180,7 +180,7 @@ def _run_id(env, cfg: JobConfig) -> str:
 def _train(cfg: JobConfig, ctx, parts: TrainParts) -> TrainResult:
     env = ctx.env
     log_dir = resolve_log_dir(cfg.log.dir, _run_id(env, cfg))
-    log = RunLog(log_dir, env.rank, env.job_id, env.restart_count)
+    log = RunLog(log_dir, env.rank, env.job_id, env.restart_count, start_first=True)
     log_dir = log_dir.absolute()           # events name paths other tools open from elsewhere
     if env.rank == 0 and not (log_dir / CONFIG_FILE).exists():   # submit's copy (with Slurm options) wins
         atomic_write_text(log_dir / CONFIG_FILE, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
