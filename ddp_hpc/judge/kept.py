@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from pathlib import Path
 from typing import Iterable
 
@@ -24,12 +23,10 @@ from ddp_hpc.judge.goodput import goodput
 from ddp_hpc.judge.reader import RunLogs, RunProgress, RunSummary
 from ddp_hpc.judge.srun import srun_exit_codes
 from ddp_hpc.parsing import to_int
-from ddp_hpc.runlogs.schema import EVENTS_RE, NODE_EVENTS_RE, batch_outputs
+from ddp_hpc.runlogs.schema import ANY_EVENTS_RE, batch_outputs
 
 __all__ = ["summarize", "kept_logs", "KeptLogs", "start_nodes", "table_goodput", "VERSION"]
 
-#: an event file's name, of either layout
-EVENT_FILE_RE = re.compile(f"{EVENTS_RE.pattern}|{NODE_EVENTS_RE.pattern}")
 #: bumped whenever what a summary holds or how it is worked out changes: older ones are ignored
 VERSION = 4
 
@@ -110,7 +107,7 @@ def kept_logs(summary: object, log_dir: str | Path | None) -> "KeptLogs | None":
     if not isinstance(summary, dict) or summary.get("v") != VERSION or not log_dir:
         return None
     try:
-        names = [f[0] for f in summary["stamp"][1] if EVENT_FILE_RE.match(f[0])]   # the files read
+        names = [f[0] for f in summary["stamp"][1] if ANY_EVENTS_RE.match(f[0])]   # the files read
         now = stamp(log_dir, names, summary.get("srun_codes") is not None)
         if now is not None and now != summary.get("stamp"):
             return None

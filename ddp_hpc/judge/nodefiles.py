@@ -23,6 +23,7 @@ from ddp_hpc.judge.tails import (
     TAIL_MAX_BYTES,
     RankStream,
     decoded,
+    file_end,
     read_events,
     read_window,
 )
@@ -42,11 +43,6 @@ class EventFile:
 
     def __init__(self, path: Path, node: int | None = None, rank: int | None = None):
         self.path, self.node, self.rank = path, node, rank
-
-    @property
-    def holds_rank0(self) -> bool:
-        """Rank 0's own file, or node 0's (rank 0 runs on a job's first node)."""
-        return self.rank == 0 or self.node == 0
 
 
 def event_files(log_dir: Path, names: list[str]) -> list[EventFile]:
@@ -131,22 +127,11 @@ def _rank_and_window(path: Path, rank: int) -> tuple[str, int]:
 def _end_text(path: Path) -> tuple[str, int]:
     """The complete lines of the file's last `END_BYTES` x `NODE_RANKS` bytes (more while they
     hold too few lines), and the bytes before them."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        nbytes, want = END_BYTES * NODE_RANKS, END_LINES * NODE_RANKS
-        while True:
-            start = max(0, size - nbytes)
-            data = os.pread(fd, size - start, start)
-            if start == 0 or data.count(b"\n") > want or nbytes >= TAIL_MAX_BYTES * NODE_RANKS:
-                break
-            nbytes *= 2
-    finally:
-        os.close(fd)
+    text, start, _ = file_end(path, END_BYTES * NODE_RANKS, END_LINES * NODE_RANKS, TAIL_MAX_BYTES * NODE_RANKS)
     if start > 0:                    # the first line is cut: start after it
-        cut = data.find(b"\n") + 1
-        data, start = data[cut:], start + cut
-    return data.decode("utf-8", errors="replace"), start
+        cut = text.find("\n") + 1
+        text, start = text[cut:], start + len(text[:cut].encode("utf-8"))
+    return text, start
 
 
 def ending(events: list[dict]) -> list[dict]:

@@ -135,7 +135,7 @@ def _read_ending(stream: RankStream) -> RankStream:
     progress event (`PROGRESS_EVENTS`) or `END_LINES` were taken; `skipped` counts the bytes
     before them. One ``pread`` of the file's end (the job table reads thousands of these)."""
     try:
-        text, start, size = _file_end(stream.path, END_BYTES, END_LINES)
+        text, start, size = file_end(stream.path, END_BYTES, END_LINES)
     except OSError:
         return stream
     if start > 0:  # the first line is cut: start after it
@@ -155,16 +155,16 @@ def _read_ending(stream: RankStream) -> RankStream:
     return stream
 
 
-def _file_end(path: Path, nbytes: int, min_lines: int) -> tuple[str, int, int]:
+def file_end(path: Path, nbytes: int, min_lines: int, max_bytes: int = TAIL_MAX_BYTES) -> tuple[str, int, int]:
     """(the text of the file's last ``nbytes`` or more, where it starts, the file's size): read
-    back further, up to TAIL_MAX_BYTES, while it holds ``min_lines`` lines or fewer."""
+    back further, up to ``max_bytes``, while it holds ``min_lines`` lines or fewer."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         while True:
             start = max(0, size - nbytes)
             data = os.pread(fd, size - start, start)
-            if start == 0 or data.count(b"\n") > min_lines or nbytes >= TAIL_MAX_BYTES:
+            if start == 0 or data.count(b"\n") > min_lines or nbytes >= max_bytes:
                 return data.decode("utf-8", errors="replace"), start, size
             nbytes *= 2
     finally:

@@ -185,6 +185,8 @@ class NodeLog:
         except OSError as exc:
             if exc.errno in (errno.ECONNREFUSED, errno.ENOENT, errno.EPIPE) and self._serve():
                 self._buf.append(data)   # the forwarder is gone: this process forwards from now on
+                self._client.close()
+                self._client = None
                 return True
             return False                 # the socket is full, or no abstract sockets: append directly
 

@@ -113,6 +113,8 @@ ALLOC_HOLD_KEYS = ("held_run", "job_id", "time", "after_s", "ranks", "work", "ag
 EVENTS_RE = re.compile(r"^rank(\d+)\.events\.jsonl$")
 #: the event file of node K of a job (``runlogs.nodelog``): every rank of that node writes there
 NODE_EVENTS_RE = re.compile(r"^node(\d+)\.events\.jsonl$")
+#: an event file of either layout
+ANY_EVENTS_RE = re.compile(f"{EVENTS_RE.pattern}|{NODE_EVENTS_RE.pattern}")
 OUT_RE = re.compile(r"^rank(\d+)\.out$")
 LOG_RE = re.compile(r"^rank(\d+)\.log$")
 

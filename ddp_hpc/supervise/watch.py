@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ddp_hpc.judge.evidence import consequence_phrase
 from ddp_hpc.parsing import to_float, to_int
-from ddp_hpc.runlogs.schema import EVENTS_RE, NODE_EVENTS_RE
+from ddp_hpc.runlogs.schema import ANY_EVENTS_RE
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.supervise.hang import StepClock
 
@@ -97,7 +97,7 @@ class EventTail:
         if (self._listed is None or mtime != self._listed[0] or now - mtime / 1e9 < self.RECENT_S
                 or now - self._listed[1] > self.RELIST_S):
             try:
-                self._names = sorted(n for n in os.listdir(self.dir) if NODE_EVENTS_RE.match(n) or EVENTS_RE.match(n))
+                self._names = sorted(n for n in os.listdir(self.dir) if ANY_EVENTS_RE.match(n))
             except OSError:
                 return self._names
             self._listed = (mtime, now)
