@@ -49,17 +49,19 @@ def _event(t: float, name: str, rank: int, node: int, **fields) -> str:
     return json.dumps({**rec, **fields}) + "\n"
 
 
-def step_line(rank: int, node: int, step: int, t: float) -> str:
+def step_line(rank: int, node: int, step: int, t: float, data_s: float = 0.012) -> str:
     return _event(t, "step", rank, node, epoch=0, step=step, total_steps=100000, loss=1.25, lr=3e-4,
-                  samples_per_s=51234.5, data_s=0.012, rss_mb=30512.3, cpu_percent=101.5)
+                  samples_per_s=51234.5, data_s=data_s, rss_mb=30512.3, cpu_percent=101.5)
 
 
-def make_run(log_dir: Path, ranks: int, nodes: int, steps: int = STEPS, layout: str = "node") -> dict:
+def make_run(log_dir: Path, ranks: int, nodes: int, steps: int = STEPS, layout: str = "node",
+             slow: int | None = None) -> dict:
     """A run directory as a job of ``ranks`` ranks on ``nodes`` nodes leaves it some minutes in: each
     rank's event stream (start, rendezvous, ``steps`` step events) in the writer's layout (``node``:
     one file per node, as ``runlogs.nodelog`` writes it: a second's lines of the node's ranks
     together; ``rank``: one file per rank, as versions before it did), its ``rank{R}.out`` and its
-    ``rank{R}.log``. Returns what it wrote."""
+    ``rank{R}.log``. ``slow``: that rank waits 0.5 s a step for its data, the others 0.012 s (a
+    straggler status must name). Returns what it wrote."""
     if ranks % nodes:
         raise SystemExit(f"--ranks {ranks} is not a multiple of --nodes {nodes}")
     per_node = ranks // nodes
@@ -72,7 +74,8 @@ def make_run(log_dir: Path, ranks: int, nodes: int, steps: int = STEPS, layout: 
                         total_steps=100000, epochs=1, launcher="slurm", device=f"cuda:{r % per_node}"),
                  _event(t0 + 5, "rendezvous", r, node, proc_start=t0 - 4, called_at=t0 + 1, up_at=t0 + 5,
                         step_id=f"{JOB_ID}.0", warm=False)]
-        lines += [step_line(r, node, s, t0 + 10 + s) for s in range(1, steps + 1)]
+        lines += [step_line(r, node, s, t0 + 10 + s, data_s=0.5 if r == slow else 0.012)
+                  for s in range(1, steps + 1)]
         if layout == "rank":
             (log_dir / events_file(r)).write_text("".join(lines))
         else:
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--make-run", metavar="DIR", help="write a synthetic run directory there")
     p.add_argument("--ranks", type=int, default=8192)
     p.add_argument("--nodes", type=int, default=1024)
+    p.add_argument("--slow", type=int, metavar="RANK", help="with --make-run: that rank a straggler (slow data)")
     p.add_argument("--layout", choices=("node", "rank"), default="node",
                    help="event files per node (this version's writer, default) or per rank (earlier versions)")
     p.add_argument("--poll", metavar="DIR", help="run the supervisor's reader over that run directory")
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0
     if args.make_run:
-        made = make_run(Path(args.make_run), args.ranks, args.nodes, layout=args.layout)
+        made = make_run(Path(args.make_run), args.ranks, args.nodes, layout=args.layout, slow=args.slow)
         print(f"bench: {made['files']} files for {made['ranks']} ranks on {made['nodes']} nodes in {made['dir']} "
               f"(event files per {made['layout']})")
         return 0

@@ -73,3 +73,54 @@ def test_read_window_reads_a_small_file_whole_and_a_big_one_at_its_ends(tmp_path
     assert head == "line 0\nline 1\n"   # complete lines only
     assert tail.splitlines()[-10:] == [f"line {i}" for i in range(990, 1000)]
     assert len(head) + skipped + len(tail) == len(p.read_text())
+
+
+def test_a_job_of_thousands_of_ranks_reads_shorter_tails_and_still_names_its_straggler(tmp_path, monkeypatch):
+    """Beyond 1,024 ranks a windowed read takes fewer lines of each rank's tail (the job's total
+    stays about what 1,024 ranks' take), never fewer than a rank's ending: status of a synthetic
+    2,048-rank job (bench/pollcost.py's, one rank slow at its data) still names that straggler,
+    and its detail view puts the ranks that are alike on one line."""
+    from ddp_hpc.judge import reader, tails
+    pollcost = _load_pollcost()
+    assert (tails.tail_lines(64), tails.tail_lines(1024), tails.tail_lines(2048), tails.tail_lines(8192)) == (
+        tails.TAIL_LINES, tails.TAIL_LINES, 12, tails.MIN_TAIL_LINES) and tails.MIN_TAIL_LINES >= tails.END_LINES
+    pollcost.make_run(tmp_path / "logs", 2048, 256, steps=40, slow=1234)
+    monkeypatch.setattr(tails, "FULL_READ_BYTES", 1 << 20)
+    monkeypatch.setattr(reader, "FULL_READ_BYTES", 1 << 20)
+    logs = reader.RunLogs(tmp_path / "logs")
+    assert logs.tail == 12 and len(logs.partial) == 2048 - 8   # node 0's file is read whole
+    assert max(len(s.events) for r, s in logs.ranks.items() if r >= 8) <= 12 + 4   # its tail, its head's few
+    scale = _load_bench()
+    home = tmp_path / "home"
+    scale.write_record(home, pollcost.JOB_ID, tmp_path / "logs", 256, 0.0)
+    with scale.status_home(home):
+        doc = json.loads(scale.run_status([pollcost.JOB_ID, "--json"]))
+        text = scale.run_status([pollcost.JOB_ID])
+    assert doc["timing"]["slow_ranks"] == [1234], doc["timing"]["lines"]
+    assert "rank 1234 on gpu0155 is" in text and "slower waiting for data" in text
+    assert "Last event per rank (2048 ranks, alike ones on one line):" in text
+    assert "  ranks 0-2047 (2048) on 256 hosts  restart 0  " in text and text.count("\n  rank ") == 0
+
+
+def _load_pollcost():
+    path = BENCH.parent / "pollcost.py"
+    spec = importlib.util.spec_from_file_location("bench_pollcost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_last_events_of_many_ranks_are_grouped_the_odd_ones_first():
+    from ddp_hpc.status import view
+    now = 1000.0
+    last = {r: {"time": 990.0, "event": "step", "rank": r, "restart": 0, "host": f"n{r // 8}", "step": 10}
+            for r in range(100)}
+    for r in range(50, 100):
+        last[r]["step"] = 9
+    last[7] = {"time": 900.0, "event": "error", "rank": 7, "restart": 0, "host": "n0", "type": "ValueError"}
+    lines = view._grouped_event_lines(last, now)
+    assert lines[0] == "Last event per rank (100 ranks, alike ones on one line):"
+    assert lines[1].startswith("  rank 7   n0         restart 0  00:01:40 ago") and "error type=ValueError" in lines[1]
+    assert lines[2] == "  ranks 0-6,8-49 (49) on 7 hosts  restart 0  00:00:10 ago  step 10"
+    assert lines[3] == "  ranks 50-99 (50) on 7 hosts  restart 0  00:00:10 ago  step 9"
+    assert len(lines) == 4

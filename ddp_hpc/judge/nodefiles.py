@@ -65,9 +65,9 @@ def read_event_file(f: EventFile, window: bool = False, ends: bool = False) -> d
 
 
 def read_node_events(path: Path, window: bool = False, ends: bool = False,
-                     whole_rank: int | None = None) -> dict[int, RankStream]:
+                     whole_rank: int | None = None, tail: int = TAIL_LINES) -> dict[int, RankStream]:
     """A node file's events by rank: whole, or its window (``window``: its head and its tail, with
-    `NODE_RANKS` times a rank file's budget), or each rank's ending (``ends``: its events after its
+    `NODE_RANKS` times a rank file's budget: ``tail`` lines a rank), or each rank's ending (``ends``: its events after its
     newest step, epoch or start event, and that one, at most `tails.END_LINES` of them, from the
     file's end). With ``window``, ``whole_rank``'s events are read whole all the same (rank 0's, on
     node 0: progress, ETA and eval metrics come from them, as from rank 0's own file), the other
@@ -76,13 +76,13 @@ def read_node_events(path: Path, window: bool = False, ends: bool = False,
     skipped = 0
     try:
         if window and whole_rank is not None:
-            text, skipped = _rank_and_window(path, whole_rank)
+            text, skipped = _rank_and_window(path, whole_rank, tail)
         elif ends:
             text, skipped = _end_text(path)
         elif window:
-            head, tail, skipped = read_window(path, HEAD_BYTES * NODE_RANKS, TAIL_LINES * NODE_RANKS,
-                                              TAIL_BYTES * NODE_RANKS, TAIL_MAX_BYTES * NODE_RANKS)
-            text = head + "\n".join(tail.splitlines()[-TAIL_LINES * NODE_RANKS:])
+            head, end, skipped = read_window(path, HEAD_BYTES * NODE_RANKS, tail * NODE_RANKS,
+                                             TAIL_BYTES * NODE_RANKS, TAIL_MAX_BYTES * NODE_RANKS)
+            text = head + "\n".join(end.splitlines()[-tail * NODE_RANKS:])
         else:
             text = path.read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -109,11 +109,11 @@ def read_node_events(path: Path, window: bool = False, ends: bool = False,
     return streams
 
 
-def _rank_and_window(path: Path, rank: int) -> tuple[str, int]:
+def _rank_and_window(path: Path, rank: int, tail_lines: int) -> tuple[str, int]:
     """The lines of ``rank`` (the writer's ``"rank": R,``, told without decoding) and those of the
     window around them; and the bytes of the other lines, not read."""
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    head, tail = HEAD_BYTES * NODE_RANKS, TAIL_LINES * NODE_RANKS
+    head, tail = HEAD_BYTES * NODE_RANKS, tail_lines * NODE_RANKS
     mark, taken, size, skipped = f'"rank": {rank},', [], 0, 0
     for i, line in enumerate(lines):
         size += len(line) + 1

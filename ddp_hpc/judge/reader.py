@@ -24,7 +24,7 @@ from pathlib import Path
 from ddp_hpc.fsutil import file_size
 from ddp_hpc.judge.attribution import Failure, SchedulerFacts, attribute
 from ddp_hpc.judge.newest import read_newest_run
-from ddp_hpc.judge.nodefiles import ending, merge_streams, rank_events, read_node_events
+from ddp_hpc.judge.nodefiles import NODE_RANKS, ending, merge_streams, rank_events, read_node_events
 from ddp_hpc.judge.srun import (
     TaskReport,
     exception_of,
@@ -37,7 +37,7 @@ from ddp_hpc.judge.srun import (
     traceback_in,
     traceback_in_lines,
 )
-from ddp_hpc.judge.tails import FULL_READ_BYTES, RankStream, over_budget, read_events
+from ddp_hpc.judge.tails import FULL_READ_BYTES, TAIL_LINES, RankStream, over_budget, read_events, tail_lines
 from ddp_hpc.judge.timing import RunProgress, progress
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import (
@@ -120,6 +120,7 @@ class RunLogs:
     def __init__(self, log_dir: str | Path | None, ends_only=False, window=False, rank0_only=False):
         self.log_dir, self.ends_only, self.rank0_only = Path(log_dir) if log_dir else None, ends_only, False
         self.ranks: dict[int, RankStream] = {}
+        self.tail = TAIL_LINES  # the lines of a rank's tail a windowed read takes (fewer beyond 1,024 ranks)
         self._names: dict[str, dict[int, str]] = {"out": {}, "log": {}}  # rank -> file name
         self._outs_read: dict[int, tuple[list[str] | None, list[str]]] = {}
         self._memo, self.listed = {}, False  # see _cached; listed: the directory was there to list
@@ -144,10 +145,11 @@ class RunLogs:
             events, self.rank0_only = [(r, p) for r, p in events if r == 0], True
             self._nodes = [(n, p) for n, p in self._nodes if n == 0]
         window = ends_only or window or over_budget([p for _, p in events + self._nodes])
+        self.tail = tail_lines(len(events) + NODE_RANKS * len(self._nodes))
         for rank, p in events:
             big = rank != 0 or file_size(p) > FULL_READ_BYTES
             self.ranks[rank] = read_newest_run(p) if ends_only and not big else read_events(
-                p, window and big, ends=ends_only and rank != 0)
+                p, window and big, ends=ends_only and rank != 0, tail=self.tail)
         self._read_nodes(window, ends_only)
         if (s := self.ranks.get(0)) and s.newest_only and max(self.restarts()) > max(s.restart_numbers()):
             self.ranks[0] = read_events(s.path)  # another rank ran a newer run than rank 0's newest
@@ -159,9 +161,9 @@ class RunLogs:
         for node, p in self._nodes:
             big = node != 0 or file_size(p) > FULL_READ_BYTES
             if node == 0 and big and not ends_only:
-                got = read_node_events(p, window, whole_rank=0 if window else None)
+                got = read_node_events(p, window, whole_rank=0 if window else None, tail=self.tail)
             else:
-                got = read_node_events(p, window and big, ends=ends_only and big)
+                got = read_node_events(p, window and big, ends=ends_only and big, tail=self.tail)
             if ends_only and not big:
                 for r, s in got.items():
                     if r != 0:
@@ -188,11 +190,12 @@ class RunLogs:
         self.ends_only = False
         for rank, stream in self.ranks.items():
             if EVENTS_RE.match(stream.path.name) and (rank != 0 or stream.newest_only):
-                self.ranks[rank] = read_events(stream.path, rank != 0)
+                self.ranks[rank] = read_events(stream.path, rank != 0, tail=self.tail)
         widened: dict[int, RankStream] = {}
         for node, p in self._nodes:
             big = file_size(p) > FULL_READ_BYTES
-            merge_streams(widened, read_node_events(p, node != 0 or big, whole_rank=0 if node == 0 and big else None))
+            merge_streams(widened, read_node_events(p, node != 0 or big, whole_rank=0 if node == 0 and big else None,
+                                                    tail=self.tail))
         self.ranks.update(widened)
         self._memo.clear()  # keyed by the streams' ids: a new list may take a freed one's
 
@@ -259,6 +262,8 @@ class RunLogs:
         None without events."""
         if (runs := self._memo.get("runs")) and runs[0] == self._key():
             return dataclasses.replace(runs[1][-1]) if runs[1] else None
+        if len(self.restarts()) == 1:   # one run: its summary is all of runs(), kept for it too
+            return self.runs()[-1]
         cur = self._cached("current_run", lambda: self._summaries(self.restarts()[-1:]))
         return dataclasses.replace(cur[0]) if cur else None
 

@@ -21,7 +21,7 @@ from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.schema import EVENTS_RE, LOG_RE, OUT_RE
 
 __all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs", "read_window", "RankStream",
-           "read_events", "over_budget", "RunFiles"]
+           "read_events", "over_budget", "tail_lines", "RunFiles"]
 
 
 #: the read budget: a log directory's event files are read whole while together they hold at
@@ -32,6 +32,12 @@ __all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs", 
 FULL_READ_BYTES = 32 << 20
 HEAD_BYTES = 1 << 10
 TAIL_LINES = 24
+#: beyond TAIL_RANKS ranks a rank's tail shrinks so that the job's stays about TAIL_LINES x
+#: TAIL_RANKS lines, down to MIN_TAIL_LINES (an ending, `END_LINES`, or the step intervals a
+#: straggler is judged by): status of a job of 8,192 ranks reads a third of the lines it read
+#: with TAIL_LINES a rank (`tail_lines`)
+TAIL_RANKS = 1024
+MIN_TAIL_LINES = 8  # = END_LINES, below
 TAIL_BYTES = 8 << 10
 TAIL_MAX_BYTES = 1 << 20
 #: the job table (``RunLogs(ends_only=True)``) reads of every rank but rank 0 only how its current
@@ -101,9 +107,15 @@ class RunFiles(Protocol):
     def node_failures(self) -> tuple[bool, list[str]]: ...
 
 
-def read_events(path: Path, window: bool = False, ends: bool = False, since: int | None = None) -> RankStream:
+def tail_lines(ranks: int) -> int:
+    """The lines of a rank's tail that a windowed read of a job of ``ranks`` ranks takes."""
+    return max(MIN_TAIL_LINES, min(TAIL_LINES, TAIL_LINES * TAIL_RANKS // max(1, ranks)))
+
+
+def read_events(path: Path, window: bool = False, ends: bool = False, since: int | None = None,
+                tail: int = TAIL_LINES) -> RankStream:
     """Parse one ``rank{R}.events.jsonl``; malformed lines are skipped and counted. ``window``:
-    only its first `HEAD_BYTES` and its last `TAIL_LINES` lines (`skipped` says how many bytes
+    only its first `HEAD_BYTES` and its last ``tail`` lines (`skipped` says how many bytes
     between them were not read). ``ends``: only its ending (`END_LINES`: the events after its
     newest step, epoch or start event, and that one), decoded from the last line backwards.
     ``since``: only what was appended after that byte offset (of its last `TAIL_MAX_BYTES`)."""
@@ -112,8 +124,8 @@ def read_events(path: Path, window: bool = False, ends: bool = False, since: int
     if ends:
         return _read_ending(stream)
     if window:
-        head, tail, stream.skipped = read_window(path, HEAD_BYTES, TAIL_LINES, TAIL_BYTES, TAIL_MAX_BYTES)
-        text = head + "\n".join(tail.splitlines()[-TAIL_LINES:])
+        head, end, stream.skipped = read_window(path, HEAD_BYTES, tail, TAIL_BYTES, TAIL_MAX_BYTES)
+        text = head + "\n".join(end.splitlines()[-tail:])
     elif since is not None:
         text = "\n".join(tail_file(path, sys.maxsize, TAIL_MAX_BYTES, since))
     else:

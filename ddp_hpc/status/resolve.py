@@ -49,7 +49,7 @@ from ddp_hpc.judge.goodput import goodput
 from ddp_hpc.judge.kept import KeptLogs
 from ddp_hpc.judge.reader import RunLogs, RunSummary
 from ddp_hpc.judge.restarts import read_restarts
-from ddp_hpc.judge.tails import HEAD_BYTES, TAIL_LINES
+from ddp_hpc.judge.tails import HEAD_BYTES
 from ddp_hpc.parsing import to_int
 from ddp_hpc.records import JobRecord
 from ddp_hpc.slurm.query import SourceState
@@ -327,7 +327,7 @@ def _read_notes(t: StatusTarget, logs: RunLogs | KeptLogs, sched: SourceState) -
     notes = []
     if (partial := logs.partial) and not logs.ends_only:  # the table reads the others' ends only
         notes.append(f"the event files of {plural(len(partial), 'rank')} ({compress_ranks(partial)}) are too big "
-                     f"to read whole: status read their first {HEAD_BYTES >> 10} KiB and last {TAIL_LINES} lines "
+                     f"to read whole: status read their first {HEAD_BYTES >> 10} KiB and last {logs.tail} lines "
                      "(step times and earlier runs are judged from those)")
     bad = sum(s.bad_lines for s in logs.ranks.values())
     if bad:

@@ -231,12 +231,49 @@ def _timing_lines(st: JobStatus) -> list[str]:
     return [("Stragglers: " if i == 0 else "            ") + ln for i, ln in enumerate(lines)]
 
 
+#: beyond this many ranks the last events are grouped: ranks at the same restart, event and step
+#: share a line (the odd ones out first), at most EVENT_GROUPS lines; ``--json`` keeps every rank's
+EVENT_RANKS = 64
+EVENT_GROUPS = 24
+
+
 def _event_lines(st: JobStatus, now: float) -> list[str]:
     if not st.last_events:
         return []
+    if len(st.last_events) > EVENT_RANKS:
+        return _grouped_event_lines(st.last_events, now)
     return ["Last event per rank:"] + [
         f"  rank {r:<3} {str(ev.get('host') or '-'):<10} restart {ev.get('restart', 0)}  "
         f"{_ago(ev.get('time'), now):<16} {_event_text(ev)}" for r, ev in sorted(st.last_events.items())]
+
+
+def _grouped_event_lines(last: dict[int, dict], now: float) -> list[str]:
+    """The last events of many ranks, one line per (restart, event, step), the smallest groups
+    (the ranks that differ) first."""
+    groups: dict[tuple, list[int]] = {}
+    for r, ev in last.items():
+        groups.setdefault((ev.get("restart", 0), str(ev.get("event")), ev.get("step")), []).append(r)
+    order = sorted(groups.items(), key=lambda kv: (len(kv[1]), min(kv[1])))
+    out = [f"Last event per rank ({plural(len(last), 'rank')}, alike ones on one line):"]
+    for (restart, event, step), ranks in order[:EVENT_GROUPS]:
+        times = [t for r in ranks if (t := last[r].get("time")) is not None]
+        hosts = {last[r].get("host") for r in ranks}
+        if len(ranks) == 1:
+            ev = last[ranks[0]]
+            out.append(f"  rank {ranks[0]:<3} {str(ev.get('host') or '-'):<10} restart {restart}  "
+                       f"{_ago(ev.get('time'), now):<16} {_event_text(ev)}")
+            continue
+        ago = _ago(max(times), now) if times else "-"
+        if times and format_duration(now - min(times)) != format_duration(now - max(times)):
+            ago = f"{format_duration(max(0.0, now - max(times)))}-{_ago(min(times), now)}"
+        out.append(f"  ranks {compress_ranks(sorted(ranks))} ({len(ranks)}) on {plural(len(hosts), 'host')}  "
+                   f"restart {restart}  {ago}  " + (f"step {step}" if event == "step" else event + (
+                       f" at step {step}" if step is not None else "")))
+    if len(order) > EVENT_GROUPS:
+        rest = sum(len(r) for _, r in order[EVENT_GROUPS:])
+        out.append(f"  ... {plural(rest, 'more rank')} in {len(order) - EVENT_GROUPS} more groups "
+                   "(status --json has every rank's)")
+    return out
 
 
 def _history_lines(st: JobStatus) -> list[str]:
