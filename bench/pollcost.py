@@ -55,18 +55,20 @@ def step_line(rank: int, node: int, step: int, t: float, data_s: float = 0.012) 
 
 
 def make_run(log_dir: Path, ranks: int, nodes: int, steps: int = STEPS, layout: str = "node",
-             slow: int | None = None) -> dict:
+             slow: int | None = None, silent_s: float = 1.0) -> dict:
     """A run directory as a job of ``ranks`` ranks on ``nodes`` nodes leaves it some minutes in: each
     rank's event stream (start, rendezvous, ``steps`` step events) in the writer's layout (``node``:
     one file per node, as ``runlogs.nodelog`` writes it: a second's lines of the node's ranks
     together; ``rank``: one file per rank, as versions before it did), its ``rank{R}.out`` and its
     ``rank{R}.log``. ``slow``: that rank waits 0.5 s a step for its data, the others 0.012 s (a
-    straggler status must name). Returns what it wrote."""
+    straggler status must name). ``silent_s``: how long ago the newest step was (a second: a
+    job that runs; minutes: one that hangs, and status reads every rank's output for its
+    cause). Returns what it wrote."""
     if ranks % nodes:
         raise SystemExit(f"--ranks {ranks} is not a multiple of --nodes {nodes}")
     per_node = ranks // nodes
     log_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.time() - 600
+    t0 = time.time() - 10 - steps - silent_s
     by_node: dict[int, list[list[str]]] = {}
     for r in range(ranks):
         node = r // per_node
@@ -220,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=8192)
     p.add_argument("--nodes", type=int, default=1024)
     p.add_argument("--slow", type=int, metavar="RANK", help="with --make-run: that rank a straggler (slow data)")
+    p.add_argument("--silent", type=float, default=1.0, metavar="S",
+                   help="with --make-run: the newest step S seconds ago (default 1: a job that runs; 600: one that hangs)")
     p.add_argument("--layout", choices=("node", "rank"), default="node",
                    help="event files per node (this version's writer, default) or per rank (earlier versions)")
     p.add_argument("--poll", metavar="DIR", help="run the supervisor's reader over that run directory")
@@ -242,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0
     if args.make_run:
-        made = make_run(Path(args.make_run), args.ranks, args.nodes, layout=args.layout, slow=args.slow)
+        made = make_run(Path(args.make_run), args.ranks, args.nodes, layout=args.layout, slow=args.slow,
+                        silent_s=args.silent)
         print(f"bench: {made['files']} files for {made['ranks']} ranks on {made['nodes']} nodes in {made['dir']} "
               f"(event files per {made['layout']})")
         return 0

@@ -619,3 +619,22 @@ def test_a_killed_rank_with_dataloader_workers_is_blamed_not_the_workers_srun_st
     kinds = {r: c["kind"] for r, c in st.to_dict()["rank_classification"].items()}
     assert kinds == {"0": "stopped", "1": "consequence", "2": "consequence", "3": "killed"}, kinds
     assert st.to_dict()["rank_classification"]["0"]["text"] == "stopped by SIGTERM via its DataLoader workers"
+
+
+def test_a_running_rank_that_printed_a_traceback_and_went_on_is_no_failure_until_it_falls_silent(tmp_path):
+    """Of a job that runs, a rank whose events go on is alive: a traceback in its rank*.out is
+    one it caught (a worker restarted, a logged exception), not its end, and its output is not
+    read at all (at 8,192 ranks, 8,192 files a status). Once its events stopped for the stall
+    floor (30 s) it may be dying with its error printed: then the traceback names it."""
+    d = tmp_path / "logs"
+    for r in range(4):
+        write(d, r, run_until(r, 40))
+        (d / f"rank{r}.out").write_text("ok\n")
+    (d / "rank2.out").write_text("Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n"
+                                 "    load()\nOSError: [Errno 5] Input/output error\n")
+    running = FakeSlurm(squeue=[{"JobID": "77", "State": "RUNNING", "TimeUsed": "1:00", "TimeLimit": "30:00",
+                                 "NodeList": "n[1-2]", "Reason": "None", "NumNodes": "2"}])
+    st, lines = detail(d, running, now=T0 + 45)
+    assert st.failure is None and not any(ln.startswith("First failure: ") for ln in lines)
+    st, lines = detail(d, running, now=T0 + 40 + 31)
+    assert st.failure is not None and st.failure.rank == 2 and "OSError" in (st.failure.exc_type or ""), lines

@@ -70,9 +70,12 @@ class SchedulerFacts:
 
 
 def classify(logs: RunFiles, restart: int | None = None, sched: SchedulerFacts | None = None,
-             ended: bool = True, files: bool = True) -> dict[int, RankEnding]:
+             ended: bool = True, files: bool = True, live_since: float | None = None) -> dict[int, RankEnding]:
     """rank -> its ending in run ``restart`` (default: the newest). ``ended``: the run is over,
-    so silence means something; ``files``: read rank*.out and srun's reports (the current run)."""
+    so silence means something; ``files``: read rank*.out and srun's reports (the current run).
+    ``live_since`` (a running job): a rank whose newest event is newer than that, with no error
+    and no end, still runs: its rank*.out is not read (a traceback there is one it caught and
+    went on from; a job of 8,192 ranks is not 8,192 files opened a status)."""
     restart = logs.current_restart() if restart is None else restart
     reports = logs.task_reports() if files and ended else {}
     out: dict[int, RankEnding] = {}
@@ -81,7 +84,8 @@ def classify(logs: RunFiles, restart: int | None = None, sched: SchedulerFacts |
         if not evs:
             continue
         end = next((e for e in reversed(evs) if e.get("event") == "end"), {})
-        read = files and end.get("status") not in ("completed", "preempted", "killed", "interrupted")
+        read = files and end.get("status") not in ("completed", "preempted", "killed", "interrupted") and not (
+            live_since is not None and _live(evs, live_since))
         tb = logs.out_traceback(rank) if read else None
         tail = logs.out_tail(rank) if read else []
         out[rank] = own_ending(rank, evs, tb, tail, reports.get(rank), rank_out(rank))
@@ -99,6 +103,13 @@ def classify(logs: RunFiles, restart: int | None = None, sched: SchedulerFacts |
         for e in out.values():
             e.kind = "running" if e.kind == "silent" else e.kind
     return out
+
+
+def _live(events: list[dict], since: float) -> bool:
+    """The rank's newest event (a watchdog's stack is none: it tells a rank stuck) is newer than
+    ``since``, and none of its events is an error or an end."""
+    t = next((to_float(e.get("time")) for e in reversed(events) if e.get("event") != "stack"), None)
+    return t is not None and t > since and not any(e.get("event") in ("error", "end") for e in events)
 
 
 def _silent(e: RankEnding) -> bool:
@@ -247,15 +258,17 @@ def _when(e: RankEnding) -> float:
 
 def attribute(logs: RunFiles, restart: int | None = None, sched: SchedulerFacts | None = None,
               assume_failed: bool = False, evidence_only: bool = False,
-              files: bool = True) -> tuple[Failure | None, dict[int, RankEnding]]:
+              files: bool = True, live_since: float | None = None) -> tuple[Failure | None, dict[int, RankEnding]]:
     """(the primary cause, every rank's ending) of run ``restart`` (default: the newest).
 
     ``assume_failed``: the scheduler says the job broke, so a rank that only went silent is a
     suspect; ``evidence_only`` (the job still runs, or was stopped from outside): only what a
-    rank wrote itself counts (an error event, a traceback), not srun's reports nor silence."""
+    rank wrote itself counts (an error event, a traceback), not srun's reports nor silence;
+    ``live_since`` with it: the ranks that wrote events since then still run (`classify`)."""
     restart = logs.current_restart() if restart is None else restart
     ended = not evidence_only
-    endings = classify(logs, restart, sched, ended=ended, files=files)
+    endings = classify(logs, restart, sched, ended=ended, files=files,
+                       live_since=live_since if evidence_only else None)
     allow_lost = ended and (assume_failed or _failed(endings) or _some_ended(endings))
     if evidence_only:
         endings_cause = {r: e for r, e in endings.items() if e.from_event or e.kind == "raised"}

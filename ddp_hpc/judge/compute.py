@@ -31,7 +31,7 @@ MIN_SHARE = 0.05
 def window(events: list[dict], min_steps: int = MIN_STEPS) -> list[float] | None:
     """The ``compute_s`` of the newest step events covering at least ``min_steps`` steps, or
     None when the rank's events do not cover that many yet."""
-    marks = [(s, c) for e in events if e.get("event") == "step"
+    marks = [(s, c) for e in events if e.get("compute_s") is not None and e.get("event") == "step"
              and (s := to_int(e.get("step"), None)) is not None
              and (c := to_float(e.get("compute_s"))) is not None]
     for i in range(len(marks) - 2, -1, -1):

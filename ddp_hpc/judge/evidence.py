@@ -82,7 +82,7 @@ class RankEnding:
     def to_dict(self) -> dict:
         """Every field but the traceback (all plain values: no deep copy, which cost seconds over
         8,192 ranks in bench/scale.py)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "traceback"}
+        return {name: getattr(self, name) for name in _DICT_FIELDS}
 
     @property
     def timed_out(self) -> bool:
@@ -94,6 +94,10 @@ class RankEnding:
     def spoke(self) -> bool:
         """It wrote how it ended (it was alive to tell)."""
         return self.from_event or self.kind == "consequence"
+
+
+#: what `RankEnding.to_dict` gives: every field but the traceback
+_DICT_FIELDS = tuple(f.name for f in fields(RankEnding) if f.name != "traceback")
 
 
 def consequence_phrase(*texts: object) -> str | None:
@@ -119,14 +123,13 @@ def own_ending(rank: int, events: list[dict], out_tb: list[str] | None, out_tail
                report: TaskReport | None, out_name: str) -> RankEnding:
     """Classify one rank from its events of one run (file order), the traceback in its
     ``rank{R}.out`` (None: none), that file's last lines and srun's report (None: none)."""
-    progress = [e for e in events if e.get("event") != "stack"]
-    last = progress[-1] if progress else None
-    steps = [e.get("step") for e in progress if isinstance(e.get("step"), int)]
+    last = next((e for e in reversed(events) if e.get("event") != "stack"), None)
+    step = next((s for e in reversed(events) if e.get("event") != "stack" and isinstance(s := e.get("step"), int)),
+                None)
     host = next((e.get("host") for e in reversed(events) if e.get("host")), None) or (
         report.host if report is not None else None)
     base = RankEnding(rank, host, "silent", last_time=to_float(last.get("time")) if last else None,
-                      last_step=steps[-1] if steps else None,
-                      last_event=last.get("event") if last else None)
+                      last_step=step, last_event=last.get("event") if last else None)
     if report is not None:
         base.report_order, base.after_abort = report.order, report.after_abort
     errors = [e for e in events if e.get("event") == "error"]

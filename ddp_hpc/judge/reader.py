@@ -153,6 +153,7 @@ class RunLogs:
         self._read_nodes(window, ends_only)
         if (s := self.ranks.get(0)) and s.newest_only and max(self.restarts()) > max(s.restart_numbers()):
             self.ranks[0] = read_events(s.path)  # another rank ran a newer run than rank 0's newest
+            self._memo.clear()
 
     def _read_nodes(self, window: bool, ends_only: bool) -> None:
         """The node files' streams (the per-node layout): node 0's whole (it holds rank 0; of its
@@ -197,7 +198,7 @@ class RunLogs:
             merge_streams(widened, read_node_events(p, node != 0 or big, whole_rank=0 if node == 0 and big else None,
                                                     tail=self.tail))
         self.ranks.update(widened)
-        self._memo.clear()  # keyed by the streams' ids: a new list may take a freed one's
+        self._memo.clear()
 
     @property
     def partial(self) -> list[int]:
@@ -213,15 +214,13 @@ class RunLogs:
         return sorted(evs, key=lambda e: to_float(e.get("time"), 0.0))
 
     def _cached(self, name: str, compute):
-        """``compute()``, kept while no stream changed (status asks the same of thousands of
-        ranks' events several times)."""
-        key = self._key()
-        if self._memo.get(name, (None,))[0] != key:
-            self._memo[name] = (key, compute())
-        return self._memo[name][1]
-
-    def _key(self) -> tuple:
-        return tuple((id(s.events), len(s.events)) for s in self.ranks.values())
+        """``compute()``, kept until the streams are read again (status asks the same of
+        thousands of ranks' events several times; the streams change only where this class
+        reads them, which clears what it kept: a check of every stream per question was a
+        twentieth of the detail view of 8,192 ranks)."""
+        if name not in self._memo:
+            self._memo[name] = compute()
+        return self._memo[name]
 
     def restarts(self) -> list[int]:
         """Every restart number seen in any event, ascending."""
@@ -260,8 +259,8 @@ class RunLogs:
     def current_run(self) -> RunSummary | None:
         """The newest run's summary, ``runs()[-1]`` without summing up the earlier runs (a copy);
         None without events."""
-        if (runs := self._memo.get("runs")) and runs[0] == self._key():
-            return dataclasses.replace(runs[1][-1]) if runs[1] else None
+        if (runs := self._memo.get("runs")) is not None:
+            return dataclasses.replace(runs[-1]) if runs else None
         if len(self.restarts()) == 1:   # one run: its summary is all of runs(), kept for it too
             return self.runs()[-1]
         cur = self._cached("current_run", lambda: self._summaries(self.restarts()[-1:]))

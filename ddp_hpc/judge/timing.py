@@ -79,8 +79,15 @@ class RunProgress:
 
 def _steps(events: list[dict]) -> list[tuple[float, dict]]:
     """(time, event) of each step event with a time, the time read once."""
-    timed = ((to_float(e.get("time")), e) for e in events if e.get("event") == "step")
-    return [(t, e) for t, e in timed if t is not None]
+    out = []
+    for e in events:
+        if e.get("event") == "step":
+            t = e.get("time")
+            if type(t) is not float:    # the writer's floats skip the conversion
+                t = to_float(t)
+            if t is not None:
+                out.append((t, e))
+    return out
 
 
 def _last_time(events: list[dict]) -> float | None:
@@ -98,9 +105,11 @@ def event_intervals(events: list[dict]) -> list[float]:
     return [b - a for a, b in zip(ts, ts[1:]) if b > a]
 
 
-def step_times(events: list[dict]) -> list[float]:
-    """Seconds per step between consecutive step events (their ``step`` numbers must grow)."""
-    st = [(t, e["step"]) for t, e in _steps(events) if isinstance(e.get("step"), (int, float))]
+def step_times(events: list[dict], steps: list[tuple[float, dict]] | None = None) -> list[float]:
+    """Seconds per step between consecutive step events (their ``step`` numbers must grow);
+    ``steps``: `_steps` of ``events``, where the caller has them."""
+    st = [(t, e["step"]) for t, e in (_steps(events) if steps is None else steps)
+          if isinstance(e.get("step"), (int, float))]
     out = []
     for (ta, sa), (tb, sb) in zip(st, st[1:]):
         dt, ds = tb - ta, sb - sa
@@ -193,10 +202,10 @@ def hang(per_rank: dict[int, list[dict]], ranks: list[int]) -> str | None:
     return hang_line(silent_texts(per_rank, ranks), ranks_text)
 
 
-def _own_times(evs: list[dict]) -> list[float]:
+def _own_times(steps: list[tuple[float, dict]]) -> list[float]:
     """The rank's own seconds per step waiting for data (``data_s`` of the training core's step
-    events), when its events carry them."""
-    return [float(e["data_s"]) for _, e in _steps(evs) if isinstance(e.get("data_s"), (int, float))]
+    events, `_steps`), when its events carry them."""
+    return [float(e["data_s"]) for _, e in steps if isinstance(e.get("data_s"), (int, float))]
 
 
 def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict | None:
@@ -205,10 +214,11 @@ def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) ->
     ``data_s`` (the training core's) are judged by it: their times are the same on every rank,
     and a rank with a slow data loader is the one that waits longest for its batches."""
     ranks: dict[int, dict] = {}
-    own_times = {r: _own_times(evs) for r, evs in per_rank.items()}
+    steps = {r: _steps(evs) for r, evs in per_rank.items()}   # once a rank: thousands of them
+    own_times = {r: _own_times(st) for r, st in steps.items()}
     own = all(len(t) >= STRAGGLER_MIN_INTERVALS for t in own_times.values()) and per_rank
     for r, evs in sorted(per_rank.items()):
-        times = own_times[r] if own else step_times(evs)
+        times = own_times[r] if own else step_times(evs, steps[r])
         if len(times) >= STRAGGLER_MIN_INTERVALS:
             ranks[r] = {"host": hosts.get(r), "step_s": statistics.median(times),
                         "intervals": len(times)}
@@ -217,7 +227,7 @@ def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) ->
     floor = 0.0
     if own:   # a wait for data counts only when it is a real share of the step
         floor = OWN_MIN_SHARE * statistics.median(
-            [t for evs in per_rank.values() for t in step_times(evs)] or [0.0])
+            [t for r, evs in per_rank.items() for t in step_times(evs, steps[r])] or [0.0])
     _ratios(ranks, floor)
     by_node: dict[str, list[int]] = {}
     for r, d in ranks.items():

@@ -11,6 +11,7 @@ import dataclasses
 from ddp_hpc.judge.attribution import SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import sched_index
+from ddp_hpc.judge.timing import STALL_MIN_S
 from ddp_hpc.parsing import to_int
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import JobState, parse_state
@@ -32,10 +33,12 @@ def sched_state_at(hist: list, restart: int, base: int, inside=()) -> str | None
     return parse_state(hist[i]).state.name if 0 <= i < len(hist) else None
 
 
-def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0, inside=()):
+def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0, inside=(),
+             now: float | None = None):
     """(the primary failure, every rank's ending) as far as the job's state allows judging. A
     job the scheduler requeued (or, resuming a stopped run, started) before its new run wrote
-    events is judged by its last run."""
+    events is judged by its last run. ``now``: of a job not known to have failed, the ranks
+    that wrote an event within the stall floor (`timing.STALL_MIN_S`) of it still run."""
     state = sched.state.state
     cur = logs.current_restart()
     stop = supervisor_stop(list(inside), cur)   # the supervisor ended this run's step: no rank did
@@ -49,7 +52,8 @@ def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0,
         failure, endings = attribute(logs, sched=facts, assume_failed=crashed)
     else:  # cancelled, timed out, preempted, unknown, still running: every rank may have been
         # stopped from outside, so only what a rank wrote itself (an error event, a traceback)
-        failure, endings = attribute(logs, sched=facts, evidence_only=True)
+        failure, endings = attribute(logs, sched=facts, evidence_only=True,
+                                     live_since=None if now is None else now - STALL_MIN_S)
     if failure is None and (state in STOPPED or stop is not None) and not over:  # a stall the stop ended
         failure = stall_before_stop(logs)
     if failure is not None and state.active and not over:

@@ -191,7 +191,7 @@ class Resolved:
         base = records.first_restart(s.record)
         inside = alloc_restarts(s.record, s.target.log_dir, logs)
         notes = list(self.notes)   # the judgement's notes are the detail view's
-        failure, endings = diagnose(logs, sched, notes, base, inside)
+        failure, endings = diagnose(logs, sched, notes, base, inside, s.now)
         codes = {} if sched.state.state is JobState.COMPLETED else logs.srun_exit_codes()
         if not codes and sched.source == src.RECORD:
             codes = {int(r): c for r, c in (s.final or {}).get("rank_exit_codes", {}).items()}

@@ -21,9 +21,11 @@ def snapshot_notes(logs) -> list[str]:
         return []
     restart = logs.current_restart()
     out = []
+    memsnap = [(rank, ev) for rank, stream in ranks.items() for ev in stream.of_restart(restart)
+               if ev.get("event") == "memsnap"]
     for status in ("off", "swept"):
-        said = sorted((rank, ev) for rank, stream in ranks.items() for ev in stream.of_restart(restart)
-                      if ev.get("event") == "memsnap" and ev.get("status") == status and ev.get("why"))
+        said = sorted(((rank, ev) for rank, ev in memsnap if ev.get("status") == status and ev.get("why")),
+                      key=lambda x: x[0])
         if said:
             writers = {rank for rank, _ in said}
             more = f" (said by {len(writers)} ranks' snapshot writers)" if len(writers) > 1 else ""
