@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=1024)
     p.add_argument("--slow", type=int, metavar="RANK", help="with --make-run: that rank a straggler (slow data)")
     p.add_argument("--silent", type=float, default=1.0, metavar="S",
-                   help="with --make-run: the newest step S seconds ago (default 1: a job that runs; 600: one that hangs)")
+                   help="with --make-run: the newest step S seconds ago (default 1: a job that runs; 600: hung)")
     p.add_argument("--layout", choices=("node", "rank"), default="node",
                    help="event files per node (this version's writer, default) or per rank (earlier versions)")
     p.add_argument("--poll", metavar="DIR", help="run the supervisor's reader over that run directory")

@@ -82,7 +82,7 @@ def test_a_job_of_thousands_of_ranks_reads_shorter_tails_and_still_names_its_str
     and its detail view puts the ranks that are alike on one line."""
     from ddp_hpc.judge import reader, tails
     pollcost = _load_pollcost()
-    assert (tails.tail_lines(64), tails.tail_lines(1024), tails.tail_lines(2048), tails.tail_lines(8192)) == (
+    assert (tails.tail_budget(64), tails.tail_budget(1024), tails.tail_budget(2048), tails.tail_budget(8192)) == (
         tails.TAIL_LINES, tails.TAIL_LINES, 12, tails.MIN_TAIL_LINES) and tails.MIN_TAIL_LINES >= tails.END_LINES
     pollcost.make_run(tmp_path / "logs", 2048, 256, steps=40, slow=1234)
     monkeypatch.setattr(tails, "FULL_READ_BYTES", 1 << 20)

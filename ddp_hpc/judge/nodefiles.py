@@ -25,7 +25,7 @@ from ddp_hpc.judge.tails import (
     file_end,
     read_events,
     read_window,
-    tail_bytes,
+    tail_read_bytes,
 )
 from ddp_hpc.runlogs.schema import EVENTS_RE, NODE_EVENTS_RE, events_file, node_events_file
 
@@ -70,12 +70,12 @@ def read_node_events(path: Path, window: bool = False, ends: bool = False,
                      whole_rank: int | None = None, tail: int = TAIL_LINES) -> dict[int, RankStream]:
     """A node file's events by rank: whole, or its window (``window``: its head and its tail, with
     `NODE_RANKS` times a rank file's budget: ``tail`` lines a rank; of the head its step events
-    left out: step times are judged from the tail's, and rank 0's are read whole), or each rank's ending (``ends``: its events after its
-    newest step, epoch or start event, and that one, at most `tails.END_LINES` of them, from the
-    file's end). With ``window``, ``whole_rank``'s events are read whole all the same (rank 0's, on
-    node 0: progress, ETA and eval metrics come from them, as from rank 0's own file), the other
-    lines only decoded within the window. Lines that are no event are counted on the lowest rank's
-    stream."""
+    left out: step times are judged from the tail's, and rank 0's are read whole), or each rank's
+    ending (``ends``: its events after its newest step, epoch or start event, and that one, at
+    most `tails.END_LINES` of them, from the file's end). With ``window``, ``whole_rank``'s
+    events are read whole all the same (rank 0's, on node 0: progress, ETA and eval metrics come
+    from them, as from rank 0's own file), the other lines only decoded within the window. Lines
+    that are no event are counted on the lowest rank's stream."""
     skipped = 0
     try:
         if window and whole_rank is not None:
@@ -84,7 +84,7 @@ def read_node_events(path: Path, window: bool = False, ends: bool = False,
             text, skipped = _end_text(path)
         elif window:
             head, end, skipped = read_window(path, HEAD_BYTES * NODE_RANKS, tail * NODE_RANKS,
-                                             tail_bytes(tail) * NODE_RANKS, TAIL_MAX_BYTES * NODE_RANKS)
+                                             tail_read_bytes(tail) * NODE_RANKS, TAIL_MAX_BYTES * NODE_RANKS)
             if skipped:   # of a cut file's head its ranks' starts and rendezvous; their steps are the tail's
                 head = "".join(line + "\n" for line in head.splitlines() if STEP_MARK not in line)
             text = head + "\n".join(end.splitlines()[-tail * NODE_RANKS:])

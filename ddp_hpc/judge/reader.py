@@ -37,7 +37,7 @@ from ddp_hpc.judge.srun import (
     traceback_in,
     traceback_in_lines,
 )
-from ddp_hpc.judge.tails import FULL_READ_BYTES, TAIL_LINES, RankStream, over_budget, read_events, tail_lines
+from ddp_hpc.judge.tails import FULL_READ_BYTES, TAIL_LINES, RankStream, over_budget, read_events, tail_budget
 from ddp_hpc.judge.timing import RunProgress, progress
 from ddp_hpc.parsing import to_float, to_int
 from ddp_hpc.runlogs.schema import (
@@ -145,7 +145,7 @@ class RunLogs:
             events, self.rank0_only = [(r, p) for r, p in events if r == 0], True
             self._nodes = [(n, p) for n, p in self._nodes if n == 0]
         window = ends_only or window or over_budget([p for _, p in events + self._nodes])
-        self.tail = tail_lines(len(events) + NODE_RANKS * len(self._nodes))
+        self.tail = tail_budget(len(events) + NODE_RANKS * len(self._nodes))
         for rank, p in events:
             big = rank != 0 or file_size(p) > FULL_READ_BYTES
             self.ranks[rank] = read_newest_run(p) if ends_only and not big else read_events(

@@ -21,7 +21,7 @@ from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.schema import EVENTS_RE, LOG_RE, OUT_RE
 
 __all__ = ["rank_files", "logs_tail", "log_line", "render_logs", "follow_logs", "read_window", "RankStream",
-           "read_events", "over_budget", "tail_lines", "tail_bytes", "RunFiles"]
+           "read_events", "over_budget", "tail_budget", "tail_read_bytes", "RunFiles"]
 
 
 #: the read budget: a log directory's event files are read whole while together they hold at
@@ -35,7 +35,7 @@ TAIL_LINES = 24
 #: beyond TAIL_RANKS ranks a rank's tail shrinks so that the job's stays about TAIL_LINES x
 #: TAIL_RANKS lines, down to MIN_TAIL_LINES (an ending, `END_LINES`, or the step intervals a
 #: straggler is judged by): status of a job of 8,192 ranks reads a third of the lines it read
-#: with TAIL_LINES a rank (`tail_lines`)
+#: with TAIL_LINES a rank (`tail_budget`)
 TAIL_RANKS = 1024
 MIN_TAIL_LINES = 8  # = END_LINES, below
 TAIL_BYTES = 8 << 10
@@ -112,12 +112,12 @@ class RunFiles(Protocol):
     def node_failures(self) -> tuple[bool, list[str]]: ...
 
 
-def tail_lines(ranks: int) -> int:
+def tail_budget(ranks: int) -> int:
     """The lines of a rank's tail that a windowed read of a job of ``ranks`` ranks takes."""
     return max(MIN_TAIL_LINES, min(TAIL_LINES, TAIL_LINES * TAIL_RANKS // max(1, ranks)))
 
 
-def tail_bytes(lines: int) -> int:
+def tail_read_bytes(lines: int) -> int:
     """The bytes a windowed read first reads back for a tail of ``lines`` lines (more while they
     hold fewer)."""
     return TAIL_BYTES * lines // TAIL_LINES
@@ -135,7 +135,7 @@ def read_events(path: Path, window: bool = False, ends: bool = False, since: int
     if ends:
         return _read_ending(stream)
     if window:
-        head, end, stream.skipped = read_window(path, HEAD_BYTES, tail, tail_bytes(tail), TAIL_MAX_BYTES)
+        head, end, stream.skipped = read_window(path, HEAD_BYTES, tail, tail_read_bytes(tail), TAIL_MAX_BYTES)
         text = head + "\n".join(end.splitlines()[-tail:])
     elif since is not None:
         text = "\n".join(tail_file(path, sys.maxsize, TAIL_MAX_BYTES, since))
