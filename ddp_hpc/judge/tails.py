@@ -198,9 +198,9 @@ def decoded(lines: list[str]):
     """Each line's JSON value as ``json.loads`` gives it, None for one that is not JSON, as they
     are asked for. orjson decodes the line where it is installed (four times faster: status of a
     job of thousands of ranks decodes a hundred thousand lines); what it refuses (``NaN``, the
-    writer's word for a diverged loss) is decoded as without it: a line
-    that is one value from its first character to its last (the writer's lines) by ``raw_decode``
-    without ``json.loads``'s wrappers, a quarter faster than it; any other by ``json.loads``."""
+    writer's word for a diverged loss) is decoded as without it: a line that is one value from
+    its first character to its last (the writer's lines) by ``raw_decode`` without
+    ``json.loads``'s wrappers, a quarter faster than it; any other by ``json.loads``."""
     for line in lines:
         if _fast_loads is not None:
             try:
