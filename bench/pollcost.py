@@ -137,28 +137,6 @@ def _start_event(log_dir: Path) -> dict:
         return json.loads(f.readline())
 
 
-def status_cost(log_dir: Path, reps: int = 3) -> dict:
-    """``ddp-hpc status JOB`` (the detail view) of the run in ``log_dir``, in this process, as
-    ``bench/scale.py`` times it (a job record pointing at the directory, no scheduler asked): the
-    least CPU and wall seconds of ``reps`` runs after a first one."""
-    import scale  # bench/scale.py, beside this file
-    start = _start_event(log_dir)
-    home = Path(tempfile.mkdtemp(prefix="ddp_hpc_pollcost-home-"))
-    try:
-        scale.write_record(home, JOB_ID, log_dir, start["num_nodes"], time.time() - 3600)
-        with scale.status_home(home):
-            text = scale.run_status([JOB_ID])
-            cpu, wall = [], []
-            for _ in range(reps):
-                c, w = _cpu(), time.perf_counter()
-                scale.run_status([JOB_ID])
-                cpu.append(_cpu() - c)
-                wall.append(time.perf_counter() - w)
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
-    return {"cpu_s": min(cpu), "wall_s": min(wall), "lines": len(text.splitlines())}
-
-
 def _strace_counts(argv: list[str]) -> dict[str, int]:
     """System calls of ``argv`` (and its threads) by name, as ``strace -f -c`` counts them."""
     with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
@@ -215,7 +193,9 @@ def render(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, status_cost=None) -> int:
+    """The command line; ``status_cost`` (bench/scale.py's, which hands these flags over): times
+    ``status JOB`` of a run directory for ``--status``."""
     import argparse
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--make-run", metavar="DIR", help="write a synthetic run directory there")
@@ -254,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.poll:
         p.error("give --make-run DIR or --poll DIR")
     if args.status:
+        if status_cost is None:
+            p.error("--status: run it as bench/scale.py --poll DIR --status (the status timing is there)")
         st = status_cost(Path(args.poll))
         print(f"bench: status JOB (detail view, {st['lines']} lines): {st['cpu_s']:.2f} s CPU, "
               f"{st['wall_s']:.2f} s wall (the least of 3)")

@@ -629,11 +629,38 @@ def scheduler_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+def status_cost(log_dir: Path, reps: int = 3) -> dict:
+    """``ddp-hpc status JOB`` (the detail view) of the run in ``log_dir``, in this process, as
+    this bench times it (a job record pointing at the directory, no scheduler asked): the
+    least CPU and wall seconds of ``reps`` runs after a first one."""
+    import pollcost  # bench/pollcost.py, beside this file
+    start = pollcost._start_event(log_dir)
+    home = Path(tempfile.mkdtemp(prefix="ddp_hpc_pollcost-home-"))
+    try:
+        write_record(home, pollcost.JOB_ID, log_dir, start["num_nodes"], time.time() - 3600)
+        with status_home(home):
+            text = run_status([pollcost.JOB_ID])
+            cpu, wall = [], []
+            for _ in range(reps):
+                c, w = _cpu_s(), time.perf_counter()
+                run_status([pollcost.JOB_ID])
+                cpu.append(_cpu_s() - c)
+                wall.append(time.perf_counter() - w)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    return {"cpu_s": min(cpu), "wall_s": min(wall), "lines": len(text.splitlines())}
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a.startswith(("--make-run", "--poll")) for a in argv):
         import pollcost  # bench/pollcost.py, beside this file
-        return pollcost.main(argv)
+        return pollcost.main(argv, status_cost=status_cost)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} only (a smoke run)")
     p.add_argument("--sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
