@@ -17,6 +17,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Bytecode is written where Python compiles (ddp_hpc, the tests, the helpers the test scripts import)
+# even on a machine whose environment says not to (PYTHONDONTWRITEBYTECODE: set on the CI machines):
+# without it each of a run's ~1,500 Python processes compiled again, from source, every module of
+# ddp_hpc it imported (0.1-0.25 s of CPU a process), and each pytest worker its test files.
+unset PYTHONDONTWRITEBYTECODE
 PYTEST=(.venv/bin/python -m pytest -ra --durations=12)
 load_pid=
 if [ -n "${DDP_HPC_TEST_LOAD:-}" ]; then

@@ -53,15 +53,27 @@ def _status(c, env, *args) -> str:
     return p.stdout + p.stderr
 
 
-def _start(log_dir: Path, rank: int, steps: int = 4, timeout: float = 180, ranks: int = 2) -> dict:
-    """Rank ``rank``'s start event, once every rank has written ``steps`` step events."""
-    deadline = time.monotonic() + timeout
+def _start(c, job: str, log_dir: Path, rank: int, steps: int = 4, timeout: float = 180,
+           ranks: int = 2) -> dict:
+    """Rank ``rank``'s start event, once every rank has written ``steps`` step events. The
+    ``timeout`` runs from when the job left the queue: while the other tests' jobs (or a heal of
+    the cluster) keep it PENDING, its ranks have not begun (a loaded check run kept one pending
+    past the whole timeout); the test's own timeout bounds the wait."""
+    deadline, asked, queued = time.monotonic() + timeout, 0.0, None
     while time.monotonic() < deadline:
         evs = {r: rank_events(log_dir, r).events for r in range(ranks)}
         if all(sum(e["event"] == "step" for e in evs[r]) >= steps for r in range(ranks)):
             return next(e for e in evs[rank] if e["event"] == "start")
+        if time.monotonic() - asked > 5:           # squeue every 5 s, not at every look
+            asked = time.monotonic()
+            p = c.run(["squeue", "-h", "-j", job, "-o", "%T %r"], timeout=30)
+            queued = p.stdout.strip() or "no longer queued"
+            if queued.startswith("PENDING"):
+                deadline = time.monotonic() + timeout
         time.sleep(0.5)
-    pytest.fail(f"training did not get under way in {log_dir}")
+    counts = {r: sum(e["event"] == "step" for e in evs[r]) for r in range(ranks)}
+    pytest.fail(f"training did not get under way in {log_dir}: job {job} {queued} (squeue), "
+                f"step events by rank {counts}")
 
 
 def test_sigkill_of_one_rank_is_named_killed(slurm_cluster, env):
@@ -69,7 +81,7 @@ def test_sigkill_of_one_rank_is_named_killed(slurm_cluster, env):
     named a consequence."""
     c = slurm_cluster
     job, log_dir = _submit(c, env, "f-kill", SLOW)
-    start = _start(log_dir, 1)
+    start = _start(c, job, log_dir, 1)
     os.kill(start["pid"], signal.SIGKILL)
     t0 = time.monotonic()
     state = c.wait(job, timeout=240)
@@ -85,7 +97,7 @@ def test_sigstop_of_one_rank_is_stalled_then_stuck(slurm_cluster, env):
     stuck once its peer's collective times out; the stall takes its minimum of 60 s to show."""
     c = slurm_cluster
     job, log_dir = _submit(c, env, "f-stop", [*SLOW, "train.collective_timeout_s=90"])
-    start = _start(log_dir, 1)
+    start = _start(c, job, log_dir, 1)
     os.kill(start["pid"], signal.SIGSTOP)
     t0 = time.monotonic()
     stalled = None
