@@ -501,3 +501,35 @@ def test_rank_0s_traceback_is_shown_when_it_failed_first_and_left_in_its_file_wh
         assert lost not in p.stdout and "Traceback" not in p.stdout       # ... not on the console
         assert "[ddp_hpc: rank 0's traceback (" in p.stdout and "rank0.out]" in p.stdout
         assert "FAILED: rank 1 exited with 1" in p.stderr
+
+
+def test_rank_0s_traceback_of_a_lost_peer_stays_in_its_file_whoever_exited_first(tmp_path):
+    """Rank 0's uncaught gloo error ("Connection closed by peer") is a consequence, even where the
+    driver saw rank 0 exit first or rank 0 took longer than the hold to exit (a loaded machine: the
+    culprit's wrapper still writing its end): the console gets the line saying where it is; a
+    traceback rank 0 caught and went on from is still shown once the hold passed."""
+    import io as stdio
+
+    from ddp_hpc.launch.local import HOLD_S, _Echo
+    lost = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"boom.py\", line 14, in <module>\n"
+            "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:6061.\n")
+    caught = "Traceback (most recent call last):\n  File \"t.py\", line 8\nValueError: on purpose\n"
+    for text, shown in ((lost, False), (caught, True)):
+        path = tmp_path / "rank0.out"
+        path.write_text("step 100\n")
+        alive = subprocess.Popen(["sleep", str(HOLD_S + 3)])     # rank 0's process, slow to exit
+        out = stdio.StringIO()
+        echo = _Echo(path, 0, out, alive, poll=0.05)
+        echo.start()
+        with open(path, "a") as f:
+            f.write(text)
+        time.sleep(HOLD_S + 1.5)          # past the hold, rank 0 still running, no failure seen
+        echo.stopped.set()                # the run ended; the driver saw no other rank fail first
+        echo.join()
+        alive.kill()
+        alive.wait()
+        console = out.getvalue()
+        assert console.startswith("step 100\n")
+        assert (text in console) is shown, console
+        assert ("[ddp_hpc: rank 0's traceback (" in console and "rank0.out]" in console) is not shown, console

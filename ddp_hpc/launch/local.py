@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Mapping, Sequence, TextIO
 
 from ddp_hpc.env import free_port, host_gpus
 from ddp_hpc.exits import exit_status_of_signal, signal_name, signal_number
+from ddp_hpc.judge.evidence import consequence_phrase
 from ddp_hpc.launch.tree import (
     KILL_GRACE_S,
     LaunchError,
@@ -183,8 +184,8 @@ class _Echo(threading.Thread):
     own traceback ("Connection closed by peer") is only a consequence, and printed on the console
     it would hide the real error, which the driver prints from the judge once the run ended. So a
     traceback is shown once ``HOLD_S`` passed with rank 0 still running and no rank failed, or
-    at the end when rank 0 failed first; when another rank failed first, the held lines stay in
-    the rank's file and one line says where.
+    at the end when rank 0 failed first; when another rank failed first, or the traceback ends in
+    the words of a lost peer, the held lines stay in the rank's file and one line says where.
     """
 
     def __init__(self, path: Path, start: int, out: TextIO, proc: subprocess.Popen | None = None,
@@ -206,7 +207,8 @@ class _Echo(threading.Thread):
                 last = self.stopped.is_set()  # read once more after the stop: nothing is lost
                 self._take(self.decoder.decode(f.read(), final=last))
                 if self.held and not self.failing.is_set() and self.proc is not None \
-                        and self.proc.poll() is None and time.monotonic() - self.held_since > HOLD_S:
+                        and self.proc.poll() is None and time.monotonic() - self.held_since > HOLD_S \
+                        and not self._lost_peer():
                     self._write("".join(self.held))   # rank 0 goes on: it was no ending
                     self.held = []
                 if last:
@@ -230,11 +232,18 @@ class _Echo(threading.Thread):
         self._write(text[:m.start()])
         self.held, self.held_since = [text[m.start():]], time.monotonic()
 
+    def _lost_peer(self) -> bool:
+        """The held traceback ends in words of a lost peer ("Connection closed by peer", a
+        collective's timeout: `judge.evidence.CONSEQUENCES`): rank 0 is a victim whichever rank
+        the driver saw exit first (on a loaded machine the culprit's wrapper can take longer to
+        exit than rank 0's), and its process may take seconds to exit after printing it."""
+        return consequence_phrase("".join(self.held)) is not None
+
     def _finish(self) -> None:
         if not self.held:
             return
         text = "".join(self.held)
-        if self.failing.is_set():
+        if self.failing.is_set() or self._lost_peer():
             self._write(f"[ddp_hpc: rank 0's traceback ({text.count(chr(10))} lines) is in "
                         f"{shown_path(self.path)}]\n")
         else:
