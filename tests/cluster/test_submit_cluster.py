@@ -181,10 +181,15 @@ def test_torchrun_variant_completes_and_usr2_checkpoints_and_requeues(slurm_clus
     c = slurm_cluster
     d, env = where
     script = str(ROOT / "slurm" / "train_torchrun.sbatch")
+    # The demo's samples, each fetch sleeping until the test saw the preemption (the file `go`):
+    # without it the 256 steps took about a second, and the signal once came as the run ended
+    go = d / "go"
     long_run = ["train.epochs=1", "train.max_steps=256", "data.kwargs.size=65536",
-                "data.eval_split=0.0", "log.every_n_steps=1", "checkpoint.every_epochs=0"]
+                "data.eval_split=0.0", "log.every_n_steps=1", "checkpoint.every_epochs=0",
+                "data.dataset=tests.cluster.status_helpers:slow_synthetic", "data.kwargs.delay=0.002",
+                f"data.kwargs.until={go}"]
     p = c.run(["sbatch", "--parsable", "--time=15", "--gpus-per-node=1", script, DEMO, *long_run],
-              cwd=str(d), env=env)
+              cwd=str(d), env={**env, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr
     job_id = p.stdout.strip().split(";")[0]
     log_dir = d / "runs" / f"ddp_hpc_torchrun-{job_id}"
@@ -197,14 +202,21 @@ def test_torchrun_variant_completes_and_usr2_checkpoints_and_requeues(slurm_clus
         pytest.fail(f"no step events in {log_dir}: {(d / f'slurm-ddp_hpc_torchrun-{job_id}.out').read_text()}")
     s = c.run(["scancel", "--signal=USR2", job_id], timeout=30)
     assert s.returncode == 0, s.stderr
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not any(e["event"] == "preempt" for e in _events(log_dir, 0)):
+        time.sleep(0.5)
+    go.touch()                                # preempted (or not, and the assertions say so): run on
     state = c.wait(job_id, timeout=400)
     ev = _events(log_dir, 0)
     assert state == "COMPLETED", (
         [(e["event"], e["restart"], e.get("step")) for e in ev if e["event"] != "step"],
         [ln for ln in (log_dir / "node0.out").read_text().splitlines() if "step" not in ln][-60:])
     kinds = [(e["event"], e["restart"]) for e in ev]
-    assert ("preempt", 0) in kinds and ("checkpoint", 0) in kinds and ("requeue", 0) in kinds, kinds
-    assert ("start", 1) in kinds and ev[-1]["event"] == "end" and ev[-1]["status"] == "completed"
+    said = ([(e["event"], e["restart"], e.get("step")) for e in ev if e["event"] != "step"],
+            [ln for ln in (log_dir / "node0.out").read_text().splitlines() if "step" not in ln][-60:],
+            (d / f"slurm-ddp_hpc_torchrun-{job_id}.out").read_text()[-3000:])
+    assert ("preempt", 0) in kinds and ("checkpoint", 0) in kinds and ("requeue", 0) in kinds, said
+    assert ("start", 1) in kinds and ev[-1]["event"] == "end" and ev[-1]["status"] == "completed", said
     preempt = next(e for e in ev if e["event"] == "preempt")
     assert preempt["reason"] == "preemption" and preempt["signal"] in ("USR2", "SIGUSR2")
     second = [e for e in ev if e["restart"] == 1 and e["event"] == "step"]
