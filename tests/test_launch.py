@@ -507,7 +507,8 @@ def test_rank_0s_traceback_of_a_lost_peer_stays_in_its_file_whoever_exited_first
     """Rank 0's uncaught gloo error ("Connection closed by peer") is a consequence, even where the
     driver saw rank 0 exit first or rank 0 took longer than the hold to exit (a loaded machine: the
     culprit's wrapper still writing its end): the console gets the line saying where it is; a
-    traceback rank 0 caught and went on from is still shown once the hold passed."""
+    traceback rank 0 caught and went on from (no torch prefix) is still shown once the hold
+    passed, even one in a lost peer's words."""
     import io as stdio
 
     from ddp_hpc.launch.local import HOLD_S, _Echo
@@ -515,7 +516,8 @@ def test_rank_0s_traceback_of_a_lost_peer_stays_in_its_file_whoever_exited_first
             "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
             "[127.0.0.1]:6061.\n")
     caught = "Traceback (most recent call last):\n  File \"t.py\", line 8\nValueError: on purpose\n"
-    for text, shown in ((lost, False), (caught, True)):
+    caught_pipe = "Traceback (most recent call last):\n  File \"t.py\", line 9\nBrokenPipeError: Broken pipe\n"
+    for text, shown in ((lost, False), (caught, True), (caught_pipe, True)):
         path = tmp_path / "rank0.out"
         path.write_text("step 100\n")
         alive = subprocess.Popen(["sleep", str(HOLD_S + 3)])     # rank 0's process, slow to exit

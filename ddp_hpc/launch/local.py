@@ -233,11 +233,14 @@ class _Echo(threading.Thread):
         self.held, self.held_since = [text[m.start():]], time.monotonic()
 
     def _lost_peer(self) -> bool:
-        """The held traceback ends in words of a lost peer ("Connection closed by peer", a
-        collective's timeout: `judge.evidence.CONSEQUENCES`): rank 0 is a victim whichever rank
-        the driver saw exit first (on a loaded machine the culprit's wrapper can take longer to
-        exit than rank 0's), and its process may take seconds to exit after printing it."""
-        return consequence_phrase("".join(self.held)) is not None
+        """The held traceback is rank 0's end (torch's ``[rankN]:`` prefix: an uncaught exception
+        in a process group) in words of a lost peer ("Connection closed by peer", a collective's
+        timeout: `judge.evidence.CONSEQUENCES`): rank 0 is a victim whichever rank the driver saw
+        exit first (on a loaded machine the culprit's wrapper can take longer to exit than rank
+        0's), and its process may take seconds to exit after printing it. A traceback it caught
+        and printed has no prefix, whatever its words."""
+        text = "".join(self.held)
+        return text.startswith("[rank") and consequence_phrase(text) is not None
 
     def _finish(self) -> None:
         if not self.held:
