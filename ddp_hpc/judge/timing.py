@@ -105,11 +105,14 @@ def event_intervals(events: list[dict]) -> list[float]:
     return [b - a for a, b in zip(ts, ts[1:]) if b > a]
 
 
-def step_times(events: list[dict], steps: list[tuple[float, dict]] | None = None) -> list[float]:
-    """Seconds per step between consecutive step events (their ``step`` numbers must grow);
-    ``steps``: `_steps` of ``events``, where the caller has them."""
-    st = [(t, e["step"]) for t, e in (_steps(events) if steps is None else steps)
-          if isinstance(e.get("step"), (int, float))]
+def step_times(events: list[dict]) -> list[float]:
+    """Seconds per step between consecutive step events (their ``step`` numbers must grow)."""
+    return _per_step(_steps(events))
+
+
+def _per_step(steps: list[tuple[float, dict]]) -> list[float]:
+    """`step_times` of a rank's `_steps`."""
+    st = [(t, e["step"]) for t, e in steps if isinstance(e.get("step"), (int, float))]
     out = []
     for (ta, sa), (tb, sb) in zip(st, st[1:]):
         dt, ds = tb - ta, sb - sa
@@ -217,8 +220,8 @@ def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) ->
     steps = {r: _steps(evs) for r, evs in per_rank.items()}   # once a rank: thousands of them
     own_times = {r: _own_times(st) for r, st in steps.items()}
     own = all(len(t) >= STRAGGLER_MIN_INTERVALS for t in own_times.values()) and per_rank
-    for r, evs in sorted(per_rank.items()):
-        times = own_times[r] if own else step_times(evs, steps[r])
+    for r in sorted(per_rank):
+        times = own_times[r] if own else _per_step(steps[r])
         if len(times) >= STRAGGLER_MIN_INTERVALS:
             ranks[r] = {"host": hosts.get(r), "step_s": statistics.median(times),
                         "intervals": len(times)}
@@ -227,7 +230,7 @@ def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) ->
     floor = 0.0
     if own:   # a wait for data counts only when it is a real share of the step
         floor = OWN_MIN_SHARE * statistics.median(
-            [t for r, evs in per_rank.items() for t in step_times(evs, steps[r])] or [0.0])
+            [t for st in steps.values() for t in _per_step(st)] or [0.0])
     _ratios(ranks, floor)
     by_node: dict[str, list[int]] = {}
     for r, d in ranks.items():

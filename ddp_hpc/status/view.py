@@ -242,9 +242,12 @@ def _event_lines(st: JobStatus, now: float) -> list[str]:
         return []
     if len(st.last_events) > EVENT_RANKS:
         return _grouped_event_lines(st.last_events, now)
-    return ["Last event per rank:"] + [
-        f"  rank {r:<3} {str(ev.get('host') or '-'):<10} restart {ev.get('restart', 0)}  "
-        f"{_ago(ev.get('time'), now):<16} {_event_text(ev)}" for r, ev in sorted(st.last_events.items())]
+    return ["Last event per rank:"] + [_rank_event_line(r, ev, now) for r, ev in sorted(st.last_events.items())]
+
+
+def _rank_event_line(rank: int, ev: dict, now: float) -> str:
+    return (f"  rank {rank:<3} {str(ev.get('host') or '-'):<10} restart {ev.get('restart', 0)}  "
+            f"{_ago(ev.get('time'), now):<16} {_event_text(ev)}")
 
 
 def _grouped_event_lines(last: dict[int, dict], now: float) -> list[str]:
@@ -259,9 +262,7 @@ def _grouped_event_lines(last: dict[int, dict], now: float) -> list[str]:
         times = [t for r in ranks if (t := last[r].get("time")) is not None]
         hosts = {last[r].get("host") for r in ranks}
         if len(ranks) == 1:
-            ev = last[ranks[0]]
-            out.append(f"  rank {ranks[0]:<3} {str(ev.get('host') or '-'):<10} restart {restart}  "
-                       f"{_ago(ev.get('time'), now):<16} {_event_text(ev)}")
+            out.append(_rank_event_line(ranks[0], last[ranks[0]], now))
             continue
         ago = _ago(max(times), now) if times else "-"
         if times and format_duration(now - min(times)) != format_duration(now - max(times)):
