@@ -8,6 +8,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from ddp_hpc.judge import kept
 from ddp_hpc.judge.nodefiles import log_events, rank_events, read_node_events
 from ddp_hpc.judge.reader import RunLogs
+from ddp_hpc.runlogs import nodelog
 from ddp_hpc.runlogs.nodelog import NodeLog
 from ddp_hpc.runlogs.writer import RunLog
 from ddp_hpc.supervise.watch import EventTail
@@ -227,6 +229,25 @@ def test_a_late_line_after_close_is_appended_directly(tmp_path, flush):
     log.close()
     log.write('{"event": "end", "rank": 0}\n')
     assert [e["event"] for e in _events(path)] == ["step", "end"]
+
+
+def test_a_forwarders_close_ends_its_thread_without_waiting_out_the_read_timeout(tmp_path, monkeypatch):
+    """A forwarder's thread reads with a timeout (`FLUSH_S`); a shut-down datagram socket polls
+    readable while a read of it says EAGAIN, which such a read retried until the timeout ended: every
+    forwarding rank spun a core for that long at its exit, and its close waited as long. Here the
+    timeout is a minute: close and the thread's end must not wait for it."""
+    monkeypatch.setattr(nodelog, "FLUSH_S", 60.0)
+    path = tmp_path / "node0.events.jsonl"
+    log = NodeLog(str(path))
+    assert log.forwarder
+    log.write('{"event": "step", "rank": 0, "step": 1}\n')
+    thread = next(t for t in threading.enumerate() if t.name == "ddp_hpc-node-events")
+    closer = threading.Thread(target=log.close)
+    closer.start()
+    closer.join(20)
+    thread.join(20)
+    assert not closer.is_alive() and not thread.is_alive(), "close waited out the forwarder's 60 s read timeout"
+    assert [e["step"] for e in _events(path)] == [1]
 
 
 def test_a_ranks_events_are_found_in_whichever_node_file_holds_them(tmp_path):
