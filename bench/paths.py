@@ -5,7 +5,7 @@ docs/architecture.md ("The submit path", "The status path"):
   (``ddp_hpc.submit.cli.main``) to the rank's process start, counted in this process: the submit
   command parses, chooses the backend, plans, writes the run directory, the record and
   ``local-plan.json``, and starts the driver. The child processes are not traced; they add the
-  driver (``python -m ddp_hpc.submit.local PLAN``: reads the plan, starts the rank through
+  driver (``python -m ddp_hpc.backends.localdriver PLAN``: reads the plan, starts the rank through
   ``ddp_hpc.launch``, keeps the final state in the record) and, per rank, the wrapper
   (``python -m ddp_hpc.exec -- python hello.py``: torchrun's variables, signal forwarding, the
   start/end events), which then starts the script. The tool waits for the driver to end.

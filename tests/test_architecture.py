@@ -150,7 +150,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runlogs", "judge", "records", "data", "dist"),                   # run logs written, judged; records, data, groups
     ("exec", "launch", "supervise"),                                   # wrapper, local launch, fault recovery
     ("train", "progress", "checkpoint", "preemption", "run", "instrument", "integrations"),  # training, the script API
-    ("status", "submit", "testcluster"),                               # the commands' packages
+    ("backends",),                                                     # a job's spec and the backends that run it
+    ("status", "testcluster"),                                         # job status; the test cluster
+    ("submit",),                                                       # submit, cancel, the Python API (ask status)
     ("cli", "__main__", "__init__"),                                   # ddp-hpc; the lazy public names
 )
 
@@ -280,10 +282,30 @@ def test_the_layer_rule_finds_an_upward_import_and_a_cycle(tmp_path):
     problems = layer_violations(tmp_path)
     assert problems == [
         "ddp_hpc/nowhere.py: ddp_hpc.nowhere is in no layer of LAYERS",
-        "ddp_hpc/slurm/cli.py:5 imports ddp_hpc.status.view (layer 6) from layer 1: move the code "
+        "ddp_hpc/slurm/cli.py:5 imports ddp_hpc.status.view (layer 7) from layer 1: move the code "
         "that needs it up, or what it needs down",
         "import cycle ddp_hpc.env.a <-> ddp_hpc.env.b: ddp_hpc/env/a.py:1 imports ddp_hpc.env.b; "
         "ddp_hpc/env/b.py:5 imports ddp_hpc.env.a",
+    ], problems
+
+
+def test_status_may_not_ask_the_submit_commands_but_the_backends_below_it(tmp_path):
+    """Status sits between the backends (which it asks about a job) and the commands that submit
+    and cancel (which ask it): a status module importing ``ddp_hpc.submit`` breaks the rule, one
+    importing ``ddp_hpc.backends`` does not; a backend importing status breaks it too."""
+    tree = {"__init__.py": "", "status/__init__.py": "", "submit/__init__.py": "", "backends/__init__.py": "",
+            "status/targets.py": "from ddp_hpc import backends\nfrom ddp_hpc.submit import api\n",
+            "submit/api.py": "from ddp_hpc.status import targets\n",
+            "backends/local.py": "from ddp_hpc.status import targets\n"}
+    for name, text in tree.items():
+        (tmp_path / "ddp_hpc" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ddp_hpc" / name).write_text(text)
+    problems = [p for p in layer_violations(tmp_path) if not p.startswith("import cycle")]
+    assert problems == [
+        "ddp_hpc/backends/local.py:1 imports ddp_hpc.status.targets (layer 7) from layer 6: move the "
+        "code that needs it up, or what it needs down",
+        "ddp_hpc/status/targets.py:2 imports ddp_hpc.submit.api (layer 8) from layer 7: move the code "
+        "that needs it up, or what it needs down",
     ], problems
 
 

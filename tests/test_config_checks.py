@@ -62,9 +62,9 @@ def test_a_value_outside_a_keys_fixed_set_is_a_wrong_value_naming_the_valid_ones
 def test_ids_names_and_keys_with_a_trailing_newline_are_refused_everywhere(tmp_path):
     """The other $-anchored checks match the whole value too: a job id for status or Slurm's
     commands, a module for -m, a checkpoint's file name."""
+    from ddp_hpc.backends.spec import SpecError
     from ddp_hpc.slurm.values import SlurmArgumentError, validate_job_id
     from ddp_hpc.status.targets import is_slurm_id
-    from ddp_hpc.submit.spec import SpecError
     from ddp_hpc.submit.target import module_command
     from ddp_hpc.train.checkpoint import list_checkpoints
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc.backends.render import render, sbatch_options
+from ddp_hpc.backends.spec import JobSpec, TaskSpec
 from ddp_hpc.config import SlurmOptions
-from ddp_hpc.submit.render import render, sbatch_options
-from ddp_hpc.submit.spec import JobSpec, TaskSpec
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("DDP_HPC_UPDATE_GOLDEN") == "1"

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
+from ddp_hpc.backends import check_options, get
+from ddp_hpc.backends.slurmjob import submitit_parameters
+from ddp_hpc.backends.spec import JobSpec, SpecError, TaskSpec
 from ddp_hpc.config import ConfigError, SlurmOptions
 from ddp_hpc.config import slurm_options as so
-from ddp_hpc.submit.backends import check_options, get
-from ddp_hpc.submit.slurm import submitit_parameters
-from ddp_hpc.submit.spec import JobSpec, SpecError, TaskSpec
 
 
 def _spec(**opts) -> JobSpec:

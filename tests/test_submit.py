@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc import backends
+from ddp_hpc.backends.base import clean_slurm_env
+from ddp_hpc.backends.slurmjob import check_against_cluster, submitit_parameters
+from ddp_hpc.backends.spec import SpecError, build_spec, parse_sweeps, sweep_tasks
 from ddp_hpc.config import ConfigError, SlurmOptions, load_config, parse_signal, time_to_seconds
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.errors import HintError
 from ddp_hpc.slurm.cli import SlurmCLI
-from ddp_hpc.submit import backends
 from ddp_hpc.submit import cli as submit
-from ddp_hpc.submit.backends.base import clean_slurm_env
-from ddp_hpc.submit.slurm import check_against_cluster, submitit_parameters
-from ddp_hpc.submit.spec import SpecError, build_spec, parse_sweeps, sweep_tasks
 
 PY = sys.executable
 
@@ -287,7 +287,7 @@ def test_a_node_range_goes_to_sbatch_and_the_local_backend_runs_max(job, tmp_pat
     assert submit._backend(merged(opts, {"nodes": 2}), _Cluster()).name == "submitit"
     # the record keeps MAX as its nodes and MIN beside it (status shows the range); the local
     # backend's runs MAX, no range
-    from ddp_hpc.submit.backends.base import record
+    from ddp_hpc.backends.base import record
     sbatch, local = backends.get("sbatch"), backends.get("local")
     spec = build_spec(opts, config_path=job, cfg=load_config(job), overrides=[])
     assert (record(spec, "55", sbatch, "c").nodes, record(spec, "55", sbatch, "c").min_nodes) == (2, 1)
@@ -305,7 +305,7 @@ def _write_events(d: Path, rank: int, events):
 
 
 def test_run_verdict_and_progress_from_run_logs(tmp_path):
-    from ddp_hpc.submit.wait import latest_step, run_verdict, world_that_ran
+    from ddp_hpc.backends.wait import latest_step, run_verdict, world_that_ran
     d = tmp_path / "run"
     _write_events(d, 0, [{"event": "start"}, {"event": "step", "step": 5, "total_steps": 9, "loss": 0.5},
                          {"event": "end", "status": "completed", "step": 9}])

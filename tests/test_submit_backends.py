@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc import records
+from ddp_hpc import backends, records
+from ddp_hpc.backends.base import Plan, Submitted, make_run_dirs, record
+from ddp_hpc.backends.spec import SpecError
 from ddp_hpc.status.targets import StatusTarget
-from ddp_hpc.submit import backends, cancel
+from ddp_hpc.submit import cancel
 from ddp_hpc.submit import cli as submit_cli
 from ddp_hpc.submit.api import submit_job
-from ddp_hpc.submit.backends.base import Plan, Submitted, make_run_dirs, record
-from ddp_hpc.submit.spec import SpecError
 
 PY = sys.executable
 

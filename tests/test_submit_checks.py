@@ -1,4 +1,4 @@
-"""ddp_hpc.submit.checks: CPUs and memory per node against sinfo's partitions (parsed from
+"""ddp_hpc.backends.checks: CPUs and memory per node against sinfo's partitions (parsed from
 sinfo-shaped output by SlurmCLI, as submit gets them), on jobs/demo.yaml."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc.backends.checks import check_resources, partition_named, size_mb
+from ddp_hpc.backends.slurmjob import check_against_cluster
+from ddp_hpc.backends.spec import SpecError, build_spec
 from ddp_hpc.config import load_config
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.slurm.cli import SEP, SlurmCLI
-from ddp_hpc.submit.checks import check_resources, partition_named, size_mb
-from ddp_hpc.submit.slurm import check_against_cluster
-from ddp_hpc.submit.spec import SpecError, build_spec
 
 DEMO = Path(__file__).resolve().parents[1] / "jobs" / "demo.yaml"
 

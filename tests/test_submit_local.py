@@ -73,7 +73,7 @@ def test_background_run_records_driver_and_finishes(tmp_path):
     job_id = p.stdout.strip().splitlines()[-1]
     rec = records.load_record(job_id, environ={"DDP_HPC_HOME": str(tmp_path / "home")})
     assert rec.pids and rec.pids[0] > 0
-    from ddp_hpc.submit.wait import run_verdict
+    from ddp_hpc.backends.wait import run_verdict
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         rec = records.load_record(job_id, environ={"DDP_HPC_HOME": str(tmp_path / "home")})

@@ -18,16 +18,15 @@ from pathlib import Path
 import pytest
 
 from ddp_hpc import records
+from ddp_hpc.backends import get, render
+from ddp_hpc.backends.slurmjob import submitit_parameters
+from ddp_hpc.backends.spec import SpecError, build_spec
 from ddp_hpc.config import config_to_dict, load_config
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.slurm.cli import SlurmCLI
-from ddp_hpc.submit import render
-from ddp_hpc.submit.backends import get
 from ddp_hpc.submit.resume import next_restart, resume_or_new
-from ddp_hpc.submit.slurm import submitit_parameters
-from ddp_hpc.submit.spec import SpecError, build_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "jobs" / "demo.yaml")

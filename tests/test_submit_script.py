@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc.backends.spec import SpecError
 from ddp_hpc.submit import cli as submit
-from ddp_hpc.submit.spec import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -104,7 +104,7 @@ def test_dry_run_submitit_calls_the_command_task(tmp_path):
     p = _cli(["--backend", "submitit", "--dry-run", "-m", "json.tool", "--sort-keys"], tmp_path)
     assert p.returncode == 0, p.stderr
     (call,) = json.loads(p.stdout)["calls"]
-    assert call["function"] == "ddp_hpc.submit.slurm.run_command_task"
+    assert call["function"] == "ddp_hpc.backends.slurmjob.run_command_task"
     assert call["args"][0] == [PY, "-m", "json.tool", "--sort-keys"] and call["args"][2] == "USR2"
     assert json.loads(p.stdout)["parameters"]["cpus_per_task"] == 1
 

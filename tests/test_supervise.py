@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc.backends import check_options, get
+from ddp_hpc.backends.render import render
+from ddp_hpc.backends.spec import JobSpec, SpecError, TaskSpec
 from ddp_hpc.config import ConfigError, SlurmOptions
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.env import job_facts
@@ -20,9 +23,6 @@ from ddp_hpc.judge.restarts import read_restarts, sched_index
 from ddp_hpc.runlogs.restarts import append_restart
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.query import _view_from_rows  # the rows -> state step of query_slurm
-from ddp_hpc.submit.backends import check_options, get
-from ddp_hpc.submit.render import render
-from ddp_hpc.submit.spec import JobSpec, SpecError, TaskSpec
 from ddp_hpc.supervise import watch
 from ddp_hpc.supervise.cli import main as supervise_main
 from ddp_hpc.supervise.loop import Settings, step_args, step_env

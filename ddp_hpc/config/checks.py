@@ -17,7 +17,7 @@ __all__ = ["BACKENDS", "time_to_seconds", "parse_signal", "check_count", "check_
            "check_stage", "PLAIN"]
 
 #: the names --backend / slurm.backend take: auto and the built-in backends; a backend registered
-#: later (``ddp_hpc.submit.backends.register``) adds its name here (one list: argparse's choices too)
+#: later (``ddp_hpc.backends.register``) adds its name here (one list: argparse's choices too)
 BACKENDS: list[str] = ["auto", "submitit", "sbatch", "local"]
 
 #: what may stand in an #SBATCH line: no blanks, quotes, $, #, ; or backslashes

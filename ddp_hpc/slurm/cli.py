@@ -102,7 +102,7 @@ class SlurmCLI:
         #: later commands that need it fail at once instead of retrying for seconds each
         self.controller_down: str | None = None
         #: the first line of the error of the sinfo that found no controller when a backend was
-        #: chosen (``submit.backends.choose``; ``submit -v`` shows it)
+        #: chosen (``backends.choose``; ``submit -v`` shows it)
         self.unreachable: str | None = None
 
     # -- plumbing -------------------------------------------------------------------------------

@@ -10,9 +10,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from ddp_hpc import records
+from ddp_hpc import backends, records
 from ddp_hpc.errors import HintError
-from ddp_hpc.submit import backends
 
 _SLURM_ID = re.compile(r"^\d+(_\d+)?$")
 

@@ -7,7 +7,7 @@ job and get a handle back.
     value = job.result()           # rank 0's return value; the first failing rank's error raised
     job = ddp_hpc.submit_job(["train.py", "--lr", "0.1"], nodes=2, gpus=4)   # a script, as the CLI
 
-A function runs on every rank with torchrun's variables set (``ddp_hpc.submit.functions``),
+A function runs on every rank with torchrun's variables set (``ddp_hpc.backends.functions``),
 through a backend that takes functions (submitit on Slurm, local processes here); a command goes
 the way ``ddp-hpc submit`` sends it (``dispatch``, any backend). Backend ``auto`` picks as the CLI does. The
 Slurm keywords are the fields of ``ddp_hpc.config.SlurmOptions`` (``time``, ``partition``,
@@ -25,16 +25,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from ddp_hpc import backends
+from ddp_hpc.backends.base import GRACE_S, Backend, SubmitOptions, clean_slurm_env, say
+from ddp_hpc.backends.functions import describe
+from ddp_hpc.backends.spec import SpecError, build_command_spec, stage_items
 from ddp_hpc.config import SlurmOptions
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch import RankFailedError
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.states import JobState
-from ddp_hpc.submit import backends
-from ddp_hpc.submit.backends.base import GRACE_S, Backend, SubmitOptions, clean_slurm_env, say
-from ddp_hpc.submit.functions import describe
-from ddp_hpc.submit.spec import SpecError, build_command_spec, stage_items
 from ddp_hpc.submit.target import script_command
 
 __all__ = ["submit_job", "Job"]

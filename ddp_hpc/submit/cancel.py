@@ -10,7 +10,7 @@
 - A Slurm job or array task (``123``, ``123_4``): ``scancel`` (through ``ddp_hpc.slurm.cli``);
   status keeps the CANCELLED that the scheduler then reports in the record.
 
-Which of the two is the job's backend's business (``ddp_hpc.submit.backends``: ``cancel``).
+Which of the two is the job's backend's business (``ddp_hpc.backends``: ``cancel``).
 """
 from __future__ import annotations
 
@@ -20,15 +20,14 @@ import sys
 import time
 from typing import Sequence
 
-from ddp_hpc import records
+from ddp_hpc import backends, records
+from ddp_hpc.backends.base import GRACE_S, CancelError, clean_slurm_env
+from ddp_hpc.backends.onslurm import scancel
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.targets import StatusTarget, is_slurm_id, job_targets
-from ddp_hpc.submit import backends
-from ddp_hpc.submit.backends.base import GRACE_S, CancelError, clean_slurm_env
-from ddp_hpc.submit.backends.onslurm import scancel
 from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 __all__ = ["cancel", "main", "CancelError"]

@@ -12,7 +12,7 @@ A script or module runs on every rank under ``ddp_hpc.exec`` (preflight, the tor
 signal forwarding, start/end events for status); every word after it is its own, verbatim.
 
 Backends: ``submitit`` (Slurm through submitit), ``sbatch`` (a rendered batch script, see
-``ddp_hpc.submit.render``), ``local`` (N x G processes on this machine as N pretend nodes, gloo
+``ddp_hpc.backends.render``), ``local`` (N x G processes on this machine as N pretend nodes, gloo
 on CPU), ``auto`` (submitit when sbatch is installed and the controller answers, else local; it
 says which and why). The Slurm options and their flags are the fields of
 ``ddp_hpc.config.SlurmOptions``; they may also come from the job YAML's ``slurm:`` section (the
@@ -33,14 +33,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ddp_hpc.config import ConfigError, JobConfig, load_config, slurm_options
-from ddp_hpc.config.validate import validate_job
-from ddp_hpc.errors import HintError, report
-from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
-from ddp_hpc.submit import backends
-from ddp_hpc.submit.backends.base import Backend, SubmitOptions, clean_slurm_env, say
-from ddp_hpc.submit.resume import resume_or_new
-from ddp_hpc.submit.spec import (
+from ddp_hpc import backends
+from ddp_hpc.backends.base import Backend, SubmitOptions, clean_slurm_env, say
+from ddp_hpc.backends.spec import (
     SpecError,
     build_command_spec,
     build_spec,
@@ -51,6 +46,11 @@ from ddp_hpc.submit.spec import (
     stage_items,
     sweep_tasks,
 )
+from ddp_hpc.config import ConfigError, JobConfig, load_config, slurm_options
+from ddp_hpc.config.validate import validate_job
+from ddp_hpc.errors import HintError, report
+from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
+from ddp_hpc.submit.resume import resume_or_new
 from ddp_hpc.submit.target import SubmitTarget, module_command, script_command, split_argv
 from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 

@@ -33,13 +33,13 @@ from typing import Callable, Sequence
 import yaml
 
 from ddp_hpc import records
+from ddp_hpc.backends.base import Backend
+from ddp_hpc.backends.spec import JobSpec, SpecError
 from ddp_hpc.config import JobConfig, config_to_dict
 from ddp_hpc.judge.reader import RunEnding, RunLogs, run_ending
 from ddp_hpc.runlogs.schema import CONFIG_FILE
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.query import current_cluster
-from ddp_hpc.submit.backends.base import Backend
-from ddp_hpc.submit.spec import JobSpec, SpecError
 
 __all__ = ["earlier_run", "next_restart", "resume_or_new"]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ddp_hpc.submit.spec import SpecError
+from ddp_hpc.backends.spec import SpecError
 
 __all__ = ["SubmitTarget", "split_argv", "script_command", "module_command"]
 

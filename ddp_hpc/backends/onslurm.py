@@ -9,11 +9,8 @@ import socket
 from typing import Any, Sequence
 
 from ddp_hpc import records
-from ddp_hpc.config import JobConfig
-from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
-from ddp_hpc.slurm.states import parse_state
-from ddp_hpc.submit import slurm as submit_slurm
-from ddp_hpc.submit.backends.base import (
+from ddp_hpc.backends import slurmjob
+from ddp_hpc.backends.base import (
     CancelError,
     Plan,
     SubmitOptions,
@@ -24,9 +21,12 @@ from ddp_hpc.submit.backends.base import (
     removed_note,
     say,
 )
-from ddp_hpc.submit.checks import check_resources, partition_named
-from ddp_hpc.submit.spec import JobSpec, SpecError
-from ddp_hpc.submit.wait import wait_and_judge
+from ddp_hpc.backends.checks import check_resources, partition_named
+from ddp_hpc.backends.spec import JobSpec, SpecError
+from ddp_hpc.backends.wait import wait_and_judge
+from ddp_hpc.config import JobConfig
+from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
+from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.text import plural, shown_path
 
 __all__ = ["SlurmBackend", "scancel", "cluster_of"]
@@ -48,7 +48,7 @@ def preflight(spec: JobSpec, name: str, cli: SlurmCLI, dry_run: bool) -> None:
         say(f"dry run without a reachable cluster: partition and GPU checks skipped "
             f"({str(exc).splitlines()[0]})")
         return
-    part = submit_slurm.check_against_cluster(spec, partitions)
+    part = slurmjob.check_against_cluster(spec, partitions)
     check_resources(spec, partition_named(partitions, part))
 
 

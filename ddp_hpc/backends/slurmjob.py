@@ -1,6 +1,6 @@
-"""The Slurm side of the sbatch and submitit backends (``ddp_hpc.submit.backends``): submitit's
+"""The Slurm side of the sbatch and submitit backends (``ddp_hpc.backends``): submitit's
 parameters and what each of its tasks calls, the sbatch script file, and the checks against sinfo
-that run before anything is submitted. (Waiting for a submitted job: ``ddp_hpc.submit.wait``.)
+that run before anything is submitted. (Waiting for a submitted job: ``ddp_hpc.backends.wait``.)
 
 Why checks here and not left to sbatch: sbatch's own refusals ("Requested node configuration is
 not available", "invalid partition specified") do not say which value was wrong or what would
@@ -14,12 +14,12 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ddp_hpc.backends import render
+from ddp_hpc.backends.spec import JobSpec, SpecError
 from ddp_hpc.config.slurm_options import sbatch_items
 from ddp_hpc.env.job import RESTART_BASE_VAR
 from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.runlogs.schema import rank_out
-from ddp_hpc.submit import render
-from ddp_hpc.submit.spec import JobSpec, SpecError
 
 __all__ = ["check_against_cluster", "submitit_parameters",
            "submitit_folder", "submitit_script", "run_task", "run_command_task", "submitit_calls"]

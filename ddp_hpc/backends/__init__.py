@@ -1,7 +1,7 @@
 """The backends, by name: the one place a backend's name is looked up, and the one place a
 checked spec is handed to a backend (``dispatch``).
 
-    from ddp_hpc.submit import backends
+    from ddp_hpc import backends
     backend, why = backends.choose(opts, cli)      # --backend NAME, or auto: which and why
     done = backends.dispatch(spec, backend, cli, SubmitOptions(wait=True))   # -> Submitted
     backends.get("sbatch"); backends.of_record(rec)
@@ -11,6 +11,12 @@ here), ``sbatch`` (a rendered batch script), ``submitit`` (Slurm through submiti
 else (the command line, the Python API, cancel, resume, status's targets) holds a ``Backend`` and
 asks it, never compares names. A new backend is a class and one ``register(...)`` call
 (docs/architecture.md, "The Backend seam").
+
+What they share lies here too, below ``ddp_hpc.status`` and the commands: the checked request
+(``spec.JobSpec``), the sbatch script (``render``, pure), submitit's side of a Slurm job
+(``slurmjob``) and the checks against sinfo (``checks``), the local driver (``localdriver``), a
+Python function as a job (``functions``) and the wait for a Slurm job's end (``wait``). Nothing
+in this package imports ``ddp_hpc.status`` or ``ddp_hpc.submit``.
 """
 
 from __future__ import annotations
@@ -19,15 +25,15 @@ import shutil
 import sys
 from typing import Any, Sequence
 
+from ddp_hpc.backends.base import Backend, SubmitOptions, Submitted, say
+from ddp_hpc.backends.local import LocalBackend
+from ddp_hpc.backends.sbatch import SbatchBackend
+from ddp_hpc.backends.spec import JobSpec, SpecError
+from ddp_hpc.backends.submitit import SubmititBackend
 from ddp_hpc.config import JobConfig
 from ddp_hpc.config.checks import BACKENDS
 from ddp_hpc.config.slurm_options import SlurmOptions
 from ddp_hpc.slurm.cli import SlurmError
-from ddp_hpc.submit.backends.base import Backend, SubmitOptions, Submitted, say
-from ddp_hpc.submit.backends.local import LocalBackend
-from ddp_hpc.submit.backends.sbatch import SbatchBackend
-from ddp_hpc.submit.backends.submitit import SubmititBackend
-from ddp_hpc.submit.spec import JobSpec, SpecError
 
 __all__ = ["Backend", "register", "unregister", "get", "of_record", "names", "choose",
            "check_options", "dispatch"]

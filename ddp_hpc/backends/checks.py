@@ -16,7 +16,7 @@ import math
 import re
 from typing import Any, Mapping, Sequence
 
-from ddp_hpc.submit.spec import JobSpec, SpecError
+from ddp_hpc.backends.spec import JobSpec, SpecError
 from ddp_hpc.text import plural
 
 __all__ = ["partition_named", "check_resources", "size_mb"]

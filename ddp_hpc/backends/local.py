@@ -1,7 +1,7 @@
 """The ``local`` backend: the job as N pretend nodes x G processes on this machine (gloo on the
 CPU, or one GPU per rank). A command or config job goes to the local driver
-(``ddp_hpc.submit.local``: in the foreground with ``--wait``, else detached), a Python function to
-``ddp_hpc.submit.functions.local_driver`` in a child process with a pipe back to its handle. Its
+(``ddp_hpc.backends.localdriver``: in the foreground with ``--wait``, else detached), a Python function to
+``ddp_hpc.backends.functions.local_driver`` in a child process with a pipe back to its handle. Its
 jobs' processes are in the record (``pids``, ``pid_times``): whether the job still runs and how it
 is cancelled are read from them."""
 
@@ -20,6 +20,20 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ddp_hpc import records
+from ddp_hpc.backends import localdriver as driver
+from ddp_hpc.backends.base import (
+    CancelError,
+    Plan,
+    SubmitOptions,
+    Submitted,
+    clean_slurm_env,
+    make_run_dirs,
+    record,
+    removed_note,
+    say,
+)
+from ddp_hpc.backends.functions import describe, local_driver
+from ddp_hpc.backends.spec import JobSpec, SpecError
 from ddp_hpc.config import JobConfig
 from ddp_hpc.data.scriptstage import encode_items
 from ddp_hpc.env import host_gpus
@@ -36,20 +50,6 @@ from ddp_hpc.launch.tree import (
 )
 from ddp_hpc.runlogs.schema import LOCAL_DRIVER_OUT
 from ddp_hpc.slurm.states import JobState, parse_state
-from ddp_hpc.submit import local as driver
-from ddp_hpc.submit.backends.base import (
-    CancelError,
-    Plan,
-    SubmitOptions,
-    Submitted,
-    clean_slurm_env,
-    make_run_dirs,
-    record,
-    removed_note,
-    say,
-)
-from ddp_hpc.submit.functions import describe, local_driver
-from ddp_hpc.submit.spec import JobSpec, SpecError
 from ddp_hpc.text import plural, prog, shown_path
 
 __all__ = ["LocalBackend", "CANCEL", "check_gpus", "write_plan", "start_detached"]
@@ -214,7 +214,7 @@ def start_detached(plan_path: Path, env: Mapping[str, str], python: str = sys.ex
     """Start the driver in its own session (it outlives this command); returns its pid."""
     out = Path(plan_path).parent / LOCAL_DRIVER_OUT
     with open(out, "ab") as f:
-        proc = subprocess.Popen([python, "-m", "ddp_hpc.submit.local", str(plan_path)],
+        proc = subprocess.Popen([python, "-m", "ddp_hpc.backends.localdriver", str(plan_path)],
                                 env=dict(env), stdin=subprocess.DEVNULL, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     return proc.pid

@@ -3,11 +3,11 @@ pretend nodes (gloo on CPU), through ``ddp_hpc.launch.start_local``.
 
 Why a driver process: a sweep is several runs one after another, and without ``--wait`` the
 submit command must return at once while the runs go on. So the local backend
-(``ddp_hpc.submit.backends.local``) writes a small plan (``local-plan.json`` in the job's log
+(``ddp_hpc.backends.local``) writes a small plan (``local-plan.json`` in the job's log
 directory: nodes, procs_per_node, runs of argv / log_dir / job_id / task_id, record_id, workdir,
 ddp_hpc_home) and runs this module's driver on it, in the foreground with ``--wait`` (rank 0's
 output, its progress lines included, copied to the terminal as it is written) or detached in its
-own session otherwise (``python -m ddp_hpc.submit.local PLAN``). The driver keeps the job record's
+own session otherwise (``python -m ddp_hpc.backends.localdriver PLAN``). The driver keeps the job record's
 ``pids`` current, so ``ddp_hpc.status`` can tell a running local job from a dead one.
 """
 
@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ddp_hpc import records
+from ddp_hpc.backends import wait
 from ddp_hpc.exits import exit_status_of_signal
 from ddp_hpc.judge import kept
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch import start_local
 from ddp_hpc.launch.tree import start_time
 from ddp_hpc.runlogs.schema import rank_out
-from ddp_hpc.submit import wait
 from ddp_hpc.text import plural
 
 __all__ = ["run_plan", "ending_words", "main"]
@@ -165,7 +165,7 @@ def _task_key(run: dict) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m ddp_hpc.submit.local PLAN.json  (written by ddp_hpc.submit)",
+        print("usage: python -m ddp_hpc.backends.localdriver PLAN.json  (written by ddp_hpc.submit)",
               file=sys.stderr)
         return 2
     started = time.time()

@@ -32,12 +32,12 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 import yaml
 
 from ddp_hpc import records
+from ddp_hpc.backends.spec import JobSpec, SpecError
 from ddp_hpc.config import JobConfig, config_to_dict
 from ddp_hpc.env.job import RESTART_BASE_VAR
 from ddp_hpc.errors import HintError
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.runlogs.schema import CONFIG_FILE
-from ddp_hpc.submit.spec import JobSpec, SpecError
 
 __all__ = ["GRACE_S", "clean_slurm_env", "cleaned_environ", "Backend", "Plan", "SubmitOptions",
            "Submitted", "CancelError", "say", "record", "make_run_dirs", "removed_note"]

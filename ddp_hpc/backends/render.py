@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import shlex
 
+from ddp_hpc.backends.spec import JobSpec
 from ddp_hpc.config.slurm_options import DEFAULT_HANG_TIMEOUT, sbatch_items
 from ddp_hpc.exits import EX_TEMPFAIL
 from ddp_hpc.runlogs.schema import batch_out, rank_out
-from ddp_hpc.submit.spec import JobSpec
 
 __all__ = ["render", "sbatch_options", "srun_args", "stage_sbcast_lines"]
 

@@ -1,19 +1,19 @@
-"""The ``submitit`` backend: Slurm through submitit's executor (``ddp_hpc.submit.slurm``: its
+"""The ``submitit`` backend: Slurm through submitit's executor (``ddp_hpc.backends.slurmjob``: its
 parameters, what each task calls). It also takes a Python function as the job: submitit pickles
-it, and every rank runs it under ``ddp_hpc.submit.functions.rank_entry``."""
+it, and every rank runs it under ``ddp_hpc.backends.functions.rank_entry``."""
 
 from __future__ import annotations
 
 import json
 from typing import Any, Callable
 
+from ddp_hpc.backends import slurmjob
+from ddp_hpc.backends.base import Plan, Submitted, cleaned_environ, make_run_dirs, record
+from ddp_hpc.backends.functions import rank_entry
+from ddp_hpc.backends.onslurm import SlurmBackend, cluster_of
+from ddp_hpc.backends.spec import JobSpec
 from ddp_hpc.data.scriptstage import encode_items
 from ddp_hpc.slurm.cli import SlurmCLI
-from ddp_hpc.submit import slurm as submit_slurm
-from ddp_hpc.submit.backends.base import Plan, Submitted, cleaned_environ, make_run_dirs, record
-from ddp_hpc.submit.backends.onslurm import SlurmBackend, cluster_of
-from ddp_hpc.submit.functions import rank_entry
-from ddp_hpc.submit.spec import JobSpec
 
 __all__ = ["SubmititBackend"]
 
@@ -24,10 +24,10 @@ class SubmititBackend(SlurmBackend):
 
     def dry_run_text(self, spec: JobSpec) -> str:
         calls = [{"task_id": t.task_id, "function": f"{fn.__module__}.{fn.__name__}", "args": fargs}
-                 for t, (fn, fargs) in zip(spec.tasks, submit_slurm.submitit_calls(spec))]
+                 for t, (fn, fargs) in zip(spec.tasks, slurmjob.submitit_calls(spec))]
         return json.dumps({"executor": "submitit.SlurmExecutor",
-                           "folder": str(submit_slurm.submitit_folder(spec)),
-                           "parameters": submit_slurm.submitit_parameters(spec), "calls": calls},
+                           "folder": str(slurmjob.submitit_folder(spec)),
+                           "parameters": slurmjob.submitit_parameters(spec), "calls": calls},
                           indent=2) + "\n"
 
     def queue(self, plan: Plan) -> tuple[str, str | None]:
@@ -36,9 +36,9 @@ class SubmititBackend(SlurmBackend):
         import submitit
 
         spec = plan.spec
-        ex = submitit.SlurmExecutor(folder=submit_slurm.submitit_folder(spec), max_num_timeout=1000)
-        ex.update_parameters(**submit_slurm.submitit_parameters(spec))
-        calls = submit_slurm.submitit_calls(spec)
+        ex = submitit.SlurmExecutor(folder=slurmjob.submitit_folder(spec), max_num_timeout=1000)
+        ex.update_parameters(**slurmjob.submitit_parameters(spec))
+        calls = slurmjob.submitit_calls(spec)
         fn = calls[0][0]
         with cleaned_environ():
             if spec.is_array:
@@ -47,7 +47,7 @@ class SubmititBackend(SlurmBackend):
             else:
                 jobs = [ex.submit(fn, *calls[0][1])]
         job_id = str(jobs[0].job_id).split("_")[0]
-        return job_id, submit_slurm.submitit_script(spec, job_id)
+        return job_id, slurmjob.submitit_script(spec, job_id)
 
     def submit_function(self, spec: JobSpec, fn: Callable, args: tuple, kwargs: dict,
                         cli: SlurmCLI) -> Submitted:
@@ -55,10 +55,10 @@ class SubmititBackend(SlurmBackend):
 
         self.check(spec, cli, False)
         make_run_dirs(spec, None)
-        ex = submitit.SlurmExecutor(folder=submit_slurm.submitit_folder(spec), max_num_timeout=1000)
-        ex.update_parameters(**submit_slurm.submitit_parameters(spec))
+        ex = submitit.SlurmExecutor(folder=slurmjob.submitit_folder(spec), max_num_timeout=1000)
+        ex.update_parameters(**slurmjob.submitit_parameters(spec))
         with cleaned_environ():
             sjob: Any = ex.submit(rank_entry, fn, args, kwargs, spec.log_dir, encode_items(spec.stage))
         rec = record(spec, str(sjob.job_id), self, cluster_of(cli),
-                     script=submit_slurm.submitit_script(spec, str(sjob.job_id)))
+                     script=slurmjob.submitit_script(spec, str(sjob.job_id)))
         return Submitted(rec, handles={"submitit_job": sjob})

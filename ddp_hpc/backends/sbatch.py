@@ -1,4 +1,4 @@
-"""The ``sbatch`` backend: a rendered batch script (``ddp_hpc.submit.render``, kept as
+"""The ``sbatch`` backend: a rendered batch script (``ddp_hpc.backends.render``, kept as
 ``<log_dir>/job.sbatch``) queued with sbatch. The only backend that takes a node range, a
 container and the restarts inside the allocation (``ddp_hpc.supervise`` runs in its batch step)."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ddp_hpc.backends import render
+from ddp_hpc.backends.base import Plan
+from ddp_hpc.backends.onslurm import SlurmBackend
+from ddp_hpc.backends.spec import JobSpec
 from ddp_hpc.fsutil import atomic_write_text
 from ddp_hpc.slurm.cli import SlurmCLI
-from ddp_hpc.submit import render
-from ddp_hpc.submit.backends.base import Plan
-from ddp_hpc.submit.backends.onslurm import SlurmBackend
-from ddp_hpc.submit.spec import JobSpec
 
 __all__ = ["SbatchBackend", "SCRIPT_NAME"]
 
