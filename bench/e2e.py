@@ -14,7 +14,7 @@ whatever ``data.io`` is); the end-of-training checkpoint is kept.
 
 Scenarios: ``warm`` (the shared files in the page cache) and ``simfs``, a SIMULATED
 metadata-bound shared filesystem: ``ddp_hpc.data.fsio`` sleeps a fixed time (1 ms by default) on
-every open below the shared folder, as bench/io.py does; a Lustre/GPFS open costs a metadata
+every open below the shared folder, as bench/sharedfs.py does; a Lustre/GPFS open costs a metadata
 round trip.  Opens below the shared folder are counted by the same instrumented open, in every
 rank, staging and broadcast readers included.
 

@@ -5,7 +5,7 @@ bytes, and where the loader's time goes.
     .venv/bin/python bench/framing.py --files 20000 --reps 11 --profile
     .venv/bin/python bench/framing.py --alone            # the reader's work alone: seconds, no ranks
 
-The same measurement ``bench/io.py`` makes in its run (:func:`delivery`, imported there): 4 ranks
+The same measurement ``bench/sharedfs.py`` makes in its run (:func:`delivery`, imported there): 4 ranks
 as 2 pretend nodes of 2 (``--ranks``, ``--nodes``), node groups, the samples in memory (no reads,
 no decode), one epoch's steps of 64 samples.  Cases, interleaved over ``--reps`` repetitions, best and median kept:
 
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=4, help="ranks (default: 4)")
     p.add_argument("--nodes", type=int, default=2, help="pretend nodes they make (default: 2; node groups)")
     p.add_argument("--alone", action="store_true", help="only the reader's work alone (one process, seconds)")
-    p.add_argument("--workdir", default="/tmp/ddp_hpc_io_bench", help="where the images go (bench/io.py's)")
+    p.add_argument("--workdir", default="/tmp/ddp_hpc_io_bench", help="where the images go (bench/sharedfs.py's)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "framing.json"))
     args = p.parse_args(argv)
     from ddp_hpc.examples.images import make_images

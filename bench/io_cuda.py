@@ -10,7 +10,7 @@ the best epoch's samples/s (all ranks) after the first epoch, from the run log's
 first epoch is shown beside it (``--drop-caches``: after dropping the page cache, root only; it
 slows every other user of the machine, so only on a machine of your own). The
 files sit on a local disk, so this measures what each cure costs the GPU's feed on one node, not
-a shared filesystem (bench/io.py and docs/io.md do that on CPU).
+a shared filesystem (bench/sharedfs.py and docs/io.md do that on CPU).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ broadcast loader, against ddp_hpc's own loop and against WebDataset, LitData and
     PYTHONPATH=<the peers> .venv/bin/python bench/io_scripts.py          # 20,000 PNGs, about 15 minutes
     .venv-bench/bin/python bench/io_scripts.py --quick                    # 400 PNGs, a smoke run
 
-The data is bench/io.py's and bench/peers.py's (20,000 class-per-folder PNGs of ``ddp-hpc data
+The data is bench/sharedfs.py's and bench/peers.py's (20,000 class-per-folder PNGs of ``ddp-hpc data
 make-images``, their LMDB and each peer's own pack of them), 2 pretend nodes x 2 ranks.  Each cell
 is the first epoch of a fresh job, read and decoded, warm (page cache filled first) and on the
 SIMULATED metadata-bound filesystem (``ddp_hpc.data.fsio`` sleeps ``--delay-ms`` per open of a

@@ -3,7 +3,7 @@
     .venv/bin/python bench/lmdb_floor.py PACKED.lmdb
 
 Times, over the same 200,000 random indices, in interleaved rounds (best and median of 9):
-``bare`` (bench/io.py's baseline: ``txn.get(b"%010d" % i)`` inline in the loop), ``floor`` (the
+``bare`` (bench/sharedfs.py's baseline: ``txn.get(b"%010d" % i)`` inline in the loop), ``floor`` (the
 least a dataset method can be: a plain function ``return get(b"%010d" % i), labels[i]``, no
 checks) and ``raw_item`` (ours).  ``floor`` / ``bare`` is what any per-read Python call costs on
 this interpreter; ``raw_item`` / ``floor`` is what ours adds to it.

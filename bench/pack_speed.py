@@ -2,7 +2,7 @@
 
     PYTHONPATH=<litdata installed there> .venv/bin/python bench/pack_speed.py --files 20000 --rounds 3
 
-The same PNG folder (``ddp-hpc data make-images``, bench/io.py's size) is packed, in interleaved
+The same PNG folder (``ddp-hpc data make-images``, bench/sharedfs.py's size) is packed, in interleaved
 rounds, by: ``pack --workers 1``, ``pack --workers N`` (N: the CPUs of the allocation by default,
 as ``pack`` picks them), the same with ``--no-check`` (no image decode; LitData's ``optimize``
 decodes nothing either), and ``litdata.optimize`` with ``num_workers=N`` and bench/peers_pack.py's

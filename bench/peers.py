@@ -4,14 +4,14 @@
     .venv-bench/bin/python bench/peers.py                # 20,000 PNGs, 2 pretend nodes x 2 ranks
     .venv-bench/bin/python bench/peers.py --quick        # 400 PNGs, a smoke run (< 1 minute)
 
-The data is bench/io.py's: the class-per-folder PNGs of ``ddp-hpc data make-images``, read and
+The data is bench/sharedfs.py's: the class-per-folder PNGs of ``ddp-hpc data make-images``, read and
 decoded with ``decode_image`` in the rank processes of ``launch_distributed(nodes=N)``.  Each peer
 packs them with its own packer (peers_pack.py) and reads them with its own loader, set up as its
 documentation recommends for a shared POSIX directory (peers_loaders.py); ddp_hpc's ``lmdb`` and
-``stage+lmdb`` run in the same run through the same calls as in bench/io.py.  Per technique:
+``stage+lmdb`` run in the same run through the same calls as in bench/sharedfs.py.  Per technique:
 
 * shared-directory opens and bytes of one epoch, all ranks, *counted*: by ``ddp_hpc.data.fsio``
-  for ddp_hpc's readers (as bench/io.py), by an audit hook and a counting ``open`` wrapper in the
+  for ddp_hpc's readers (as bench/sharedfs.py), by an audit hook and a counting ``open`` wrapper in the
   rank process for the peers (peers_fs.py explains the method); the hook also counts ddp_hpc's
   Python-level opens, as a cross-check;
 * samples/s per rank for the first epoch of a fresh job (open/stage + epoch, caches empty),
@@ -87,7 +87,7 @@ def _parse(argv):
                    help="a smoke run: 400 files, batch 16 (unless --files / --batch are given)")
     p.add_argument("--nodes", type=int, default=2, help="pretend nodes (default: 2)")
     p.add_argument("--procs-per-node", type=int, default=2, help="ranks per pretend node (default: 2)")
-    p.add_argument("--batch", type=int, default=io_bench().BATCH, help="batch size (default: bench/io.py's)")
+    p.add_argument("--batch", type=int, default=io_bench().BATCH, help="batch size (default: bench/sharedfs.py's)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every cell, best kept (default: 3)")
     p.add_argument("--delay-ms", type=float, default=1.0, help="simulated metadata cost per shared open")
     p.add_argument("--no-drop-caches", action="store_true", help="skip the cold-cache cells")

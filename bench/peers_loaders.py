@@ -11,7 +11,7 @@
 node's ``TMPDIR``; the rank runner empties them before every cell (each cell is the first epoch
 of a fresh job).
 
-ddp_hpc's cures run through the same calls and ``DataConfig`` as bench/io.py
+ddp_hpc's cures run through the same calls and ``DataConfig`` as bench/sharedfs.py
 (``open_train_data`` / ``make_train_batches`` / ``close_train_data``).  The peers are set up as
 their documentation recommends for training from a shared POSIX directory, batch size
 ``BATCH``, shuffling on, 0 DataLoader workers (like ddp_hpc's cells: 4 ranks share 2 cores):
@@ -46,22 +46,14 @@ def _decode(data: bytes, label):
 
 
 def io_bench():
-    """bench/io.py, imported read-only by path (its name would shadow the stdlib's ``io``)."""
-    import importlib.util
-    import sys
+    """bench/sharedfs.py (the folder of bench scripts is first on ``sys.path`` when one runs)."""
+    import sharedfs
 
-    mod = sys.modules.get("ddp_hpc_bench_io")
-    if mod is None:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "io.py")
-        spec = importlib.util.spec_from_file_location("ddp_hpc_bench_io", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["ddp_hpc_bench_io"] = mod
-        spec.loader.exec_module(mod)
-    return mod
+    return sharedfs
 
 
 class Ours:
-    """ddp_hpc's ``lmdb`` or ``stage+lmdb`` cure, configured exactly as bench/io.py's cell."""
+    """ddp_hpc's ``lmdb`` or ``stage+lmdb`` cure, configured exactly as bench/sharedfs.py's cell."""
 
     def __init__(self, label, ctx, a, tag):
         from ddp_hpc.config import DataConfig

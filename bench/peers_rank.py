@@ -7,9 +7,9 @@ of a fresh job: node-local caches emptied, then the loader is opened
 because the peers fill their node-local caches while the epoch runs.  Scenarios:
 
 * ``warm``: rank 0 reads the technique's shared files once beforehand (page cache filled);
-* ``cold``: rank 0 drops the page cache beforehand (bench/io.py's ``drop_caches``, root only);
+* ``cold``: rank 0 drops the page cache beforehand (bench/sharedfs.py's ``drop_caches``, root only);
 * ``simfs``: a SIMULATED metadata-bound shared filesystem: ``delay_s`` of sleep per open of a
-  shared file.  ddp_hpc's readers get it from ``fsio.watch`` exactly as in bench/io.py; the
+  shared file.  ddp_hpc's readers get it from ``fsio.watch`` exactly as in bench/sharedfs.py; the
   peers get the same sleep from the audit hook of ``peers_fs``.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _cell(label, scenario, delay_s, ctx, a) -> dict:
 
     _prepare(label, scenario, ctx, a)
     ours = label in OURS
-    if ours:  # ddp_hpc's readers: counted and slowed by fsio, as in bench/io.py
+    if ours:  # ddp_hpc's readers: counted and slowed by fsio, as in bench/sharedfs.py
         fsio.watch(a["shared"], delay_s)
     peers_fs.watch(a["shared"], 0.0 if ours else delay_s)
     t0, c0 = time.perf_counter(), time.process_time()

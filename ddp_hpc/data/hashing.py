@@ -2,7 +2,7 @@
 
 Why XXH3-64 (the ``xxhash`` package): about 25 GB/s on one core, against about 6 GB/s for zlib's
 crc32, so hashing both the source and the copy costs a few percent of a copy instead of half of
-it (``bench/io.py`` measures staging against ``cp``).  xxhash releases the GIL while it hashes.
+it (``bench/sharedfs.py`` measures staging against ``cp``).  xxhash releases the GIL while it hashes.
 
 A folder travels as one ``tar`` stream (:mod:`ddp_hpc.data.stagearchive`): the stream's
 XXH3-64 is recorded, and, where it crossed the network as an sbcast archive, checked on arrival.

@@ -1,7 +1,7 @@
 """Shared-filesystem IO benchmark: direct reads vs LMDB vs node-local staging vs group broadcast.
 
-    .venv/bin/python bench/io.py                      # ~2-4 minutes on 2 cores
-    .venv/bin/python bench/io.py --files 20000 --nodes 2 --procs-per-node 2 --delay-ms 1
+    .venv/bin/python bench/sharedfs.py                      # ~2-4 minutes on 2 cores
+    .venv/bin/python bench/sharedfs.py --files 20000 --nodes 2 --procs-per-node 2 --delay-ms 1
 
 One run, everything measured in it, ratios printed against baselines measured in the same run:
 
@@ -18,8 +18,8 @@ One run, everything measured in it, ratios printed against baselines measured in
    file's size relative to its payload (target <= 1.3).
 
 "Nodes" are simulated with processes (``launch_distributed(nodes=N)``); each pretend node stages
-to its own folder (its ``TMPDIR``), as it would to its own local disk.  Writes ``bench/io.json``
-and a bar chart ``bench/io.png`` (pillow).
+to its own folder (its ``TMPDIR``), as it would to its own local disk.  Writes ``bench/sharedfs.json``
+and a bar chart ``bench/sharedfs.png`` (pillow).
 
 ``--peers`` then runs ``bench/peers.py`` on the same data: WebDataset, LitData and MosaicML
 Streaming with their own packers and loaders, against ddp_hpc's lmdb and stage measured again in
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--delivery-steps", type=int, default=10**6, help="cap on steps timed (default: the epoch)")
     p.add_argument("--no-drop-caches", action="store_true", help="skip the cold-cache runs")
     p.add_argument("--workdir", default="/tmp/ddp_hpc_io_bench", help="where the shared and local folders go")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "io"), help="writes OUT.json and OUT.png")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "sharedfs"), help="writes OUT.json and OUT.png")
     p.add_argument("--peers", action="store_true",
                    help="then WebDataset, LitData and MosaicML Streaming on the same data (bench/peers.py, "
                         "in .venv-bench: `bash bench/setup.sh` first)")
