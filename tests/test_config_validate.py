@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc import backends
 from ddp_hpc.config import ConfigError, load_config
 from ddp_hpc.config import validate as validate_mod
 from ddp_hpc.config.validate import validate_job
@@ -16,7 +17,7 @@ DEMO = Path(__file__).resolve().parents[1] / "jobs" / "demo.yaml"
 
 
 def _validate(tmp_path, *overrides, backend="submitit", create=True):
-    validate_job(load_config(DEMO, list(overrides)), backend=backend, workdir=str(tmp_path),
+    validate_job(load_config(DEMO, list(overrides)), backend=backends.get(backend), workdir=str(tmp_path),
                  create_log_dir=create)
 
 
@@ -161,7 +162,7 @@ def test_dry_run_checks_log_dir_without_creating_it(tmp_path):
 def _nodes(tmp_path, slurm: dict, *overrides, backend="sbatch"):
     from ddp_hpc.config import SlurmOptions
     cfg = load_config(DEMO, list(overrides))
-    validate_job(cfg, backend=backend, workdir=str(tmp_path), create_log_dir=False,
+    validate_job(cfg, backend=backends.get(backend), workdir=str(tmp_path), create_log_dir=False,
                  slurm=SlurmOptions(**{"gpus_per_node": 2, "max_restarts": 2, **slurm}))
 
 
@@ -200,7 +201,7 @@ def test_a_node_range_goes_on_down_to_its_min_and_only_the_supervisor_is_checked
     with pytest.raises(ConfigError, match="--min-nodes 2"):
         validate_job(load_config(DEMO, ["train.batch_size=16", "slurm.nodes=3", "slurm.min_nodes=2",
                                         "slurm.gpus_per_node=2"]),
-                     backend="sbatch", workdir=str(tmp_path), create_log_dir=False)
+                     backend=backends.get("sbatch"), workdir=str(tmp_path), create_log_dir=False)
 
 
 def test_submit_refuses_min_nodes_the_batch_cannot_shrink_to(tmp_path):

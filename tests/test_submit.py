@@ -108,7 +108,7 @@ def test_yaml_numbers_for_string_options_and_cli_flags_from_one_dataclass(tmp_pa
     ({"sbatch_args": {"comment": "a\nb"}}, "value of sbatch option comment"),
     ({"sbatch_args": {"comment": "$(id)"}}, "value of sbatch option comment"),
     ({"sbatch_args": {"Bad_Key": "1"}}, "sbatch option name 'Bad_Key'"),
-    ({"backend": "k8s"}, "backend 'k8s' is unknown"),
+    ({"backend": "k8s;rm"}, "backend 'k8s;rm'"),      # an unknown plain name: backends.get refuses it
 ])
 def test_bad_requests_name_value_and_fix(job, cli, needle):
     with pytest.raises(HintError) as e:      # ConfigError (one value) or SpecError (the request)

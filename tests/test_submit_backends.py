@@ -33,6 +33,7 @@ class EchoBackend:
     takes_node_range = False
     takes_container = False
     restarts_in_allocation = False
+    devices_here = False
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -125,3 +126,15 @@ def test_unknown_backend_names_are_refused_with_the_registered_ones(echo):
     assert err.value.problem == "slurm.backend 'k8s' names no backend"
     assert "echo" in err.value.hint and "sbatch" in err.value.hint
     assert backends.get("sbatch-script") is backends.get("sbatch")      # records register's name
+
+
+def test_the_command_line_refuses_an_unknown_backend_naming_the_known_ones(tmp_path):
+    """--backend takes any plain name (a registered backend is one too); the registry refuses one
+    it does not know before anything is written, with exit 2."""
+    env = {**os.environ, "DDP_HPC_HOME": str(tmp_path / "home")}
+    p = subprocess.run([PY, "-m", "ddp_hpc.submit", "--backend", "k8s", "--dry-run", "-N", "1", "-G", "1",
+                        str(Path(__file__).resolve().parents[1] / "jobs" / "demo.yaml")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "--backend 'k8s' names no backend" in p.stderr and "local, sbatch, submitit" in p.stderr, p.stderr
+    assert not (tmp_path / "home").exists() or not any((tmp_path / "home").rglob("*.json"))

@@ -31,7 +31,6 @@ from ddp_hpc.backends.sbatch import SbatchBackend
 from ddp_hpc.backends.spec import JobSpec, SpecError
 from ddp_hpc.backends.submitit import SubmititBackend
 from ddp_hpc.config import JobConfig
-from ddp_hpc.config.checks import BACKENDS
 from ddp_hpc.config.slurm_options import SlurmOptions
 from ddp_hpc.slurm.cli import SlurmError
 
@@ -46,18 +45,15 @@ ALIASES = {"sbatch-script": "sbatch"}
 
 
 def register(backend: Backend) -> None:
-    """Make ``backend`` known by its name: to ``--backend``, ``backend=``, ``slurm.backend``
-    (config's option check learns the name) and to the records it writes."""
+    """Make ``backend`` known by its name: to ``--backend``, ``backend=``, ``slurm.backend`` and
+    to the records it writes."""
     REGISTRY[backend.name] = backend
-    if backend.name not in BACKENDS:
-        BACKENDS.append(backend.name)
 
 
 def unregister(name: str) -> None:
-    """Forget a backend `register` added (a built-in name stays an option name)."""
-    REGISTRY.pop(name, None)
-    if name in BACKENDS and name not in _BUILT_IN:
-        BACKENDS.remove(name)
+    """Forget a backend `register` added (a built-in one stays)."""
+    if name not in _BUILT_IN:
+        REGISTRY.pop(name, None)
 
 
 def names() -> list[str]:

@@ -102,6 +102,7 @@ class Backend(Protocol):
     takes_node_range: bool        # --nodes MIN-MAX
     takes_container: bool         # --container IMAGE
     restarts_in_allocation: bool  # --spare-nodes, --min-nodes, --restart-on-error
+    devices_here: bool            # its ranks use this machine's GPUs (checked here before they start)
 
     def check(self, spec: JobSpec, cli: Any, dry_run: bool) -> None: ...
 

@@ -71,6 +71,7 @@ class LocalBackend:
     takes_node_range = True       # runs the most of the range
     takes_container = False
     restarts_in_allocation = False
+    devices_here = True
 
     def __repr__(self) -> str:
         return "<local backend>"

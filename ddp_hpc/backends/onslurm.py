@@ -77,6 +77,7 @@ class SlurmBackend:
     takes_node_range = False
     takes_container = False
     restarts_in_allocation = False
+    devices_here = False
 
     def __repr__(self) -> str:
         return f"<{self.name} backend>"

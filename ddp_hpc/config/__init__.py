@@ -14,7 +14,7 @@ Slurm values), ``typed`` (plain data -> dataclasses), ``load`` (YAML files and o
 (``pkg.module:factory`` strings -> callables), ``validate`` (a whole job, before it queues).
 """
 
-from ddp_hpc.config.checks import BACKENDS, parse_signal, time_to_seconds
+from ddp_hpc.config.checks import parse_signal, time_to_seconds
 from ddp_hpc.config.factory import resolve_factory
 from ddp_hpc.config.load import apply_overrides, config_from_dict, config_to_dict, load_config, run_key
 from ddp_hpc.config.sections import (
@@ -34,6 +34,6 @@ from ddp_hpc.config.typed import ConfigError
 __all__ = [
     "ConfigError", "JobConfig", "ModelConfig", "DataConfig", "OptimConfig", "ScheduleConfig",
     "TrainConfig", "CheckpointConfig", "PreemptConfig", "LogConfig", "SlurmOptions",
-    "PASSTHROUGH", "MANAGED_SBATCH_KEYS", "BACKENDS", "time_to_seconds", "parse_signal",
+    "PASSTHROUGH", "MANAGED_SBATCH_KEYS", "time_to_seconds", "parse_signal",
     "load_config", "run_key", "config_from_dict", "config_to_dict", "apply_overrides", "resolve_factory",
 ]

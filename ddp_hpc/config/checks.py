@@ -12,13 +12,9 @@ from typing import Any, Callable
 from ddp_hpc.config.typed import ConfigError
 from ddp_hpc.slurm.times import duration_seconds
 
-__all__ = ["BACKENDS", "time_to_seconds", "parse_signal", "check_count", "check_flag",
+__all__ = ["time_to_seconds", "parse_signal", "check_count", "check_flag",
            "check_text", "check_time", "check_signal", "check_backend", "check_nodes", "node_range",
            "check_stage", "PLAIN"]
-
-#: the names --backend / slurm.backend take: auto and the built-in backends; a backend registered
-#: later (``ddp_hpc.backends.register``) adds its name here (one list: argparse's choices too)
-BACKENDS: list[str] = ["auto", "submitit", "sbatch", "local"]
 
 #: what may stand in an #SBATCH line: no blanks, quotes, $, #, ; or backslashes
 PLAIN = re.compile(r"[A-Za-z0-9_.:@%+=,/&|*!()\[\]-]+")
@@ -147,9 +143,9 @@ def check_signal(value: Any, label: str) -> str | None:
 
 
 def check_backend(value: Any, label: str) -> str:
-    if value not in BACKENDS:
-        raise ConfigError(f"{label} {value!r} is unknown", f"use one of {', '.join(BACKENDS)}")
-    return value
+    """A backend's name in plain letters; which names there are, the registry knows
+    (``ddp_hpc.backends.get`` refuses one it does not, naming those it does)."""
+    return check_plain(label, _text(value, label))
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from ddp_hpc.config.checks import (
-    BACKENDS,
     PLAIN,
     check_backend,
     check_count,
@@ -34,7 +33,7 @@ from ddp_hpc.config.checks import (
 )
 from ddp_hpc.config.typed import ConfigError
 
-__all__ = ["SlurmOptions", "PASSTHROUGH", "MANAGED_SBATCH_KEYS", "MANAGED_SRUN_KEYS", "BACKENDS", "add_arguments",
+__all__ = ["SlurmOptions", "PASSTHROUGH", "MANAGED_SBATCH_KEYS", "MANAGED_SRUN_KEYS", "add_arguments",
            "given", "merged", "sbatch_items"]
 
 LAYOUT = "layout (one task per GPU)"
@@ -234,8 +233,9 @@ class SlurmOptions:
                         "$DDP_HPC_STAGE_<NAME> (NAME: SRC's base name, upper-cased); removed when the job "
                         "ends, kept for a requeue (repeatable; flags add to the YAML's list)",
                         flags=("--stage",), group=TOP, action="append", metavar="SRC[=NAME]")
-    backend: str = _opt("auto", check_backend, "auto: submitit when Slurm answers, else local",
-                        flags=("--backend",), group=TOP, choices=BACKENDS)
+    backend: str = _opt("auto", check_backend, "auto: submitit when Slurm answers, else local; or a "
+                        "backend's name: local, sbatch, submitit or one registered",
+                        flags=("--backend",), group=TOP, metavar="NAME")
 
     def __post_init__(self) -> None:
         """Each value that is not its field's default is checked (a default passes its check:

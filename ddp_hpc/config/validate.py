@@ -6,14 +6,16 @@ otherwise found only when the job starts -- after it waited in the queue -- on e
 ``validate_job`` imports the factory modules (as the job will, from its working directory) but
 calls nothing in them, and creates ``log.dir`` (which submit needs anyway).
 
-    validate_job(cfg, backend="submitit", workdir="/home/me/project")   # raises ConfigError
+    validate_job(cfg, backend=backends.get("submitit"), workdir="/home/me/project")   # raises ConfigError
+
+The backend is asked what it does (``restarts_in_allocation``, ``devices_here``), never named.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 from ddp_hpc.config.batch import check_node_counts
 from ddp_hpc.config.factory import resolve_factory
@@ -22,7 +24,15 @@ from ddp_hpc.config.slurm_options import SlurmOptions
 from ddp_hpc.config.typed import ConfigError
 from ddp_hpc.examples import DATASET_NAMES, MODEL_NAMES
 
-__all__ = ["validate_job"]
+__all__ = ["validate_job", "BackendTraits"]
+
+
+class BackendTraits(Protocol):
+    """What the checks ask of the chosen backend (``ddp_hpc.backends.base.Backend`` has these)."""
+
+    name: str
+    restarts_in_allocation: bool   # a supervisor restarts the ranks inside the allocation
+    devices_here: bool             # the ranks use this machine's devices (a CUDA check here tells)
 
 #: data.io modes that read data.lmdb_path; only lmdb cannot do without it (stage and broadcast
 #: fall back to the dataset factory, see ddp_hpc.data.io)
@@ -31,7 +41,7 @@ _PACK_HINT = ("pack the dataset once (python -m ddp_hpc.data pack SRC OUT.lmdb) 
               "data.lmdb_path=OUT.lmdb")
 
 
-def validate_job(cfg: JobConfig, *, backend: str, workdir: str,
+def validate_job(cfg: JobConfig, *, backend: BackendTraits, workdir: str,
                  create_log_dir: bool = True, slurm: SlurmOptions | None = None) -> None:
     """Refuse, with a ConfigError naming the key, its value and the fix, a job that would fail at
     its start: a factory (model.name, data.dataset, data.eval_dataset, train.loss) that does not
@@ -39,7 +49,7 @@ def validate_job(cfg: JobConfig, *, backend: str, workdir: str,
     exist, train.precision=fp16 where the job would run on CPU, a log.dir that cannot be created
     or written; or later: a node count the restart supervisor may go on with (``--min-nodes``,
     ``--nodes MIN-MAX``) on which a resume cannot keep the global batch. ``backend`` is the chosen one
-    (local, submitit or sbatch); ``slurm`` the Slurm options with the command line's flags (default:
+    (what it does is asked of it); ``slurm`` the Slurm options with the command line's flags (default:
     the config's ``slurm:`` section); relative paths and imports are resolved from ``workdir``,
     where the job runs. ``create_log_dir=False`` (a dry run) leaves the file system alone: log.dir's
     nearest existing folder must be writable."""
@@ -50,11 +60,12 @@ def validate_job(cfg: JobConfig, *, backend: str, workdir: str,
     _check_log_dir(cfg.log.dir, workdir, create_log_dir)
 
 
-def _check_node_range(train: TrainConfig, o: SlurmOptions, backend: str) -> None:
-    """The restart supervisor (sbatch backend, ``--max-restarts`` > 0) goes on with fewer nodes than
+def _check_node_range(train: TrainConfig, o: SlurmOptions, backend: BackendTraits) -> None:
+    """The restart supervisor (a backend that restarts inside the allocation, ``--max-restarts`` >
+    0) goes on with fewer nodes than
     the run started on, down to ``--min-nodes`` (a range ``--nodes MIN-MAX``: MIN), resuming the
     checkpoint with its global batch: every such count must keep it (``config.batch``)."""
-    if backend != "sbatch" or o.max_restarts == 0:   # only the sbatch backend supervises restarts
+    if not backend.restarts_in_allocation or o.max_restarts == 0:
         return
     low, high = o.node_range
     least = low if o.min_nodes is None else min(low, o.min_nodes)
@@ -85,13 +96,13 @@ def _check_data_io(d: DataConfig, workdir: str) -> None:
                           f"directory), or {_PACK_HINT}")
 
 
-def _check_precision(cfg: JobConfig, backend: str) -> None:
-    if cfg.train.precision != "fp16" or backend != "local":
+def _check_precision(cfg: JobConfig, backend: BackendTraits) -> None:
+    if cfg.train.precision != "fp16" or not backend.devices_here:
         return
     import torch  # only here: the submit command starts without it
 
     if not torch.cuda.is_available():
-        raise ConfigError("train.precision=fp16 needs CUDA (GradScaler), but the local backend "
+        raise ConfigError(f"train.precision=fp16 needs CUDA (GradScaler), but the {backend.name} backend "
                           "would run the job on CPU (torch.cuda.is_available() is False here)",
                           "use train.precision=fp32, or train.precision=bf16 (it works on CPU)")
 

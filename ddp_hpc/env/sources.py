@@ -27,6 +27,10 @@ from ddp_hpc.slurm import hostlist
 
 #: Slurm's step ids for the batch script and the extern step (SLURM_BATCH_SCRIPT, SLURM_EXTERN_CONT).
 NON_SRUN_STEPS = {"batch", "extern", "4294967294", "4294967295", "4294967292"}
+#: DDP_HPC_LAUNCHER's value in the ranks of ddp_hpc's local launcher (``launch.tree`` sets it)
+LOCAL_LAUNCHER = "local"
+#: SUBMITIT_EXECUTOR's value in the tasks of submitit's local executor (its Slurm one says "slurm")
+SUBMITIT_HERE = "local"
 
 
 def this_host() -> str:
@@ -52,11 +56,11 @@ def launcher_of(environ: Mapping[str, str]) -> str:
     pid, _, exported = environ.get("DDP_HPC_EXPORTED", "").partition(":")
     if pid == str(os.getpid()) and exported in LAUNCHERS and exported not in ("torchrun", "local"):
         return exported  # RANK & co. came from our own export(), not from torchrun
-    if environ.get("DDP_HPC_LAUNCHER") == "local":
-        return "local"
+    if environ.get("DDP_HPC_LAUNCHER") == LOCAL_LAUNCHER:
+        return LOCAL_LAUNCHER
     if "RANK" in environ and "WORLD_SIZE" in environ and "LOCAL_RANK" in environ:
         return "torchrun"
-    if environ.get("SUBMITIT_EXECUTOR") in ("slurm", "local") and (
+    if environ.get("SUBMITIT_EXECUTOR") in ("slurm", SUBMITIT_HERE) and (
         "SLURM_PROCID" in environ or "SUBMITIT_LOCAL_GLOBALID" in environ
     ):
         return "submitit"
@@ -95,7 +99,7 @@ def from_local(environ: Mapping[str, str]) -> DistEnv:
 
 
 def from_submitit(environ: Mapping[str, str]) -> DistEnv:
-    if environ.get("SUBMITIT_EXECUTOR") != "local":
+    if environ.get("SUBMITIT_EXECUTOR") != SUBMITIT_HERE:
         return from_slurm(environ, "submitit")
     job = environ.get("SUBMITIT_LOCAL_JOB_ID") or None
     world = int_var(environ, "SUBMITIT_LOCAL_NTASKS", 1)

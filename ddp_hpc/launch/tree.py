@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 import psutil
 
 from ddp_hpc.env import HostGpus
+from ddp_hpc.env.sources import LOCAL_LAUNCHER
 from ddp_hpc.errors import HintError
 
 KILL_GRACE_S = 3.0  # SIGTERM first, SIGKILL after this many seconds
@@ -71,7 +72,7 @@ def local_rank_env(counts: Sequence[int], master_port: int, job_id: str,
                 "RANK": str(len(out)), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": str(node),
                 "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-                "DDP_HPC_LAUNCHER": "local", "DDP_HPC_NUM_NODES": str(len(counts)),
+                "DDP_HPC_LAUNCHER": LOCAL_LAUNCHER, "DDP_HPC_NUM_NODES": str(len(counts)),
                 "DDP_HPC_JOB_ID": job_id,
             })
     return out

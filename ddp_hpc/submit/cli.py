@@ -166,7 +166,7 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
                                                          ("--stage", args.stage or ())]))
     spec = resume_or_new(spec, backend, task_cfgs, fresh=args.fresh, cli=cli, say=say)
     for task_cfg in task_cfgs:   # factories, data paths, precision, log.dir: before it queues
-        validate_job(task_cfg, backend=backend.name, workdir=spec.workdir, create_log_dir=False,
+        validate_job(task_cfg, backend=backend, workdir=spec.workdir, create_log_dir=False,
                      slurm=spec.options)
     return backends.dispatch(spec, backend, cli, _options(args), task_cfgs).exit_code
 
