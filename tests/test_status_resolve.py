@@ -9,8 +9,8 @@ from ddp_hpc import records
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.status.collect import collect
-from ddp_hpc.status.resolve import JobSources, resolve
-from ddp_hpc.status.targets import StatusTarget
+from ddp_hpc.status.resolve import resolve
+from ddp_hpc.status.targets import JobSources, StatusTarget
 from ddp_hpc.status.view import render_detail, render_table
 
 T0 = 1_800_000_000.0

@@ -17,8 +17,8 @@ from ddp_hpc.slurm.query import SourceState, cluster_or_reason, query_slurm
 from ddp_hpc.status import rowcache
 from ddp_hpc.status import sources as src
 from ddp_hpc.status.job import JobStatus
-from ddp_hpc.status.resolve import JobSources, resolve, table_row
-from ddp_hpc.status.targets import StatusTarget
+from ddp_hpc.status.resolve import resolve, table_row
+from ddp_hpc.status.targets import JobSources, StatusTarget
 
 __all__ = ["collect", "JobStatus", "StatusTarget"]
 

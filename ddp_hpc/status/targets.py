@@ -1,5 +1,7 @@
 """Which jobs to look at: job records (``$DDP_HPC_HOME/jobs``, written by ddp_hpc.submit) become
 targets, each with its id and log directory; a job array's record becomes one target per task.
+``JobSources`` is what one target is resolved from before any log is read (its target, the
+scheduler's answer, the notes of the sources tried).
 
 The scheduler is asked about the targets in ``sources``; ``collect`` puts the answers together.
 """
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 from ddp_hpc import backends, records
 from ddp_hpc.errors import HintError
+from ddp_hpc.records import JobRecord
+from ddp_hpc.slurm.query import SourceState
 
 _SLURM_ID = re.compile(r"^\d+(_\d+)?$")
 
@@ -40,6 +44,33 @@ class StatusTarget:
     def task_id(self) -> str | None:
         """The array task id of a target made from an array record (``123_4`` -> ``"4"``)."""
         return self.id.rsplit("_", 1)[-1] if self.record is not None and self.record.array and "_" in self.id else None
+
+
+@dataclass(frozen=True)
+class JobSources:
+    """What one job is resolved from, before any log is read: its target (id, record, log
+    directory), the scheduler's answer (None: not asked, or it does not list the job), the notes
+    of the sources tried, ``now``, and ``only`` (the one source the user asked for)."""
+
+    target: StatusTarget
+    sched: SourceState | None
+    tried: list[str]
+    now: float
+    only: str | None = None
+
+    @property
+    def record(self) -> JobRecord | None:
+        return self.target.record
+
+    @property
+    def task_id(self) -> str | None:
+        return self.target.task_id
+
+    @functools.cached_property
+    def final(self) -> dict | None:
+        """The terminal state the record keeps of this job (or array task); read once."""
+        return records.final_of(self.record, self.task_id)
+
 
 
 def is_slurm_id(job_id: str) -> bool:
