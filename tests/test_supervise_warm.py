@@ -5,6 +5,8 @@ real-cluster run is tests/cluster/test_warm_cluster.py."""
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -238,3 +240,31 @@ def test_a_standby_that_shares_its_launchers_session_leaves_the_autogroup_alone(
         if ours.split():
             with open("/proc/self/autogroup", "w") as f:
                 f.write(ours.split()[-1])
+
+
+def test_a_standby_stopped_while_it_waits_says_so_in_one_line_without_a_traceback(tmp_path):
+    """At a job's end srun aborts the standby step (SIGINT) wherever its standby ranks are: still
+    importing, or trying to reach a supervisor that is gone. That is no error: one line, exit 130,
+    no traceback in standby.out (there was one, from the connect loop's sleep)."""
+    (tmp_path / "train.py").write_text("print('the script ran')\n")
+    with socket.socket() as s:          # a port nobody listens on: the connect loop retries
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), IMPORTS_VAR: "json", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "5",
+           "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "1",
+           "SLURM_STEP_NODELIST": "n1", "SLURM_JOB_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "1",
+           "SLURMD_NODENAME": "n1"}
+    p = subprocess.Popen([sys.executable, "-m", "ddp_hpc.supervise.standby", "--go", f"127.0.0.1:{port}", "--",
+                          sys.executable, str(tmp_path / "train.py")], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    out = ""
+    deadline = time.monotonic() + 60
+    while "ready in" not in out and time.monotonic() < deadline:
+        out += p.stdout.readline()
+    assert "ready in" in out, out
+    time.sleep(0.3)                     # in the connect loop now
+    p.send_signal(signal.SIGINT)
+    out += p.communicate(timeout=30)[0]
+    assert p.returncode == 130, out
+    assert "stopped while standing by; ran nothing" in out and "Traceback" not in out, out
+    assert "the script ran" not in out

@@ -324,13 +324,10 @@ def _run(command: list[str]) -> None:
         runpy.run_path(command[1], run_name="__main__")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 4 or args[0] != "--go" or args[2] != "--" or not eligible(args[3:]):
-        print("usage: python -m ddp_hpc.supervise.standby --go HOST:PORT -- PYTHON (-m MODULE | SCRIPT.py) "
-              "ARGS...", file=sys.stderr)
-        return 2
-    command = args[3:]
+def _stand_by(address: str, command: list[str]) -> dict | int | None:
+    """Import what ``command`` will, then wait for the supervisor at ``address`` to hand this
+    process a rank: the go message, None when there is none (the supervisor is gone or moved on),
+    or the exit status of a refusal."""
     t0 = time.monotonic()
     autogroup_nice(standby_nice())   # standing by: behind the training ranks' sessions (autogroup_nice)
     failed = preload(command)
@@ -338,16 +335,32 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ddp_hpc standby: task {place.rank} on {place.hostnames[place.node_rank]} ready in "
           f"{time.monotonic() - t0:.1f} s" + (f" (could not import {', '.join(failed)})" if failed else ""),
           flush=True)
-    sock = _connect(args[1])
+    sock = _connect(address)
     if sock is None:
-        return 0          # the supervisor is gone or moved on: nothing to stand by for
+        return None       # the supervisor is gone or moved on: nothing to stand by for
     try:
-        go = _wait_for_go(sock, place, os.environ.get(TOKEN_VAR, ""), os.environ.get(LOGS_VAR))
+        return _wait_for_go(sock, place, os.environ.get(TOKEN_VAR, ""), os.environ.get(LOGS_VAR))
     except Refused as e:
-        print(f"ddp_hpc standby: refused the peer at {args[1]}: {e}; running nothing", flush=True)
+        print(f"ddp_hpc standby: refused the peer at {address}: {e}; running nothing", flush=True)
         return e.status
     finally:
         sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 4 or args[0] != "--go" or args[2] != "--" or not eligible(args[3:]):
+        print("usage: python -m ddp_hpc.supervise.standby --go HOST:PORT -- PYTHON (-m MODULE | SCRIPT.py) "
+              "ARGS...", file=sys.stderr)
+        return 2
+    command = args[3:]
+    try:
+        go = _stand_by(args[1], command)
+    except KeyboardInterrupt:   # srun's abort of the standby step (the job ends): nothing was run
+        print("ddp_hpc standby: stopped while standing by; ran nothing", flush=True)
+        return 130
+    if isinstance(go, int):
+        return go
     if not go or go.get("rank") is None:
         return 0
     try:
