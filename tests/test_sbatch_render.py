@@ -256,8 +256,8 @@ def test_no_health_check_reaches_the_supervisor():
     assert " --no-health-check " in render(_spec(max_restarts=2, health_check=False))
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    assert given(ap.parse_args(["--no-health-check"])) == {"health_check": False}
-    assert given(ap.parse_args([])) == {}
+    assert given(vars(ap.parse_args(["--no-health-check"]))) == {"health_check": False}
+    assert given(vars(ap.parse_args([]))) == {}
     assert "SUPERVISE+=(--no-health-check)" in (GOLDEN.parents[1] / "slurm" / "train.sbatch").read_text()
 
 

@@ -23,8 +23,7 @@ def _spec(**opts) -> JobSpec:
 
 def test_yaml_and_command_line_srun_args_merge_key_by_key():
     base = SlurmOptions(srun_args={"cpu-bind": "cores", "mpi": "pmix"})
-    args = so.given(type("A", (), {**{f: None for f in so.FIELDS},
-                                   "srun_args": ["cpu-bind=none", "--label="]})())
+    args = so.given({**{f: None for f in so.FIELDS}, "srun_args": ["cpu-bind=none", "--label="]})
     assert args["srun_args"] == {"cpu-bind": "none", "label": True}
     assert so.merged(base, args).srun_args == {"cpu-bind": "none", "mpi": "pmix", "label": True}
 

@@ -86,7 +86,7 @@ def test_yaml_numbers_for_string_options_and_cli_flags_from_one_dataclass(tmp_pa
     assert (s.time, s.nodes) == ("30", 2)
     args, config, overrides = submit.parse_args(
         ["-p", "gpu", "-A", "proj", "-q", "high", "--gpus-per-node", "4", "-N", "2", str(cfg)])
-    assert submit.slurm_options.given(args) == {"partition": "gpu", "account": "proj",
+    assert submit.slurm_options.given(vars(args)) == {"partition": "gpu", "account": "proj",
                                                 "qos": "high", "gpus_per_node": 4, "nodes": 2}
     assert config == str(cfg) and overrides == []
     assert submit.parse_args(["-G", "3"])[0].gpus_per_node == 3

@@ -322,10 +322,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            **meta["cli"])
 
 
-def given(args: argparse.Namespace) -> dict[str, Any]:
-    """The options typed on the command line (``sbatch_args``, ``srun_args`` as KEY -> VALUE
-    mappings)."""
-    out = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
+def given(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The options typed on the command line, from the parsed flags (``vars(namespace)``; the
+    fields `add_arguments` added), with ``sbatch_args`` and ``srun_args`` as KEY -> VALUE mappings."""
+    out = {name: args[name] for name in FIELDS if args.get(name) is not None}
     for name in ("sbatch_args", "srun_args"):
         if name in out:
             out[name] = split_sbatch_args(out[name])

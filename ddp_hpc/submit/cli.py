@@ -157,7 +157,7 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     sweeps = parse_sweeps(args.sweep)
     check_overrides(overrides)
     cfg, task_cfgs = _load(config, overrides, sweep_tasks(sweeps))
-    opts = slurm_options.merged(cfg.slurm, slurm_options.given(args))
+    opts = slurm_options.merged(cfg.slurm, slurm_options.given(vars(args)))
     cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli, args.verbose)
     spec = build_spec(dataclasses.replace(opts, backend=backend.name), config_path=config, cfg=cfg,
@@ -183,7 +183,7 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
     if args.no_instrument:   # every backend's ranks inherit this environment
         os.environ["DDP_HPC_INSTRUMENT"] = "0"
     stage = stage_items([("--stage", args.stage)]) if args.stage else ()   # before the backend is chosen
-    opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(args))
+    opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(vars(args)))
     cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
     backend = _backend(opts, cli, args.verbose)
     spec = build_command_spec(dataclasses.replace(opts, backend=backend.name), command=command,
