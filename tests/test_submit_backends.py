@@ -138,3 +138,22 @@ def test_the_command_line_refuses_an_unknown_backend_naming_the_known_ones(tmp_p
     assert p.returncode == 2, p.stderr
     assert "--backend 'k8s' names no backend" in p.stderr and "local, sbatch, submitit" in p.stderr, p.stderr
     assert not (tmp_path / "home").exists() or not any((tmp_path / "home").rglob("*.json"))
+
+
+@pytest.mark.parametrize("old, new", [
+    ("ddp_hpc.submit.slurm.run_command_task", "ddp_hpc.backends.slurmjob.run_command_task"),
+    ("ddp_hpc.submit.slurm.run_task", "ddp_hpc.backends.slurmjob.run_task"),
+    ("ddp_hpc.submit.functions.rank_entry", "ddp_hpc.backends.functions.rank_entry"),
+])
+def test_a_job_queued_before_the_backends_moved_still_finds_its_task_function(old, new):
+    """submitit unpickles a job's function when the job starts and at every requeue, perhaps days
+    after it was submitted: the pickles of jobs queued by an earlier version name the old module
+    paths, and must still load (in a fresh interpreter, as a task would), to the same function."""
+    module, _, name = old.rpartition(".")
+    # a pickle as an earlier version wrote it: a global reference by module and name (protocol 0)
+    data = f"c{module}\n{name}\np0\n.".encode()
+    code = ("import pickle, sys\nfn = pickle.loads(sys.stdin.buffer.read())\n"
+            "print(fn.__module__ + '.' + fn.__qualname__)\n")
+    p = subprocess.run([PY, "-c", code], input=data, capture_output=True, timeout=60)
+    assert p.returncode == 0, p.stderr.decode()
+    assert p.stdout.decode().strip() == new
