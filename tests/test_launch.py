@@ -121,19 +121,23 @@ def test_rank_blocked_in_collective_is_killed_when_another_raises():
                                                                  "rank 3 gives up")
 
 
-def _first_by_time(rank, world_size):
-    if rank == 0:
-        time.sleep(3)
+def _first_by_time(rank, world_size, marker):
+    if rank == 0:   # fails after rank 3 did, however late rank 3 started (a loaded machine: > 3 s)
+        deadline = time.monotonic() + 50
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2)
         raise KeyError("late rank 0")
     if rank == 3:
+        open(marker, "w").close()
         raise ZeroDivisionError("early rank 3")
     time.sleep(600)
 
 
 @pytest.mark.timeout(60)
-def test_first_failure_in_time_wins_over_lower_rank():
+def test_first_failure_in_time_wins_over_lower_rank(tmp_path):
     with pytest.raises(RankFailedError) as e:
-        launch_distributed(_first_by_time, 4, start_method=FAST)
+        launch_distributed(_first_by_time, 4, (str(tmp_path / "rank3-failed"),), start_method=FAST)
     assert (e.value.rank, e.value.exc_type) == (3, "ZeroDivisionError")
 
 
