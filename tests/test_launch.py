@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from loadscale import scaled
 
 from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.launch import (
@@ -338,7 +339,7 @@ def test_run_local_refuses_empty_command(tmp_path):
 
 def _cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "ddp_hpc.launch", *args], capture_output=True,
-                          text=True, timeout=120, **kw)
+                          text=True, timeout=scaled(120), **kw)
 
 
 @pytest.mark.timeout(120)

@@ -34,6 +34,7 @@ def test_the_marker_parser_sees_a_missing_marker():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)   # 13 blocks of real jobs: 142-170 s on an idle 2-core CI machine, > 600 s under load
 def test_readme_run_blocks_work_in_a_fresh_copy(tmp_path):
     work = fresh_copy(tmp_path / "repo")
     home = tmp_path / "ddp_hpc_home"
