@@ -363,7 +363,7 @@ def bench_html(page: Path, bad: int, reps: int) -> dict:
     t_page = best_of(lambda: atomic_write(page, lambda f: f.write(render_html(st).encode("utf-8")), binary=True),
                      reps)
     out = {"html_s": t_cmd, "html_wall_s": wall, "page_s": t_page, "page_wall_s": LAST_WALL[0],
-           "page_kib": page.stat().st_size >> 10, "lanes": len(st.picture["lanes"])}
+           "page_kib": page.stat().st_size >> 10, "lanes": len(st.picture.lanes)}
     page.unlink()
     return out
 

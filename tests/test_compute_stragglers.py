@@ -14,7 +14,8 @@ import pytest
 
 from ddp_hpc.instrument.compute import ComputeTimer
 from ddp_hpc.judge import compute
-from ddp_hpc.judge.compute import compute_stragglers, with_compute
+from ddp_hpc.judge.compute import Timing, compute_stragglers, with_compute
+from ddp_hpc.judge.timing import Stragglers
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "plain_ddp.py"
@@ -108,36 +109,44 @@ def test_a_rank_that_computes_slower_is_named_with_the_others_wait():
     per_rank = {r: steps(r, f"n{r // 2 + 1}", 0.05) for r in range(8)}
     per_rank[5] = steps(5, "n3", 0.07)
     out = compute_stragglers(per_rank, hosts(8))
-    assert out["slow_ranks"] == [5] and out["slow_nodes"] == []
-    assert out["lines"] == ["rank 5 on n3 computes 1.4x slower than the median rank; "
+    assert out.slow_ranks == [5] and out.slow_nodes == []
+    assert out.lines == ["rank 5 on n3 computes 1.4x slower than the median rank; "
                             "the others wait about 20% of each step for it"]
-    assert out["ranks"]["5"]["wait_share"] == pytest.approx(0.2)
+    assert out.ranks["5"]["wait_share"] == pytest.approx(0.2)
 
 
 def test_a_node_whose_ranks_all_compute_slower_is_named_instead_of_them():
     per_rank = {r: steps(r, f"n{r // 2 + 1}", 0.07 if r in (4, 5) else 0.05) for r in range(8)}
     out = compute_stragglers(per_rank, hosts(8))
-    assert out["slow_nodes"] == ["n3"] and out["slow_ranks"] == [4, 5]
-    assert out["lines"] == ["n3 computes 1.4x slower than the median node (ranks 4-5); "
+    assert out.slow_nodes == ["n3"] and out.slow_ranks == [4, 5]
+    assert out.lines == ["n3 computes 1.4x slower than the median node (ranks 4-5); "
                             "the others wait about 20% of each step for it"]
 
 
 def test_nothing_is_named_below_the_ratio_the_steps_or_the_share_of_a_step():
     even = {r: steps(r, "n1", 0.055 if r == 3 else 0.05) for r in range(4)}       # 1.1x
-    assert compute_stragglers(even, hosts(4))["lines"] == []
+    assert compute_stragglers(even, hosts(4)).lines == []
     short = {r: steps(r, "n1", 0.1 if r == 3 else 0.05, n=4, every=6) for r in range(4)}   # 18 steps
     assert compute_stragglers(short, hosts(4)) is None
     assert compute.window(steps(0, "n1", 0.1, n=5, every=5)) == [0.1] * 4       # 20 steps
     tiny = {r: steps(r, "n1", 0.0003 if r == 3 else 0.0001) for r in range(4)}    # 3x, 0.2% of a step
-    assert compute_stragglers(tiny, hosts(4))["lines"] == []
+    assert compute_stragglers(tiny, hosts(4)).lines == []
 
 
 def test_the_compute_lines_come_first_among_the_stragglers():
     per_rank = {r: steps(r, "n1", 0.08 if r == 1 else 0.05) for r in range(3)}
     c = compute_stragglers(per_rank, hosts(3))
-    merged = with_compute({"lines": ["rank 0 is 1.3x slower waiting for data"], "ranks": {}}, c)
-    assert merged["lines"][0].startswith("rank 1 on n1 computes 1.6x slower") and merged["compute"] is c
-    assert merged["lines"][1] == "rank 0 is 1.3x slower waiting for data"
+    slow_steps = Stragglers(ranks={}, nodes={}, slow_ranks=[0], slow_nodes=[],
+                            lines=["rank 0 is 1.3x slower waiting for data"], measure="step event intervals",
+                            ratio_threshold=1.25, min_intervals=5)
+    merged = with_compute(slow_steps, c)
+    assert merged.lines[0].startswith("rank 1 on n1 computes 1.6x slower") and merged.by_compute is c
+    assert merged.lines[1] == "rank 0 is 1.3x slower waiting for data"
+    assert merged.to_dict()["lines"] == merged.lines and merged.to_dict()["compute"] == c.to_dict()
+    assert Timing.from_dict(json.loads(json.dumps(merged.to_dict()))) == merged
+    alone = with_compute(None, c)   # no step times judged: the compute's keys and its lines
+    assert alone.to_dict() == {"compute": c.to_dict(), "lines": c.lines}
+    assert Timing.from_dict(json.loads(json.dumps(alone.to_dict()))) == alone
     assert with_compute(None, None) is None
 
 
@@ -178,6 +187,6 @@ def test_the_same_script_without_the_extra_work_names_no_rank(tmp_path):
                        env=clean_env(), capture_output=True, text=True, timeout=170)
     assert p.returncode == 0, p.stdout + p.stderr
     st = collect([StatusTarget("local", None, str(log_dir))], None, only="logs")[0]
-    c = st.timing["compute"]
-    assert c["slow_ranks"] == [] and c["slow_nodes"] == [] and len(c["ranks"]) == 3, c
+    c = st.timing.by_compute
+    assert c.slow_ranks == [] and c.slow_nodes == [] and len(c.ranks) == 3, c
     assert "computes" not in render_detail(st)

@@ -143,19 +143,19 @@ def rank_events(rank, util, *, seconds=90, data_s=0.3, step_s=0.5):
 def test_an_idle_gpu_while_its_rank_trains_is_named_with_its_data_wait():
     per_rank = {0: rank_events(0, 91), 1: rank_events(1, 7)}
     out = judge_gpu.gpus(per_rank, {0: "n1", 1: "n2"})
-    assert list(out["idle"]) == ["1"]
-    assert out["lines"] == ["rank 1 on n2: its GPU was 7% busy over the last minute while it trained; "
+    assert list(out.idle) == ["1"]
+    assert out.lines == ["rank 1 on n2: its GPU was 7% busy over the last minute while it trained; "
                             "it waits 0.3 s per step for data (60% of a step)"]
-    assert out["ranks"]["1"]["xid_errors"] == [79] and out["ranks"]["0"]["util_percent"] == 91
+    assert out.ranks["1"]["xid_errors"] == [79] and out.ranks["0"]["util_percent"] == 91
     assert judge_gpu.gpu_percent(per_rank) == 49.0
     assert judge_gpu.gpu_percent({0: [e for e in per_rank[0] if e["event"] != "gpu"], 1: per_rank[1]}) is None
 
 
 def test_an_idle_gpu_is_not_named_before_a_minute_or_when_the_rank_does_not_train():
     short = judge_gpu.gpus({0: rank_events(0, 5, seconds=50)}, {0: "n1"})
-    assert short["idle"] == {} and short["ranks"]["0"]["util_percent"] == 5
+    assert short.idle == {} and short.ranks["0"]["util_percent"] == 5
     evaluating = [e for e in rank_events(0, 5) if e["event"] == "gpu"]      # no steps: not training
-    assert judge_gpu.gpus({0: evaluating}, {0: "n1"})["idle"] == {}
+    assert judge_gpu.gpus({0: evaluating}, {0: "n1"}).idle == {}
     assert judge_gpu.gpus({0: [{"event": "step", "time": T0, "step": 1}]}, {0: "n1"}) is None
 
 

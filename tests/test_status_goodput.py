@@ -93,7 +93,7 @@ def test_table_has_a_goodput_column_where_the_terminal_is_wide_enough(tmp_path):
     d = tmp_path / "run"
     _write(d, "56", [(0, 0.0, 1, 10)])
     [row] = collect([StatusTarget("56", None, str(d))], _sched("56"), now=T0 + 100, brief=True)
-    assert row.goodput["goodput"] == pytest.approx(9 / 10)   # the last second: the end event
+    assert row.goodput.goodput == pytest.approx(9 / 10)   # the last second: the end event
     wide = render_table([row]).splitlines()
     assert "GOODPUT" in wide[0].split() and "90.0%" in wide[1].split()
     narrow = render_table([row], width=max(map(len, wide)) - 1).splitlines()

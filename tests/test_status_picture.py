@@ -16,6 +16,7 @@ import picture_events as pe
 import pytest
 
 from ddp_hpc.judge import picture
+from ddp_hpc.judge.goodput import Goodput
 from ddp_hpc.status import cli as status_cli
 from ddp_hpc.status import spark, view
 from ddp_hpc.status.collect import collect
@@ -52,10 +53,10 @@ def test_marks_under_the_sparklines_sit_at_their_events_columns(tmp_path):
     pic = _status(pe.write_run(tmp_path / "logs")).picture
     marks = view.render_detail(_status(tmp_path / "logs"), now=NOW, unicode=True).split("Marks:")[1].splitlines()[0]
     cols = marks[12 - len("Marks:"):][:spark.WIDTH]
-    span = pic["t1"] - pic["t0"]
+    span = pic.t1 - pic.t0
     for i, (kind, _) in enumerate(spark.MARKS):   # a column shows the first kind of MARKS it has
-        for m in (m for m in pic["marks"] if m["kind"] == kind):
-            col = min(spark.WIDTH - 1, int((m["time"] - pic["t0"]) / span * spark.WIDTH))
+        for m in (m for m in pic.marks if m["kind"] == kind):
+            col = min(spark.WIDTH - 1, int((m["time"] - pic.t0) / span * spark.WIDTH))
             assert cols[col] in [letter for _, letter in spark.MARKS[:i + 1]], (kind, col)
     assert "R" in cols and "S" in cols and "C" in cols
 
@@ -73,15 +74,15 @@ def test_ascii_where_stdout_is_not_utf8(tmp_path, monkeypatch):
 def test_picture_marks_restarts_stalls_checkpoints_and_the_failing_rank_where_the_events_say(tmp_path):
     st = _status(pe.write_run(tmp_path / "logs"), lanes=True)
     pic = st.picture
-    by = lambda kind: [m for m in pic["marks"] if m["kind"] == kind]  # noqa: E731
+    by = lambda kind: [m for m in pic.marks if m["kind"] == kind]  # noqa: E731
     (restart,) = by("restart")
     assert restart["time"] == pe.RESTART_AT and restart["restart"] == 1 and restart["phases"] == pe.PHASES
     stalls = by("stall")
     assert [(s["time"], s["end"]) for s in stalls] == [(pe.T0 + 108.0, pe.T0 + 260.0)]
     assert [c["step"] for c in by("checkpoint")] == [100, 250] and by("checkpoint")[0]["blocking_s"] == 0.4
     assert {s["node"] for s in by("stage")} == {"n1", "n2"}
-    assert pic["lane_kind"] == "rank" and [ln["ranks"] for ln in pic["lanes"]] == ["0", "1", "2", "3"]
-    lane = pic["lanes"][pe.FAIL_RANK]
+    assert pic.lane_kind == "rank" and [ln["ranks"] for ln in pic.lanes] == ["0", "1", "2", "3"]
+    lane = pic.lanes[pe.FAIL_RANK]
     (err,) = [p for p in lane["points"] if p["kind"] == "error"]
     assert err["time"] == pe.ERROR_AT and err["rank"] == pe.FAIL_RANK and "bad batch 4711" in err["text"]
     # the lane's cells: stalled over the gap, waiting for data where data_s is 0.35 of 2 s / 5 steps
@@ -146,7 +147,7 @@ def test_html_without_the_marks_draws_only_the_phases_read_and_goodput_when_the_
     drawn = _Page()
     drawn.feed(render_html(st, NOW))   # no stopped_at, rendezvous or restored marks: their time is the step's
     assert [a["data-phase"] for _, a in drawn.attrs if a.get("data-kind") == "phase"] == ["detect", "first_step"]
-    st.goodput = pe.GOODPUT   # the health work's object, as JobStatus.to_dict will carry it
+    st.goodput = Goodput.from_dict(pe.GOODPUT)   # the health work's object, as JobStatus.to_dict will carry it
     page = render_html(st, NOW)
     assert "<h2>Goodput</h2>" in page and 'data-key="goodput"' in page and "71.0%" in page
     assert 'data-key="lost_s.restarts"' in page
@@ -159,8 +160,8 @@ def test_html_of_1024_ranks_draws_a_lane_per_node_with_the_failing_rank_in_its_n
     bad = scale.write_logs(tmp_path / "logs", 1024, 12)
     st = collect([StatusTarget(scale.JOB_ID, None, str(tmp_path / "logs"))], None, None, history=True, lanes=True)[0]
     pic = st.picture
-    assert pic["lane_kind"] == "node" and len(pic["lanes"]) == 1024 // scale.PER_NODE
-    lane = next(ln for ln in pic["lanes"] if scale.host(bad // scale.PER_NODE) in ln["hosts"])
+    assert pic.lane_kind == "node" and len(pic.lanes) == 1024 // scale.PER_NODE
+    lane = next(ln for ln in pic.lanes if scale.host(bad // scale.PER_NODE) in ln["hosts"])
     first = lane["points"][0]
     assert first["kind"] == "error" and first["rank"] == bad
     assert st.failure.rank == bad

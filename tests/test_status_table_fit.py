@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_hpc.judge.timing import RunProgress
+from ddp_hpc.judge.timing import RunProgress, Stall
 from ddp_hpc.records import JobRecord
 from ddp_hpc.status import view
 from ddp_hpc.status.collect import collect
@@ -66,7 +66,8 @@ def ten_jobs() -> list[JobStatus]:
                                  eta_s=0.0), log_dir="/home/ada/other-checkout/runs/demo-20261129-135744-9ef7"),
         job("4251", "bert-large", "RUNNING", progress=RunProgress(epoch=0, step=1200, total_steps=10000, percent=12.0,
                                                                   loss=2.5, samples_per_s=512.0, eta_s=7200.0),
-            stall={"silent_for_s": 130.0}),
+            stall=Stall(ranks=[1], silent_for_s=130.0, others_last_s=2.0, threshold_s=30.0,
+                        median_interval_s=1.0, behind=[], last_steps={"1": 1200})),
         job("4252", "resnet50", "PENDING", elapsed=None, nodes=None),
         job("4253", "resnet50", "CANCELLED by 1000", elapsed="00:01:02",
             progress=RunProgress(epoch=0, step=12, total_steps=800, percent=1.5, loss=6.9, samples_per_s=24000.0)),

@@ -59,7 +59,7 @@ def test_one_silent_rank_while_the_others_write(tmp_path):
     write(tmp_path, 3, steps(3, 70))
     st, lines = status(tmp_path, now=T0 + 203)
     # threshold max(10 x 1 s, 30 s) = 30 s; rank 3 silent since t=70
-    assert st.stall["ranks"] == [3] and st.stall["silent_for_s"] == 133 and st.stall["threshold_s"] == 30
+    assert st.stall.ranks == [3] and st.stall.silent_for_s == 133 and st.stall.threshold_s == 30
     assert lines[1] == "State:      RUNNING, STALLED 00:02:13   [source: squeue]"
     assert lines[2] == "Stalled:    rank 3 silent for 00:02:13; the others last wrote 00:00:03 ago"
     assert lines[3] == ("            (no event for > 00:00:30: max(10 x the median interval between "
@@ -77,7 +77,7 @@ def test_every_rank_silent_names_the_one_that_stopped_first(tmp_path):
     st, lines = status(tmp_path, now=T0 + 41 + 130)
     assert lines[2] == ("Stalled:    ranks 0-3 silent for 00:02:10; rank 3 stopped first (last step 40, "
                         "the others' 41)")
-    assert st.stall["behind"] == [3] and st.stall["others_last_s"] is None
+    assert st.stall.behind == [3] and st.stall.others_last_s is None
 
 
 @pytest.mark.parametrize("every,after,stalled", [
@@ -131,12 +131,12 @@ def test_a_slow_rank_is_named_alone_when_its_node_mate_is_not(tmp_path):
     st, lines = status(tmp_path, now=T0 + 20)
     assert [ln for ln in lines if ln.startswith("Stragglers:")] == [
         "Stragglers: rank 3 on n2 is 1.5x slower than the median rank (1.5 s per step)"]
-    assert st.timing["slow_nodes"] == []
+    assert st.timing.by_step_time.slow_nodes == []
 
 
 def test_no_straggler_below_the_threshold_or_with_too_few_intervals(tmp_path):
     even = {r: steps(r, 12, every=1.2 if r == 3 else 1.0) for r in range(4)}
-    assert timing.stragglers(even, {r: f"n{r // 2 + 1}" for r in range(4)})["lines"] == []
+    assert timing.stragglers(even, {r: f"n{r // 2 + 1}" for r in range(4)}).lines == []
     short = {r: steps(r, 5, every=3.0 if r == 3 else 1.0) for r in range(4)}  # 4 intervals
     assert timing.stragglers(short, {r: f"n{r // 2 + 1}" for r in range(4)}) is None
 
@@ -191,8 +191,8 @@ def test_the_training_cores_own_data_wait_names_a_slow_loader():
     per_rank = {0: _data_events(0, "n1", 0.01), 1: _data_events(1, "n1", 0.012),
                 2: _data_events(2, "n2", 0.011), 3: _data_events(3, "n2", 0.2)}
     out = stragglers(per_rank, {0: "n1", 1: "n1", 2: "n2", 3: "n2"})
-    assert out["slow_ranks"] == [3] and out["measure"].startswith("data_s")
-    assert out["lines"] == ["rank 3 on n2 is 18.2x slower waiting for data than the median rank "
+    assert out.slow_ranks == [3] and out.measure.startswith("data_s")
+    assert out.lines == ["rank 3 on n2 is 18.2x slower waiting for data than the median rank "
                             "(0.2 s per step)"]
 
 
@@ -201,7 +201,7 @@ def test_a_tiny_data_wait_is_not_a_straggler_however_large_the_ratio():
     per_rank = {r: _data_events(r, "n1", 0.0001) for r in range(3)}
     per_rank[3] = _data_events(3, "n1", 0.0009)   # 9x, but 0.8 ms of a 0.5 s step
     out = stragglers(per_rank, {r: "n1" for r in range(4)})
-    assert out["slow_ranks"] == [] and out["lines"] == []
+    assert out.slow_ranks == [] and out.lines == []
 
 
 C10D_WAIT = ('Current thread 0x00007f3b3a1c9740 "MainThread" (most recent call first):\n'
@@ -228,7 +228,7 @@ def test_the_stall_line_agrees_with_the_stacks_and_progress_shows_the_newest_ste
     st, lines = status(tmp_path, now=T0 + 92 + 74)
     assert lines[2] == "Stalled:    ranks 0-3 silent for 00:01:14", lines
     assert "            hang: rank 3 in main (hang.py:31); ranks 0-2 wait in DDP's all-reduce (backward)" in lines
-    assert st.stall["behind"] == [] and st.stall["last_steps"] == {"0": 100, "1": 100, "2": 100, "3": 100}
+    assert st.stall.behind == [] and st.stall.last_steps == {"0": 100, "1": 100, "2": 100, "3": 100}
     assert st.progress.step == 100
     assert not any("stopped first" in ln for ln in lines)
 
@@ -240,7 +240,7 @@ def test_a_rank_waiting_in_a_collective_never_stopped_first(tmp_path):
         write(tmp_path, r, steps(r, 40 if r in (1, 3) else 41)
               + [_stack(r, T0 + 110, None, OWN_SLEEP if r == 3 else C10D_WAIT)])
     st, lines = status(tmp_path, now=T0 + 41 + 130)
-    assert st.stall["behind"] == [3]
+    assert st.stall.behind == [3]
     assert lines[2] == ("Stalled:    ranks 0-3 silent for 00:02:10; rank 3 stopped first (last step 40, "
                         "the others' 41)"), lines
 
@@ -283,10 +283,10 @@ def test_a_fast_run_silent_for_45_s_is_stalled_and_its_goodput_counts_the_silenc
         write(tmp_path, r, fast_steps(r, 100) + [{"time": T0 + 130, "event": "stack", "rank": r, "job_id": "88",
                                                   "restart": 0, "host": "n1", "step": 600, "stack": stack}])
     st, lines = status(tmp_path, now=T0 + 100 + 45)
-    assert st.stall is not None and st.stall["ranks"] == [0, 1] and st.stall["threshold_s"] == 30
+    assert st.stall is not None and st.stall.ranks == [0, 1] and st.stall.threshold_s == 30
     assert lines[1] == "State:      RUNNING, STALLED 00:00:45   [source: squeue]"
     # the wall ends at the newest event (the stacks); all of the silence in it is a stall
-    assert st.goodput["lost_s"]["stalls"] >= 30.0 and st.goodput["lost_s"]["other"] == pytest.approx(0.0)
+    assert st.goodput.lost_s["stalls"] >= 30.0 and st.goodput.lost_s["other"] == pytest.approx(0.0)
     assert not timing.stall({r: fast_steps(r, 100) for r in range(2)}, now=T0 + 100 + 25)   # an ordinary pause
 
 
@@ -306,11 +306,11 @@ def test_the_others_waiting_for_rank_0s_save_or_eval_are_not_stalled(tmp_path, p
         write(tmp_path, r, fast_steps(r, 100) + (_busy(0, phase, 100.5, 190) if r == 0 else []))
     st, _ = status(tmp_path, now=T0 + 188)
     assert st.stall is None
-    assert st.goodput["lost_s"]["stalls"] == pytest.approx(0.0)
-    assert st.goodput["lost_s"][phase] == pytest.approx(85.5)   # to rank 0's newest progress event
+    assert st.goodput.lost_s["stalls"] == pytest.approx(0.0)
+    assert st.goodput.lost_s[phase] == pytest.approx(85.5)   # to rank 0's newest progress event
     per_rank = {r: fast_steps(r, 100) + (_busy(0, phase, 100.5, 140) if r == 0 else []) for r in range(4)}
     got = timing.stall(per_rank, now=T0 + 140.5 + 31)   # rank 0 silent past the floor itself
-    assert got is not None and got["ranks"] == [0, 1, 2, 3]
+    assert got is not None and got.ranks == [0, 1, 2, 3]
 
 
 def test_the_watchdogs_first_dump_comes_when_status_calls_the_stall():

@@ -16,16 +16,72 @@ so step times cannot name it; its own compute can.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 from ddp_hpc.judge.consequences import ranks_text
-from ddp_hpc.judge.timing import _median_without
+from ddp_hpc.judge.timing import Stragglers, _median_without
 from ddp_hpc.parsing import to_float, to_int
 
-__all__ = ["RATIO", "MIN_STEPS", "MIN_SHARE", "compute_stragglers", "with_compute"]
+__all__ = ["RATIO", "MIN_STEPS", "MIN_SHARE", "ComputeStragglers", "Timing", "compute_stragglers", "with_compute"]
 
 RATIO = 1.2
 MIN_STEPS = 20
 MIN_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class ComputeStragglers:
+    """Per-rank and per-node compute and the slow ones (`compute_stragglers`); the fields are the
+    keys of ``status --json``'s ``timing.compute``."""
+
+    ranks: dict[str, dict]     # str(rank) -> host, compute_s, ratio, wait_share, slow
+    nodes: dict[str, dict]     # host -> ranks, compute_s (and ratio, wait_share with 2+ nodes), slow
+    slow_ranks: list[int]
+    slow_nodes: list[str]
+    lines: list[str]           # the slow ones in words
+    step_s: float              # the ranks' median seconds per step
+    ratio_threshold: float
+    min_steps: int
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ComputeStragglers":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A job's slow ranks and nodes: by their step times (`ddp_hpc.judge.timing.stragglers`) and
+    by their own compute (`compute_stragglers`), either None where not judged (never both)."""
+
+    by_step_time: Stragglers | None
+    by_compute: ComputeStragglers | None
+
+    @property
+    def lines(self) -> list[str]:
+        """The slow ones in words, the compute's first (a slow rank's compute is the cause its
+        peers' step times cannot show)."""
+        return [*(self.by_compute.lines if self.by_compute else []),
+                *(self.by_step_time.lines if self.by_step_time else [])]
+
+    def to_dict(self) -> dict:
+        """``status --json``'s ``timing``: the step times' keys, and the compute's under
+        ``compute`` with every line under ``lines``."""
+        out = self.by_step_time.to_dict() if self.by_step_time is not None else {}
+        if self.by_compute is not None:
+            out["compute"] = self.by_compute.to_dict()
+            out["lines"] = self.lines
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Timing":
+        steps = {k: v for k, v in d.items() if k != "compute"}
+        if d.get("compute") is not None:   # the lines were both judgements'; the step times' own follow the compute's
+            steps["lines"] = steps.get("lines", [])[len(d["compute"]["lines"]):]
+        return cls(Stragglers.from_dict(steps) if "measure" in steps else None,
+                   ComputeStragglers.from_dict(d["compute"]) if d.get("compute") is not None else None)
 
 
 def window(events: list[dict], min_steps: int = MIN_STEPS) -> list[float] | None:
@@ -59,10 +115,9 @@ def _judge(items: dict, step_s: float) -> None:
         d["slow"] = bool(d["ratio"] and d["ratio"] >= RATIO and (d["wait_share"] or 0) >= MIN_SHARE)
 
 
-def compute_stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict | None:
+def compute_stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> ComputeStragglers | None:
     """Per-rank and per-node compute and the slow ones, or None unless at least two ranks have
-    ``compute_s`` over ``MIN_STEPS`` steps. Returns ``ranks`` (str(rank) -> host, compute_s,
-    ratio, wait_share, slow), ``nodes``, ``slow_ranks``, ``slow_nodes``, ``lines``."""
+    ``compute_s`` over ``MIN_STEPS`` steps."""
     ranks: dict[int, dict] = {}
     for r, evs in sorted(per_rank.items()):
         if (values := window(evs)) is not None:
@@ -91,17 +146,11 @@ def compute_stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | N
               for r in slow_ranks if ranks[r]["host"] not in slow_nodes]
     for d in list(ranks.values()) + list(nodes.values()):
         d["compute_s"] = round(d["compute_s"], 6)
-    return {"ranks": {str(r): d for r, d in ranks.items()}, "nodes": nodes, "slow_ranks": slow_ranks,
-            "slow_nodes": slow_nodes, "lines": lines, "step_s": round(step_s, 6),
-            "ratio_threshold": RATIO, "min_steps": MIN_STEPS}
+    return ComputeStragglers(ranks={str(r): d for r, d in ranks.items()}, nodes=nodes, slow_ranks=slow_ranks,
+                             slow_nodes=slow_nodes, lines=lines, step_s=round(step_s, 6), ratio_threshold=RATIO,
+                             min_steps=MIN_STEPS)
 
 
-def with_compute(stragglers: dict | None, compute: dict | None) -> dict | None:
-    """``judge.timing.stragglers``' answer with the compute judgement under ``compute`` and its
-    lines first (a slow rank's compute is the cause its peers' step times cannot show)."""
-    if compute is None:
-        return stragglers
-    out = dict(stragglers or {})
-    out["compute"] = compute
-    out["lines"] = compute["lines"] + list(out.get("lines") or [])
-    return out
+def with_compute(stragglers: Stragglers | None, compute: ComputeStragglers | None) -> Timing | None:
+    """Both judgements of the slow ones as one `Timing`; None when neither named anything."""
+    return None if stragglers is None and compute is None else Timing(stragglers, compute)

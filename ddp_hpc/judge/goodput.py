@@ -66,11 +66,41 @@ PART_NAMES = {"restarts": "restarts", "redone": "steps trained twice", "checkpoi
               "data": "data wait", "stalls": "stalls", "eval": "eval", "other": "other"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Goodput:
     """``useful_s / wall_s`` and the seconds of each part of the rest (`PARTS`), the restarts'
     phases where recorded, how many steps were trained twice, the median seconds per step, and
-    which parts are estimates."""
+    which parts are estimates. The fields are the keys of ``status --json``'s ``goodput``."""
+
+    goodput: float                       # useful_s / wall_s
+    wall_s: float                        # since the first step
+    useful_s: float
+    lost_s: dict[str, float]             # part (`PARTS`) -> seconds
+    restart_phases: dict[str, float] = field(default_factory=dict)   # phase -> seconds, all restarts
+    steps_redone: int = 0
+    step_s: float | None = None          # the median seconds per step
+    estimated: list[str] = field(default_factory=list)   # the parts that are estimates, in words
+
+    def to_dict(self) -> dict:
+        return {"goodput": round(self.goodput, 4), "wall_s": round(self.wall_s, 3),
+                "useful_s": round(self.useful_s, 3), "lost_s": {k: round(v, 3) for k, v in self.lost_s.items()},
+                "restart_phases": {k: round(v, 3) for k, v in self.restart_phases.items()},
+                "steps_redone": self.steps_redone, "step_s": None if self.step_s is None else round(self.step_s, 6),
+                "estimated": list(self.estimated)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Goodput":
+        return cls(**d)
+
+    def rounded(self) -> "Goodput":
+        """This goodput as ``status --json`` shows it (rounded): what a status holds, so it
+        is the same after a JSON round trip."""
+        return Goodput.from_dict(self.to_dict())
+
+
+@dataclass
+class _Tally:
+    """`Goodput`'s fields while `goodput` adds the intervals up."""
 
     goodput: float
     wall_s: float
@@ -80,13 +110,6 @@ class Goodput:
     steps_redone: int = 0
     step_s: float | None = None
     estimated: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {"goodput": round(self.goodput, 4), "wall_s": round(self.wall_s, 3),
-                "useful_s": round(self.useful_s, 3), "lost_s": {k: round(v, 3) for k, v in self.lost_s.items()},
-                "restart_phases": {k: round(v, 3) for k, v in self.restart_phases.items()},
-                "steps_redone": self.steps_redone, "step_s": None if self.step_s is None else round(self.step_s, 6),
-                "estimated": list(self.estimated)}
 
 
 def _reference(ranks: dict[int, RankStream]) -> RankStream | None:
@@ -138,7 +161,7 @@ def goodput(ranks: dict[int, RankStream], restarts: list[dict] = (), end: float 
         return None
     newest = max((to_float(e.get("time")) or 0.0 for s in ranks.values() for e in s.events), default=0.0)
     t0, t_end = runs[0][1][0][0], max(end or 0.0, newest)
-    g = Goodput(0.0, max(t_end - t0, 0.0), 0.0, dict.fromkeys(PARTS, 0.0), step_s=_step_s(runs))
+    g = _Tally(0.0, max(t_end - t0, 0.0), 0.0, dict.fromkeys(PARTS, 0.0), step_s=_step_s(runs))
     phases = {to_int(r.get("restart"), -1): r.get("phases") for r in restarts}
     done, last_t, other = None, None, []
     for restart, steps, other in runs:
@@ -151,10 +174,10 @@ def goodput(ranks: dict[int, RankStream], restarts: list[dict] = (), end: float 
     gaps = [b[0] - a[0] for _, steps, _ in runs for a, b in zip(steps, steps[1:]) if b[0] > a[0]]
     _tail(g, last_t, t_end, other, STALL_FACTOR * statistics.median(gaps) if gaps else None)
     g.goodput = g.useful_s / g.wall_s if g.wall_s > 0 else 1.0
-    return g
+    return Goodput(**vars(g))
 
 
-def _tail(g: Goodput, last_t: float, t_end: float, other: list[dict], limit: float | None) -> None:
+def _tail(g: _Tally, last_t: float, t_end: float, other: list[dict], limit: float | None) -> None:
     """Share the time after the last step event out by the events that end its stretches (the
     module's rules); ``limit``: the seconds of silence that are a stall (None: no step interval)."""
     after = sorted(((t, e) for e in other if e.get("event") != "stack" and not _step_note(e)
@@ -181,7 +204,7 @@ def _step_note(e: dict) -> bool:
     return e.get("event") == "progress" and e.get("phase") == "step"
 
 
-def _restart_gap(g: Goodput, gap: float, phases) -> None:
+def _restart_gap(g: _Tally, gap: float, phases) -> None:
     g.lost_s["restarts"] += max(gap, 0.0)
     if isinstance(phases, dict):
         for name, secs in phases.items():
@@ -191,7 +214,7 @@ def _restart_gap(g: Goodput, gap: float, phases) -> None:
         g.estimated.append("restarts (no phases recorded)")
 
 
-def _interval(g: Goodput, a: tuple, b: tuple, other: list[dict], done: int | None) -> None:
+def _interval(g: _Tally, a: tuple, b: tuple, other: list[dict], done: int | None) -> None:
     """Share the interval from step event ``a`` to ``b`` out among the parts (the module's rules)."""
     dt, n = b[0] - a[0], b[1] - a[1]
     if dt <= 0:

@@ -11,15 +11,36 @@ while their rank trains (docs/status.md, "GPUs").
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 from ddp_hpc.parsing import to_float, to_int
 
-__all__ = ["IDLE_PERCENT", "IDLE_WINDOW_S", "gpus", "gpu_percent"]
+__all__ = ["IDLE_PERCENT", "IDLE_WINDOW_S", "GpuReport", "gpus", "gpu_percent"]
 
 IDLE_PERCENT = 20.0
 IDLE_WINDOW_S = 60.0
 #: the fields of a sample status shows (the rest of a ``gpu`` event is its envelope)
 FIELDS = ("gpu", "util_percent", "mem_used_mb", "mem_total_mb", "temp_c", "power_w", "ecc_errors")
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    """Each rank's GPU and the idle ones (`gpus`); the fields are the keys of ``status --json``'s
+    ``gpus``."""
+
+    #: str(rank) -> its newest sample's `FIELDS` that it has, ``host``, ``time`` and ``xid_errors``
+    #: (every XID error its samples reported) when any
+    ranks: dict[str, dict]
+    idle: dict[str, dict]    # str(rank) -> util_percent, window_s, step_s, data_s of its idle GPU
+    lines: list[str]         # the idle GPUs in words
+    idle_percent: float      # a GPU below this busy share is idle (`IDLE_PERCENT`)
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GpuReport":
+        return cls(**d)
 
 
 def _samples(events: list[dict]) -> list[tuple[float, dict]]:
@@ -55,9 +76,9 @@ def _idle_line(rank: int, host: str | None, idle: dict) -> str:
     return line + f"it waits {idle['data_s']:.3g} s per step for data{share}"
 
 
-def gpus(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict | None:
-    """rank -> its GPU's newest sample (``ranks``), the idle ones (``idle``: rank -> why) and
-    their ``lines``; None when no rank wrote a ``gpu`` event."""
+def gpus(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> GpuReport | None:
+    """Each rank's GPU by its newest sample and the idle ones; None when no rank wrote a ``gpu``
+    event."""
     ranks: dict[str, dict] = {}
     idle: dict[str, dict] = {}
     lines: list[str] = []
@@ -74,7 +95,7 @@ def gpus(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict 
             lines.append(_idle_line(r, hosts.get(r), why))
     if not ranks:
         return None
-    return {"ranks": ranks, "idle": idle, "lines": lines, "idle_percent": IDLE_PERCENT}
+    return GpuReport(ranks=ranks, idle=idle, lines=lines, idle_percent=IDLE_PERCENT)
 
 
 def gpu_percent(per_rank: dict[int, list[dict]]) -> float | None:

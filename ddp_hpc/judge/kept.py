@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from ddp_hpc.judge.goodput import goodput
+from ddp_hpc.judge.goodput import Goodput, goodput
 from ddp_hpc.judge.reader import RunLogs, RunProgress, RunSummary
 from ddp_hpc.judge.srun import srun_exit_codes
 from ddp_hpc.parsing import to_int
@@ -80,15 +80,16 @@ def summarize(logs: RunLogs, srun_codes: dict[int, int] | None = None) -> dict |
             "progress": dict(vars(prog)) if prog is not None else None, "device": logs.device(),
             "eval": {"metrics": ev.get("metrics"), "step": ev.get("step")} if ev else None,
             "srun_codes": {str(r): c for r, c in srun_codes.items()} if srun_codes is not None else None,
-            "rank0_only": logs.rank0_only, "goodput": table_goodput(logs)}
+            "rank0_only": logs.rank0_only, "goodput": g.to_dict() if (g := table_goodput(logs)) is not None else None}
 
 
-def table_goodput(logs: RunLogs) -> dict | None:
-    """The job table's goodput of ``logs``: where the reading holds every run of rank 0 (the
-    table reads only the newest run of a job that has several), without the restarts' phases."""
+def table_goodput(logs: RunLogs) -> Goodput | None:
+    """The job table's goodput of ``logs`` (rounded as ``status --json`` shows it): where the
+    reading holds every run of rank 0 (the table reads only the newest run of a job that has
+    several), without the restarts' phases."""
     zero = logs.ranks.get(0)
     g = goodput(logs.ranks, []) if zero is not None and not zero.newest_only else None
-    return g.to_dict() if g is not None else None
+    return g.rounded() if g is not None else None
 
 
 def start_nodes(logs: "RunLogs | KeptLogs", cur: RunSummary | None) -> int | None:

@@ -1,7 +1,8 @@
 """The run in time, from its events: what the detail view draws as sparklines and ``ddp-hpc status
 JOB --html`` as a page (docs/status.md, "A picture of the run").
 
-`build` gives one plain dict (JSON-ready, bounded in size however long the run or big the job):
+`build` gives a `Picture` (its ``to_dict`` JSON-ready, bounded in size however long the run or big
+the job):
 
 - ``t0``, ``t1``: the first and last event time of any run;
 - ``series``: rank 0's (else the lowest rank's) ``step`` events of every run as ``[time,
@@ -24,13 +25,14 @@ was read, and its gaps are not taken for stalls (its middle was not read, not si
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 from ddp_hpc.judge.consequences import compress
 from ddp_hpc.judge.reader import RankStream, RunLogs
 from ddp_hpc.judge.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.parsing import to_float, to_int
 
-__all__ = ["build", "STATES", "BINS", "RANK_LANES", "MAX_LANES", "SERIES_POINTS"]
+__all__ = ["build", "Picture", "STATES", "BINS", "RANK_LANES", "MAX_LANES", "SERIES_POINTS"]
 
 SERIES_POINTS = 400
 BINS = 240
@@ -46,7 +48,32 @@ STATES = ("idle", "run", "step", "data", "stall", "stage")
 _RUN, _STEP, _DATA, _STALL, _STAGE = range(1, 6)
 
 
-def build(logs: RunLogs, restarts: list[dict], lanes: bool = False) -> dict | None:
+@dataclass(frozen=True)
+class Picture:
+    """The run in time (see the module docstring); the fields are the keys of ``status
+    --json``'s ``picture``, the lanes' only where they were asked for."""
+
+    t0: float                 # the first event time of any run
+    t1: float                 # the last
+    series: list[list]        # [time, samples_per_s, loss, restart] of rank 0's step events
+    marks: list[dict]         # what happened when (kind, time, restart, ...), in time order
+    lanes: list[dict] | None = None   # each lane's label, ranks, hosts, cells, points, partial
+    lane_kind: str | None = None      # what a lane is: rank, node or nodes
+    bins: int | None = None           # the cells of a lane
+
+    def to_dict(self) -> dict:
+        out = dict(vars(self))
+        if self.lanes is None:
+            for k in ("lanes", "lane_kind", "bins"):
+                del out[k]
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Picture":
+        return cls(**d)
+
+
+def build(logs: RunLogs, restarts: list[dict], lanes: bool = False) -> Picture | None:
     """The picture of the run in ``logs`` (None without a timed event); ``restarts``: the
     in-allocation restarts' records (`ddp_hpc.status.restarts.alloc_restarts`)."""
     runs = [r for r in logs.runs() if r.started is not None]
@@ -55,12 +82,10 @@ def build(logs: RunLogs, restarts: list[dict], lanes: bool = False) -> dict | No
     t0 = min(r.started for r in runs)
     t1 = max(r.last_time or r.started for r in runs)
     steps = _rank0_steps(logs)
-    out = {"t0": t0, "t1": t1, "series": _pick(steps, SERIES_POINTS),
-           "marks": sorted(_restart_marks(runs, restarts) + _stall_marks(logs, steps) + _event_marks(logs),
-                           key=lambda m: m["time"])}
-    if lanes:
-        out.update(_lanes(logs, t0, max(t1 - t0, 1e-9)))
-    return out
+    return Picture(t0=t0, t1=t1, series=_pick(steps, SERIES_POINTS),
+                   marks=sorted(_restart_marks(runs, restarts) + _stall_marks(logs, steps) + _event_marks(logs),
+                                key=lambda m: m["time"]),
+                   **(_lanes(logs, t0, max(t1 - t0, 1e-9)) if lanes else {}))
 
 
 def _rank0_steps(logs: RunLogs) -> list[list]:

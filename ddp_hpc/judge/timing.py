@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ddp_hpc.judge.consequences import ranks_text
 from ddp_hpc.judge.stacks import collective, hang_line, stack_summary
@@ -77,6 +77,52 @@ class RunProgress:
     updated: float | None = None
 
 
+@dataclass(frozen=True)
+class Stall:
+    """The silent ranks of a running job (`stall`); status adds what their stacks say. The
+    fields are the keys of ``status --json``'s ``stall``."""
+
+    ranks: list[int]                    # the silent ranks
+    silent_for_s: float                 # since the newest event of a silent rank
+    others_last_s: float | None         # since the newest event of the others (None: all silent)
+    threshold_s: float                  # the silence that counts, the largest of the silent ranks'
+    median_interval_s: float            # the median of the ranks' median step-event intervals
+    behind: list[int]                   # silent ranks whose last step is behind the others' (stopped first)
+    last_steps: dict[str, int | None]   # str(rank) -> the newest step any of its events reports
+    stacks: dict[str, str] = field(default_factory=dict)   # str(rank) -> where its stack says it is
+    no_stack: list[int] = field(default_factory=list)      # silent ranks that wrote none while others did
+    hang: str | None = None             # the hang in one line (`hang`)
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Stall":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Stragglers:
+    """Per-rank and per-node step times and the slow ones (`stragglers`); the fields are the
+    keys of ``status --json``'s ``timing`` (beside the compute judgement's)."""
+
+    ranks: dict[str, dict]     # str(rank) -> host, step_s, intervals, ratio, slow
+    nodes: dict[str, dict]     # host -> ranks, step_s, ratio, slow
+    slow_ranks: list[int]
+    slow_nodes: list[str]
+    lines: list[str]           # the slow ones in words
+    measure: str               # what a step time is: the step events' intervals or data_s
+    ratio_threshold: float
+    min_intervals: int
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Stragglers":
+        return cls(**d)
+
+
 def _steps(events: list[dict]) -> list[tuple[float, dict]]:
     """(time, event) of each step event with a time, the time read once."""
     out = []
@@ -121,16 +167,13 @@ def _per_step(steps: list[tuple[float, dict]]) -> list[float]:
     return out
 
 
-def stall(per_rank: dict[int, list[dict]], now: float) -> dict | None:
+def stall(per_rank: dict[int, list[dict]], now: float) -> Stall | None:
     """The silent ranks of a running job (see the module docstring), or None.
 
     ``per_rank``: rank -> its events of the current run. Ranks that wrote ``end`` or ``error``
-    are not silent: they ended. Returns ``ranks`` (silent), ``silent_for_s`` (since the newest
-    event of a silent rank), ``others_last_s`` (since the newest event of the others; None when
-    every rank is silent), ``threshold_s``, ``median_interval_s``, ``behind`` (silent ranks whose
-    last step is behind the others': the ones that stopped first; never a rank whose stack of the
-    silence shows it waiting in a collective) and ``last_steps`` (the newest step any of the
-    rank's events reports: step events are throttled, a stack event carries the step it hung at)."""
+    are not silent: they ended. ``behind`` never holds a rank whose stack of the silence shows it
+    waiting in a collective; ``last_steps`` counts every event's step (step events are throttled,
+    a stack event carries the step it hung at). The stacks are left to `silent_stacks`."""
     live = {r: evs for r, evs in per_rank.items()
             if evs and not any(e.get("event") in ("end", "error") for e in evs)}
     medians = {r: statistics.median(iv) for r, evs in live.items() if (iv := event_intervals(evs))}
@@ -149,11 +192,11 @@ def stall(per_rank: dict[int, list[dict]], now: float) -> dict | None:
     behind = [r for r in silent if steps[r] is not None and known and steps[r] < max(known)
               and r not in waiting]   # a rank its stack shows waiting in a collective stopped no one
     newest = max(last[r] for r in silent)
-    return {"ranks": silent, "silent_for_s": round(now - newest, 3),
-            "others_last_s": round(now - max(others), 3) if others else None,
-            "threshold_s": round(max(limits[r] for r in silent), 3),
-            "median_interval_s": round(overall, 3), "behind": behind,
-            "last_steps": {str(r): steps[r] for r in silent}}
+    return Stall(ranks=silent, silent_for_s=round(now - newest, 3),
+                 others_last_s=round(now - max(others), 3) if others else None,
+                 threshold_s=round(max(limits[r] for r in silent), 3),
+                 median_interval_s=round(overall, 3), behind=behind,
+                 last_steps={str(r): steps[r] for r in silent})
 
 
 def _busy(events: list[dict]) -> bool:
@@ -211,7 +254,7 @@ def _own_times(steps: list[tuple[float, dict]]) -> list[float]:
     return [float(e["data_s"]) for _, e in steps if isinstance(e.get("data_s"), (int, float))]
 
 
-def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> dict | None:
+def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) -> Stragglers | None:
     """Per-rank and per-node step times and the slow ones (see the module docstring), or None
     when no rank has enough step events. ``hosts``: rank -> its host. Step events that carry
     ``data_s`` (the training core's) are judged by it: their times are the same on every rank,
@@ -252,10 +295,10 @@ def stragglers(per_rank: dict[int, list[dict]], hosts: dict[int, str | None]) ->
               for r in slow_ranks if ranks[r]["host"] not in slow_nodes]
     for d in list(ranks.values()) + list(nodes.values()):
         d["step_s"] = round(d["step_s"], 6)
-    return {"ranks": {str(r): d for r, d in ranks.items()}, "nodes": nodes,
-            "slow_ranks": slow_ranks, "slow_nodes": slow_nodes, "lines": lines,
-            "measure": "data_s (own wait for data per step)" if own else "step event intervals",
-            "ratio_threshold": STRAGGLER_RATIO, "min_intervals": STRAGGLER_MIN_INTERVALS}
+    return Stragglers(ranks={str(r): d for r, d in ranks.items()}, nodes=nodes, slow_ranks=slow_ranks,
+                      slow_nodes=slow_nodes, lines=lines,
+                      measure="data_s (own wait for data per step)" if own else "step event intervals",
+                      ratio_threshold=STRAGGLER_RATIO, min_intervals=STRAGGLER_MIN_INTERVALS)
 
 
 def _ratios(items: dict, floor: float = 0.0) -> None:

@@ -8,6 +8,7 @@ decides nothing about the state.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from ddp_hpc.judge import flightrec, gpu, kept, picture, timing
 from ddp_hpc.judge.compute import compute_stragglers, with_compute
 from ddp_hpc.judge.consequences import compress as compress_ranks
 from ddp_hpc.judge.consequences import ranks_text
-from ddp_hpc.judge.goodput import goodput
+from ddp_hpc.judge.goodput import Goodput, goodput
 from ddp_hpc.judge.kept import KeptLogs
 from ddp_hpc.judge.reader import RunLogs, RunSummary
 from ddp_hpc.judge.restarts import read_restarts
@@ -53,7 +54,10 @@ class Resolved:
         """The table's view: who, state, shape, time, progress, stall, and goodput where the row
         read every run of rank 0 (the table reads only the newest run of a job that has several)."""
         logs = self.logs
-        g = logs.summary.get("goodput") if isinstance(logs, KeptLogs) else kept.table_goodput(logs)
+        if isinstance(logs, KeptLogs):   # the record keeps it as status --json shows it
+            g = Goodput.from_dict(d) if (d := logs.summary.get("goodput")) is not None else None
+        else:
+            g = kept.table_goodput(logs)
         return self._status({"goodput": g} if g is not None else {}, self.notes)
 
     def detail(self, lanes: bool = False) -> JobStatus:
@@ -106,9 +110,9 @@ class Resolved:
             per_rank, _ = self._per_rank_hosts()
             st.gpu_percent = gpu.gpu_percent(per_rank)   # the GPUs' use now: running jobs only
             if (stall := timing.stall(per_rank, s.now)) is not None:
-                stacks, none = timing.silent_stacks(per_rank, stall["ranks"], s.now, stall["threshold_s"])
-                st.stall = {**stall, "stacks": stacks, "no_stack": none,
-                            "hang": timing.hang(per_rank, stall["ranks"])}
+                stacks, none = timing.silent_stacks(per_rank, stall.ranks, s.now, stall.threshold_s)
+                st.stall = dataclasses.replace(stall, stacks=stacks, no_stack=none,
+                                               hang=timing.hang(per_rank, stall.ranks))
         return st
 
     def _elapsed(self, cur: RunSummary | None) -> str | None:
@@ -179,12 +183,12 @@ class Resolved:
         return src.final_to_keep(self.state, self.logs, s.now, s.final)
 
 
-def _goodput(logs: RunLogs | KeptLogs, restarts: list[dict], end: float | None = None) -> dict | None:
+def _goodput(logs: RunLogs | KeptLogs, restarts: list[dict], end: float | None = None) -> Goodput | None:
     """The job's goodput from its logs (`judge.goodput`, the restarts' phases where recorded)
-    up to ``end`` (a running job: now, so a silence that goes on counts; else its last event);
-    None from kept facts, or before a step."""
+    up to ``end`` (a running job: now, so a silence that goes on counts; else its last event),
+    rounded as ``status --json`` shows it; None from kept facts, or before a step."""
     g = None if isinstance(logs, KeptLogs) else goodput(logs.ranks, restarts, end=end)
-    return g.to_dict() if g is not None else None
+    return g.rounded() if g is not None else None
 
 
 def _from_record(rec: JobRecord | None) -> dict:

@@ -2,6 +2,8 @@
 idle while their rank trains (`ddp_hpc.judge.gpu`)."""
 from __future__ import annotations
 
+from ddp_hpc.judge.gpu import GpuReport
+
 __all__ = ["MAX_ROWS", "gpu_lines"]
 
 #: ranks shown one a line; beyond, the ranks with the least busy GPUs (``--json`` has them all)
@@ -25,16 +27,16 @@ def _row(rank: str, g: dict) -> str:
     return "  ".join(parts)
 
 
-def gpu_lines(gpus: dict | None) -> list[str]:
+def gpu_lines(gpus: GpuReport | None) -> list[str]:
     """``GPUs:`` then one line per rank (at most `MAX_ROWS`: the least busy), then ``GPU idle:``
     lines; nothing without samples."""
-    if not gpus or not gpus.get("ranks"):
+    if gpus is None or not gpus.ranks:
         return []
-    ranks = gpus["ranks"]
+    ranks = gpus.ranks
     shown = sorted(ranks, key=int)
     if len(shown) > MAX_ROWS:
         shown = sorted(sorted(shown, key=lambda r: ranks[r].get("util_percent", 101))[:MAX_ROWS], key=int)
     out = ["GPUs:"] + [f"  {_row(r, ranks[r])}" for r in shown]
     if len(ranks) > len(shown):
         out.append(f"  ({len(ranks) - len(shown)} more ranks, busier; --json has them all)")
-    return out + [("GPU idle:   " if i == 0 else "            ") + ln for i, ln in enumerate(gpus.get("lines") or [])]
+    return out + [("GPU idle:   " if i == 0 else "            ") + ln for i, ln in enumerate(gpus.lines)]

@@ -17,7 +17,7 @@ import statistics
 import time
 
 from ddp_hpc.judge.goodput import PART_NAMES
-from ddp_hpc.judge.picture import STATES
+from ddp_hpc.judge.picture import STATES, Picture
 from ddp_hpc.judge.timing import STALL_FACTOR
 from ddp_hpc.slurm.times import format_duration
 from ddp_hpc.status.job import JobStatus
@@ -183,7 +183,8 @@ def _goodput_label(key: str) -> str:
 
 
 def _goodput(doc: dict | None) -> str:
-    """The goodput object (its numbers; a fraction as a percentage), when the status has one."""
+    """The goodput's numbers as ``--json`` has them (`Goodput.to_dict`: each row keyed by its JSON
+    key, for scripts; a fraction as a percentage), when the status has one."""
     if not isinstance(doc, dict) or not doc:
         return ""
     flat = {}
@@ -209,8 +210,8 @@ def _point(ax: _Axis, p: dict, y: float, h: int) -> str:
             f'+{format_duration(p["time"] - ax.t0)}</title></rect>')
 
 
-def _lane_svg(ax: _Axis, pic: dict) -> str:
-    lanes, bins = pic.get("lanes") or [], pic.get("bins") or 1
+def _lane_svg(ax: _Axis, pic: Picture) -> str:
+    lanes, bins = pic.lanes or [], pic.bins or 1
     h = 14 if len(lanes) <= 64 else 8
     top, cell_w = 4, WIDTH / bins
     body = []
@@ -227,11 +228,11 @@ def _lane_svg(ax: _Axis, pic: dict) -> str:
                                              f'style="font-size:{min(11, h + 1)}px">{_e(lane["label"])}</text>')
         body.append(f'<g class="lane"{a}><title>{_e(tip)}</title>{label}{cells}{points}</g>')
     bottom = top + len(lanes) * h
-    body.append(_marks_svg(ax, pic.get("marks", []), 0, bottom) + ax.ticks(bottom + 6))
+    body.append(_marks_svg(ax, pic.marks, 0, bottom) + ax.ticks(bottom + 6))
     legend = "".join(f'<span><i style="background:{COLORS[s]}"></i>{s}</span>' for s in STATES[1:]) + "".join(
         f'<span><i style="background:{COLORS[k]}"></i>{k}</span>' for k in ("error", "end", "checkpoint", "restart"))
     what = {"rank": "a lane per rank", "node": "a lane per node", "nodes": "a lane per block of nodes"}
-    return (f'<h2>Timeline ({_e(what.get(pic.get("lane_kind"), ""))}, {len(lanes)} lanes)</h2>'
+    return (f'<h2>Timeline ({_e(what.get(pic.lane_kind, ""))}, {len(lanes)} lanes)</h2>'
             f'<div class="legend">{legend}</div><div id="readout"></div>'
             + ax.svg(bottom + 24, "".join(body), "per-rank timeline"))
 
@@ -239,25 +240,25 @@ def _lane_svg(ax: _Axis, pic: dict) -> str:
 def render_html(st: JobStatus, now: float | None = None) -> str:
     """The page of one job (``st``: its detail status, the picture with its lanes)."""
     now = time.time() if now is None else now
-    pic = st.picture or {}
+    pic = st.picture
     head = f"Job {st.id}" + (f" ({st.name})" if st.name else "") + f": {st.state}, {shape_text(st)}"
     fail = failure_lines(st)
     parts = [f"<h1>{_e(head)}</h1>",
              f'<div class="fail" data-kind="diagnosis">{_e(chr(10).join(fail))}</div>' if fail else
              f'<div class="ok" data-kind="diagnosis">No failure found ({_e(st.state)}).</div>']
-    if pic:
-        ax = _Axis(pic["t0"], pic["t1"])
-        marks = pic.get("marks", [])
-        parts.append("<h2>Throughput and loss</h2>" + _chart(ax, pic["series"], 1, "samples/s", marks)
-                     + _chart(ax, pic["series"], 2, "loss", marks))
+    if pic is not None:
+        ax = _Axis(pic.t0, pic.t1)
+        marks = pic.marks
+        parts.append("<h2>Throughput and loss</h2>" + _chart(ax, pic.series, 1, "samples/s", marks)
+                     + _chart(ax, pic.series, 2, "loss", marks))
         parts.append(_phases(marks))
-        parts.append(_goodput(st.to_dict().get("goodput")))
+        parts.append(_goodput(st.goodput.to_dict() if st.goodput is not None else None))
         parts.append(_lane_svg(ax, pic))
     else:
         parts.append("<p>No timed events in the run logs: nothing to draw.</p>")
     parts.append(f"<h2>Detail</h2><pre>{_e(render_detail(st, now, unicode=True))}</pre>")
     data = json.dumps({"id": st.id, "state": st.state, "failure_rank": st.failure.rank if st.failure else None,
-                       "t0": pic.get("t0"), "t1": pic.get("t1")}).replace("</", "<\\/")
+                       "t0": pic.t0 if pic else None, "t1": pic.t1 if pic else None}).replace("</", "<\\/")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_e(head)}</title><style>{CSS}</style></head><body>{''.join(parts)}"
             f'<script type="application/json" id="job">{data}</script><script>{JS}</script></body></html>\n')

@@ -13,7 +13,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ddp_hpc.judge.compute import Timing
+from ddp_hpc.judge.goodput import Goodput
+from ddp_hpc.judge.gpu import GpuReport
+from ddp_hpc.judge.picture import Picture
 from ddp_hpc.judge.reader import Failure, RunProgress
+from ddp_hpc.judge.timing import Stall
 from ddp_hpc.slurm.states import JobState
 
 __all__ = ["JobStatus"]
@@ -46,14 +51,14 @@ class JobStatus:
     progress: RunProgress | None = None
     notes: list[str] = field(default_factory=list)
     command: list[str] | None = None  # a script/module/function job: what every rank ran
-    stall: dict | None = None  # a running job's silent ranks (ddp_hpc.judge.timing.stall)
+    stall: Stall | None = None  # a running job's silent ranks (ddp_hpc.judge.timing.stall)
     eval_metrics: dict | None = None  # the newest eval event's metrics
     eval_step: int | None = None
     overrides: list[str] | None = None  # an array task's overrides (the record's array[i])
     node_range: str | None = None  # "2-4": submitted with --nodes MIN-MAX
     #: useful step time / wall time since the first step, and the rest by part
-    #: (ddp_hpc.judge.goodput.Goodput.to_dict); a row has it when it read every run of rank 0
-    goodput: dict | None = None
+    #: (ddp_hpc.judge.goodput, rounded as --json shows it); a row has it when it read every run of rank 0
+    goodput: Goodput | None = None
     gpu_percent: float | None = None  # a running job's mean GPU use, the ranks' newest samples (judge.gpu)
     # -- the detail view's facts (a row leaves them empty)
     last_events: dict[int, dict] = field(default_factory=dict)
@@ -68,16 +73,17 @@ class JobStatus:
     #: rank -> how it ended by the evidence (kind raised|exited|killed|vanished|stuck|consequence|
     #: stopped|lost|completed|preempted|running, text, basis, times): ddp_hpc.judge.attribution
     rank_classification: dict[str, dict] = field(default_factory=dict)
-    timing: dict | None = None  # per-rank and per-node step times, stragglers (timing.stragglers)
+    #: per-rank and per-node step times and compute, the slow ones (judge.timing.stragglers, judge.compute)
+    timing: Timing | None = None
     flight: list[str] = field(default_factory=list)  # the flight recorder's dumps (judge.flightrec)
     staging: list[dict] = field(default_factory=list)  # per node leader and source (status/staging.py)
     #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
     alloc_restarts: list[dict] = field(default_factory=list)
     tensorboard: bool = False  # TensorBoard's event files in the log directory (runlogs.tboard)
-    gpus: dict | None = None  # each rank's newest GPU sample and the idle GPUs (judge.gpu.gpus)
+    gpus: GpuReport | None = None  # each rank's newest GPU sample and the idle GPUs (judge.gpu.gpus)
     #: the run in time: samples/s and loss series, marks, and for --html the per-rank lanes
     #: (ddp_hpc.judge.picture.build)
-    picture: dict | None = None
+    picture: Picture | None = None
     #: where the current run's state came from (rank 0's ``restored`` event, judge.restarts.restored_text)
     restored: str | None = None
 
@@ -93,14 +99,18 @@ class JobStatus:
         return self.command is not None
 
     def to_dict(self) -> dict:
-        """The fields as plain data for JSON: the nested dataclasses (progress, failure) become
-        dicts, the rest is shared with this status rather than deep-copied (copying 8,192 ranks'
-        events and classifications was most of ``status --json``'s time)."""
+        """The fields as plain data for JSON: the nested dataclasses (progress, failure, stall,
+        goodput, timing, gpus, picture) become dicts, the rest is shared with this status rather
+        than deep-copied (copying 8,192 ranks' events and classifications was most of ``status
+        --json``'s time)."""
         d = dict(vars(self))
         if self.progress is not None:  # numbers only: a shallow copy is a copy
             d["progress"] = dict(vars(self.progress))
         if self.failure is not None:
             d["failure"] = dataclasses.asdict(self.failure)
+        for name in _NESTED:
+            if (value := getattr(self, name)) is not None:
+                d[name] = value.to_dict()
         d["last_events"] = {str(k): v for k, v in self.last_events.items()}
         d["rank_exit_codes"] = {str(k): v for k, v in self.rank_exit_codes.items()}
         return d
@@ -110,6 +120,13 @@ class JobStatus:
         """The status `to_dict` gave (after a JSON round trip): the job table's cached rows."""
         d = dict(d, progress=RunProgress(**d["progress"]) if d.get("progress") else None,
                  failure=Failure(**d["failure"]) if d.get("failure") else None)
+        for name, kind in _NESTED.items():
+            if d.get(name) is not None:
+                d[name] = kind.from_dict(d[name])
         d["last_events"] = {int(k): v for k, v in (d.get("last_events") or {}).items()}
         d["rank_exit_codes"] = {int(k): v for k, v in (d.get("rank_exit_codes") or {}).items()}
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+#: the fields that hold a judgement's dataclass, and its class (each has ``to_dict`` and ``from_dict``)
+_NESTED = {"stall": Stall, "goodput": Goodput, "timing": Timing, "gpus": GpuReport, "picture": Picture}

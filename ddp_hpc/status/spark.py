@@ -8,6 +8,7 @@ import codecs
 import locale
 import sys
 
+from ddp_hpc.judge.picture import Picture
 from ddp_hpc.slurm.times import format_duration
 
 __all__ = ["spark_lines", "unicode_ok", "WIDTH"]
@@ -51,15 +52,15 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
-def spark_lines(picture: dict | None, unicode: bool) -> list[str]:
+def spark_lines(picture: Picture | None, unicode: bool) -> list[str]:
     """The sparklines block (nothing without step events that carry samples/s or loss)."""
-    if not picture or not picture.get("series"):
+    if picture is None or not picture.series:
         return []
-    t0, span = picture["t0"], max(picture["t1"] - picture["t0"], 1e-9)
+    t0, span = picture.t0, max(picture.t1 - picture.t0, 1e-9)
     levels = BLOCKS if unicode else ASCII
     out = []
     for name, i in (("Samples/s", 1), ("Loss", 2)):
-        pts = [(p[0], p[i]) for p in picture["series"] if p[i] is not None]
+        pts = [(p[0], p[i]) for p in picture.series if p[i] is not None]
         if pts:
             vals = [v for _, v in pts]
             out.append(f"{name + ':':<12}{_line(pts, t0, span, levels):<{WIDTH}}  "
@@ -69,7 +70,7 @@ def spark_lines(picture: dict | None, unicode: bool) -> list[str]:
     cols = [" "] * WIDTH
     seen = set()
     for kind, letter in reversed(MARKS):   # the first kind of MARKS written last: it wins a column
-        for m in picture.get("marks", []):
+        for m in picture.marks:
             if m.get("kind") == kind:
                 cols[_column(m["time"], t0, span)] = letter
                 seen.add(kind)

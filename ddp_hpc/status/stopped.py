@@ -56,11 +56,11 @@ def stall_before_stop(logs: RunLogs) -> Failure | None:
         return None
     # a silent rank's newest event of its own (its watchdog's stack events come during the silence)
     last = {r: max((to_float(e.get("time")) or 0.0 for e in before[r] if e.get("event") != "stack"), default=0.0)
-            for r in sl["ranks"]}
-    blamed, how, basis = _culprits(before, sl, len(sl["ranks"]) == len([r for r, evs in before.items() if evs]))
+            for r in sl.ranks}
+    blamed, how, basis = _culprits(before, sl, len(sl.ranks) == len([r for r, evs in before.items() if evs]))
     blamed = sorted(blamed, key=lambda r: (last[r], r))
     rank = blamed[0]
-    step = sl["last_steps"].get(str(rank))
+    step = sl.last_steps.get(str(rank))
     others = [s["step"] for r, evs in before.items() if r not in blamed
               for s in evs if s.get("event") == "step" and isinstance(s.get("step"), int)]
     at = f"last step {step}" if step is not None else "no step"
@@ -68,12 +68,12 @@ def stall_before_stop(logs: RunLogs) -> Failure | None:
     gap = format_duration(stop - last[rank])
     who = f"rank {rank}" if len(blamed) == 1 else (
         f"rank {rank} (of {plural(len(blamed), 'silent rank')})" if how == "stopped first" else ranks_text(blamed))
-    hang = timing.hang(before, sl["ranks"])
+    hang = timing.hang(before, sl.ranks)
     host = next((e.get("host") for e in reversed(before[rank]) if e.get("host")), None)
     f = Failure(rank=rank, basis=basis, time=last[rank], host=host, restart=restart, kind="stuck", ranks=blamed,
                 summary=f"{who} {how}: no event for {gap} before the stop ({at}{went_on})"
                 + (f"; hang: {hang}" if hang else ""))
-    stacks, _ = timing.silent_stacks(before, sl["ranks"])
+    stacks, _ = timing.silent_stacks(before, sl.ranks)
     if str(rank) in stacks:
         f.stack = {"summary": stacks[str(rank)], "reason": "its newest stack before the stop"}
     peers: dict[str, list[int]] = {}
@@ -84,22 +84,22 @@ def stall_before_stop(logs: RunLogs) -> Failure | None:
     return f
 
 
-def _culprits(before: dict[int, list[dict]], sl: dict, everyone: bool) -> tuple[list[int], str, str]:
+def _culprits(before: dict[int, list[dict]], sl: timing.Stall, everyone: bool) -> tuple[list[int], str, str]:
     """(the ranks to blame, how they stalled, how we know) for a stall before the stop."""
     if not everyone:
-        return sl["ranks"], "stopped first", "its events stopped before the job was stopped, while the others went on"
-    texts = timing.silent_texts(before, sl["ranks"])
+        return sl.ranks, "stopped first", "its events stopped before the job was stopped, while the others went on"
+    texts = timing.silent_texts(before, sl.ranks)
     waiting = [r for r, text in texts.items() if collective(text) is not None]
     outside = sorted(r for r, text in texts.items() if collective(text) is None and own_frame(text) is not None)
     if waiting and outside:
         return outside, "hung outside a collective while the others waited in one", (
             "its stack before the stop is outside a collective while the others' are inside one")
-    frozen = sorted(r for r in sl["ranks"] if r not in texts)
+    frozen = sorted(r for r in sl.ranks if r not in texts)
     if texts and frozen:
         return frozen, "wrote no stack while the others did (frozen or gone)", (
             "every rank went silent before the stop; it alone wrote no stack")
-    if sl["behind"]:
-        return sl["behind"], "stopped first", (
+    if sl.behind:
+        return sl.behind, "stopped first", (
             "every rank went silent before the stop; its last step is behind the others'")
-    return sl["ranks"], "all went silent together: the whole job hung, no rank stopped first", (
+    return sl.ranks, "all went silent together: the whole job hung, no rank stopped first", (
         "every rank went silent before the stop, at the same step, with no stack telling them apart")

@@ -56,8 +56,8 @@ def progress_text(st: JobStatus, percent: bool = True, epoch: bool = True) -> st
 
 def state_text(st: JobStatus) -> str:
     """The STATE cell: ``STALLED 00:02:10`` for a running job whose ranks went silent."""
-    if st.stall:
-        return f"STALLED {format_duration(st.stall['silent_for_s'])}"
+    if st.stall is not None:
+        return f"STALLED {format_duration(st.stall.silent_for_s)}"
     return st.state
 
 
@@ -96,8 +96,7 @@ def short(v) -> str:
 
 def goodput_text(st: JobStatus) -> str:
     """``87.3%``: the GOODPUT cell, or ``-``."""
-    g = st.goodput
-    return f"{100 * g['goodput']:.1f}%" if g and g.get("goodput") is not None else "-"
+    return f"{100 * st.goodput.goodput:.1f}%" if st.goodput is not None else "-"
 
 
 def shape_cell(st: JobStatus) -> str:
@@ -108,7 +107,7 @@ def shape_cell(st: JobStatus) -> str:
 #: each column's cell of a job; a name ending in ``-`` is that column's short form
 CELLS: dict[str, Callable[[JobStatus], str]] = {
     "ID": lambda s: s.id, "NAME": lambda s: s.name or "-", "BACKEND": lambda s: s.backend or "-",
-    "STATE": state_text, "STATE-": lambda s: "STALLED" if s.stall else s.state.split()[0],
+    "STATE": state_text, "STATE-": lambda s: "STALLED" if s.stall is not None else s.state.split()[0],
     "NODESxGPUS": shape_cell,
     "ELAPSED/LIMIT": lambda s: f"{s.elapsed or '-'}/{s.time_limit or '-'}",
     "ELAPSED": lambda s: s.elapsed or "-", "RESTARTS": lambda s: str(s.restarts), GOODPUT: goodput_text,
@@ -221,7 +220,7 @@ def render_table(statuses: Iterable[JobStatus], width: int | None = None, here: 
                                                      any(s.overrides for s in statuses),
                                                      any(s.gpu_percent is not None for s in statuses))) if have)
     marked = [not submitted_here(s.cwd, here) for s in statuses]
-    table = _Table(statuses, _columns(optional, True), marked) if any(s.goodput for s in statuses) else None
+    table = _Table(statuses, _columns(optional, True), marked) if any(s.goodput is not None for s in statuses) else None
     if table is None or (width is not None and table.width() > width):
         table = _Table(statuses, _columns(optional, False), marked)
         if width is not None:

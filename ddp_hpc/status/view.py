@@ -134,25 +134,24 @@ def _head_lines(st: JobStatus, now: float) -> list[str]:
 def goodput_lines(st: JobStatus) -> list[str]:
     """``Goodput:   87.3% of 6 min 52 s since the first step`` and where the rest went."""
     g = st.goodput
-    if not g:
+    if g is None:
         return []
-    lost = g.get("lost_s") or {}
-    out = [f"Goodput:    {100 * g['goodput']:.1f}% of {g['wall_s']:.1f} s since the first step were useful steps "
-           f"({g['useful_s']:.1f} s)"]
+    out = [f"Goodput:    {100 * g.goodput:.1f}% of {g.wall_s:.1f} s since the first step were useful steps "
+           f"({g.useful_s:.1f} s)"]
     parts = []
     for key, name in PART_NAMES.items():
-        secs = lost.get(key) or 0.0
+        secs = g.lost_s.get(key) or 0.0
         if secs < 0.05:
             continue
         text = f"{name} {secs:.1f} s"
-        if key == "restarts" and g.get("restart_phases"):
-            text += " (" + " + ".join(f"{k} {v:.1f}" for k, v in g["restart_phases"].items()) + ")"
-        if key == "redone" and g.get("steps_redone"):
-            text += f" ({plural(g['steps_redone'], 'step')})"
+        if key == "restarts" and g.restart_phases:
+            text += " (" + " + ".join(f"{k} {v:.1f}" for k, v in g.restart_phases.items()) + ")"
+        if key == "redone" and g.steps_redone:
+            text += f" ({plural(g.steps_redone, 'step')})"
         parts.append(text)
     out.append("            lost: " + (", ".join(parts) if parts else "nothing"))
-    if g.get("estimated"):
-        out.append(f"            estimated: {', '.join(g['estimated'])}")
+    if g.estimated:
+        out.append(f"            estimated: {', '.join(g.estimated)}")
     return out
 
 
@@ -196,26 +195,25 @@ def _exit_lines(st: JobStatus) -> list[str]:
 def _stall_lines(st: JobStatus) -> list[str]:
     """Which ranks went silent, for how long, and where they were if they wrote a stack."""
     sl = st.stall
-    if not sl:
+    if sl is None:
         return []
-    who = ranks_text(sl["ranks"])
-    line = f"Stalled:    {who} silent for {format_duration(sl['silent_for_s'])}"
-    if sl.get("others_last_s") is not None:
-        line += f"; the others last wrote {format_duration(sl['others_last_s'])} ago"
-    elif sl.get("behind"):
-        steps = {k: v for k, v in sl.get("last_steps", {}).items() if v is not None}
-        line += (f"; {ranks_text(sl['behind'])} stopped first (last step "
-                 f"{', '.join(str(steps.get(str(r), '-')) for r in sl['behind'])}, the others' "
+    who = ranks_text(sl.ranks)
+    line = f"Stalled:    {who} silent for {format_duration(sl.silent_for_s)}"
+    if sl.others_last_s is not None:
+        line += f"; the others last wrote {format_duration(sl.others_last_s)} ago"
+    elif sl.behind:
+        steps = {k: v for k, v in sl.last_steps.items() if v is not None}
+        line += (f"; {ranks_text(sl.behind)} stopped first (last step "
+                 f"{', '.join(str(steps.get(str(r), '-')) for r in sl.behind)}, the others' "
                  f"{max(steps.values(), default='-')})")
-    out = [line, f"            (no event for > {format_duration(sl['threshold_s'])}: max({STALL_FACTOR:g} x "
-                 f"the median interval between step events, {sl['median_interval_s']:.3g} s, "
+    out = [line, f"            (no event for > {format_duration(sl.threshold_s)}: max({STALL_FACTOR:g} x "
+                 f"the median interval between step events, {sl.median_interval_s:.3g} s, "
                  f"{STALL_MIN_S:g} s))"]
-    if sl.get("hang"):
-        out.append(f"            hang: {sl['hang']}")
-    out += [f"            rank {r} was in {where}" for r, where in sorted(sl.get("stacks", {}).items(),
-                                                                   key=lambda kv: int(kv[0]))]
-    if sl.get("no_stack"):
-        out.append(f"            {ranks_text(sl['no_stack'])} wrote no stack while the others did: "
+    if sl.hang:
+        out.append(f"            hang: {sl.hang}")
+    out += [f"            rank {r} was in {where}" for r, where in sorted(sl.stacks.items(), key=lambda kv: int(kv[0]))]
+    if sl.no_stack:
+        out.append(f"            {ranks_text(sl.no_stack)} wrote no stack while the others did: "
                    "frozen (stopped, a hang in the kernel) or gone")
     return out
 
@@ -227,7 +225,7 @@ def failure_lines(st: JobStatus) -> list[str]:
 
 
 def _timing_lines(st: JobStatus) -> list[str]:
-    lines = (st.timing or {}).get("lines") or []
+    lines = st.timing.lines if st.timing is not None else []
     return [("Stragglers: " if i == 0 else "            ") + ln for i, ln in enumerate(lines)]
 
 

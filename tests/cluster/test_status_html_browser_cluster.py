@@ -20,6 +20,7 @@ import picture_events as pe  # tests/ is on sys.path (pytest's rootdir insertion
 import pytest
 
 from ddp_hpc import records
+from ddp_hpc.judge.goodput import Goodput
 from ddp_hpc.judge.nodefiles import rank_events
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.html import render_html
@@ -125,7 +126,7 @@ def test_the_page_of_a_failed_restarted_job_draws_the_restart_and_the_failing_ra
         # the same session: a hand-written run with restart phases and a goodput object
         st = collect([StatusTarget(pe.JOB, None, str(pe.write_run(tmp_path / "logs")))], None, None,
                      history=True, lanes=True)[0]
-        st.goodput = pe.GOODPUT
+        st.goodput = Goodput.from_dict(pe.GOODPUT)
         other = tmp_path / "phases.html"
         other.write_text(render_html(st), encoding="utf-8")
         assert _open(driver, other) == []
