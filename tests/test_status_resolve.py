@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from ddp_hpc import records
+from ddp_hpc import backends, records
+from ddp_hpc.judge.decide import Described
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import parse_state
 from ddp_hpc.status.collect import collect
@@ -161,8 +162,9 @@ def test_the_state_comes_from_the_first_source_that_knows_in_the_documented_orde
                                  time_limit=None, log_dir=str(tmp_path / "run"), config=None, overrides=[],
                                  submitted_at=T0, cwd="/", final=final, pids=[])
 
-    def state(target, sched=None, only=None):
-        r = resolve(JobSources(target, sched, [], T0 + 60, only))
+    def state(target, sched=None, only=None):   # what the job's backend described: a scheduler's, or none
+        scheduled = backends.of_record(target.record, job_id=target.id).describes_with == "slurm"
+        r = resolve(JobSources(target, Described(scheduled, sched), T0 + 60, only))
         return r.state.state.label, r.state.source
 
     running = collect([StatusTarget("91", None, str(tmp_path / "run"))], Squeue("0:30"), now=T0 + 60)[0]

@@ -204,8 +204,8 @@ class _NoCluster(SlurmCLI):
 
 
 def test_auto_backend_says_why(tmp_path):
-    assert backends.choose(SlurmOptions(backend="sbatch"), None) == (backends.get("sbatch"),
-                                                                     "asked for with --backend")
+    b, why = backends.choose(SlurmOptions(backend="sbatch"))
+    assert (b.name, why) == ("sbatch", "asked for with --backend")
     b, why = backends.choose(SlurmOptions(), _NoCluster(False))
     assert b.name == "local" and "no `sbatch` on PATH" in why
     # sbatch "installed" but the controller cannot be asked (sinfo is not found here)
@@ -283,8 +283,8 @@ def test_a_node_range_goes_to_sbatch_and_the_local_backend_runs_max(job, tmp_pat
     assert "--nodes 1-2 is a range, which the submitit backend cannot take" in err
     assert "HINT: use --backend sbatch (or auto)" in err
     opts = merged(load_config(job).slurm, {"nodes": "1-2"})
-    assert submit._backend(opts, _Cluster()).name == "sbatch"     # auto would pick submitit for a count
-    assert submit._backend(merged(opts, {"nodes": 2}), _Cluster()).name == "submitit"
+    assert submit._backend(opts, client=_Cluster()).name == "sbatch"     # auto would pick submitit for a count
+    assert submit._backend(merged(opts, {"nodes": 2}), client=_Cluster()).name == "submitit"
     # the record keeps MAX as its nodes and MIN beside it (status shows the range); the local
     # backend's runs MAX, no range
     from ddp_hpc.backends.base import record

@@ -16,6 +16,8 @@ import pytest
 from ddp_hpc import backends, records
 from ddp_hpc.backends.base import Plan, Submitted, make_run_dirs, record
 from ddp_hpc.backends.spec import SpecError
+from ddp_hpc.judge.decide import Described
+from ddp_hpc.status.collect import collect
 from ddp_hpc.status.targets import StatusTarget
 from ddp_hpc.submit import cancel
 from ddp_hpc.submit import cli as submit_cli
@@ -25,27 +27,31 @@ PY = sys.executable
 
 
 class EchoBackend:
-    """Runs the job's command once on this machine, waits for it, keeps its output as echo.out."""
+    """Runs the job's command once on this machine, waits for it, keeps its output as echo.out.
+    Each lookup makes an instance (the registry keeps the class): what every instance was asked
+    goes into the class's ``calls``."""
 
     name = "echo"
+    describes_with = "echo"
     runs_here = True
     takes_functions = True
     takes_node_range = False
     takes_container = False
     restarts_in_allocation = False
     devices_here = False
+    calls: list[str] = []
 
-    def __init__(self) -> None:
-        self.calls: list[str] = []
+    def __init__(self, client=None, offline=None) -> None:
+        self.client = client
 
-    def check(self, spec, cli, dry_run):
+    def check(self, spec, dry_run):
         self.calls.append("check")
 
     def plan(self, spec, task_cfgs):
         self.calls.append("plan")
         return Plan(spec, "echo would run: " + " ".join(spec.command) + "\n", dict(os.environ))
 
-    def submit(self, plan, cli, opts):
+    def submit(self, plan, opts):
         self.calls.append("submit")
         make_run_dirs(plan.spec, plan.task_cfgs)
         rec = record(plan.spec, f"echo-{Path(plan.spec.log_dir).name}", self, socket.gethostname())
@@ -56,29 +62,38 @@ class EchoBackend:
         records.update_record(rec)
         return Submitted(rec, out.returncode)
 
-    def submit_function(self, spec, fn, args, kwargs, cli):
+    def submit_function(self, spec, fn, args, kwargs):
         self.calls.append("submit_function")
         rec = record(spec, f"echo-{Path(spec.log_dir).name}", self, socket.gethostname())
         return Submitted(rec, handles={"submitit_job": None})
 
-    def active(self, rec, cli):
-        self.calls.append("active")
-        return False
+    def describe(self, jobs, history=False, only=None):
+        self.calls.append("describe " + ",".join(j.id for j in jobs))
+        return {j.id: Described(False, alive=False, output=str(Path(j.record.log_dir) / "echo.out"))
+                for j in jobs}
 
-    def cancel(self, rec, job_id, grace, cli):
+    def active(self, rec):
+        self.calls.append("active")
+        return False, ""
+
+    def cancel(self, rec, job_id, grace):
         self.calls.append(f"cancel {job_id}")
         return f"job {job_id}: echo has nothing to stop"
+
+    def signal_ranks(self, rec, job_id, signum):
+        self.calls.append(f"signal {job_id}")
+        return f"echo signalled nothing for {job_id}"
 
 
 @pytest.fixture
 def echo(tmp_path, monkeypatch):
-    backend = EchoBackend()
-    backends.register(backend)
+    backends.register(EchoBackend)
+    EchoBackend.calls = []
     monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("PATH", os.path.dirname(PY))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hello.py").write_text("import sys\nprint('hello', *sys.argv[1:])\n")
-    yield backend
+    yield EchoBackend
     backends.unregister("echo")
 
 
@@ -99,9 +114,10 @@ def test_a_planted_backend_plans_and_submits_through_the_command_line(echo, tmp_
     assert (Path(rec.log_dir) / "echo.out").read_text() == "hello world\n"
     assert echo.calls[-3:] == ["check", "plan", "submit"]
 
-    assert StatusTarget(rec.id, rec).local is True        # status asks the backend, not the name
-    echo.runs_here = False
-    assert StatusTarget(rec.id, rec).local is False
+    (st,) = collect([StatusTarget(rec.id, rec, rec.log_dir)])   # status asks the backend, not the name
+    assert echo.calls[-1] == f"describe {rec.id}"
+    assert (st.state_name, st.source) == ("FAILED", "processes")   # gone, and no rank wrote an event
+    assert st.reason == f"ended before its first event; see {Path(rec.log_dir) / 'echo.out'}"
     assert cancel.main([rec.id]) == 0                     # cancel goes through the backend too
     assert f"job {rec.id}: echo has nothing to stop" in capsys.readouterr().out
     assert "cancel " + rec.id in echo.calls
@@ -110,12 +126,12 @@ def test_a_planted_backend_plans_and_submits_through_the_command_line(echo, tmp_
 def test_a_planted_backend_through_the_python_api(echo, tmp_path, capsys):
     job = submit_job([PY, str(tmp_path / "hello.py"), "api"], backend="echo", nodes=1,
                      log_dir=str(tmp_path / "runs"))
-    assert job.backend is echo and job.backend.name == "echo"
+    assert isinstance(job.backend, echo) and job.backend.name == "echo"
     assert job.backend_reason == "asked for with --backend"
     assert (Path(job.log_dir) / "echo.out").read_text() == "hello api\n"
     assert job.record.backend == "echo" and capsys.readouterr().out == ""   # quiet: no job id printed
     fjob = submit_job(len, args=([1],), backend="echo", log_dir=str(tmp_path / "runs"))
-    assert echo.calls[-1] == "submit_function" and fjob.backend is echo
+    assert echo.calls[-1] == "submit_function" and isinstance(fjob.backend, echo)
     job.cancel()
     assert echo.calls[-1] == f"cancel {job.job_id}"
 
@@ -125,7 +141,7 @@ def test_unknown_backend_names_are_refused_with_the_registered_ones(echo):
         backends.get("k8s", where="slurm.backend")
     assert err.value.problem == "slurm.backend 'k8s' names no backend"
     assert "echo" in err.value.hint and "sbatch" in err.value.hint
-    assert backends.get("sbatch-script") is backends.get("sbatch")      # records register's name
+    assert type(backends.get("sbatch-script")) is type(backends.get("sbatch"))   # records register's name
 
 
 def test_the_command_line_refuses_an_unknown_backend_naming_the_known_ones(tmp_path):

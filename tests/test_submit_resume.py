@@ -158,7 +158,7 @@ def test_a_slurm_submission_resumes_into_the_run_dir_its_record_names(tmp_path, 
     monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
     new, cfg, run_dir = _earlier(tmp_path, backend, status=None, ckpt=True)   # killed: no end event
     said: list[str] = []
-    spec = resume_or_new(new, get(backend), [cfg], fresh=False, cli=_Queue(None), say=said.append)
+    spec = resume_or_new(new, get(backend, client=_Queue(None)), [cfg], fresh=False, say=said.append)
     assert spec.log_dir == str(run_dir) and spec.tasks[0].log_dir == str(run_dir)
     assert said == [f"resuming run {run_dir.name} from its checkpoint at step 40; --fresh starts over"]
     assert spec.restart_base == 1 and new.restart_base == 0     # restarts after the earlier run's 0
@@ -169,11 +169,12 @@ def test_a_slurm_submission_resumes_into_the_run_dir_its_record_names(tmp_path, 
     else:
         assert "export DDP_HPC_RESTART_BASE=1" in submitit_parameters(spec)["setup"]
         assert not any("RESTART_BASE" in line for line in submitit_parameters(new)["setup"])
-    other = resume_or_new(new, get("sbatch" if backend == "submitit" else "submitit"), [cfg], fresh=False,
-                          cli=_Queue(None), say=said.append)
+    other = resume_or_new(new, get("sbatch" if backend == "submitit" else "submitit", client=_Queue(None)), [cfg],
+                          fresh=False,
+                          say=said.append)
     assert other.log_dir == new.log_dir != str(run_dir)          # another backend: another run
     changed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=9))
-    assert resume_or_new(new, get(backend), [changed], fresh=False, cli=_Queue(None),
+    assert resume_or_new(new, get(backend, client=_Queue(None)), [changed], fresh=False,
                          say=said.append).log_dir == new.log_dir
     assert said[-1] == f"the config file changed since the earlier run {run_dir.name}; starting a new run"
 
@@ -195,13 +196,13 @@ def test_a_completed_or_checkpointless_or_queued_earlier_run_is_not_resumed(tmp_
     monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
     new, cfg, run_dir = _earlier(tmp_path, "sbatch", status="completed", ckpt=True)
     said: list[str] = []
-    assert resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue(None),
+    assert resume_or_new(new, get("sbatch", client=_Queue(None)), [cfg], fresh=False,
                          say=said.append).log_dir == new.log_dir
     assert said == [f"the earlier run {run_dir.name} of this config completed (step 40, {run_dir}); "
                     f"starting a new run"]
     (run_dir / "checkpoints" / "ckpt-000000040.pt").unlink()
     (run_dir / "rank0.events.jsonl").write_text('{"event": "start"}\n{"event": "end", "status": "failed"}\n')
-    assert resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue(None),
+    assert resume_or_new(new, get("sbatch", client=_Queue(None)), [cfg], fresh=False,
                          say=said.append).log_dir == new.log_dir
     assert said[-1] == f"the earlier run {run_dir.name} stopped before its first checkpoint; starting a new run"
 
@@ -210,10 +211,10 @@ def test_an_earlier_run_still_in_the_queue_is_not_submitted_twice(tmp_path, monk
     monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
     new, cfg, _ = _earlier(tmp_path, "sbatch", status="preempted", ckpt=True, final=False)
     with pytest.raises(SpecError) as exc:
-        resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue("PENDING"), say=print)
+        resume_or_new(new, get("sbatch", client=_Queue("PENDING")), [cfg], fresh=False, say=print)
     assert "job 4242" in exc.value.problem and "still queued or running" in exc.value.problem
     assert "--fresh" in exc.value.hint
-    spec = resume_or_new(new, get("sbatch"), [cfg], fresh=True, cli=_Queue("PENDING"), say=print)
+    spec = resume_or_new(new, get("sbatch", client=_Queue("PENDING")), [cfg], fresh=True, say=print)
     assert spec.log_dir == new.log_dir
 
 
@@ -223,7 +224,7 @@ def test_a_stale_kept_final_state_does_not_hide_a_job_squeue_still_runs(tmp_path
     monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
     new, cfg, _ = _earlier(tmp_path, "sbatch", status="preempted", ckpt=True, final=True)
     with pytest.raises(SpecError) as exc:
-        resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue("RUNNING"), say=print)
+        resume_or_new(new, get("sbatch", client=_Queue("RUNNING")), [cfg], fresh=False, say=print)
     assert "job 4242" in exc.value.problem and "still queued or running" in exc.value.problem
 
 
@@ -232,11 +233,11 @@ def test_an_unanswered_squeue_refuses_to_resume_with_a_hint(tmp_path, monkeypatc
     new, cfg, run_dir = _earlier(tmp_path, "sbatch", status="preempted", ckpt=True, final=False)
     no_slurm = SlurmCLI(env={"PATH": str(tmp_path / "nowhere")})   # squeue cannot start
     with pytest.raises(SpecError) as exc:
-        resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=no_slurm, say=print)
+        resume_or_new(new, get("sbatch", client=no_slurm), [cfg], fresh=False, say=print)
     assert exc.value.problem == (f"cannot tell whether the earlier run of this config, job 4242 "
                                  f"({run_dir}), still runs (squeue did not answer), so it is not resumed")
     assert "--fresh" in exc.value.hint and "ddp-hpc cancel 4242" in exc.value.hint
-    assert resume_or_new(new, get("sbatch"), [cfg], fresh=True, cli=no_slurm, say=print).log_dir == new.log_dir
+    assert resume_or_new(new, get("sbatch", client=no_slurm), [cfg], fresh=True, say=print).log_dir == new.log_dir
 
 
 def test_a_slurm_job_submitted_on_another_cluster_is_not_resumed_into(tmp_path, monkeypatch):
@@ -245,13 +246,13 @@ def test_a_slurm_job_submitted_on_another_cluster_is_not_resumed_into(tmp_path, 
     monkeypatch.setenv("DDP_HPC_HOME", str(tmp_path / "home"))
     new, cfg, run_dir = _earlier(tmp_path, "sbatch", status="preempted", ckpt=True, final=False)
     with pytest.raises(SpecError) as exc:
-        resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue(None, cluster="d"), say=print)
+        resume_or_new(new, get("sbatch", client=_Queue(None, cluster="d")), [cfg], fresh=False, say=print)
     assert exc.value.problem == (f"cannot tell whether the earlier run of this config, job 4242 ({run_dir}), "
                                  "still runs (it was submitted on cluster c, not on this one (d)), so it is "
                                  "not resumed")
     assert "--fresh" in exc.value.hint
     said: list[str] = []                     # on its own cluster, squeue's word that it ended holds
-    assert resume_or_new(new, get("sbatch"), [cfg], fresh=False, cli=_Queue(None),
+    assert resume_or_new(new, get("sbatch", client=_Queue(None)), [cfg], fresh=False,
                          say=said.append).log_dir == str(run_dir)
 
 
@@ -262,12 +263,11 @@ def test_a_local_run_recorded_on_another_host_is_not_resumed_into(tmp_path, monk
     rec.cluster, rec.pids, rec.pid_times = "another-host", [os.getpid()], [time.time()]
     records.update_record(rec)
     with pytest.raises(SpecError) as exc:
-        resume_or_new(new, get("local"), [cfg], fresh=False, cli=None, say=print)
+        resume_or_new(new, get("local"), [cfg], fresh=False, say=print)
     assert "its processes were recorded on another-host, not here" in exc.value.problem
     assert "--fresh" in exc.value.hint
     rec.cluster, rec.pids = socket.gethostname(), []         # here, and the driver said it ended
     records.update_record(rec)
     said: list[str] = []
-    assert resume_or_new(new, get("local"), [cfg], fresh=False, cli=None,
-                         say=said.append).log_dir == str(run_dir)
+    assert resume_or_new(new, get("local"), [cfg], fresh=False, say=said.append).log_dir == str(run_dir)
     assert said[-1].startswith(f"resuming run {run_dir.name}")

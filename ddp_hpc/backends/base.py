@@ -2,20 +2,25 @@
 (``Plan``, ``SubmitOptions``, ``Submitted``), and the steps each submission takes whatever the
 backend (its run directories, its job record).
 
-A backend answers, for one checked ``JobSpec``:
+A backend owns its client (a Slurm backend its ``SlurmCLI``, made when first needed, or the one it
+was made with) and answers, for one checked ``JobSpec`` or for its jobs:
 
-- ``check(spec, cli, dry_run)``: refuse what it cannot run (options it does not take, what sinfo
+- ``check(spec, dry_run)``: refuse what it cannot run (options it does not take, what sinfo
   says the cluster cannot hold), before anything is written;
 - ``plan(spec, task_cfgs) -> Plan``: what it would run (the dry run prints ``Plan.shown()``);
-- ``submit(plan, cli, opts) -> Submitted``: run or queue it, write the job record;
-- ``submit_function(spec, fn, args, kwargs, cli) -> Submitted``: a Python function as the job
+- ``submit(plan, opts) -> Submitted``: run or queue it, write the job record;
+- ``submit_function(spec, fn, args, kwargs) -> Submitted``: a Python function as the job
   (``takes_functions``);
-- ``active(record, cli) -> bool | None``: the job still queued or running (None: cannot tell);
-- ``cancel(record, job_id, grace, cli) -> str``: stop it; what was done, in one line.
+- ``describe(jobs, history, only) -> {id: Described}``: what it can tell about many of its jobs
+  at once (one squeue call for all of them; a local job's recorded processes), before any log
+  is read; ``ddp_hpc.judge.decide`` decides each job's state from that, its record and its logs;
+- ``active(rec) -> (bool | None, why)``: the job still queued or running (None: cannot tell, and
+  why not), asked of the live source alone, never of a final state the record keeps;
+- ``cancel(rec, job_id, grace) -> str``: stop it; what was done, in one line;
+- ``signal_ranks(rec, job_id, signum) -> str``: send every rank a signal (``status --stacks``).
 
-A job's state and its logs are not asked of the backend: ``ddp-hpc status`` decides a state from
-all its sources in one place, and asks the backend only whether its jobs are processes on this
-machine (``runs_here``) or a scheduler's.
+``describes_with``: backends with the same value answer ``describe`` for each other's jobs in
+one call (sbatch and submitit: one squeue for the jobs of both).
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ from ddp_hpc.config import JobConfig, config_to_dict
 from ddp_hpc.env.job import RESTART_BASE_VAR
 from ddp_hpc.errors import HintError
 from ddp_hpc.fsutil import atomic_write_text
+from ddp_hpc.judge.decide import Described
 from ddp_hpc.runlogs.schema import CONFIG_FILE
+from ddp_hpc.slurm.query import SourceState
 
-__all__ = ["GRACE_S", "clean_slurm_env", "cleaned_environ", "Backend", "Plan", "SubmitOptions",
-           "Submitted", "CancelError", "say", "record", "make_run_dirs", "removed_note"]
+__all__ = ["GRACE_S", "clean_slurm_env", "cleaned_environ", "Backend", "BackendDefaults", "JobRef", "Described",
+           "SourceState", "Plan", "SubmitOptions", "Submitted", "CancelError", "say", "record", "make_run_dirs",
+           "removed_note"]
 
 
 #: seconds between SIGTERM and SIGKILL when a local job is cancelled
@@ -92,11 +100,22 @@ class Submitted:
     handles: dict[str, Any] = field(default_factory=dict)
 
 
+class JobRef(Protocol):
+    """A job as ``describe`` takes it: its id (an array task's ``123_4``) and its record (None
+    for a job known by its id alone)."""
+
+    id: str
+    record: records.JobRecord | None
+
+
 class Backend(Protocol):
     """One way to run a job (module docstring). The attributes say what it can take, so callers
-    ask them instead of comparing names."""
+    ask them instead of comparing names. Made by its class (``backends.register``) with the
+    keywords ``client`` (the scheduler client to use; None: its own) and ``offline`` (why its
+    scheduler is not to be asked; None: ask it)."""
 
     name: str
+    describes_with: str           # backends with one value answer describe() for each other's jobs
     runs_here: bool               # its jobs are processes on this machine (pids in the record)
     takes_functions: bool         # a Python function as the job (ddp_hpc.submit_job)
     takes_node_range: bool        # --nodes MIN-MAX
@@ -104,18 +123,55 @@ class Backend(Protocol):
     restarts_in_allocation: bool  # --spare-nodes, --min-nodes, --restart-on-error
     devices_here: bool            # its ranks use this machine's GPUs (checked here before they start)
 
-    def check(self, spec: JobSpec, cli: Any, dry_run: bool) -> None: ...
+    def check(self, spec: JobSpec, dry_run: bool) -> None: ...
 
     def plan(self, spec: JobSpec, task_cfgs: Sequence[JobConfig] | None) -> Plan: ...
 
-    def submit(self, plan: Plan, cli: Any, opts: SubmitOptions) -> Submitted: ...
+    def submit(self, plan: Plan, opts: SubmitOptions) -> Submitted: ...
 
-    def submit_function(self, spec: JobSpec, fn: Callable, args: tuple, kwargs: dict,
-                        cli: Any) -> Submitted: ...
+    def submit_function(self, spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> Submitted: ...
 
-    def active(self, rec: records.JobRecord, cli: Any) -> bool | None: ...
+    def describe(self, jobs: Sequence[JobRef], history: bool = False,
+                 only: str | None = None) -> dict[str, Described]: ...
 
-    def cancel(self, rec: records.JobRecord, job_id: str, grace: float, cli: Any) -> str: ...
+    def active(self, rec: records.JobRecord) -> tuple[bool | None, str]: ...
+
+    def cancel(self, rec: records.JobRecord | None, job_id: str, grace: float) -> str: ...
+
+    def signal_ranks(self, rec: records.JobRecord | None, job_id: str, signum: int) -> str: ...
+
+
+class BackendDefaults:
+    """What a new backend may take from here rather than write: every capability off, the
+    keywords it is made with kept (``client``, ``offline``), its jobs described with no other
+    backend's, no Python functions, ``active`` from its own ``describe``, and no signals to the
+    ranks. A subclass writes ``name``, ``check``, ``plan``, ``submit``, ``describe`` and
+    ``cancel`` (docs/architecture.md, "The Backend seam")."""
+
+    name = "?"
+    runs_here = takes_functions = takes_node_range = takes_container = False
+    restarts_in_allocation = devices_here = False
+
+    def __init__(self, client: Any = None, offline: str | None = None) -> None:
+        self.client, self.offline = client, offline
+
+    @property
+    def describes_with(self) -> str:
+        return self.name
+
+    def submit_function(self, spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> Submitted:
+        raise SpecError(f"a Python function cannot go through backend={self.name!r}",
+                        "use a backend that takes functions (see ddp_hpc.submit_job), or submit a script")
+
+    def active(self, rec: records.JobRecord) -> tuple[bool | None, str]:
+        told = self.describe([rec]).get(str(rec.id))   # type: ignore[attr-defined]
+        if told is None or told.scheduler is None:
+            return None, f"the {self.name} backend does not list job {rec.id}"
+        return told.scheduler.state.state.active, ""
+
+    def signal_ranks(self, rec: records.JobRecord | None, job_id: str, signum: int) -> str:
+        raise CancelError(f"the {self.name} backend cannot send a signal to the ranks of job {job_id}",
+                          "see the job's logs: ddp-hpc status JOBID --logs")
 
 
 #: the one SLURM_* variable a submission keeps: which cluster Slurm's commands talk to

@@ -23,6 +23,7 @@ from ddp_hpc import records
 from ddp_hpc.backends import localdriver as driver
 from ddp_hpc.backends.base import (
     CancelError,
+    Described,
     Plan,
     SubmitOptions,
     Submitted,
@@ -38,6 +39,7 @@ from ddp_hpc.config import JobConfig
 from ddp_hpc.data.scriptstage import encode_items
 from ddp_hpc.env import host_gpus
 from ddp_hpc.env.job import RESTART_BASE_VAR
+from ddp_hpc.exits import signal_name
 from ddp_hpc.fsutil import atomic_write_json
 from ddp_hpc.launch.tree import (
     LaunchError,
@@ -65,13 +67,23 @@ def _job_id(spec: JobSpec) -> str:
 
 
 class LocalBackend:
+    """N pretend nodes x G processes here (module docstring). It has no scheduler to ask: a job's
+    processes, recorded with their start times, say whether it runs."""
+
     name = "local"
+    describes_with = "local"
     runs_here = True
     takes_functions = True
     takes_node_range = True       # runs the most of the range
     takes_container = False
     restarts_in_allocation = False
     devices_here = True
+    #: why no Slurm controller answered when `backends.choose` fell back to this backend
+    unreachable: str | None = None
+
+    def __init__(self, client: Any = None, offline: str | None = None) -> None:
+        """No client to hold: ``client`` and ``offline`` are a scheduler's, taken as every
+        backend takes them."""
 
     def __repr__(self) -> str:
         return "<local backend>"
@@ -79,7 +91,7 @@ class LocalBackend:
     def __str__(self) -> str:
         return self.name
 
-    def check(self, spec: JobSpec, cli: Any, dry_run: bool) -> None:
+    def check(self, spec: JobSpec, dry_run: bool) -> None:
         if isinstance(spec.options.nodes, str):
             say(f"--nodes {spec.options.nodes}: the local backend runs the most, "
                 f"{plural(spec.nodes, 'pretend node')}")
@@ -95,7 +107,7 @@ class LocalBackend:
         return Plan(spec, functools.partial(_launcher_lines, spec), env, tuple(removed),
                     None if task_cfgs is None else tuple(task_cfgs))
 
-    def submit(self, plan: Plan, cli: Any, opts: SubmitOptions) -> Submitted:
+    def submit(self, plan: Plan, opts: SubmitOptions) -> Submitted:
         spec, job_id = plan.spec, _job_id(plan.spec)
         if plan.removed:
             say(removed_note(plan.removed))
@@ -121,9 +133,8 @@ class LocalBackend:
             print(job_id, flush=True)
         return Submitted(rec)
 
-    def submit_function(self, spec: JobSpec, fn: Callable, args: tuple, kwargs: dict,
-                        cli: Any) -> Submitted:
-        self.check(spec, cli, False)
+    def submit_function(self, spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> Submitted:
+        self.check(spec, False)
         make_run_dirs(spec, None)
         job_id = _job_id(spec)
         rec = record(spec, job_id, self, socket.gethostname())
@@ -142,15 +153,49 @@ class LocalBackend:
         records.update_record(rec)
         return Submitted(rec, handles={"driver": proc, "conn": recv})
 
-    def active(self, rec: records.JobRecord, cli: Any) -> bool | None:
+    def describe(self, jobs: Sequence[Any], history: bool = False,
+                 only: str | None = None) -> dict[str, Described]:
+        """Each job's recorded processes, alive or gone (None: recorded on another host, or not
+        recorded), and where its driver wrote (named when it ended before its ranks wrote)."""
+        out = {}
+        for j in jobs:
+            rec = j.record
+            alive = recorded_alive(rec.pids, rec.pid_times, rec.cluster) if rec is not None else None
+            notes = (("pids recorded on another host; state from the logs",)
+                     if alive is None and rec is not None and rec.pids else ())
+            output = str(Path(rec.log_dir) / LOCAL_DRIVER_OUT) if rec is not None and rec.log_dir else None
+            out[j.id] = Described(False, alive=alive, notes=notes, output=output)
+        return out
+
+    def active(self, rec: records.JobRecord) -> tuple[bool | None, str]:
         """From the recorded processes (`ddp_hpc.launch.tree.recorded_alive`): None when they
         were recorded on another host, or none were recorded."""
-        return recorded_alive(rec.pids, rec.pid_times, rec.cluster)
+        alive = recorded_alive(rec.pids, rec.pid_times, rec.cluster)
+        why = "" if alive is not None else (f"its processes were recorded on {rec.cluster}, not here"
+                                            if rec.pids else "its record keeps no processes")
+        return alive, why
 
-    def cancel(self, rec: records.JobRecord, job_id: str, grace: float, cli: Any) -> str:
+    def signal_ranks(self, rec: records.JobRecord | None, job_id: str, signum: int) -> str:
+        """The signal to every recorded process of the job (the driver, each rank's group)."""
+        pids = [p for p in ((rec.pids if rec is not None else None) or []) if isinstance(p, int)]
+        sent = []
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+                sent.append(pid)
+            except (ProcessLookupError, PermissionError):
+                continue
+        if not sent:
+            raise CancelError(f"job {job_id}: none of its processes {pids} is running here",
+                              "--stacks asks a running job; for an ended one see its logs")
+        return f"{signal_name(signum)} to processes {', '.join(map(str, sent))}"
+
+    def cancel(self, rec: records.JobRecord | None, job_id: str, grace: float) -> str:
         """Stop every process of the record that is still the one recorded (SIGTERM, SIGKILL
         after ``grace`` seconds) and keep CANCELLED as the final state of each run that had not
         ended. A pid recorded without a start time is never signalled."""
+        if rec is None:
+            raise CancelError(f"no job record with id {job_id!r}", f"check the id with `{prog('status')}`")
         if rec.id != job_id:
             raise CancelError(f"{job_id!r} names one task of the local job {rec.id}; the tasks of a "
                               "local sweep run one after another under one driver.",

@@ -13,7 +13,6 @@ from ddp_hpc.backends.functions import rank_entry
 from ddp_hpc.backends.onslurm import SlurmBackend, cluster_of
 from ddp_hpc.backends.spec import JobSpec
 from ddp_hpc.data.scriptstage import encode_items
-from ddp_hpc.slurm.cli import SlurmCLI
 
 __all__ = ["SubmititBackend"]
 
@@ -49,16 +48,15 @@ class SubmititBackend(SlurmBackend):
         job_id = str(jobs[0].job_id).split("_")[0]
         return job_id, slurmjob.submitit_script(spec, job_id)
 
-    def submit_function(self, spec: JobSpec, fn: Callable, args: tuple, kwargs: dict,
-                        cli: SlurmCLI) -> Submitted:
+    def submit_function(self, spec: JobSpec, fn: Callable, args: tuple, kwargs: dict) -> Submitted:
         import submitit
 
-        self.check(spec, cli, False)
+        self.check(spec, False)
         make_run_dirs(spec, None)
         ex = submitit.SlurmExecutor(folder=slurmjob.submitit_folder(spec), max_num_timeout=1000)
         ex.update_parameters(**slurmjob.submitit_parameters(spec))
         with cleaned_environ():
             sjob: Any = ex.submit(rank_entry, fn, args, kwargs, spec.log_dir, encode_items(spec.stage))
-        rec = record(spec, str(sjob.job_id), self, cluster_of(cli),
+        rec = record(spec, str(sjob.job_id), self, cluster_of(self.client),
                      script=slurmjob.submitit_script(spec, str(sjob.job_id)))
         return Submitted(rec, handles={"submitit_job": sjob})

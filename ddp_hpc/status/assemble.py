@@ -176,7 +176,7 @@ class Resolved:
         """The final state to keep in the record: a local job's that status saw end (with the
         table's facts of its logs), or the end a Slurm source reported; None: nothing new."""
         s = self.sources
-        if s.target.local:
+        if not s.described.scheduled:
             if self.keep is not None and (summary := kept.summarize(self.logs)) is not None:
                 self.keep["logs"] = summary
             return self.keep

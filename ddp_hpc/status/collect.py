@@ -1,6 +1,7 @@
-"""The status of many jobs at once: the scheduler asked once per source for all of them, each
-job resolved (`ddp_hpc.status.resolve`: its state from its sources in one order, its row or its
-detail view), and the final states seen keep in the records in one batch.
+"""The status of many jobs at once: each job's backend asked to describe it (the scheduler once
+per source for all of its jobs), each job resolved (`ddp_hpc.status.resolve`: its state decided
+by `ddp_hpc.judge.decide`, its row or its detail view), and the final states seen kept in the
+records in one batch.
 
 The result, one :class:`JobStatus` per job, is a plain value that the views render as a table
 row, a detail page or JSON; nothing here prints. A record of a job array becomes one status per
@@ -12,10 +13,10 @@ import contextlib
 import gc
 import time
 
-from ddp_hpc import records
-from ddp_hpc.slurm.query import SourceState, cluster_or_reason, query_slurm
+from ddp_hpc import backends, records
+from ddp_hpc.backends.base import Backend
+from ddp_hpc.judge.decide import Described
 from ddp_hpc.status import rowcache
-from ddp_hpc.status import sources as src
 from ddp_hpc.status.job import JobStatus
 from ddp_hpc.status.resolve import resolve, table_row
 from ddp_hpc.status.targets import JobSources, StatusTarget
@@ -26,42 +27,27 @@ __all__ = ["collect", "JobStatus", "StatusTarget"]
 def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, history: bool = False,
             now: float | None = None, only: str | None = None, brief: bool = False,
             lanes: bool = False) -> list[JobStatus]:
-    """Status of every target; Slurm ones are queried in one batch per source (one squeue and
-    one sacct call however many jobs and array tasks). ``only`` names the one source to ask
-    (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal state the scheduler
+    """Status of every target. Each target's backend describes its jobs, many at once (the Slurm
+    backends together: one squeue and one sacct call however many jobs and array tasks; a local
+    job's recorded processes); ``cli``: the SlurmCLI the scheduler is asked through (None: it is
+    not asked, and ``cli_note`` says why in each job's sources). ``only`` names the one source to
+    ask (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal state the scheduler
     reports is kept in the job's record (`records.store_finals`, all at once). ``brief``: the
     table's rows (`Resolved.row`: no failure attribution, per-rank endings or step times; an
     ended job's from the kept facts or the row cache, `resolve.table_row`), else the detail view
     (`Resolved.detail`; ``lanes``: with every rank's lane in its picture, for ``--html``)."""
     now = time.time() if now is None else now
-    cluster, down = (cluster_or_reason(cli) if cli is not None and any(not t.local for t in targets)
-                     else (None, None))
-    foreign = {t.id for t in targets if not t.local and cluster and t.record is not None
-               and t.record.cluster not in (None, "", cluster)}
-    slurm_ids = [t.id for t in targets if not t.local and t.id not in foreign]
-    expect = {t.id: {"name": t.record.name, "submitted_at": t.record.submitted_at}
-              for t in targets if t.record is not None}
-    found: dict[str, SourceState] = {}
-    tried: list[str] = [cli_note] if cli_note else []
-    if only == src.LOGS:
-        tried.append("logs: asked for with --source logs")
-    elif slurm_ids and cli is not None:
-        found, more = query_slurm(slurm_ids, cli, expect, history=history,
-                                      controller_down=down, only=only)
-        tried += more
+    described = describe(targets, cli, cli_note, history, only)
     out, finals = [], {}
     with _no_cycle_collection():
         cache = rowcache.load() if brief else None
         for t in targets:
-            sources = JobSources(t, found.get(t.id), tried, now, only)
+            sources = JobSources(t, described[t.id], now, only)
             if cache is not None:
                 st, final = table_row(sources, cache)
             else:
                 job = resolve(sources)
                 st, final = job.detail(lanes), job.final_to_keep()
-            if t.id in foreign:
-                st.notes.append(f"submitted on cluster {t.record.cluster!r}, not this one ({cluster!r}): "
-                                "the scheduler was not asked (job ids repeat across clusters)")
             if final is not None and t.record is not None and t.record.path:
                 finals.setdefault(id(t.record), (t.record, {}))[1][t.task_id] = final
             out.append(st)
@@ -71,6 +57,25 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
             pass
         if cache is not None:
             cache.save()
+    return out
+
+
+def describe(targets: list[StatusTarget], cli=None, cli_note: str | None = None, history: bool = False,
+             only: str | None = None) -> dict[str, Described]:
+    """What each target's backend tells of it (`Backend.describe`): the targets grouped by the
+    backends that describe them together (``describes_with``), one call per group."""
+    offline = None if cli is not None else (cli_note or "")
+    made: dict[str, Backend] = {}
+    groups: dict[str, tuple[Backend, list[StatusTarget]]] = {}
+    for t in targets:
+        key = str(t.record.backend) if t.record is not None else ("local-" if t.id.startswith("local-") else "")
+        backend = made.get(key)
+        if backend is None:
+            backend = made[key] = backends.of_record(t.record, job_id=t.id, client=cli, offline=offline)
+        groups.setdefault(backend.describes_with, (backend, []))[1].append(t)
+    out: dict[str, Described] = {}
+    for backend, group in groups.values():
+        out.update(backend.describe(group, history=history, only=only))
     return out
 
 

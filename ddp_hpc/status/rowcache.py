@@ -66,17 +66,19 @@ class RowCache:
         self.path, self.rows, self.changed = path, rows, False
         self._tasks: dict[int, dict] = {}  # id(record) -> {task id: its array entry}
 
-    def key(self, t: StatusTarget, sched: SourceState | None, only: str | None) -> tuple[str, str]:
-        """(the job's id, what its row is made from) for target ``t`` and the scheduler's answer."""
+    def key(self, t: StatusTarget, sched: SourceState | None, only: str | None,
+            uses_final: bool) -> tuple[str, str]:
+        """(the job's id, what its row is made from) for target ``t`` and the scheduler's answer;
+        ``uses_final``: the record's final state gives the job's state (``decide.told`` says so)."""
         # not what the sources that did not answer said (``tried``): the table does not show it,
         # and one job leaving squeue changes it for all
-        made_from = [self._record_part(t, sched), t.log_dir, _dir_stamp(t.log_dir), _answer(sched), only]
+        made_from = [self._record_part(t, uses_final), t.log_dir, _dir_stamp(t.log_dir), _answer(sched), only]
         return t.id, json.dumps(made_from, **_KEY_JSON)
 
-    def _record_part(self, t: StatusTarget, sched: SourceState | None) -> list | None:
+    def _record_part(self, t: StatusTarget, uses_final: bool) -> list | None:
         """The record's facts about this job or array task: its fields but the other tasks'
         entries and final states (an array's record is rewritten whenever one of its tasks ends),
-        and its own final state where that gives the state (the scheduler did not answer)."""
+        and its own final state where that gives the state."""
         rec = t.record
         if rec is None:
             return None
@@ -85,7 +87,7 @@ class RowCache:
         if task is not None and id(rec) not in self._tasks:
             self._tasks[id(rec)] = {str(e.get("task_id")): e for e in rec.array}
         entry = self._tasks[id(rec)].get(task) if task is not None else None
-        final = records.final_of(rec, task) if sched is None or sched.state.state is JobState.UNKNOWN else None
+        final = records.final_of(rec, task) if uses_final else None
         return [fields, entry, final]
 
     def get(self, key: tuple[str, str]) -> dict | None:

@@ -14,10 +14,11 @@ and a script's exec wrapper writes in its ``start`` event whether it instrumente
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
+from ddp_hpc import backends
+from ddp_hpc.backends.base import CancelError
 from ddp_hpc.judge.consequences import ranks_text
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.stacks import hang_line, stack_summary
@@ -32,26 +33,12 @@ TAIL = 14
 
 
 def _signal(target: StatusTarget, cli) -> str:
-    """Send STACK_SIGNAL to the target's ranks; returns how."""
-    rec = target.record
-    if target.local:
-        pids = [p for p in ((rec.pids if rec is not None else None) or []) if isinstance(p, int)]
-        sent = []
-        for pid in pids:
-            try:
-                os.kill(pid, STACK_SIGNAL)
-                sent.append(pid)
-            except (ProcessLookupError, PermissionError):
-                continue
-        if not sent:
-            raise StatusError(f"job {target.id}: none of its processes {pids} is running here",
-                              "--stacks asks a running job; for an ended one see its logs")
-        return f"SIGURG to processes {', '.join(map(str, sent))}"
-    if cli is None:
-        raise StatusError(f"job {target.id}: Slurm's commands are not on PATH",
-                          "run --stacks on a login node of the job's cluster")
-    cli.cancel(target.id, signal="URG")
-    return f"scancel --signal=URG {target.id}"
+    """Send STACK_SIGNAL to the target's ranks, through the backend of its job; returns how."""
+    backend = backends.of_record(target.record, job_id=target.id, client=cli)
+    try:
+        return backend.signal_ranks(target.record, target.id, STACK_SIGNAL)
+    except CancelError as exc:
+        raise StatusError(exc.problem, exc.hint) from None
 
 
 def ask_stacks(target, cli, wait_s: float = WAIT_S) -> tuple[str, dict[int, dict], list[int]]:

@@ -1,23 +1,22 @@
 """Which jobs to look at: job records (``$DDP_HPC_HOME/jobs``, written by ddp_hpc.submit) become
 targets, each with its id and log directory; a job array's record becomes one target per task.
-``JobSources`` is what one target is resolved from before any log is read (its target, the
-scheduler's answer, the notes of the sources tried).
+``JobSources`` is what one target is resolved from before any log is read (its target, what its
+backend described).
 
-The scheduler is asked about the targets in ``sources``; ``collect`` puts the answers together.
+``collect`` asks each target's backend to describe it (many at once) and puts the answers together.
 """
 from __future__ import annotations
 
 import functools
 import os
-import re
 from dataclasses import dataclass
 
-from ddp_hpc import backends, records
+from ddp_hpc import records
+from ddp_hpc.backends import is_slurm_id
 from ddp_hpc.errors import HintError
+from ddp_hpc.judge.decide import Described
 from ddp_hpc.records import JobRecord
 from ddp_hpc.slurm.query import SourceState
-
-_SLURM_ID = re.compile(r"^\d+(_\d+)?$")
 
 
 class StatusError(HintError):
@@ -32,14 +31,6 @@ class StatusTarget:
     record: records.JobRecord | None = None
     log_dir: str | None = None
 
-    @functools.cached_property
-    def local(self) -> bool:
-        """The job's processes run on this machine (its backend's ``runs_here``), not a
-        scheduler's; asked once per target."""
-        if self.record is None:
-            return self.id.startswith("local-")
-        return backends.of_record(self.record).runs_here
-
     @property
     def task_id(self) -> str | None:
         """The array task id of a target made from an array record (``123_4`` -> ``"4"``)."""
@@ -49,12 +40,12 @@ class StatusTarget:
 @dataclass(frozen=True)
 class JobSources:
     """What one job is resolved from, before any log is read: its target (id, record, log
-    directory), the scheduler's answer (None: not asked, or it does not list the job), the notes
-    of the sources tried, ``now``, and ``only`` (the one source the user asked for)."""
+    directory), what its backend described (``Described``: the scheduler's answer, or its
+    processes; the notes of the sources tried), ``now``, and ``only`` (the one source the user
+    asked for)."""
 
     target: StatusTarget
-    sched: SourceState | None
-    tried: list[str]
+    described: Described
     now: float
     only: str | None = None
 
@@ -66,16 +57,15 @@ class JobSources:
     def task_id(self) -> str | None:
         return self.target.task_id
 
+    @property
+    def sched(self) -> SourceState | None:
+        """The scheduler's answer (None: the job has none, it does not list it, or was not asked)."""
+        return self.described.scheduler
+
     @functools.cached_property
     def final(self) -> dict | None:
         """The terminal state the record keeps of this job (or array task); read once."""
         return records.final_of(self.record, self.task_id)
-
-
-
-def is_slurm_id(job_id: str) -> bool:
-    """``1234`` or an array task ``1234_5`` (not a ``local-...`` id)."""
-    return bool(_SLURM_ID.fullmatch(job_id))
 
 
 def targets_from_records(recs) -> list[StatusTarget]:

@@ -18,7 +18,6 @@ way; every job leaves a record, so ``ddp-hpc status`` lists it.
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
 import shlex
 import time
@@ -26,14 +25,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ddp_hpc import backends
-from ddp_hpc.backends.base import GRACE_S, Backend, SubmitOptions, clean_slurm_env, say
+from ddp_hpc.backends.base import GRACE_S, Backend, SubmitOptions, say
 from ddp_hpc.backends.functions import describe
 from ddp_hpc.backends.spec import SpecError, build_command_spec, stage_items
 from ddp_hpc.config import SlurmOptions
 from ddp_hpc.config.slurm_options import merged
 from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.launch import RankFailedError
-from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.submit.target import script_command
 
@@ -88,9 +86,7 @@ class Job:
         from ddp_hpc.status.collect import collect
         from ddp_hpc.status.targets import targets_from_records
 
-        targets = targets_from_records([self.record])
-        cli = None if self.backend.runs_here else slurm_cli()[0]
-        return collect(targets, cli)[0].state_name
+        return collect(targets_from_records([self.record]), *slurm_cli())[0].state_name
 
     def done(self) -> bool:
         return JobState[self.state()].terminal
@@ -137,8 +133,7 @@ class Job:
         """Stop the job: scancel a Slurm job, or every local process (SIGTERM, SIGKILL after
         ``grace`` seconds); its record and ``ddp-hpc status`` then say CANCELLED."""
         self._cancelled = True
-        self.backend.cancel(self.record, self.job_id, grace,
-                            SlurmCLI(env=clean_slurm_env(os.environ)[0]))
+        self.backend.cancel(self.record, self.job_id, grace)
         if self._driver is not None:
             self._driver.join(timeout=10)
 
@@ -183,14 +178,13 @@ def submit_job(target: Callable | str | Sequence[str], *, args: Sequence[Any] = 
     """
     opts = _options(nodes, gpus, backend, slurm)
     stage = stage_items([("ddp_hpc.submit_job(stage=...)", opts.stage)])   # before the backend is chosen, as --stage
-    cli = SlurmCLI(env=clean_slurm_env(os.environ)[0])
-    chosen, why = backends.choose(opts, cli)
+    chosen, why = backends.choose(opts)
     say(f"backend {chosen.name}: {why}")
     opts = merged(opts, {"backend": chosen.name})
     if not callable(target):
         command, default_name = _command(target)
         spec = build_command_spec(opts, command=command, name=name or default_name, log_root=log_dir)
-        done = backends.dispatch(dataclasses.replace(spec, stage=stage), chosen, cli, SubmitOptions(quiet=True))
+        done = backends.dispatch(dataclasses.replace(spec, stage=stage), chosen, SubmitOptions(quiet=True))
         return Job(done.record, backend=chosen, backend_reason=why)
     if not chosen.takes_functions:
         able = [n for n in backends.names() if backends.get(n).takes_functions]
@@ -201,5 +195,5 @@ def submit_job(target: Callable | str | Sequence[str], *, args: Sequence[Any] = 
                               name=name or getattr(target, "__name__", "function"), log_root=log_dir)
     spec = dataclasses.replace(spec, stage=stage)
     backends.check_options(spec, chosen)
-    done = chosen.submit_function(spec, target, tuple(args), dict(kwargs or {}), cli)
+    done = chosen.submit_function(spec, target, tuple(args), dict(kwargs or {}))
     return Job(done.record, backend=chosen, backend_reason=why, **done.handles)

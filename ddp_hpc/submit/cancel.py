@@ -10,28 +10,29 @@
 - A Slurm job or array task (``123``, ``123_4``): ``scancel`` (through ``ddp_hpc.slurm.cli``);
   status keeps the CANCELLED that the scheduler then reports in the record.
 
-Which of the two is the job's backend's business (``ddp_hpc.backends``: ``cancel``).
+Which of the two is the job's backend's business (``ddp_hpc.backends``: ``cancel``); then, where a
+scheduler tells, what it says of the job's end (``ddp-hpc status``, which keeps it in the record).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Sequence
 
 from ddp_hpc import backends, records
-from ddp_hpc.backends.base import GRACE_S, CancelError, clean_slurm_env
-from ddp_hpc.backends.onslurm import scancel
+from ddp_hpc.backends.base import GRACE_S, CancelError
 from ddp_hpc.errors import HintError, report
 from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
-from ddp_hpc.slurm.states import JobState
+from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE
 from ddp_hpc.status.collect import collect
-from ddp_hpc.status.targets import StatusTarget, is_slurm_id, job_targets
+from ddp_hpc.status.targets import StatusTarget, job_targets
 from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
 
 __all__ = ["cancel", "main", "CancelError"]
 
+#: the sources that are a scheduler's word on a job (not its record, processes or logs)
+SCHEDULER_SOURCES = (SQUEUE, SACCT, SACCT_C)
 #: how long `cancel` waits for Slurm to report a cancelled job's end, to say and keep it: a job
 #: that checkpoints on SIGTERM (the training core does) ends only once its save is written, and a
 #: busy node took more than 10 s for a small one
@@ -40,53 +41,41 @@ SLURM_SETTLE_S = 30.0
 
 def cancel(job_id: str, grace: float = GRACE_S, cli: SlurmCLI | None = None) -> str:
     """Stop job ``job_id`` (a local id, a Slurm job or array task id) through the backend that
-    submitted it; returns what was done, in one line. Raises :class:`CancelError` /
-    ``records.JobRecordError`` / ``SlurmError``."""
+    submitted it (a Slurm job without a record: a Slurm backend); returns what was done, in one
+    line, and what the scheduler then said of the job's end. ``cli``: the SlurmCLI to ask
+    (None: the backend's own). Raises :class:`CancelError` / ``records.JobRecordError`` /
+    ``SlurmError``."""
     job_id = str(job_id).strip()
     try:
         rec = records.load_record(job_id)
     except records.JobRecordError:
-        if not is_slurm_id(job_id):
+        if not backends.is_slurm_id(job_id):
             raise
         rec = None  # a Slurm job ddp_hpc did not submit: scancel knows it or says it does not
-    cli = cli or SlurmCLI(env=clean_slurm_env(os.environ)[0])
-    if rec is None:
-        return _cancel_unrecorded(job_id, cli)
-    backend = backends.of_record(rec)
-    done = backend.cancel(rec, job_id, grace, cli)
-    if backend.runs_here:
-        return done
-    state = _settled_state(job_id, rec, cli)
-    return done + (f"; Slurm says {state}" if state else "")
+    backend = backends.of_record(rec, job_id=job_id, client=cli)
+    done = backend.cancel(rec, job_id, grace)
+    said = _settled_state(job_id, rec, getattr(backend, "client", None))
+    return done + (f"; {said}" if said else "")
 
 
-def _cancel_unrecorded(job_id: str, cli: SlurmCLI) -> str:
-    """A Slurm job with no record: scancel takes an id it does not know without a word, so ask
-    the scheduler first."""
-    if cli.available():
-        known = _states(job_id, None, cli)
-        if all(st.job_state is JobState.UNKNOWN for st in known):
-            raise CancelError(f"no job record with id {job_id!r}, and Slurm does not know job {job_id} "
-                              "(squeue, sacct).",
-                              f"check the id with `{prog('status')}` (ddp_hpc's jobs) or squeue.")
-    scancel(job_id, cli)
-    state = _settled_state(job_id, None, cli)
-    return f"job {job_id}: scancel sent" + (f"; Slurm says {state}" if state else "")
-
-
-def _states(job_id: str, rec, cli: SlurmCLI) -> list:
+def _states(job_id: str, rec, cli: SlurmCLI | None) -> list:
     """What status says of the job now (one status per array task of a record)."""
     return collect(job_targets(job_id, None) if rec is not None else [StatusTarget(job_id)], cli)
 
 
-def _settled_state(job_id: str, rec, cli: SlurmCLI) -> str | None:
-    """The job's state once Slurm reports it ended (status keeps it in the record), waiting up to
-    `SLURM_SETTLE_S`; None when it did not end in that time."""
+def _settled_state(job_id: str, rec, cli: SlurmCLI | None) -> str | None:
+    """What the scheduler says of the job once it reports it ended (status keeps it in the
+    record), waiting up to `SLURM_SETTLE_S`; None when it did not end in that time, or when no
+    scheduler tells (a job whose processes ran here: its backend's line said it all)."""
     end = time.monotonic() + SLURM_SETTLE_S
     while True:
         st = _states(job_id, rec, cli)
-        if all(s.job_state.terminal for s in st) or time.monotonic() > end:
-            return ", ".join(sorted({s.state for s in st})) if all(s.job_state.terminal for s in st) else None
+        if not any(s.source in SCHEDULER_SOURCES for s in st):
+            return None
+        if all(s.job_state.terminal for s in st):
+            return "Slurm says " + ", ".join(sorted({s.state for s in st}))
+        if time.monotonic() > end:
+            return None
         time.sleep(0.5)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ddp_hpc import backends
-from ddp_hpc.backends.base import Backend, SubmitOptions, clean_slurm_env, say
+from ddp_hpc.backends.base import Backend, SubmitOptions, say
 from ddp_hpc.backends.spec import (
     SpecError,
     build_command_spec,
@@ -49,7 +49,7 @@ from ddp_hpc.backends.spec import (
 from ddp_hpc.config import ConfigError, JobConfig, load_config, slurm_options
 from ddp_hpc.config.validate import validate_job
 from ddp_hpc.errors import HintError, report
-from ddp_hpc.slurm.cli import SlurmCLI, SlurmError
+from ddp_hpc.slurm.cli import SlurmError
 from ddp_hpc.submit.resume import resume_or_new
 from ddp_hpc.submit.target import SubmitTarget, module_command, script_command, split_argv
 from ddp_hpc.text import ArgumentParser, HelpFormatter, prog
@@ -140,9 +140,11 @@ def _load(config: str, overrides: Sequence[str], tasks: Sequence[Sequence[str]])
     return cfg, [load_config(config, [*overrides, *extra]) for extra in tasks] or [cfg]
 
 
-def _backend(opts, cli: SlurmCLI, verbose: bool = False) -> Backend:
-    backend, why = backends.choose(opts, cli)
-    unreachable = getattr(cli, "unreachable", None)   # SlurmCLI's; a stand-in may lack it
+def _backend(opts, verbose: bool = False, client=None) -> Backend:
+    """The backend to submit with (``client``: the SlurmCLI `backends.choose` asks; None: its own),
+    said in one line."""
+    backend, why = backends.choose(opts, client)
+    unreachable = getattr(backend, "unreachable", None)   # the local backend's, when auto fell back to it
     say(f"backend {backend.name}: {why}" + ("" if verbose or not unreachable else " (-v: why)"))
     if verbose and unreachable:
         say(f"  {unreachable}")
@@ -158,17 +160,16 @@ def _submit_config(args: argparse.Namespace, config: str, overrides: list[str]) 
     check_overrides(overrides)
     cfg, task_cfgs = _load(config, overrides, sweep_tasks(sweeps))
     opts = slurm_options.merged(cfg.slurm, slurm_options.given(vars(args)))
-    cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
-    backend = _backend(opts, cli, args.verbose)
+    backend = _backend(opts, args.verbose)
     spec = build_spec(dataclasses.replace(opts, backend=backend.name), config_path=config, cfg=cfg,
                       overrides=overrides, sweeps=sweeps)
     spec = dataclasses.replace(spec, stage=stage_items([(f"{config}: slurm.stage", cfg.slurm.stage),
                                                          ("--stage", args.stage or ())]))
-    spec = resume_or_new(spec, backend, task_cfgs, fresh=args.fresh, cli=cli, say=say)
+    spec = resume_or_new(spec, backend, task_cfgs, fresh=args.fresh, say=say)
     for task_cfg in task_cfgs:   # factories, data paths, precision, log.dir: before it queues
         validate_job(task_cfg, backend=backend, workdir=spec.workdir, create_log_dir=False,
                      slurm=spec.options)
-    return backends.dispatch(spec, backend, cli, _options(args), task_cfgs).exit_code
+    return backends.dispatch(spec, backend, _options(args), task_cfgs).exit_code
 
 
 def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
@@ -184,11 +185,10 @@ def _submit_command(args: argparse.Namespace, target: SubmitTarget) -> int:
         os.environ["DDP_HPC_INSTRUMENT"] = "0"
     stage = stage_items([("--stage", args.stage)]) if args.stage else ()   # before the backend is chosen
     opts = slurm_options.merged(slurm_options.SlurmOptions(), slurm_options.given(vars(args)))
-    cli = SlurmCLI(env=clean_slurm_env(os.environ)[0], slow_note=say)
-    backend = _backend(opts, cli, args.verbose)
+    backend = _backend(opts, args.verbose)
     spec = build_command_spec(dataclasses.replace(opts, backend=backend.name), command=command,
                               name=name, log_root=args.log_dir or "runs", sweeps=sweeps)
-    return backends.dispatch(dataclasses.replace(spec, stage=stage), backend, cli, _options(args)).exit_code
+    return backends.dispatch(dataclasses.replace(spec, stage=stage), backend, _options(args)).exit_code
 
 
 def _submit(args: argparse.Namespace, target: SubmitTarget) -> int:

@@ -38,8 +38,6 @@ from ddp_hpc.backends.spec import JobSpec, SpecError
 from ddp_hpc.config import JobConfig, config_to_dict
 from ddp_hpc.judge.reader import RunEnding, RunLogs, run_ending
 from ddp_hpc.runlogs.schema import CONFIG_FILE
-from ddp_hpc.slurm.cli import SlurmCLI
-from ddp_hpc.slurm.query import current_cluster
 
 __all__ = ["earlier_run", "next_restart", "resume_or_new"]
 
@@ -84,24 +82,12 @@ def earlier_run(spec: JobSpec, backend: Backend) -> records.JobRecord | None:
     return None
 
 
-def _other_cluster(rec: records.JobRecord, backend: Backend, cli: SlurmCLI) -> str | None:
-    """Why this cluster's squeue cannot speak for a Slurm job submitted on another cluster (job
-    ids repeat across clusters: here the id names another job, or none); None when it can."""
-    if backend.runs_here or not rec.cluster:
-        return None
-    here = current_cluster(cli)
-    if here is None or here == rec.cluster:
-        return None
-    return f"it was submitted on cluster {rec.cluster}, not on this one ({here})"
-
-
-def _refuse_if_live(rec: records.JobRecord, backend: Backend, cli: SlurmCLI) -> None:
+def _refuse_if_live(rec: records.JobRecord, backend: Backend) -> None:
     """Refuse to resume into the earlier run's directory while its job may still run: queued or
-    running, or when this machine cannot tell (squeue did not answer, the job was submitted on
-    another cluster, its processes were recorded on another host): two jobs must never write
-    into one run directory."""
-    elsewhere = _other_cluster(rec, backend, cli)
-    live = None if elsewhere else backend.active(rec, cli)
+    running, or when this machine cannot tell (the backend says why: squeue did not answer, the
+    job was submitted on another cluster, its processes were recorded on another host): two
+    jobs must never write into one run directory."""
+    live, why = backend.active(rec)
     if live is False:
         return
     hint = (f"wait for it (ddp-hpc status {rec.id}), cancel it (ddp-hpc cancel {rec.id}), or pass "
@@ -109,11 +95,8 @@ def _refuse_if_live(rec: records.JobRecord, backend: Backend, cli: SlurmCLI) -> 
     if live:
         raise SpecError(f"the earlier run of this config, job {rec.id} ({rec.log_dir}), is still "
                         f"queued or running", hint)
-    where = ((elsewhere or "squeue did not answer") if not backend.runs_here
-             else f"its processes were recorded on {rec.cluster}, not here" if rec.pids
-             else "its record keeps no processes")
     raise SpecError(f"cannot tell whether the earlier run of this config, job {rec.id} "
-                    f"({rec.log_dir}), still runs ({where}), so it is not resumed", hint)
+                    f"({rec.log_dir}), still runs ({why}), so it is not resumed", hint)
 
 
 def _steps(ends: Sequence[RunEnding]) -> str:
@@ -123,7 +106,7 @@ def _steps(ends: Sequence[RunEnding]) -> str:
 
 
 def resume_or_new(spec: JobSpec, backend: Backend, task_cfgs: Sequence[JobConfig], *, fresh: bool,
-                  cli: SlurmCLI, say: Callable[[str], None]) -> JobSpec:
+                  say: Callable[[str], None]) -> JobSpec:
     """``spec`` itself (a new run directory), or ``spec`` moved into the run directory of the
     earlier run it resumes; says which in one line whenever an earlier run exists."""
     rec = earlier_run(spec, backend)
@@ -133,7 +116,7 @@ def resume_or_new(spec: JobSpec, backend: Backend, task_cfgs: Sequence[JobConfig
     if fresh:
         say(f"starting a new run (--fresh); the earlier run {name} stays in {rec.log_dir}")
         return spec
-    _refuse_if_live(rec, backend, cli)
+    _refuse_if_live(rec, backend)
     ends = [run_ending(d) for d in _task_dirs(rec)]
     if all(e.status == "completed" for e in ends):
         say(f"the earlier run {name} of this config completed (step {ends[0].step}, "
