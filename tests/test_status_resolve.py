@@ -165,7 +165,7 @@ def test_the_state_comes_from_the_first_source_that_knows_in_the_documented_orde
     def state(target, sched=None, only=None):   # what the job's backend described: a scheduler's, or none
         scheduled = backends.of_record(target.record, job_id=target.id).describes_with == "slurm"
         r = resolve(JobSources(target, Described(scheduled, sched), T0 + 60, only))
-        return r.state.state.label, r.state.source
+        return r.state.info.label, r.state.source
 
     running = collect([StatusTarget("91", None, str(tmp_path / "run"))], Squeue("0:30"), now=T0 + 60)[0]
     slurm = StatusTarget("91", rec("sbatch", "91"), str(tmp_path / "run"))

@@ -74,7 +74,7 @@ def test_squeue_answers_first_and_sacct_is_not_asked():
     sched = Scheduler(squeue=[squeue_row()])
     found, tried = query(sched)
     st = found["5"]
-    assert (st.state.state, st.source) == (JobState.RUNNING, "squeue")
+    assert (st.info.job_state, st.source) == (JobState.RUNNING, "squeue")
     # squeue's M:SS comes out in the one duration format ddp_hpc shows: [D-]HH:MM:SS
     assert (st.elapsed, st.time_limit, st.nodes, st.restarts) == ("00:01:05", "00:10:00", 2, 0)
     assert [c[0] for c in sched.calls] == ["squeue"]
@@ -86,7 +86,7 @@ def test_sacct_when_squeue_forgot_the_job():
                                        ExitCode="0:15", JobName="batch")])
     found, tried = query(sched)
     st = found["5"]
-    assert (st.state.state, st.state.label, st.source) == (JobState.CANCELLED, "CANCELLED by 0", "sacct")
+    assert (st.info.job_state, st.info.label, st.source) == (JobState.CANCELLED, "CANCELLED by 0", "sacct")
     assert st.exit_code == "0:15"
     assert st.steps == [{"id": "5.batch", "state": "CANCELLED", "exit_code": "0:15"}]
     assert any("squeue" in t for t in st.tried)
@@ -97,7 +97,7 @@ def test_jobcomp_only_cluster_falls_back_to_sacct_c_and_says_why():
     sched = Scheduler(sacct=None, sacct_c=[sacct_row(State="FAILED", ExitCode="1:0", Timelimit="10")])
     found, tried = query(sched)
     st = found["5"]
-    assert (st.state.state, st.source, st.exit_code) == (JobState.FAILED, "sacct -c", "1:0")
+    assert (st.info.job_state, st.source, st.exit_code) == (JobState.FAILED, "sacct -c", "1:0")
     assert (st.elapsed, st.time_limit) == ("00:01:10", "00:10:00")
     assert any(t.startswith("sacct:") and "accounting storage is disabled" in t for t in st.tried)
 
@@ -117,7 +117,7 @@ def test_requeue_history_from_sacct_duplicates():
                                sacct_row(State="PENDING", Start="Unknown", End="Unknown")])
     found, _ = query(sched, history=True)
     st = found["5"]
-    assert (st.state.state, st.source, st.reason) == (JobState.PENDING, "squeue", "BeginTime")
+    assert (st.info.job_state, st.source, st.reason) == (JobState.PENDING, "squeue", "BeginTime")
     assert st.history_source == "sacct -D"
     assert [h["state"] for h in st.history] == ["REQUEUED", "PENDING"]
     assert st.restarts == 1
@@ -128,7 +128,7 @@ def test_requeue_history_from_jobcomp_when_no_accounting():
     sched = Scheduler(sacct=None, sacct_c=[sacct_row(State="REQUEUED"), sacct_row(State="COMPLETED")])
     found, _ = query(sched, history=True)
     st = found["5"]
-    assert (st.state.state, st.source, st.history_source) == (JobState.COMPLETED, "sacct -c", "sacct -c")
+    assert (st.info.job_state, st.source, st.history_source) == (JobState.COMPLETED, "sacct -c", "sacct -c")
     assert [h["state"] for h in st.history] == ["REQUEUED", "COMPLETED"]
 
 
@@ -150,15 +150,15 @@ def test_array_tasks_are_their_own_jobs():
     sched = Scheduler(squeue=[squeue_row(JobArrayID="7_0", JobID="8", State="COMPLETING"),
                               squeue_row(JobArrayID="7_1", JobID="9", State="R")])
     found, _ = query(sched, ids=("7_0", "7_1"))
-    assert found["7_0"].state.state is JobState.COMPLETING
-    assert found["7_1"].state.state is JobState.RUNNING
+    assert found["7_0"].info.job_state is JobState.COMPLETING
+    assert found["7_1"].info.job_state is JobState.RUNNING
 
 
 def test_unknown_state_from_the_scheduler_is_shown_raw():
     sched = Scheduler(squeue=[squeue_row(State="WARPING")])
     found, _ = query(sched)
-    assert found["5"].state.state is JobState.UNKNOWN
-    assert found["5"].state.label == "UNKNOWN(WARPING)"
+    assert found["5"].info.job_state is JobState.UNKNOWN
+    assert found["5"].info.label == "UNKNOWN(WARPING)"
 
 
 def test_controller_down_skips_squeue_and_asks_the_completion_log(tmp_path):
@@ -175,7 +175,7 @@ def test_only_one_source_is_asked_when_named():
     sched = Scheduler(squeue=[squeue_row()], sacct=[sacct_row(State="RUNNING")],
                       sacct_c=[sacct_row(State="COMPLETED")])
     found, _ = query(sched, only="sacct -c")
-    assert (found["5"].state.state, found["5"].source) == (JobState.COMPLETED, "sacct -c")
+    assert (found["5"].info.job_state, found["5"].source) == (JobState.COMPLETED, "sacct -c")
     assert [c[0] for c in sched.calls] == ["sacct"] and "--completion" in sched.calls[0]
 
 

@@ -33,40 +33,40 @@ def man_state_table(page: str) -> dict[str, str]:
 @pytest.mark.parametrize("page", ["squeue", "sacct"])
 def test_every_documented_state_and_code_maps(page):
     for code, name in man_state_table(page).items():
-        assert parse_state(name).state is JobState[name], name
-        assert parse_state(code).state is JobState[name], code
+        assert parse_state(name).job_state is JobState[name], name
+        assert parse_state(code).job_state is JobState[name], code
         assert COMPACT[code] is JobState[name]
 
 
 @pytest.mark.parametrize("name", ISSUE_STATES)
 def test_issue_states_map_to_themselves(name):
     info = parse_state(name)
-    assert info.state.name == name
+    assert info.job_state.name == name
     assert info.label == name
 
 
 def test_cancelled_by_uid_keeps_who():
     info = parse_state("CANCELLED by 1000")
-    assert info.state is JobState.CANCELLED
+    assert info.job_state is JobState.CANCELLED
     assert info.detail == "by 1000"
     assert info.label == "CANCELLED by 1000"
-    assert info.state.failed and info.state.terminal and not info.state.active
+    assert info.job_state.failed and info.job_state.terminal and not info.job_state.active
 
 
 def test_sacct_truncation_mark_and_case():
-    assert parse_state("CANCELLED+").state is JobState.CANCELLED
-    assert parse_state(" running ").state is JobState.RUNNING
-    assert parse_state("OOM").state is JobState.OUT_OF_MEMORY
+    assert parse_state("CANCELLED+").job_state is JobState.CANCELLED
+    assert parse_state(" running ").job_state is JobState.RUNNING
+    assert parse_state("OOM").job_state is JobState.OUT_OF_MEMORY
 
 
 @pytest.mark.parametrize("raw", ["FROBNICATING", "", None, "42", "by nobody", "\x00weird"])
 def test_unknown_is_shown_raw_never_raises(raw):
     info = parse_state(raw)
-    assert info.state is JobState.UNKNOWN
+    assert info.job_state is JobState.UNKNOWN
     assert info.raw == ("" if raw is None else str(raw).strip())
     if info.raw:
         assert info.raw in info.label
-    assert not info.state.active and not info.state.terminal
+    assert not info.job_state.active and not info.job_state.terminal
 
 
 def test_active_and_terminal_partition_the_known_states():

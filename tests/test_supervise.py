@@ -162,7 +162,7 @@ def test_a_resized_record_is_no_run_of_the_scheduler_history():
             {"JobID": "1.batch", "State": "RESIZING", "ExitCode": "0:0"},
             {"JobID": "1", "State": "COMPLETED", "ExitCode": "0:0"}]
     st = _view_from_rows(rows, "sacct", [])
-    assert st.state.state.name == "COMPLETED" and st.history == []
+    assert st.info.job_state.name == "COMPLETED" and st.history == []
 
 
 def _sinfo(states: dict):

@@ -167,7 +167,7 @@ class BackendDefaults:
         told = self.describe([rec]).get(str(rec.id))   # type: ignore[attr-defined]
         if told is None or told.scheduler is None:
             return None, f"the {self.name} backend does not list job {rec.id}"
-        return told.scheduler.state.state.active, ""
+        return told.scheduler.info.job_state.active, ""
 
     def signal_ranks(self, rec: records.JobRecord | None, job_id: str, signum: int) -> str:
         raise CancelError(f"the {self.name} backend cannot send a signal to the ranks of job {job_id}",

@@ -297,7 +297,7 @@ def _keep_cancelled(rec: records.JobRecord) -> None:
     finals = {}
     for key in keys:
         old = records.final_of(fresh, key)
-        if old and parse_state(old.get("state")).state not in (JobState.CANCELLED, JobState.UNKNOWN):
+        if old and parse_state(old.get("state")).job_state not in (JobState.CANCELLED, JobState.UNKNOWN):
             continue
         started = (old or {}).get("started_at") or (fresh.submitted_at if key is None else None)
         finals[key] = records.local_final("CANCELLED", started, now, CANCEL,

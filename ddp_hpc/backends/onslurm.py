@@ -208,7 +208,7 @@ class SlurmBackend:
             rows = self.client.squeue([rec.id])
         except SlurmError:
             return None, "squeue did not answer"
-        return any(parse_state(r.get("State")).state.active for r in rows), ""
+        return any(parse_state(r.get("State")).job_state.active for r in rows), ""
 
     def cancel(self, rec: records.JobRecord | None, job_id: str, grace: float) -> str:
         """``scancel``; a job without a record only once Slurm knows it (scancel takes an id it

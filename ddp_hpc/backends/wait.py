@@ -41,7 +41,7 @@ def wait_for_jobs(cli, job_id: str, timeout: float | None = None, interval: floa
         if line != last and line:
             echo(f"ddp_hpc: {line}")
             last = line
-        if states and all(s.state.terminal for s in states.values()):
+        if states and all(s.job_state.terminal for s in states.values()):
             return seen
         if not rows and (seen or time.monotonic() - start > unlisted_grace):
             return seen    # gone from squeue (MinJobAge passed): last known states

@@ -72,9 +72,9 @@ class Decision:
 def told(d: Described, final: dict | None, only: str | None = None) -> SourceState | None:
     """Sources 1 and 2: the state the scheduler or the record tells; None when the logs must."""
     if not d.scheduled:
-        return from_final(final, []) if final and parse_state(final.get("state")).state.terminal else None
+        return from_final(final, []) if final and parse_state(final.get("state")).job_state.terminal else None
     sched = d.scheduler
-    if sched is not None and sched.state.state is not JobState.UNKNOWN:
+    if sched is not None and sched.info.job_state is not JobState.UNKNOWN:
         return sched
     final = final if only is None else None
     if final:
@@ -103,14 +103,14 @@ def _unscheduled(d: Described, logs: RunLogs | KeptLogs, task_id: str | None,
     alive = d.alive
     st = from_logs(logs, [], PROCESSES if alive is not None else LOGS, alive, output=d.output)
     if alive and task_id is not None and not logs.exists:
-        st.state = StateInfo(JobState.PENDING, "waiting for the earlier tasks")
+        st.info = StateInfo(JobState.PENDING, "waiting for the earlier tasks")
     cur = logs.current_run()
     first = cur.started if cur is not None else None
     started = first if task_id is not None else (submitted_at or first)
-    ended = now if st.state.state.active else (cur.last_time if cur is not None else None)
+    ended = now if st.info.job_state.active else (cur.last_time if cur is not None else None)
     st.elapsed = format_duration(ended - started) if started and ended else None
-    if alive is False and st.state.state.terminal:
-        return Decision(st, records.local_final(st.state.label, started, ended or now, STATUS, reason=st.reason))
+    if alive is False and st.info.job_state.terminal:
+        return Decision(st, records.local_final(st.info.label, started, ended or now, STATUS, reason=st.reason))
     return Decision(st)
 
 

@@ -296,7 +296,7 @@ def local_final(state: str, started_at: float | None, ended_at: float, source: s
     ``"CANCELLED by SIGTERM"``; ``source``: who saw it end)."""
     info = parse_state(state)
     elapsed = format_duration(ended_at - started_at) if started_at else None
-    return {"state": info.label, "state_name": info.state.name, "source": source,
+    return {"state": info.label, "state_name": info.job_state.name, "source": source,
             "seen_at": round(ended_at, 3), "started_at": started_at, "ended_at": round(ended_at, 3),
             "elapsed": elapsed, "time_limit": None, "exit_code": exit_code, "reason": reason}
 

@@ -32,9 +32,10 @@ SUBMIT_SLACK_S = 600.0
 
 @dataclass
 class SourceState:
-    """One job's state and the facts the answering source knew."""
+    """One job's state as one source tells it (``info``: the parsed state, ``source``: which one
+    said it) and the facts that source knew."""
 
-    state: StateInfo
+    info: StateInfo
     source: str
     tried: list[str] = field(default_factory=list)  # what each earlier source said
     elapsed: str | None = None
@@ -173,13 +174,13 @@ def job_ids_to_ask(ids: list[str]) -> list[str]:
 def _view_from_rows(rows: list[dict], source: str, tried: list[str]) -> SourceState:
     # a RESIZING row is no run of its own: Slurm's record of a --no-kill job before it lost a node
     jobs = [r for r in rows if "." not in row_job_id(r)
-            and parse_state(norm_get(r, "State", default="")).state is not JobState.RESIZING]
+            and parse_state(norm_get(r, "State", default="")).job_state is not JobState.RESIZING]
     jobs = jobs or [r for r in rows if "." not in row_job_id(r)]
     steps = [r for r in rows if "." in row_job_id(r)]
     cur = jobs[-1] if jobs else rows[-1]
     restarts = norm_get(cur, "Restarts", "RestartCnt", "restart_count")
     st = SourceState(
-        state=parse_state(norm_get(cur, "State", "StateCompact", "st", default="")),
+        info=parse_state(norm_get(cur, "State", "StateCompact", "st", default="")),
         source=source, tried=list(tried),
         elapsed=normalize_duration(norm_get(cur, "Elapsed", "TimeUsed", "Time")),
         time_limit=normalize_duration(norm_get(cur, "Timelimit", "TimeLimit")),

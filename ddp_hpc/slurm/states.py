@@ -97,18 +97,18 @@ _BY = re.compile(r"^(?P<name>[A-Z_]+)\s+by\s+(?P<who>\S+)$", re.IGNORECASE)
 
 @dataclass(frozen=True)
 class StateInfo:
-    """A parsed state: the enum, the text Slurm printed, and any detail ("by 1000")."""
+    """A parsed state: the enum (``job_state``), the text Slurm printed, and any detail ("by 1000")."""
 
-    state: JobState
+    job_state: JobState
     raw: str
     detail: str = ""
 
     @property
     def label(self) -> str:
         """What a user sees: the enum name, or the raw text when the state is unknown."""
-        if self.state is JobState.UNKNOWN:
+        if self.job_state is JobState.UNKNOWN:
             return f"UNKNOWN({self.raw})" if self.raw else "UNKNOWN"
-        return f"{self.state.value} {self.detail}".rstrip()
+        return f"{self.job_state.value} {self.detail}".rstrip()
 
 
 def parse_state(raw: object) -> StateInfo:

@@ -69,7 +69,7 @@ class Resolved:
         inside = alloc_restarts(s.record, s.target.log_dir, logs)
         notes = list(self.notes)   # the judgement's notes are the detail view's
         failure, endings = diagnose(logs, sched, notes, base, inside, s.now)
-        codes = {} if sched.state.state is JobState.COMPLETED else logs.srun_exit_codes()
+        codes = {} if sched.info.job_state is JobState.COMPLETED else logs.srun_exit_codes()
         if not codes and sched.source == src.RECORD:
             codes = {int(r): c for r, c in (s.final or {}).get("rank_exit_codes", {}).items()}
         cur = logs.current_run()
@@ -86,18 +86,18 @@ class Resolved:
             rank_classification={str(r): e.to_dict() for r, e in endings.items()},
             timing=with_compute(timing.stragglers(*per_hosts), compute_stragglers(*per_hosts)),
             flight=flight, staging=stage_rows(logs), alloc_restarts=inside, tensorboard=logs.tensorboard,
-            goodput=_goodput(logs, inside, s.now if sched.state.state.active else None), gpus=gpu.gpus(*per_hosts),
+            goodput=_goodput(logs, inside, s.now if sched.info.job_state.active else None), gpus=gpu.gpus(*per_hosts),
             picture=picture.build(logs, inside, lanes), restored=current_restore(logs, cur)), notes)
 
     def _status(self, detail: dict, notes: list[str]) -> JobStatus:
         s, logs, sched = self.sources, self.logs, self.state
         rec, cur = s.record, logs.current_run()
         progress = logs.progress(s.now)
-        if progress is not None and not sched.state.state.active:
-            progress.eta_s = 0.0 if sched.state.state is JobState.COMPLETED else None
+        if progress is not None and not sched.info.job_state.active:
+            progress.eta_s = 0.0 if sched.info.job_state is JobState.COMPLETED else None
         ev = logs.last_eval()
         st = JobStatus(
-            id=s.target.id, state=sched.state.label, state_name=sched.state.state.name, source=sched.source,
+            id=s.target.id, state=sched.info.label, state_name=sched.info.job_state.name, source=sched.source,
             tried=sched.tried, **_from_record(rec), **self._shape(cur), device=logs.device(),
             elapsed=self._elapsed(cur),
             time_limit=sched.time_limit or normalize_duration(rec.time_limit if rec is not None else None),
@@ -106,7 +106,7 @@ class Resolved:
             notes=notes + _read_notes(s.target, logs, sched), overrides=_overrides(s.target),
             eval_metrics=ev.get("metrics") if ev else None, eval_step=ev.get("step") if ev else None,
             **detail)
-        if sched.state.state is JobState.RUNNING:
+        if sched.info.job_state is JobState.RUNNING:
             per_rank, _ = self._per_rank_hosts()
             st.gpu_percent = gpu.gpu_percent(per_rank)   # the GPUs' use now: running jobs only
             if (stall := timing.stall(per_rank, s.now)) is not None:
@@ -120,7 +120,7 @@ class Resolved:
         or when the current run was started by an in-allocation restart and the scheduler counts
         less than the allocation's runs took (its clock restarts on a ``--no-kill`` job's
         resize), from the start of the allocation's first run in the logs."""
-        sched, active, now = self.state, self.state.state.state.active, self.sources.now
+        sched, active, now = self.state, self.state.info.job_state.active, self.sources.now
         if cur is None or cur.started is None:
             return sched.elapsed
         first = self._allocation_start(cur)
@@ -168,7 +168,7 @@ class Resolved:
         used = kept.start_nodes(self.logs, cur)
         if not low or not nodes:
             return {"nodes": used or nodes or sched.nodes, "gpus_per_node": per}
-        got = sched.state.state is not JobState.PENDING and sched.node_list not in (None, "", "None assigned")
+        got = sched.info.job_state is not JobState.PENDING and sched.node_list not in (None, "", "None assigned")
         return {"nodes": used if used is not None or not got else sched.nodes, "node_range": f"{low}-{nodes}",
                 "gpus_per_node": per}
 
@@ -211,7 +211,7 @@ def _read_notes(t: StatusTarget, logs: RunLogs | KeptLogs, sched: SourceState) -
         notes.append(f"{plural(bad, 'unreadable line')} in the event streams skipped")
     if t.log_dir and not logs.listed:
         notes.append(f"log directory {t.log_dir} " + (
-            "does not exist (yet)" if not sched.state.state.terminal else "is gone; final state from the record"
+            "does not exist (yet)" if not sched.info.job_state.terminal else "is gone; final state from the record"
             if sched.source == src.RECORD else "is gone"))
     return notes
 

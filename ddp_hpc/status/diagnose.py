@@ -30,7 +30,7 @@ def sched_state_at(hist: list, restart: int, base: int, inside=()) -> str | None
     """The scheduler's state name of the run with this restart number (None: not this job's, or
     not in its history)."""
     i = sched_index(restart, base, list(inside))
-    return parse_state(hist[i]).state.name if 0 <= i < len(hist) else None
+    return parse_state(hist[i]).job_state.name if 0 <= i < len(hist) else None
 
 
 def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0, inside=(),
@@ -39,7 +39,7 @@ def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0,
     job the scheduler requeued (or, resuming a stopped run, started) before its new run wrote
     events is judged by its last run. ``now``: of a job not known to have failed, the ranks
     that wrote an event within the stall floor (`timing.STALL_MIN_S`) of it still run."""
-    state = sched.state.state
+    state = sched.info.job_state
     cur = logs.current_restart()
     stop = supervisor_stop(list(inside), cur)   # the supervisor ended this run's step: no rank did
     inside = [r for r in inside if r.get("restart") is not None]
@@ -57,7 +57,7 @@ def diagnose(logs: RunLogs, sched: SourceState, notes: list[str], base: int = 0,
     if failure is None and (state in STOPPED or stop is not None) and not over:  # a stall the stop ended
         failure = stall_before_stop(logs)
     if failure is not None and state.active and not over:
-        notes.append(f"the scheduler says {sched.state.label} but rank {failure.rank} failed "
+        notes.append(f"the scheduler says {sched.info.label} but rank {failure.rank} failed "
                      f"({failure.basis}); the job should end soon (kill-on-bad-exit)")
     return failure, endings
 

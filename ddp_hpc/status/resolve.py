@@ -44,10 +44,10 @@ def told_without_logs(s: JobSources) -> SourceState | None:
 def kept_facts(s: JobSources) -> KeptLogs | None:
     """Source 4: the table's facts of an ended job's logs as its record keeps them, while they
     hold; None: read the logs (a job that runs, no or stale facts)."""
-    if s.sched is not None and s.sched.state.state.active:
+    if s.sched is not None and s.sched.info.job_state.active:
         return None
     final = s.final
-    if not final or "logs" not in final or not parse_state(final.get("state")).state.terminal:
+    if not final or "logs" not in final or not parse_state(final.get("state")).job_state.terminal:
         return None
     return kept.kept_logs(final["logs"], s.target.log_dir)
 
@@ -56,7 +56,7 @@ def _read_logs(s: JobSources, told: SourceState | None, table: bool) -> RunLogs:
     """The logs as the view needs them: the table reads the other ranks' endings only (a running
     Slurm job's recent steps too, for its stall), and rank 0's file alone of a job that completed
     with its elapsed time told (the others' endings tell nothing the row shows)."""
-    known = told.state.state if told is not None else None
+    known = told.info.job_state if told is not None else None
     running = table and s.described.scheduled and known is JobState.RUNNING
     clean = known is JobState.COMPLETED and bool(told.elapsed)
     return RunLogs(s.target.log_dir, ends_only=table and not running, window=running, rank0_only=table and clean)
@@ -71,7 +71,7 @@ def resolve(s: JobSources, table: bool = False, logs: RunLogs | KeptLogs | None 
     decision = decide.decide(s.described, s.final, logs, only=s.only, task_id=s.task_id,
                              submitted_at=rec.submitted_at if rec is not None else None, now=s.now)
     state = decision.state
-    if state.state.state is JobState.RUNNING:  # its stall is judged from every rank's recent steps
+    if state.info.job_state is JobState.RUNNING:  # its stall is judged from every rank's recent steps
         logs.widen()
     return Resolved(s, state, logs, list(s.described.notes), decision.keep)
 

@@ -150,5 +150,5 @@ def _dir_stamp(log_dir: str | None) -> list | None:
 def _answer(sched: SourceState | None) -> list | None:
     if sched is None:
         return None
-    return [sched.state.label, sched.source, sched.elapsed, sched.time_limit, sched.nodes, sched.node_list,
+    return [sched.info.label, sched.source, sched.elapsed, sched.time_limit, sched.nodes, sched.node_list,
             sched.reason, sched.exit_code, sched.restarts, sched.steps, sched.history]

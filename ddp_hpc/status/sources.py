@@ -21,9 +21,9 @@ def final_to_keep(sched: SourceState, logs, now: float, old: dict | None) -> dic
         return None
     # srun's per-task codes are not shown for a completed job (a requeue's appended batch output
     # keeps an earlier run's): neither read nor kept
-    codes = None if sched.state.state is JobState.COMPLETED else logs.srun_exit_codes()
+    codes = None if sched.info.job_state is JobState.COMPLETED else logs.srun_exit_codes()
     summary = logs.summary if isinstance(logs, KeptLogs) else kept.summarize(logs, codes)
-    final = {"state": sched.state.label, "state_name": sched.state.state.name, "source": sched.source,
+    final = {"state": sched.info.label, "state_name": sched.info.job_state.name, "source": sched.source,
              "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
              "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
              "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in (codes or {}).items()}}
@@ -34,4 +34,4 @@ def final_to_keep(sched: SourceState, logs, now: float, old: dict | None) -> dic
 
 def scheduler_ended(sched: SourceState | None) -> bool:
     """A Slurm source (squeue, sacct) reports that the job ended."""
-    return sched is not None and sched.source in (SQUEUE, SACCT, SACCT_C) and sched.state.state.terminal
+    return sched is not None and sched.source in (SQUEUE, SACCT, SACCT_C) and sched.info.job_state.terminal

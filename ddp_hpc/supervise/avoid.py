@@ -66,7 +66,7 @@ def _history(job_id: str, cli) -> list[str]:
     except Exception:  # noqa: BLE001 - no accounting: the run logs alone decide
         return []
     st = found.get(job_id)
-    return [parse_state(h.get("state")).state.name for h in (st.history if st else [])]
+    return [parse_state(h.get("state")).job_state.name for h in (st.history if st else [])]
 
 
 def failed_nodes(log_dir: str | Path | None, job_id: str | None = None, before: int | None = None,

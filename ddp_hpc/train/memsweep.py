@@ -71,7 +71,7 @@ def live_slurm_keys(user: str, cli=None) -> set[str] | None:
         return None
     keys = set()
     for row in rows:
-        if parse_state(row.get("State")).state.terminal:
+        if parse_state(row.get("State")).job_state.terminal:
             continue            # ended within MinJobAge: its folder may go
         for field in ("JobArrayID", "JobID"):
             if row.get(field):
