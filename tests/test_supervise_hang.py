@@ -19,7 +19,7 @@ import pytest
 
 from ddp_hpc.judge.nodefiles import log_events
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import PHASES, phases, read_restarts, time_lost
+from ddp_hpc.judge.restarts import PHASES, phases, read_restarts, read_stops, time_lost
 from ddp_hpc.slurm.cli import SlurmCLI
 from ddp_hpc.status.restarts import alloc_restarts, restart_lines
 from ddp_hpc.supervise import watch
@@ -104,11 +104,12 @@ def signals():
         signal.signal(s, h)
 
 
-def _supervise(tmp_path: Path, script: str, job: str, hang_s: float, *args: str, **env: str) -> tuple[int, Path]:
+def _supervise(tmp_path: Path, script: str, job: str, hang_s: float, *args: str, max_restarts: int = 1,
+               **env: str) -> tuple[int, Path]:
     """Supervise ``script`` as one node of 2 torchrun-style ranks under ``ddp_hpc.exec`` (srun's
-    stand-in on PATH, job ``job``, a hang floor of ``hang_s``, a stall timeout of 600 s, one
-    restart at most); ``args`` go to the script, ``env`` to its environment. Returns the
-    supervisor's exit status and the run's log directory."""
+    stand-in on PATH, job ``job``, a hang floor of ``hang_s``, a stall timeout of 600 s,
+    ``max_restarts`` restarts at most); ``args`` go to the script, ``env`` to its environment.
+    Returns the supervisor's exit status and the run's log directory."""
     bindir, log_dir = tmp_path / "bin", tmp_path / "run"
     bindir.mkdir()
     log_dir.mkdir()
@@ -118,7 +119,7 @@ def _supervise(tmp_path: Path, script: str, job: str, hang_s: float, *args: str,
     environ = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "n1",
                "DDP_HPC_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO), "DDP_HPC_LOG_DIR": str(log_dir),
                **env}
-    s = Settings(policy=Policy(nodes=1, tasks_per_node=2, max_restarts=1), log_dir=str(log_dir),
+    s = Settings(policy=Policy(nodes=1, tasks_per_node=2, max_restarts=max_restarts), log_dir=str(log_dir),
                  command=(sys.executable, "-m", "ddp_hpc.exec", "--", sys.executable, str(tmp_path / "train.py"),
                           *args),
                  stall_timeout_s=600.0, hang_timeout_s=hang_s)
@@ -319,10 +320,14 @@ BUSY_RANK0 = textwrap.dedent("""
                 end = time.time() + float(sys.argv[2])
                 state = {"w": torch.randn(2_000_000)}
                 while time.time() < end:
-                    if sys.argv[1] == "save":
+                    if sys.argv[1] == "save":    # 8 MB written every 0.2 s: far over the rule's 64 kB
                         torch.save(state, os.path.join(os.environ["DDP_HPC_LOG_DIR"], "ckpt.pt"))
-                    else:
-                        torch.randn(300, 300) @ torch.randn(300, 300)
+                        time.sleep(0.2)
+                    else:                        # 30 ms of CPU in every ~100 ms: far over the rule's 5 %
+                        cpu = time.process_time() + 0.03
+                        while time.process_time() < cpu:
+                            torch.randn(100, 100) @ torch.randn(100, 100)
+                        time.sleep(0.07)
             dist.barrier()               # the others wait here
     dist.destroy_process_group()
 """)
@@ -337,7 +342,8 @@ def test_a_scripts_long_rank0_save_or_eval_behind_a_barrier_is_no_hang(tmp_path,
     comes half-way through): the stacks show rank 0 outside a collective, but working (its CPU or
     IO grows), so the supervisor watches on and the run completes with no restart. (A still rank
     outside a collective is still named: the test above; a frozen one too:
-    tests/cluster/test_hang_cluster.py.) One torch thread: the evaluation busies one core, not all."""
+    tests/cluster/test_hang_cluster.py.) One torch thread, and the work paced (a save every 0.2 s, 30 ms
+    of CPU in every ~100 ms): over the busy rule's 64 kB / 5 % many times, at a fraction of a core."""
     rc, log_dir = _supervise(tmp_path, BUSY_RANK0, "42", 3.0, work, "10", OMP_NUM_THREADS="1")
     assert rc == 0
     assert read_restarts(log_dir) == []
@@ -363,7 +369,10 @@ SPIN = textwrap.dedent("""
     for step in range(1, 31):
         if restart == 0 and rank == 1 and step == 20:
             while True:                  # an endless loop outside any collective: busy, not frozen
-                pass
+                cpu = time.process_time() + 0.03     # 30 ms of CPU in every ~100 ms (the busy rule
+                while time.process_time() < cpu:     # asks 5 %), not a whole core for the 10 s
+                    pass
+                time.sleep(0.07)
         loss = ddp(torch.randn(8, 4)).sum()
         opt.zero_grad()
         loss.backward()
@@ -378,9 +387,13 @@ def test_a_rank_spinning_outside_a_collective_is_left_to_the_collective_timeout_
     """The busy rule's other side: a rank in an endless loop outside a collective works, so the
     hang limit stands back; the others' collective timeout (10 s here: after the hang limit of about
     3 s and the stack request, with room for the ranks' start on a loaded machine, which the
-    timeout also bounds) ends the step, and the restart blames the spinning rank."""
-    rc, log_dir = _supervise(tmp_path, SPIN, "43", 3.0, SPIN_TIMEOUT="10")
-    assert rc == 0
-    [row] = read_restarts(log_dir)
+    timeout also bounds) ends the step, and the supervisor blames the spinning rank. No restart
+    (--max-restarts 0): its stop line carries the same finding a restart's line would (the restart
+    itself, 2 more ranks to start, is the hang test's above)."""
+    rc, log_dir = _supervise(tmp_path, SPIN, "43", 3.0, max_restarts=0, SPIN_TIMEOUT="10")
+    assert rc not in (0, 75)                    # the job fails with the step's status
+    assert read_restarts(log_dir) == []
+    [row] = read_stops(log_dir)
     print(json.dumps(row, indent=1))
     assert row["rank"] == 1, row
+    assert row["not_restarted"] == "no restart left (--max-restarts 0)", row
