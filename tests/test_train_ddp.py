@@ -56,16 +56,45 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_four_ranks_equal_one_process_with_four_times_the_batch(tmp_path, accum):
-    # 4 ranks x batch 8 x accum a  vs  1 process x batch 32a: each step sees the same samples
-    size, b = 32 * accum * 3, 8      # 3 optimizer steps, dataset divisible (no padding)
+def _fits_worker(rank: int, world: int, runs: list[tuple]) -> list[dict]:
+    """`_fit_worker` for each of ``runs`` in turn, in one process group set up once (fit uses a
+    group it finds as is): one start of the ranks for several runs."""
+    from ddp_hpc.dist import cleanup_ddp, setup_ddp
+    setup_ddp()
+    try:
+        return [_fit_worker(rank, world, *run) for run in runs]
+    finally:
+        cleanup_ddp()
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory) -> dict:
+    """accum -> (the 4 ranks' results, the one process's): 4 ranks x batch 8 x accum a against
+    1 process x batch 32a, each step the same samples; both accumulations in one launch of 4
+    ranks and one of 1 (each run in its own directories)."""
+    tmp, b = tmp_path_factory.mktemp("equiv"), 8
     common = ["optim.momentum=0.9", "optim.lr=0.2", "train.epochs=1", "train.seed=0"]
-    four = _launch(4, str(tmp_path / "four"), size,
-                   _cfg(str(tmp_path / "four"), *common, f"train.batch_size={b}",
-                        f"train.grad_accum={accum}"), {})
-    one = _launch(1, str(tmp_path / "one"), size,
-                  _cfg(str(tmp_path / "one"), *common, f"train.batch_size={4 * b * accum}"), {})
+    four, one = [], []
+    for accum in (1, 2):
+        size = 32 * accum * 3        # 3 optimizer steps, dataset divisible (no padding)
+        four.append((str(tmp / f"four{accum}"), size, _cfg(str(tmp / f"four{accum}"), *common,
+                     f"train.batch_size={b}", f"train.grad_accum={accum}"), {}))
+        one.append((str(tmp / f"one{accum}"), size, _cfg(str(tmp / f"one{accum}"), *common,
+                    f"train.batch_size={4 * b * accum}"), {}))
+    outs = {}
+    for world, runs in ((4, four), (1, one)):
+        per_rank = launch_distributed(_fits_worker, world, args=(runs,), start_method=FAST, timeout=120)
+        for i, accum in enumerate((1, 2)):
+            res = [r[i] for r in per_rank]
+            for r in res:
+                r["state"] = torch.load(io.BytesIO(r["state"]), weights_only=True)
+            outs.setdefault(accum, []).append(res)
+    return outs
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_four_ranks_equal_one_process_with_four_times_the_batch(equivalence, accum):
+    four, one = equivalence[accum]
     assert [r["step"] for r in four] == [3] * 4 and one[0]["step"] == 3
     for r in four[1:]:                             # DDP keeps replicas identical
         assert _max_diff(r["state"], four[0]["state"]) == 0.0
