@@ -1,14 +1,12 @@
-"""Resuming on another number of ranks (train/reshape.py): a 2 x 2 run stopped mid-epoch and
-resumed on 1 x 2 and on 1 x 1 keeps the global batch (more accumulation steps), trains exactly the
+"""Resuming on another number of ranks (train/reshape.py): a 2 x 2 run's checkpoint from the middle
+of an epoch resumed on 1 x 2 and on 1 x 1 keeps the global batch (more accumulation steps), trains exactly the
 samples not seen yet, and ends with the uninterrupted run's weights and loss; a world size that
 cannot keep the global batch is refused with the numbers and the choices; checkpoints written
 before the layout fields existed still resume; the ranks' RNG states are carried over."""
 from __future__ import annotations
 
 import io
-import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,7 @@ COMMON = ["train.batch_size=4", "train.grad_accum=1", "train.epochs=2", "train.s
           "train.eval_every_epochs=0", "preempt.check_every_steps=1"]
 
 
-def _worker(rank: int, world: int, run: str, ckpt: str, extra: list[str], signal_at: int | None):
+def _worker(rank: int, world: int, run: str, ckpt: str, extra: list[str]):
     from ddp_hpc.examples.models import MLP
     from ddp_hpc.examples.synthetic import SyntheticClassification
     from ddp_hpc.train import fit
@@ -40,12 +38,10 @@ def _worker(rank: int, world: int, run: str, ckpt: str, extra: list[str], signal
 
     rng = []
 
-    def hook(step: int, epoch: int) -> None:   # a real signal: the ranks agree one step later
+    def hook(step: int, epoch: int) -> None:
         if not rng:                            # the RNG state after the first step (no dropout: as restored)
             rng.append(torch.get_rng_state().numpy().tobytes())
         torch.rand(1)                          # a draw per step, as dropout would: the state moves on
-        if signal_at is not None and rank == world - 1 and step == signal_at:
-            os.kill(os.getpid(), signal.SIGUSR2)
     res = fit(model, data, overrides=[*COMMON, f"log.dir={run}/logs", f"checkpoint.dir={ckpt}",
                                       *extra], on_step=hook)
     buf = io.BytesIO()
@@ -54,8 +50,8 @@ def _worker(rank: int, world: int, run: str, ckpt: str, extra: list[str], signal
             "resumed_from": res.resumed_from, "rng": rng[0] if rng else None}
 
 
-def _launch(world: int, nodes: int, run: Path, ckpt: Path, extra=(), signal_at=None) -> dict:
-    out = launch_distributed(_worker, world, args=(str(run), str(ckpt), list(extra), signal_at),
+def _launch(world: int, nodes: int, run: Path, ckpt: Path, extra=()) -> dict:
+    out = launch_distributed(_worker, world, args=(str(run), str(ckpt), list(extra)),
                              nodes=nodes, start_method=FAST, timeout=120)
     out[0]["state"] = torch.load(io.BytesIO(out[0]["state"]), weights_only=True)
     out[0]["rngs"] = [o["rng"] for o in out]
@@ -72,12 +68,14 @@ def _rank0_log(run: Path) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The uninterrupted 2 x 2 run, and a 2 x 2 run stopped after step 3 (mid epoch 0)."""
+    """The uninterrupted 2 x 2 run, which also checkpoints after step 3 (mid epoch 0): the resumes
+    start from that checkpoint, as from a run stopped there (a stop by the preemption signal and
+    its bitwise resume on the same ranks: tests/test_train_ddp.py), and end where it ended."""
     tmp = tmp_path_factory.mktemp("reshape")
-    full = _launch(4, 2, tmp / "full", tmp / "full_ckpt")
+    full = _launch(4, 2, tmp / "full", tmp / "full_ckpt", ["checkpoint.every_steps=3", "checkpoint.keep_last=5"])
     assert full["status"] == "completed" and full["step"] == STEPS
-    cut = _launch(4, 2, tmp / "cut", tmp / "cut_ckpt", signal_at=2)
-    assert cut["status"] == "preempted" and cut["step"] == 3
+    (tmp / "cut_ckpt").mkdir()
+    shutil.copy2(tmp / "full_ckpt" / "ckpt-000000003.pt", tmp / "cut_ckpt")
     return tmp, full
 
 
@@ -87,11 +85,22 @@ def _copy_cut(tmp: Path, name: str) -> Path:
     return dest
 
 
+_resumed: dict[int, dict] = {}
+
+
+def _resume_on(tmp: Path, world: int) -> dict:
+    """The step-3 checkpoint resumed on ``world`` ranks of one node (run ``on<world>``): one launch,
+    shared by the tests that read it."""
+    if world not in _resumed:
+        _resumed[world] = _launch(world, 1, tmp / f"on{world}", _copy_cut(tmp, f"on{world}"))
+    return _resumed[world]
+
+
 @pytest.mark.parametrize("world, accum", [(2, 2), (1, 4)])
 def test_a_2x2_run_resumed_on_fewer_ranks_keeps_the_global_batch_and_ends_the_same(runs, world, accum):
     tmp, full = runs
     run = tmp / f"on{world}"
-    res = _launch(world, 1, run, _copy_cut(tmp, f"on{world}"))
+    res = _resume_on(tmp, world)
     assert res["status"] == "completed" and res["step"] == STEPS
     assert Path(res["resumed_from"]).name == "ckpt-000000003.pt"
     assert (f"resuming step 3 written by 4 ranks on {world} ranks: per-rank batch 4, "
@@ -124,10 +133,10 @@ def test_the_rng_states_are_carried_over_a_world_size_change(runs):
     saved, exactly as a resume on the same 4 ranks does (before: seed + rank, a fresh stream)."""
     tmp, _ = runs
     same = _launch(4, 2, tmp / "rng4", _copy_cut(tmp, "rng4"))
-    fewer = _launch(2, 1, tmp / "rng2", _copy_cut(tmp, "rng2"))
+    fewer = _resume_on(tmp, 2)                   # the 2-rank resume of the test above
     assert same["resumed_from"] and fewer["resumed_from"]
     assert fewer["rngs"] == same["rngs"][:2] and fewer["rngs"][0] != fewer["rngs"][1]
-    assert "the RNG states of 4 ranks carried onto 2: rank 0 goes on from the old rank's" in _rank0_log(tmp / "rng2")
+    assert "the RNG states of 4 ranks carried onto 2: rank 0 goes on from the old rank's" in _rank0_log(tmp / "on2")
 
 
 def test_a_rank_the_old_run_did_not_have_is_seeded_from_the_old_states_deterministically(runs):
