@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from ddp_hpc.judge.nodefiles import log_events
@@ -123,8 +124,10 @@ def test_run_usage_says_config_is_required_and_overrides_optional():
 def test_a_missing_eval_folder_names_the_key_that_pointed_at_it(tmp_path):
     """jobs/images.yaml with train images but no eval folder: exit 2 before any rank starts,
     naming data.eval_kwargs (not data.kwargs) and the folder, with a HINT."""
-    subprocess.run([sys.executable, "-m", "ddp_hpc.data", "make-images", "data/images/train", "--count", "20"],
-                   cwd=tmp_path, env=_env(), check=True, capture_output=True)
+    from ddp_hpc.examples.images import make_images
+
+    # what `ddp-hpc data make-images data/images/train --count 20` writes, without a process of its own
+    make_images(tmp_path / "data" / "images" / "train", count=20, progress=False)
     p = subprocess.run([sys.executable, "-m", "ddp_hpc.run", str(REPO / "jobs" / "images.yaml"),
                         f"log.dir={tmp_path}/logs"], cwd=tmp_path, env=_env(), capture_output=True,
                        text=True, timeout=120)
@@ -135,26 +138,35 @@ def test_a_missing_eval_folder_names_the_key_that_pointed_at_it(tmp_path):
     assert "Traceback" not in p.stderr
 
 
-def test_rerunning_a_completed_run_says_it_is_complete_and_trains_nothing(tmp_path):
-    argv = [sys.executable, "-m", "ddp_hpc.run", DEMO, f"log.dir={tmp_path}/logs",
-            "data.kwargs.size=512", "train.epochs=1", "train.max_steps=3"]
-    first = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=120)
+@pytest.fixture(scope="module")
+def completed(tmp_path_factory):
+    """One completed 2-step run of `ddp_hpc.run`'s main() in a process of its own, which then gets a
+    preemption notice; its argv (`python -m ddp_hpc.run ...`, the same run) and that process. The two
+    tests below only read it (the rerun starts a process of its own)."""
+    tmp = tmp_path_factory.mktemp("completed")
+    argv = _argv(tmp, "train.max_steps=2", "train.epochs=1")
+    code = ("import os, signal, sys\nfrom ddp_hpc.run import main\n"
+            f"rc = main({argv[3:]!r})\n"
+            "os.kill(os.getpid(), signal.SIGUSR2)\nprint('alive after the notice, exit', rc)\n")
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300)
+    return tmp, argv, p
+
+
+def test_rerunning_a_completed_run_says_it_is_complete_and_trains_nothing(completed):
+    tmp_path, argv, first = completed
     assert first.returncode == 0, first.stderr[-2000:]
     [events] = list((tmp_path / "logs").rglob("node0.events.jsonl"))
     before = events.read_text()
     again = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "already complete (step 3; logs in " in again.stderr, again.stderr
+    assert "already complete (step 2; logs in " in again.stderr, again.stderr
     assert str(events.parent) in again.stderr and "log.dir=" in again.stderr
     assert "resumed from" not in again.stderr and events.read_text() == before   # nothing trained
 
 
-def test_a_preemption_notice_after_the_run_completed_does_not_kill_the_rank(tmp_path):
+def test_a_preemption_notice_after_the_run_completed_does_not_kill_the_rank(completed):
     """The loop gives its USR2 handler back when it ends; a notice after that (the rank's teardown:
     seen on the test cluster as `scancel --signal=USR2` reached a loaded run that had just
     finished) killed the rank by the signal's default action, and srun called the job failed."""
-    code = ("import os, signal, sys\nfrom ddp_hpc.run import main\n"
-            f"rc = main({_argv(tmp_path, 'train.max_steps=2', 'train.epochs=1')[3:]!r})\n"
-            "os.kill(os.getpid(), signal.SIGUSR2)\nprint('alive after the notice, exit', rc)\n")
-    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300)
+    p = completed[2]
     assert p.returncode == 0 and "alive after the notice, exit 0" in p.stdout, (p.returncode, p.stderr[-2000:])
