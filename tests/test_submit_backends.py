@@ -173,3 +173,21 @@ def test_a_job_queued_before_the_backends_moved_still_finds_its_task_function(ol
     p = subprocess.run([PY, "-c", code], input=data, capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr.decode()
     assert p.stdout.decode().strip() == new
+
+
+def test_a_backend_whose_describe_fails_leaves_its_jobs_to_their_logs_and_the_others_show(echo, tmp_path,
+                                                                                         monkeypatch):
+    """A planted backend's scheduler client that raises must not take `ddp-hpc status` down for
+    every job: its own jobs are read from their records and logs, with a note naming the error."""
+    assert submit_cli.main(["--backend", "echo", "-N", "1", "-G", "1", "--log-dir", str(tmp_path / "runs"),
+                            "hello.py", "x"]) == 0
+    (rec,) = records.list_records()
+
+    def broken(self, jobs, history=False, only=None):
+        raise ConnectionError("the queue's server does not answer")
+    monkeypatch.setattr(echo, "describe", broken)
+    local = StatusTarget("local-x-1", None, str(tmp_path / "nowhere"))
+    st, other = collect([StatusTarget(rec.id, rec, rec.log_dir), local])
+    assert st.tried[0] == ("echo: could not describe its jobs (ConnectionError: the queue's server does not "
+                           "answer); state from the record and the logs")
+    assert st.source == "logs" and other.id == "local-x-1"

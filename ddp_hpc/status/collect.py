@@ -63,7 +63,9 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
 def describe(targets: list[StatusTarget], cli=None, cli_note: str | None = None, history: bool = False,
              only: str | None = None) -> dict[str, Described]:
     """What each target's backend tells of it (`Backend.describe`): the targets grouped by the
-    backends that describe them together (``describes_with``), one call per group."""
+    backends that describe them together (``describes_with``), one call per group. A backend
+    whose describe raises (a plugin's scheduler client that fails) leaves its jobs to their
+    records and logs, with a note that says why, and the others' jobs show as ever."""
     offline = None if cli is not None else (cli_note or "")
     made: dict[str, Backend] = {}
     groups: dict[str, tuple[Backend, list[StatusTarget]]] = {}
@@ -75,7 +77,12 @@ def describe(targets: list[StatusTarget], cli=None, cli_note: str | None = None,
         groups.setdefault(backend.describes_with, (backend, []))[1].append(t)
     out: dict[str, Described] = {}
     for backend, group in groups.values():
-        out.update(backend.describe(group, history=history, only=only))
+        try:
+            out.update(backend.describe(group, history=history, only=only))
+        except Exception as exc:   # a backend's own scheduler client failing: the other jobs still show
+            why = (f"{backend.name}: could not describe its jobs ({type(exc).__name__}: {exc}); "
+                   "state from the record and the logs")
+            out.update({t.id: Described(True, tried=(why,)) for t in group})
     return out
 
 
