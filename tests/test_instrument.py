@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -159,7 +161,7 @@ if sys.argv[1] == "atexit":   # an abort while the script's own exit code still 
 """
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)   # 16 runs: ~60 s on an idle 2-core machine, 120 s and more beside other work
 def test_a_native_abort_after_the_script_ended_is_no_failure_many_runs(tmp_path):
     """The script's own exit code wins over an abort in native teardown; an abort while its own
     Python code still runs (an atexit handler) stays a crash."""
@@ -176,6 +178,63 @@ def test_a_native_abort_after_the_script_ended_is_no_failure_many_runs(tmp_path)
                                               "killed by signal 6 (SIGABRT)"]
     assert "in the interpreter's native teardown" in (log_dir / "rank0.log").read_text()
     assert "Fatal Python error: Aborted" in errors[-1]["traceback"]
+
+
+SLOW_TEARDOWN = """
+import sys, time
+class SlowTeardown:
+    def __del__(self, marker=sys.argv[1], sleep=time.sleep, create=open):
+        create(marker, "w").close()  # after the exit record: atexit ran, module teardown has begun
+        sleep(60)                    # stands for a teardown that outlasts a peer's reaction
+keep = SlowTeardown()
+raise RuntimeError("boom before the stop")
+"""
+
+
+def test_a_rank_that_raised_before_the_launcher_stopped_it_is_the_cause_not_one_more_stopped(tmp_path):
+    """On a loaded machine a rank's teardown after its uncaught exception outlasted its peer's
+    reaction: the peer saw the connection close, failed and exited first, the launcher stopped
+    the others with SIGTERM, and the rank that raised read as "killed" with no error, so status
+    and submit --wait named the peer. A SIGTERM that came after the script's exit record only
+    cut its teardown short: the rank failed with its own exception."""
+    script, marker, log_dir = tmp_path / "s.py", tmp_path / "tearing-down", tmp_path / "logs"
+    script.write_text(textwrap.dedent(SLOW_TEARDOWN))
+    log_dir.mkdir()
+    with open(log_dir / "rank0.out", "ab") as out:   # where the launcher sends a rank's output
+        p = subprocess.Popen([*EXEC, "--log-dir", str(log_dir), "--", sys.executable, str(script), str(marker)],
+                             env=clean_env(RANK="0", WORLD_SIZE="1"), stdout=out, stderr=out)
+    try:
+        for _ in range(1200):
+            if marker.exists() or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert marker.exists(), (log_dir / "rank0.out").read_text()
+        p.send_signal(signal.SIGTERM)       # the launcher stopping "the other ranks"
+        p.wait(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 1, (log_dir / "rank0.out").read_text()
+    end = events(log_dir, 0, "end")[-1]
+    assert (end["status"], end["exit_code"], end["teardown"]) == ("failed", 1, "SIGTERM"), end
+    (error,) = events(log_dir, 0, "error")
+    assert (error["exc_type"], error["message"]) == ("RuntimeError", "boom before the stop"), error
+    # a stop that comes while the script still runs stays a stop: no error, "killed"
+    marker.unlink()
+    script.write_text("import time\ntime.sleep(60)\n")
+    with open(log_dir / "rank0.out", "ab") as out:
+        p = subprocess.Popen([*EXEC, "--log-dir", str(log_dir), "--", sys.executable, str(script)],
+                             env=clean_env(RANK="0", WORLD_SIZE="1"), stdout=out, stderr=out)
+    try:
+        for _ in range(1200):
+            if len(events(log_dir, 0, "start")) == 2:
+                break
+            time.sleep(0.1)
+        time.sleep(1.0)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=120)
+    finally:
+        p.kill()
+    assert events(log_dir, 0, "end")[-1]["status"] == "killed" and len(events(log_dir, 0, "error")) == 1
 
 
 # --------------------------------------------------------------------------- real torch

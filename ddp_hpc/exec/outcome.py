@@ -16,7 +16,13 @@ The rules (docs/scripts.md, "Events"):
 - a death by SIGABRT / SIGSEGV / SIGBUS *after* the instrumented script's Python part ended
   (its exit record, ``ddp_hpc.instrument.ending``) is a crash in the interpreter's native
   teardown: the rank ends as its script did (``completed`` for 0, with ``teardown`` naming the
-  signal), and the wrapper exits with the script's own code.
+  signal), and the wrapper exits with the script's own code;
+- so is a death by a signal the wrapper passed on when the exit record was written *before* that
+  signal came: the script had already ended (an uncaught exception: ``failed``, with its
+  traceback), and the stop only cut its native teardown short. On a loaded machine a rank's
+  teardown after its exception outlasted its peer's reaction: the peer saw the connection close,
+  failed and exited first, the launcher stopped the others, and the rank that raised read as
+  stopped.
 """
 from __future__ import annotations
 
@@ -49,13 +55,19 @@ class Outcome:
 TEARDOWN_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
 
 
-def classify(returncode: int, forwarded: Sequence[int], ending: dict | None = None) -> Outcome:
+def classify(returncode: int, forwarded: Sequence[int], ending: dict | None = None,
+             stopped_at: float | None = None) -> Outcome:
     """`Popen.returncode` (negative: killed by that signal) and the signals the wrapper passed on,
     in order, to the ``end`` status and the wrapper's exit status; ``ending``: the instrumented
-    script's exit record, when it wrote one."""
+    script's exit record, when it wrote one; ``stopped_at``: when the first signal to pass on came."""
     signum = -returncode if returncode < 0 else None
     if signum in TEARDOWN_SIGNALS and ending is not None and signum not in forwarded:
         return dataclasses.replace(classify(int(ending["code"]), forwarded), teardown=signal_name(signum))
+    if signum in forwarded and ending is not None and _ended_before(ending, stopped_at):
+        # the script's Python part had ended on its own (an uncaught exception, its exit code)
+        # before the stop came, which only cut its teardown short: a rank that raised while its
+        # peers were being stopped is the cause, not one more of the stopped
+        return dataclasses.replace(classify(int(ending["code"]), ()), teardown=signal_name(signum))
     code = None if signum else returncode
     name = signal_name(signum) if signum else None
     status_code = exit_status_of_signal(signum) if signum else returncode
@@ -71,6 +83,12 @@ def classify(returncode: int, forwarded: Sequence[int], ending: dict | None = No
     else:
         return Outcome("failed", code, name, status_code, True)
     return Outcome(status, code, name, status_code, False)
+
+
+def _ended_before(ending: dict, stopped_at: float | None) -> bool:
+    """The exit record was written before the first signal the wrapper passed on came."""
+    at = ending.get("at")
+    return isinstance(at, (int, float)) and stopped_at is not None and at < stopped_at
 
 
 def _tail(path: Path, start: int) -> bytes:

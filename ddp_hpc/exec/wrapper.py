@@ -173,7 +173,7 @@ def _supervise(cmd: list[str], env: DistEnv, child_env: dict[str, str], log: Saf
                  f"node {env.node_rank} of {env.num_nodes})")
         events = log.dir / node_events_file(log.node) if log.dir else None
         events_start = file_size(events)
-        outcome = classify(proc.wait(), fwd.forwarded, inst.ending())
+        outcome = classify(proc.wait(), fwd.forwarded, inst.ending(), fwd.first_at)
         log.flush(wait=True)     # the child's last events, held by the node's writer, into the file
         try:
             why = (read_error_file(errfile, started), inst.fault_stack())
@@ -254,9 +254,12 @@ class _Forwarder:
     def __init__(self) -> None:
         self.child: subprocess.Popen | None = None
         self.forwarded: list[int] = []
+        self.first_at: float | None = None   # when the first signal came (time.time())
         self._held: list[int] = []
 
     def handle(self, signum: int, frame) -> None:  # noqa: ARG002 - signal API
+        if self.first_at is None:
+            self.first_at = time.time()
         self.forwarded.append(signum)
         if self.child is None:
             self._held.append(signum)

@@ -1,5 +1,7 @@
 """How the script's Python part ended, told to ``ddp_hpc.exec`` before the interpreter's native
-teardown: one JSON line on a pipe the wrapper gave (``{"code": 0, "how": "end"}``).
+teardown: one JSON line on a pipe the wrapper gave (``{"code": 0, "how": "end", "at": 1796...}``;
+``at``: when, so the wrapper can tell an ending that came before a stop it passed on from one the
+stop caused).
 
 Why: with torch 2.13 a script that finished its work can still die in native teardown (static
 destructors: "terminate called without an active exception", SIGABRT) after every rank wrote its
@@ -24,6 +26,7 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 __all__ = ["Ending", "watch_ending", "exit_code_of"]
@@ -58,7 +61,7 @@ class Ending:
         if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
             self.code, self.how = 1, f"exception {type(exc).__name__}"
         try:
-            os.write(self.fd, (json.dumps({"code": self.code, "how": self.how}) + "\n").encode())
+            os.write(self.fd, (json.dumps({"code": self.code, "how": self.how, "at": time.time()}) + "\n").encode())
         except OSError:
             pass
 
