@@ -86,9 +86,13 @@ def classify(returncode: int, forwarded: Sequence[int], ending: dict | None = No
 
 
 def _ended_before(ending: dict, stopped_at: float | None) -> bool:
-    """The exit record was written before the first signal the wrapper passed on came."""
+    """The script's uncaught exception (not an exit it chose, nor Ctrl-C's KeyboardInterrupt,
+    which the record never counts) was recorded before the first signal the wrapper passed on
+    came. Only an exception: a stop that reaches the script's process group directly can end it
+    (``sys.exit`` from a signal handler, Ctrl-C) before the wrapper's own handler runs."""
     at = ending.get("at")
-    return isinstance(at, (int, float)) and stopped_at is not None and at < stopped_at
+    return (str(ending.get("how", "")).startswith("exception ") and isinstance(at, (int, float))
+            and stopped_at is not None and at < stopped_at)
 
 
 def _tail(path: Path, start: int) -> bytes:
