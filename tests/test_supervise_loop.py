@@ -153,15 +153,14 @@ def test_a_failed_write_of_restarts_jsonl_is_reported_and_the_restart_goes_on(tm
 
 
 def test_a_long_evaluation_of_the_training_core_is_no_stall(tmp_path, monkeypatch, signals):
-    """ddp_hpc's own loop, one rank, an evaluation of at least 18 s (a slow eval set: 72 samples
-    of 0.25 s) under a stall timeout of 14 s: its progress events (at most one per 5 s) keep the
-    supervisor from stopping a healthy run. (With 7 s, a loaded CI machine's eval start-up alone
-    once outlasted the timeout.)"""
+    """ddp_hpc's own loop, one rank, an evaluation of about 28 s (a slow eval set) under a stall
+    timeout of 14 s: its progress events (at most one per 5 s) keep the supervisor from stopping a
+    healthy run. (With 7 s, a loaded CI machine's eval start-up alone once outlasted the timeout.)"""
     log_dir, env = _job(tmp_path, monkeypatch)
     command = (sys.executable, "-m", "ddp_hpc.run", str(REPO / "jobs" / "demo.yaml"), "data.kwargs.size=256",
                "train.epochs=1", "train.batch_size=32", "train.eval_every_epochs=0", "log.every_n_steps=1",
                "data.eval_dataset=tests.cluster.status_helpers:slow_synthetic", "data.eval_split=0.0",
-               "data.eval_kwargs.size=72", "data.eval_kwargs.delay=0.25", "data.eval_kwargs.in_dim=32",
+               "data.eval_kwargs.size=112", "data.eval_kwargs.delay=0.25", "data.eval_kwargs.in_dim=32",
                "train.eval_batch_size=2", "train.device=cpu", "log.progress=off", "checkpoint.every_steps=0")
     s = Settings(policy=Policy(nodes=1, tasks_per_node=1, max_restarts=1), log_dir=str(log_dir), command=command,
                  stall_timeout_s=14.0)
