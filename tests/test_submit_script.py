@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from loadscale import scaled
 
 from ddp_hpc.backends.spec import SpecError
 from ddp_hpc.submit import cli as submit
@@ -127,20 +128,21 @@ def test_python_api_runs_a_function_locally_and_names_a_failing_rank(tmp_path):
     rank: nothing here is about ranks sharing a node); a raising rank named."""
     (tmp_path / "fns.py").write_text(
         (ROOT / "tests" / "cluster" / "script_helpers.py").read_text())
+    wait = scaled(120)   # 15 s on an idle machine; over 120 s beside the other tests and a third of the CPU taken
     code = ("import json, ddp_hpc\n"
             "from fns import allsum, fail_on\n"
             "from ddp_hpc.launch import RankFailedError\n"
             "if __name__ == '__main__':\n"
             "    job = ddp_hpc.submit_job(allsum, args=(0.5,), nodes=2, gpus=1)\n"
             "    print('CHOSE', job.backend, job.backend_reason)\n"
-            "    print(job.backend, json.dumps(job.result(timeout=120)), job.state())\n"
+            f"    print(job.backend, json.dumps(job.result(timeout={wait:.0f})), job.state())\n"
             "    bad = ddp_hpc.submit_job(fail_on, args=(1,), nodes=1, gpus=2)\n"
             "    try:\n"
-            "        bad.result(timeout=120)\n"
+            f"        bad.result(timeout={wait:.0f})\n"
             "    except RankFailedError as e:\n"
             "        print('ERROR', e.rank, e.exc_type, e.message)\n")
     p = subprocess.run([PY, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=3 * wait)
     assert p.returncode == 0, p.stderr[-3000:]
     first, second = p.stdout.strip().splitlines()[-2:]
     backend, rest = first.split(" ", 1)
