@@ -16,7 +16,14 @@ default all, in this order):
 - ``ddp_hpc``: the same checkpoints, ``--max-restarts 3 --spare-nodes 1 --warm-standby`` (2 x 2 plus 1 spare:
   the first killed rank's node is swapped for the spare, later ones restart on the same nodes);
 - ``torchrun``: the same program and checkpoints under ``torchrun --nnodes 2 --nproc-per-node 2
-  --max-restarts 3 --rdzv-backend c10d`` in one srun step (bench/clusterjobs.py), on 2 nodes.
+  --max-restarts 3 --rdzv-backend c10d`` in one srun step (bench/clusterjobs.py), on 2 nodes;
+- ``requeue``: the Slurm requeue path, what a job gets without in-allocation restarts: the same
+  checkpoints, ``--max-restarts 0`` (no supervisor), so a killed rank ends the step and the job
+  (FAILED, srun's ``--kill-on-bad-exit``); the bench then requeues it at once (``scontrol
+  requeue``, as a batch script's ``srun ... || scontrol requeue $SLURM_JOB_ID`` or Slurm's own
+  requeue after a node failure would; it asks scontrol every 0.25 s, so up to 0.25 s of the
+  fault's cost is the bench's). The job waits in the test cluster's queue (empty but for it),
+  starts again on its nodes and resumes from its newest checkpoint on disk.
 
 A fault: SIGKILL of one rank's process 40 s (``--every``) after the first training step of the
 current run (the job's first step, or the first step after the previous fault), ranks 3, 1, 2 in
@@ -44,6 +51,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +65,7 @@ from ddp_hpc.judge.reader import RunLogs
 from ddp_hpc.judge.restarts import PHASES, phases, read_restarts
 from ddp_hpc.testcluster.spec import DEFAULT_STATE_DIR
 
-RUNS = ("reference", "checkpoints", "ddp_hpc", "torchrun")
+RUNS = ("reference", "checkpoints", "ddp_hpc", "torchrun", "requeue")
 BATCH = 64
 COMMON = ["data.dataset=tests.cluster.status_helpers:slow_synthetic", "log.every_n_steps=1", "train.epochs=1",
           "data.eval_split=0.0", "schedule.warmup_steps=0", "train.collective_timeout_s=60",
@@ -65,6 +73,9 @@ COMMON = ["data.dataset=tests.cluster.status_helpers:slow_synthetic", "log.every
 NO_CHECKPOINTS = ["checkpoint.every_steps=0", "checkpoint.every_epochs=0", "checkpoint.memory_every_steps=-1"]
 CHECKPOINTS = ["checkpoint.every_steps=20"]
 SUPERVISED = ["--max-restarts", "3", "--spare-nodes", "1", "--warm-standby"]
+UNSUPERVISED = ["--max-restarts", "0"]
+#: how often the requeue run asks scontrol whether the killed rank's job has ended, seconds
+REQUEUE_POLL_S = 0.25
 
 
 def _overrides(run: str, args) -> list[str]:
@@ -77,7 +88,8 @@ def _overrides(run: str, args) -> list[str]:
 def _submit(work: Path, run: str, env: dict, args) -> tuple[str, Path]:
     if run == "torchrun":
         return cj.submit_torchrun(work, f"goodput-{run}", _overrides(run, args), env, "2", 3)
-    return cj.submit_ddp_hpc(work, f"goodput-{run}", SUPERVISED, _overrides(run, args), env)
+    flags = UNSUPERVISED if run == "requeue" else SUPERVISED
+    return cj.submit_ddp_hpc(work, f"goodput-{run}", flags, _overrides(run, args), env)
 
 
 def _first_step(log_dir: Path, job: str, env: dict) -> float:
@@ -88,7 +100,7 @@ def _first_step(log_dir: Path, job: str, env: dict) -> float:
     return got
 
 
-def _faults(log_dir: Path, job: str, env: dict, args, t0: float) -> list[dict]:
+def _faults(log_dir: Path, job: str, env: dict, args, t0: float, run: str) -> list[dict]:
     """Kill a rank every ``args.every`` s of training; one dict per fault."""
     out, run_start, last_fault = [], t0, 0.0
     over = cj.JobEnd(job, env)
@@ -97,7 +109,7 @@ def _faults(log_dir: Path, job: str, env: dict, args, t0: float) -> list[dict]:
         if cj.wait("the time of the next fault", lambda: over() or time.time() >= due,  # noqa: B023
                    args.every + 900, 0.1) is not True:
             break   # the job ended first
-        fault = _fault(log_dir, job, env, args, args.ranks[i % len(args.ranks)], last_fault)
+        fault = _fault(log_dir, job, env, args, args.ranks[i % len(args.ranks)], last_fault, run == "requeue")
         out.append(fault)
         if fault["fault_to_step_s"] is None:
             break
@@ -105,12 +117,40 @@ def _faults(log_dir: Path, job: str, env: dict, args, t0: float) -> list[dict]:
     return out
 
 
-def _fault(log_dir: Path, job: str, env: dict, args, rank: int, last_fault: float) -> dict:
-    """SIGKILL rank ``rank``'s process and wait for the run's first step after it."""
+def _requeued(job: str, env: dict, t_fault: float) -> dict:
+    """The requeue path after a fault: wait for the job to end (the killed rank ends its step and
+    the job), ``scontrol requeue`` it at once; what happened, for the fault's row."""
+    fields = cj.wait(f"job {job} to end after the fault",
+                     lambda: (f := cj.job_fields(job, env)).get("JobState") in cj.ENDED and f, 300, REQUEUE_POLL_S)
+    ended = time.time()
+    p = subprocess.run(["scontrol", "requeue", job], env=env, capture_output=True, text=True, timeout=60)
+    if p.returncode:
+        raise SystemExit(f"bench/goodput.py: scontrol requeue {job} failed: {p.stderr.strip()}")
+    return {"job_state": fields.get("JobState"), "ended_after_s": round(ended - t_fault, 2),
+            "requeued_after_s": round(time.time() - t_fault, 2)}
+
+
+def _step_after(log_dir: Path, t_fault: float, job: str, env: dict, requeue: bool) -> float | None:
+    """The run's first step after the fault: in the same job's allocation, or (``requeue``) in
+    its next run, whatever the job's state in between."""
+    if not requeue:
+        return cj.finished(cj.step_or_end(log_dir, 4, t_fault, job, env, 600))
+    try:
+        return cj.wait("the requeued run's first step", lambda: cj.first_step_after(log_dir, 4, t_fault), 900)
+    except TimeoutError:
+        return None
+
+
+def _fault(log_dir: Path, job: str, env: dict, args, rank: int, last_fault: float, requeue: bool = False) -> dict:
+    """SIGKILL rank ``rank``'s process (``requeue``: then requeue the job once it ended) and wait
+    for the run's first step after it."""
     before = max((e["step"] for r in range(4) for e in cj.steps(cj.events(log_dir, r))), default=0)
     t_fault, _ = cj.inject("kill", log_dir, rank, args.state_dir, last_fault)
-    first = cj.finished(cj.step_or_end(log_dir, 4, t_fault, job, env, 600))
+    requeued = _requeued(job, env, t_fault) if requeue else None
+    first = _step_after(log_dir, t_fault, job, env, requeue)
     fault = {"rank": rank, "at": t_fault, "steps_before": before, "fault_to_step_s": None}
+    if requeued is not None:
+        fault["requeue"] = requeued
     if first is None:
         fault["outcome"] = "no step after the fault"
         return fault
@@ -160,7 +200,7 @@ def one_run(work: Path, run: str, env: dict, args) -> dict:
     load_before = round(os.getloadavg()[0], 1)
     job, log_dir = _submit(work, run, env, args)
     t0 = _first_step(log_dir, job, env)
-    faults = _faults(log_dir, job, env, args, t0) if run in ("ddp_hpc", "torchrun") else []
+    faults = _faults(log_dir, job, env, args, t0, run) if run in ("ddp_hpc", "torchrun", "requeue") else []
     final = cj.end(job, env, 1800)
     wall, top = _wall(log_dir, t0)
     healed = [f for f in faults if f["fault_to_step_s"] is not None]
@@ -195,7 +235,9 @@ def _print(rows: list[dict]) -> None:
         print(f"{r['run']:<12} judge: useful {j.get('useful_s', 0):.1f} of {j.get('wall_s', 0):.1f} s; lost: "
               f"{lost or '-'}; restart phases: {ph or '-'}; redone {j.get('steps_redone', 0)} steps")
         for f in r["faults"]:
-            print(f"{'':<12} kill rank {f['rank']}: fault -> step {f['fault_to_step_s']} s, recomputed "
+            rq = f.get("requeue")
+            how = f" (job {rq['job_state']} {rq['ended_after_s']} s after the kill, requeued)" if rq else ""
+            print(f"{'':<12} kill rank {f['rank']}{how}: fault -> step {f['fault_to_step_s']} s, recomputed "
                   f"{f.get('steps_recomputed')}, restored from {f.get('restored_from')}; phases "
                   + " + ".join(f"{k} {v:.1f}" for k, v in (f.get("phases") or {}).items()))
 
