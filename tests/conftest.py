@@ -66,6 +66,7 @@ import fcntl
 import json
 import multiprocessing
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -528,8 +529,31 @@ def slurm_cluster(request):
         _held_lock.pop().close()
 
 
+#: CPU seconds of the xdist workers (``pytest_testnodedown``): (in their own process, in the processes
+#: they started and waited for: ranks, launchers, CLI commands; a detached job's driver is not counted)
+_worker_cpu: list[tuple[float, float]] = []
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The xdist controller: keep what a worker's CPU report says (printed in the summary)."""
+    cpu = getattr(node, "workeroutput", {}).get("ddp_hpc_cpu")
+    if cpu:
+        _worker_cpu.append(tuple(cpu))
+
+
 def pytest_sessionfinish(session):
-    """The xdist controller, once every worker is done: stop the run's cluster, let the lock go."""
+    """The xdist controller, once every worker is done: stop the run's cluster, let the lock go.
+    A worker reports its CPU seconds to the controller (the summary's "CPU" line: where a CPU-bound
+    run's time went, the tests' own process against the processes they start)."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["ddp_hpc_cpu"] = _cpu_seconds()
     d = None if hasattr(session.config, "workerinput") else _run_dir(session.config)
     if d is None or not d.exists():
         return
@@ -722,6 +746,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _worker_cpu:
+        own, kids = (sum(c[i] for c in _worker_cpu) for i in (0, 1))
+        terminalreporter.write_line(
+            f"CPU of the {len(_worker_cpu)} workers: {own:.0f} s in their own processes (the tests, collection), "
+            f"{kids:.0f} s in the processes they started and waited for (ranks, launchers, commands)")
     if _timings:
         terminalreporter.write_line(
             "slurm_cluster: " + ", ".join(f"{k} {v:.1f} s" for k, v in _timings.items()))
