@@ -8,6 +8,7 @@ refuse. The whole hand-over with real standby ranks: tests/test_supervise_warm.p
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -74,6 +75,25 @@ def _accept(server, proc):
             return conn, f, hello
         f.close()
         conn.close()
+
+
+def test_a_supervisor_that_goes_away_mid_hand_shake_leaves_one_line_and_no_traceback(start_standby):
+    """At a job's end the supervisor's process ends with its standby connections open: the kernel
+    resets them (RST), and each standby rank read "Connection reset by peer" in the middle of its
+    hand-shake and printed a traceback into standby.out. It is the supervisor going away: one line,
+    exit 0, nothing run."""
+    start, tmp_path, logs = start_standby
+    server, port = _listen()
+    proc = start(port)
+    conn, f, _ = _accept(server, proc)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close = RST
+    f.close()
+    conn.close()
+    server.close()
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    assert "went away (Connection reset by peer); ran nothing" in out and "Traceback" not in out, out
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.mark.parametrize("answer", ["go", "forged challenge"])

@@ -343,6 +343,10 @@ def _stand_by(address: str, command: list[str]) -> dict | int | None:
     except Refused as e:
         print(f"ddp_hpc standby: refused the peer at {address}: {e}; running nothing", flush=True)
         return e.status
+    except ConnectionError as e:   # reset mid-exchange: the supervisor's process ended (the job's end)
+        print(f"ddp_hpc standby: the supervisor at {address} went away ({e.strerror or e}); ran nothing",
+              flush=True)
+        return None
     finally:
         sock.close()
 
