@@ -23,7 +23,8 @@ default all, in this order):
   requeue``, as a batch script's ``srun ... || scontrol requeue $SLURM_JOB_ID`` or Slurm's own
   requeue after a node failure would; it asks scontrol every 0.25 s, so up to 0.25 s of the
   fault's cost is the bench's). The job waits in the test cluster's queue (empty but for it),
-  starts again on its nodes and resumes from its newest checkpoint on disk.
+  starts again on its nodes and resumes from its newest state: ddp_hpc's node-memory snapshot
+  where it is still on the node (a requeue onto the same nodes), else the newest checkpoint file.
 
 A fault: SIGKILL of one rank's process 40 s (``--every``) after the first training step of the
 current run (the job's first step, or the first step after the previous fault), ranks 3, 1, 2 in
