@@ -57,7 +57,8 @@ def _filled() -> JobStatus:
                      time_limit="01:00:00", restarts=1, log_dir="/runs/88",
                      progress=RunProgress(step=41, total_steps=800, percent=5.125), stall=stall,
                      goodput=Goodput.from_dict(pe.GOODPUT), timing=Timing(steps, compute), gpus=gpus, picture=pic,
-                     last_events={0: {"event": "step", "step": 41}}, rank_exit_codes={1: 0})
+                     last_events={0: {"event": "step", "step": 41}}, rank_exit_codes={1: 0},
+                     rank_endings={0: "running", 1: "failed: ValueError"})
 
 
 def _round_trip(st: JobStatus) -> JobStatus:

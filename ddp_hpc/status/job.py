@@ -123,8 +123,8 @@ class JobStatus:
         for name, kind in _NESTED.items():
             if d.get(name) is not None:
                 d[name] = kind.from_dict(d[name])
-        d["last_events"] = {int(k): v for k, v in (d.get("last_events") or {}).items()}
-        d["rank_exit_codes"] = {int(k): v for k, v in (d.get("rank_exit_codes") or {}).items()}
+        for name in ("last_events", "rank_exit_codes", "rank_endings"):   # JSON made the ranks strings
+            d[name] = {int(k): v for k, v in (d.get(name) or {}).items()}
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
