@@ -540,6 +540,32 @@ def _cpu_seconds() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
+#: CPU seconds each test's phases took (own process + waited children), by node id, in the controller
+_test_cpu: dict[str, float] = {}
+_phase_cpu_start = [0.0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries the CPU it took (the test's process and the processes it started
+    and waited for), so the summary can name the tests that cost the CPU of a CPU-bound run."""
+    outcome = yield
+    now = sum(_cpu_seconds())
+    rep = outcome.get_result()
+    rep.user_properties = [*rep.user_properties, ("ddp_hpc_cpu_s", now - _phase_cpu_start[0])]
+    _phase_cpu_start[0] = now
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _phase_cpu_start[0] = sum(_cpu_seconds())
+
+
+def pytest_runtest_logreport(report):
+    for key, value in report.user_properties:
+        if key == "ddp_hpc_cpu_s":
+            _test_cpu[report.nodeid] = _test_cpu.get(report.nodeid, 0.0) + value
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """The xdist controller: keep what a worker's CPU report says (printed in the summary)."""
@@ -751,6 +777,13 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"CPU of the {len(_worker_cpu)} workers: {own:.0f} s in their own processes (the tests, collection), "
             f"{kids:.0f} s in the processes they started and waited for (ranks, launchers, commands)")
+    if _test_cpu:
+        top = sorted(_test_cpu.items(), key=lambda kv: -kv[1])[:int(os.environ.get("DDP_HPC_TEST_CPU_TOP", "15"))]
+        terminalreporter.write_line(
+            f"CPU of the tests, {sum(_test_cpu.values()):.0f} s in all; the 15 that took most "
+            "(set-up, call, teardown; with the processes each started and waited for):")
+        for nodeid, cpu in top:
+            terminalreporter.write_line(f"  {cpu:6.1f} s  {nodeid}")
     if _timings:
         terminalreporter.write_line(
             "slurm_cluster: " + ", ".join(f"{k} {v:.1f} s" for k, v in _timings.items()))
