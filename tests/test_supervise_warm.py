@@ -87,10 +87,10 @@ def standby(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SLURMD_NODENAME": "127.0.0.1", "SLURM_JOB_ID": "77",
            IMPORTS_VAR: "json"}     # no torch: these standby ranks run a plain script
 
-    def make(*args):
+    def make(*args, extra=None):
         warm = Warm(MiniSrunCLI(tmp_path / "srun.py"), [sys.executable, str(tmp_path / "train.py"), *args],
                     str(logs), 2, say=said.append)
-        warm.start(["n1", "n2", "n3"], env)
+        warm.start(["n1", "n2", "n3"], {**env, **(extra or {})})
         return warm
     yield make, tmp_path, logs, said
 
@@ -131,6 +131,39 @@ def test_srun_reports_of_a_handed_task_name_the_rank_it_became(standby, capsys):
     assert "srun: error: n3: task 3: Exited with exit code 3" in err
     (logs / "slurm-77.out").write_text(err)
     assert {t: r.exit_code for t, r in task_reports([logs / "slurm-77.out"]).items()} == {3: 3}
+
+
+#: an import that holds node n2's standby ranks until the gate file exists
+GATED_IMPORT = textwrap.dedent("""
+    import os, pathlib, time
+    if os.environ.get("SLURMD_NODENAME") == "n2":
+        while not pathlib.Path(os.environ["GATE"]).exists():
+            time.sleep(0.05)
+""")
+
+
+def test_standby_ranks_still_importing_on_a_node_the_new_step_leaves_out_neither_delay_nor_hold_it(standby):
+    """Only test of a hand-over while another node's standby ranks still import: the new step
+    gets its ranks at once (no wait for n2, no cold start), and n2's ranks, told "no rank" when
+    they call, exit 0 and let the step end (not after `standby.CONNECT_S` = 60 s of calling a
+    closed port)."""
+    make, tmp_path, logs, said = standby
+    (tmp_path / "gated.py").write_text(GATED_IMPORT)
+    gate = tmp_path / "gate"
+    warm = make(extra={IMPORTS_VAR: "json,gated", "GATE": str(gate),
+                       "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])})
+    proc = warm.take(["n1", "n3"], {"DDP_HPC_ALLOC_RESTARTS": "1"})
+    assert proc is not None and said == [], said
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("seen*.json"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [_seen(tmp_path, r)["hosts"] for r in range(4)] == [["n1", "n3"]] * 4
+    assert proc.poll() is None          # n2's standby ranks still import: the step (srun) waits for them
+    gate.touch()
+    assert proc.wait(45) == 0
+    ready = (logs / "standby.out").read_text()
+    assert "task 2 on n2 ready" in ready and "task 3 on n2 ready" in ready, ready
+    assert not (tmp_path / "seen4.json").exists()    # no late rank ran the script
 
 
 def test_a_standby_that_cannot_serve_is_dropped_and_says_why(standby):

@@ -13,9 +13,11 @@ trains.
 
 A cold start (a new ``srun`` of the command) is used instead when the standby cannot serve: a
 command it cannot run (`standby.eligible`: only ``python -m MODULE`` and ``python SCRIPT.py``),
-a standby not yet ready (some rank still importing), one that ended, a new step on a node it does
-not cover, or a lost node among its own (srun would wait for that node's tasks: the standby is
-dropped). It is off unless asked for: ``--warm-standby`` (``slurm.warm_standby: true``).
+a standby not yet ready on the new step's nodes (a rank there still importing after `READY_WAIT_S`;
+one still importing on a node the new step does not use is told "no rank" when it calls, and
+exits), one that ended, a new step on a node it does not cover, or a lost node among its own
+(srun would wait for that node's tasks: the standby is dropped). It is off unless asked for:
+``--warm-standby`` (``slurm.warm_standby: true``).
 
 Each standby rank and the supervisor prove to each other that they know the job's secret before
 either takes anything from the other (the hand-shake in ``supervise.standby``): a port that
@@ -216,7 +218,7 @@ class Warm:
         elif not set(nodes) <= set(self.nodes):
             why = f"it does not cover {', '.join(sorted(set(nodes) - set(self.nodes)))}"
         else:
-            missing = self._wait_ready()
+            missing = self._wait_ready(nodes)
             if missing:
                 why = f"{len(missing)} of its ranks not ready after {READY_WAIT_S:g} s (e.g. {missing[0]})"
         if why:
@@ -240,21 +242,57 @@ class Warm:
             except OSError:
                 pass          # that rank is gone: the step's own watch sees it
             conn.close()
-        proc, self.proc, self.ranks, self.relay = self.proc, None, {}, None
-        self._close_server()
+        late = {(n, str(t)) for n in self.nodes for t in range(self.g)} - set(self.ranks)
+        proc, server = self.proc, self.server
+        self.proc, self.ranks, self.relay, self.server = None, {}, None, None
+        if late:
+            threading.Thread(target=self._answer_late, args=(server, late, proc), daemon=True,
+                             name="ddp_hpc-standby-late").start()
+        else:
+            server.close()
         return proc
 
-    def _wait_ready(self) -> list[str]:
-        """Wait (at most `READY_WAIT_S`) until every standby rank said hello: not only the new
-        step's, since one still starting would hold the step's srun open after the training
-        ended; the ranks still missing."""
+    def _wait_ready(self, nodes: list[str]) -> list[str]:
+        """Wait (at most `READY_WAIT_S`) until every standby rank on ``nodes`` (the new step's)
+        said hello; the ranks still missing. The standby's other ranks are not waited for: one
+        still importing on another node gets its "no rank" when it calls (`_answer_late`)."""
         deadline = time.monotonic() + READY_WAIT_S
         while True:
             self._accept()
-            missing = [f"{n}:{t}" for n in self.nodes for t in range(self.g) if (n, str(t)) not in self.ranks]
+            missing = [f"{n}:{t}" for n in nodes for t in range(self.g) if (n, str(t)) not in self.ranks]
             if not missing or time.monotonic() > deadline or self.proc.poll() is not None:
                 return missing
             time.sleep(0.05)
+
+    def _answer_late(self, server: socket.socket, late: set[tuple[str, str]], proc: subprocess.Popen) -> None:
+        """After a hand-over: tell each standby rank that was still importing then (on a node the
+        new step does not use) that it gets no rank, as soon as it calls, so that it exits at once
+        instead of trying to reach a closed port for `standby.CONNECT_S` and holding the step's
+        srun open that long after the training ended. Ends when all of them were answered or the
+        step ended."""
+        server.settimeout(0.5)
+        try:
+            while late and proc.poll() is None:
+                try:
+                    conn, _ = server.accept()
+                except (TimeoutError, BlockingIOError, InterruptedError):
+                    continue
+                conn.settimeout(HELLO_S)
+                try:
+                    shaken = self._handshake(conn)
+                    if shaken is not None:
+                        hello, nonces = shaken
+                        late.discard((str(hello.get("node")), str(hello.get("local"))))
+                        text = json.dumps({"rank": None})
+                        send(conn, {"go": text, "mac": proof(self.token, "go", *nonces, text)})
+                except (OSError, ValueError):
+                    pass
+                finally:
+                    conn.close()
+        except OSError:
+            pass
+        finally:
+            server.close()
 
     def drop(self, wait: bool = True) -> None:
         """End the standby: its ranks see their connection close and exit 0; srun gets a moment,
