@@ -780,7 +780,7 @@ def pytest_terminal_summary(terminalreporter):
     if _test_cpu:
         top = sorted(_test_cpu.items(), key=lambda kv: -kv[1])[:int(os.environ.get("DDP_HPC_TEST_CPU_TOP", "15"))]
         terminalreporter.write_line(
-            f"CPU of the tests, {sum(_test_cpu.values()):.0f} s in all; the 15 that took most "
+            f"CPU of the tests, {sum(_test_cpu.values()):.0f} s in all; the {len(top)} that took most "
             "(set-up, call, teardown; with the processes each started and waited for):")
         for nodeid, cpu in top:
             terminalreporter.write_line(f"  {cpu:6.1f} s  {nodeid}")
