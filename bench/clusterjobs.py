@@ -208,6 +208,11 @@ def inject(fault: str, log_dir: Path, rank: int, state_dir: Path, after: float =
     ``after``), or ``node``: every process of its node (``ddp_hpc.testcluster.nodefail``). Returns
     the time and the node failed (to revive)."""
     start = newest_start(log_dir, rank, after)
+    ended = [e for e in events(log_dir, rank) if e.get("event") == "end" and e["time"] >= start["time"]]
+    if ended:
+        raise SystemExit(f"rank {rank} ended ({ended[-1].get('status')}) before the {fault} fault could "
+                         f"hit it: the run is shorter than the wait before its fault (on a loaded machine "
+                         f"the warm standby takes a minute to be ready); give it more steps or less state")
     t = time.time()
     if fault == "node":
         fail_node(state_dir, start["host"])
