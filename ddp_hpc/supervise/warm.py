@@ -181,7 +181,7 @@ class Warm:
                 continue
             hello, nonces = shaken
             conn.settimeout(None)
-            place = (str(hello.get("node")), str(hello.get("local")))
+            place = _place(hello)
             if place in self.ranks:
                 self.ranks[place][0].close()
             self.ranks[place] = (conn, int(hello.get("task", -1)), nonces)
@@ -236,13 +236,12 @@ class Warm:
             gos.append((conn, task, go, nonces))
         self.relay.ranks = {task: go["rank"] for _, task, go, _ in gos if go["rank"] is not None}
         for conn, _, go, nonces in gos:
-            text = json.dumps(go)
             try:
-                send(conn, {"go": text, "mac": proof(self.token, "go", *nonces, text)})
+                self._send_go(conn, go, nonces)
             except OSError:
                 pass          # that rank is gone: the step's own watch sees it
             conn.close()
-        late = {(n, str(t)) for n in self.nodes for t in range(self.g)} - set(self.ranks)
+        late = set(self._places(self.nodes)) - set(self.ranks)
         proc, server = self.proc, self.server
         self.proc, self.ranks, self.relay, self.server = None, {}, None, None
         if late:
@@ -259,7 +258,7 @@ class Warm:
         deadline = time.monotonic() + READY_WAIT_S
         while True:
             self._accept()
-            missing = [f"{n}:{t}" for n in nodes for t in range(self.g) if (n, str(t)) not in self.ranks]
+            missing = [f"{n}:{t}" for n, t in self._places(nodes) if (n, t) not in self.ranks]
             if not missing or time.monotonic() > deadline or self.proc.poll() is not None:
                 return missing
             time.sleep(0.05)
@@ -282,9 +281,8 @@ class Warm:
                     shaken = self._handshake(conn)
                     if shaken is not None:
                         hello, nonces = shaken
-                        late.discard((str(hello.get("node")), str(hello.get("local"))))
-                        text = json.dumps({"rank": None})
-                        send(conn, {"go": text, "mac": proof(self.token, "go", *nonces, text)})
+                        late.discard(_place(hello))
+                        self._send_go(conn, {"rank": None}, nonces)
                 except (OSError, ValueError):
                     pass
                 finally:
@@ -293,6 +291,15 @@ class Warm:
             pass
         finally:
             server.close()
+
+    def _places(self, nodes: list[str]) -> list[tuple[str, str]]:
+        """The (node, local task) places of a step's ranks on ``nodes``, as the hellos name them."""
+        return [(n, str(t)) for n in nodes for t in range(self.g)]
+
+    def _send_go(self, conn: socket.socket, go: dict, nonces: tuple[str, str]) -> None:
+        """Step 4 of the hand-shake: the go (a rank, or none), signed for this connection."""
+        text = json.dumps(go)
+        send(conn, {"go": text, "mac": proof(self.token, "go", *nonces, text)})
 
     def drop(self, wait: bool = True) -> None:
         """End the standby: its ranks see their connection close and exit 0; srun gets a moment,
@@ -313,6 +320,11 @@ class Warm:
         if self.server is not None:
             self.server.close()
             self.server = None
+
+
+def _place(hello: dict) -> tuple[str, str]:
+    """(node, local task) of a standby rank, from its hello."""
+    return str(hello.get("node")), str(hello.get("local"))
 
 
 def _end(proc: subprocess.Popen) -> None:
