@@ -1,6 +1,7 @@
-"""The state resolver (ddp_hpc/status/resolve.py): what a job's row says when its sources disagree
-or say little. Logs are written as the ranks and the supervisor write them; the scheduler answers
-like Slurm's squeue (rows as SlurmCLI returns them); ``now`` is injected."""
+"""The state resolver (`ddp_hpc.status.assemble.resolve`, the state from `ddp_hpc.judge.decide`):
+what a job's row says when its sources disagree or say little. Logs are written as the ranks and
+the supervisor write them; the scheduler answers like Slurm's squeue (rows as SlurmCLI returns
+them); ``now`` is injected."""
 import json
 
 import pytest
@@ -9,8 +10,8 @@ from ddp_hpc import backends, records
 from ddp_hpc.judge.decide import Described
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import parse_state
+from ddp_hpc.status.assemble import resolve
 from ddp_hpc.status.collect import collect
-from ddp_hpc.status.resolve import resolve
 from ddp_hpc.status.targets import JobSources, StatusTarget
 from ddp_hpc.status.view import render_detail, render_table
 

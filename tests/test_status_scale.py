@@ -15,7 +15,7 @@ import pytest
 from ddp_hpc import records
 from ddp_hpc.judge import reader
 from ddp_hpc.slurm.cli import SACCT_FIELDS, SEP, SQUEUE_FIELDS, SlurmCLI
-from ddp_hpc.status import resolve as resolve_mod
+from ddp_hpc.status import assemble as resolve_mod
 from ddp_hpc.status import rowcache
 from ddp_hpc.status.collect import collect
 from ddp_hpc.status.targets import recent_targets

@@ -1,6 +1,6 @@
 """A job's state, decided in one place (`decide`) from what its backend described and what its
 record and run logs say. Every answer to "what state is this job in?" comes from here: the job
-table and the detail view (``ddp_hpc.status.resolve``, and the row cache's key), ``--follow`` and
+table and the detail view (``ddp_hpc.status.assemble.resolve``, and the row cache's key), ``--follow`` and
 ``ddp-hpc cancel``'s wait for the end (through ``ddp_hpc.status.collect``), ``Job.state()`` of
 the Python API for a job it did not start here, and a Slurm backend's ``cancel``.
 

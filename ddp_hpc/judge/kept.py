@@ -11,6 +11,9 @@ in the job's final state (``final["logs"]``: the local driver when a run ends, `
 when the scheduler reports the end). `kept_logs` answers the table's questions from it, as
 `RunLogs` would, while the directory is unchanged or gone; changed (a resumed run writes to it):
 None, and the logs are read again. Only the table uses it: a detail view reads the logs.
+
+`final_to_keep` is what status keeps of an end a Slurm source reported: the final state, with
+those facts, so that the record answers once the scheduler has forgotten the job.
 """
 from __future__ import annotations
 
@@ -24,8 +27,11 @@ from ddp_hpc.judge.reader import RunLogs, RunProgress, RunSummary
 from ddp_hpc.judge.srun import srun_exit_codes
 from ddp_hpc.parsing import to_int
 from ddp_hpc.runlogs.schema import ANY_EVENTS_RE, batch_outputs
+from ddp_hpc.slurm.query import SACCT, SACCT_C, SQUEUE, SourceState
+from ddp_hpc.slurm.states import JobState
 
-__all__ = ["summarize", "kept_logs", "KeptLogs", "start_nodes", "table_goodput", "VERSION"]
+__all__ = ["summarize", "kept_logs", "KeptLogs", "start_nodes", "table_goodput", "final_to_keep",
+           "scheduler_ended", "VERSION"]
 
 #: bumped whenever what a summary holds or how it is worked out changes: older ones are ignored
 VERSION = 4
@@ -177,3 +183,26 @@ class KeptLogs:
 
     def widen(self) -> None:
         raise RuntimeError("KeptLogs: a running job's row reads its logs")
+
+
+def final_to_keep(sched: SourceState, logs, now: float, old: dict | None) -> dict | None:
+    """What to keep of a terminal state a Slurm source reported (None: not one), with the table's
+    facts of the logs (`kept.summarize`; a detail view's reading keeps those ``old`` had)."""
+    if not scheduler_ended(sched):
+        return None
+    # srun's per-task codes are not shown for a completed job (a requeue's appended batch output
+    # keeps an earlier run's): neither read nor kept
+    codes = None if sched.info.job_state is JobState.COMPLETED else logs.srun_exit_codes()
+    summary = logs.summary if isinstance(logs, KeptLogs) else summarize(logs, codes)
+    final = {"state": sched.info.label, "state_name": sched.info.job_state.name, "source": sched.source,
+             "seen_at": round(now, 3), "elapsed": sched.elapsed, "time_limit": sched.time_limit,
+             "exit_code": sched.exit_code, "steps": sched.steps, "node_list": sched.node_list,
+             "restarts": sched.restarts, "rank_exit_codes": {str(r): c for r, c in (codes or {}).items()}}
+    if (summary := summary or (old or {}).get("logs")) is not None:
+        final["logs"] = summary
+    return final
+
+
+def scheduler_ended(sched: SourceState | None) -> bool:
+    """A Slurm source (squeue, sacct) reports that the job ended."""
+    return sched is not None and sched.source in (SQUEUE, SACCT, SACCT_C) and sched.info.job_state.terminal

@@ -1,10 +1,16 @@
-"""A resolved job put together as the views show it: the table's row (`Resolved.row`) and the
-detail view (`Resolved.detail`: the failure and every rank's ending, exit codes, the scheduler's
-history, the runs, restarts, stragglers, staging, the flight recorder, goodput, GPUs, the picture).
+"""A job resolved from its sources (`resolve`) and put together as the views show it: the
+table's row (`Resolved.row`) and the detail view (`Resolved.detail`: the failure and every rank's
+ending, exit codes, the scheduler's history, the runs, restarts, stragglers, staging, the flight
+recorder, goodput, GPUs, the picture).
 
-The state itself is decided before, in `ddp_hpc.status.resolve` (its sources in one order); what
-is assembled here reads the logs (or the kept facts standing in for them) and the record, and
-decides nothing about the state.
+The state itself is decided by `ddp_hpc.judge.decide`, the one place that does, in the order it
+documents (the backend's description, the record's final state, the run logs); `resolve` reads
+the logs as the view needs them and asks it. The row's facts (progress, loss, device, eval
+metrics, how the newest run ended) always come from the logs, or for the table from the kept
+facts standing in for them (`ddp_hpc.status.rowcache`); what is assembled here decides nothing
+about the state. A job whose end a Slurm source reported, or a job without a scheduler whose
+processes status found gone, also gives the final state to keep in its record
+(`Resolved.final_to_keep`).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_hpc import records
-from ddp_hpc.judge import flightrec, gpu, kept, picture, timing
+from ddp_hpc.judge import decide, flightrec, gpu, kept, picture, timing
 from ddp_hpc.judge.compute import compute_stragglers, with_compute
 from ddp_hpc.judge.consequences import compress as compress_ranks
 from ddp_hpc.judge.consequences import ranks_text
@@ -27,7 +33,6 @@ from ddp_hpc.records import JobRecord
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import JobState
 from ddp_hpc.slurm.times import duration_seconds, format_duration, normalize_duration
-from ddp_hpc.status import sources as src
 from ddp_hpc.status.diagnose import diagnose, run_causes
 from ddp_hpc.status.job import JobStatus
 from ddp_hpc.status.restarts import alloc_restarts, current_restore
@@ -36,7 +41,37 @@ from ddp_hpc.status.staging import stage_rows
 from ddp_hpc.status.targets import JobSources, StatusTarget
 from ddp_hpc.text import plural
 
-__all__ = ["Resolved", "rank_endings"]
+__all__ = ["Resolved", "resolve", "told_without_logs", "rank_endings"]
+
+
+def told_without_logs(s: JobSources) -> SourceState | None:
+    """Sources 1 and 2 (`decide.told`): the state the scheduler or the record tells; None when
+    the logs must."""
+    return decide.told(s.described, s.final, s.only)
+
+
+def _read_logs(s: JobSources, told: SourceState | None, table: bool) -> RunLogs:
+    """The logs as the view needs them: the table reads the other ranks' endings only (a running
+    Slurm job's recent steps too, for its stall), and rank 0's file alone of a job that completed
+    with its elapsed time told (the others' endings tell nothing the row shows)."""
+    known = told.info.job_state if told is not None else None
+    running = table and s.described.scheduled and known is JobState.RUNNING
+    clean = known is JobState.COMPLETED and bool(told.elapsed)
+    return RunLogs(s.target.log_dir, ends_only=table and not running, window=running, rank0_only=table and clean)
+
+
+def resolve(s: JobSources, table: bool = False, logs: RunLogs | KeptLogs | None = None) -> Resolved:
+    """The job resolved from its sources in the module's order. ``table``: read only what the
+    table's row needs; ``logs``: the kept facts that stand in for the logs (source 4)."""
+    told = told_without_logs(s)
+    logs = logs or _read_logs(s, told, table)
+    rec = s.record
+    decision = decide.decide(s.described, s.final, logs, only=s.only, task_id=s.task_id,
+                             submitted_at=rec.submitted_at if rec is not None else None, now=s.now)
+    state = decision.state
+    if state.info.job_state is JobState.RUNNING:  # its stall is judged from every rank's recent steps
+        logs.widen()
+    return Resolved(s, state, logs, list(s.described.notes), decision.keep)
 
 
 @dataclass
@@ -70,7 +105,7 @@ class Resolved:
         notes = list(self.notes)   # the judgement's notes are the detail view's
         failure, endings = diagnose(logs, sched, notes, base, inside, s.now)
         codes = {} if sched.info.job_state is JobState.COMPLETED else logs.srun_exit_codes()
-        if not codes and sched.source == src.RECORD:
+        if not codes and sched.source == decide.RECORD:
             codes = {int(r): c for r, c in (s.final or {}).get("rank_exit_codes", {}).items()}
         cur = logs.current_run()
         notes += snapshot_notes(logs)      # memory snapshots that stepped back (status/snapshots.py)
@@ -180,7 +215,7 @@ class Resolved:
             if self.keep is not None and (summary := kept.summarize(self.logs)) is not None:
                 self.keep["logs"] = summary
             return self.keep
-        return src.final_to_keep(self.state, self.logs, s.now, s.final)
+        return kept.final_to_keep(self.state, self.logs, s.now, s.final)
 
 
 def _goodput(logs: RunLogs | KeptLogs, restarts: list[dict], end: float | None = None) -> Goodput | None:
@@ -212,7 +247,7 @@ def _read_notes(t: StatusTarget, logs: RunLogs | KeptLogs, sched: SourceState) -
     if t.log_dir and not logs.listed:
         notes.append(f"log directory {t.log_dir} " + (
             "does not exist (yet)" if not sched.info.job_state.terminal else "is gone; final state from the record"
-            if sched.source == src.RECORD else "is gone"))
+            if sched.source == decide.RECORD else "is gone"))
     return notes
 
 

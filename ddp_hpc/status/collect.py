@@ -1,7 +1,8 @@
 """The status of many jobs at once: each job's backend asked to describe it (the scheduler once
-per source for all of its jobs), each job resolved (`ddp_hpc.status.resolve`: its state decided
-by `ddp_hpc.judge.decide`, its row or its detail view), and the final states seen kept in the
-records in one batch.
+per source for all of its jobs), each job resolved (`ddp_hpc.status.assemble`: its state decided
+by `ddp_hpc.judge.decide`, its detail view; the table's row from the kept facts or the row cache
+where they stand in for the logs, `ddp_hpc.status.rowcache`), and the final states seen kept in
+the records in one batch.
 
 The result, one :class:`JobStatus` per job, is a plain value that the views render as a table
 row, a detail page or JSON; nothing here prints. A record of a job array becomes one status per
@@ -17,8 +18,8 @@ from ddp_hpc import backends, records
 from ddp_hpc.backends.base import Backend
 from ddp_hpc.judge.decide import Described
 from ddp_hpc.status import rowcache
+from ddp_hpc.status.assemble import resolve
 from ddp_hpc.status.job import JobStatus
-from ddp_hpc.status.resolve import resolve, table_row
 from ddp_hpc.status.targets import JobSources, StatusTarget
 
 __all__ = ["collect", "JobStatus", "StatusTarget"]
@@ -34,7 +35,7 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
     ask (squeue | sacct | "sacct -c" | logs), for comparing them. A terminal state the scheduler
     reports is kept in the job's record (`records.store_finals`, all at once). ``brief``: the
     table's rows (`Resolved.row`: no failure attribution, per-rank endings or step times; an
-    ended job's from the kept facts or the row cache, `resolve.table_row`), else the detail view
+    ended job's from the kept facts or the row cache, `rowcache.table_row`), else the detail view
     (`Resolved.detail`; ``lanes``: with every rank's lane in its picture, for ``--html``)."""
     now = time.time() if now is None else now
     described = describe(targets, cli, cli_note, history, only)
@@ -44,7 +45,7 @@ def collect(targets: list[StatusTarget], cli=None, cli_note: str | None = None, 
         for t in targets:
             sources = JobSources(t, described[t.id], now, only)
             if cache is not None:
-                st, final = table_row(sources, cache)
+                st, final = rowcache.table_row(sources, cache)
             else:
                 job = resolve(sources)
                 st, final = job.detail(lanes), job.final_to_keep()

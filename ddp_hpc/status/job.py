@@ -1,4 +1,4 @@
-"""One job's status as the views show it: a plain value, built by `ddp_hpc.status.resolve` from
+"""One job's status as the views show it: a plain value, built by `ddp_hpc.status.assemble` from
 the job's resolved state and sources, rendered by `ddp_hpc.status.view` as a table row, a detail
 page or JSON.
 

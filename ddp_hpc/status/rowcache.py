@@ -12,6 +12,16 @@ of these are the same; a running or pending job is always read afresh (its row c
 clock). The rows hold what the table shows (``collect(brief=True)``), not a detail view's facts.
 The cache is only ever a shortcut: a missing, unreadable or foreign file is ignored and
 rewritten.
+
+`table_row` gives a row the cheapest way that answers what the sources would, after the state's
+sources (`ddp_hpc.judge.decide`: the backend's description, the record, the logs):
+
+4. **kept facts** (`ddp_hpc.judge.kept`, in the record's final state): what the table shows of
+   an ended job's logs, while the files they were read from are unchanged (or gone);
+5. **the cached row**: an ended job's whole row, while everything it was made from is unchanged.
+
+Kept facts and cached rows are copies of what the sources gave, so they are asked first (they
+are cheapest) but never tell anything the sources would not.
 """
 from __future__ import annotations
 
@@ -21,16 +31,58 @@ from pathlib import Path
 
 from ddp_hpc import records
 from ddp_hpc.fsutil import atomic_write_text
+from ddp_hpc.judge import decide, kept
+from ddp_hpc.judge.kept import KeptLogs
 from ddp_hpc.runlogs.schema import LOG_RE, OUT_RE
 from ddp_hpc.slurm.query import SourceState
-from ddp_hpc.slurm.states import JobState
-from ddp_hpc.status.targets import StatusTarget
+from ddp_hpc.slurm.states import JobState, parse_state
+from ddp_hpc.status.assemble import resolve, told_without_logs
+from ddp_hpc.status.job import JobStatus
+from ddp_hpc.status.targets import JobSources, StatusTarget
 
 CACHE_FILE = "status-table.json"
 #: bumped whenever what a row holds or how it is worked out changes: older rows are then ignored
 VERSION = 3
 _KEY_JSON = dict(default=str, separators=(",", ":"), sort_keys=True)
 _HEAD = f'{{"version":{VERSION},"rows":{{'  # the file's first line
+
+
+def table_row(s: JobSources, cache: RowCache) -> tuple[JobStatus, dict | None]:
+    """(the table's row, the final state to keep in the record): from the kept facts of an
+    ended job (4), else the row cache (5) while the row's inputs are unchanged, else resolved
+    (and cached when the job ended, unless its record is to keep it: the next table then takes
+    the row from the kept facts)."""
+    facts = kept_facts(s)
+    key = None
+    keeps_final = (s.described.scheduled and s.record is not None and bool(s.record.path)
+                   and kept.scheduler_ended(s.sched))
+    if facts is None and not keeps_final:
+        key = cache.key(s.target, s.sched, s.only, uses_final=_record_tells(s))
+        if (row := cache.get(key)) is not None:
+            return JobStatus.from_dict(row), None
+    r = resolve(s, table=True, logs=facts)
+    st = r.row()
+    if key is not None:
+        cache.put(key, st.to_dict())
+    return st, r.final_to_keep()
+
+
+def _record_tells(s: JobSources) -> bool:
+    """The record's final state gives the job's state (`decide.told` answers from it): then it
+    is part of what the job's row is made from."""
+    told = told_without_logs(s)
+    return told is not None and told.source == decide.RECORD
+
+
+def kept_facts(s: JobSources) -> KeptLogs | None:
+    """Source 4: the table's facts of an ended job's logs as its record keeps them, while they
+    hold; None: read the logs (a job that runs, no or stale facts)."""
+    if s.sched is not None and s.sched.info.job_state.active:
+        return None
+    final = s.final
+    if not final or "logs" not in final or not parse_state(final.get("state")).job_state.terminal:
+        return None
+    return kept.kept_logs(final["logs"], s.target.log_dir)
 
 
 def cache_path() -> Path:

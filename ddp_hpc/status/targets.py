@@ -7,9 +7,8 @@ backend described).
 """
 from __future__ import annotations
 
-import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ddp_hpc import records
 from ddp_hpc.backends import is_slurm_id
@@ -25,16 +24,17 @@ class StatusError(HintError):
 
 @dataclass
 class StatusTarget:
-    """A job to look at: its id, the record it came from (if any) and its log directory."""
+    """A job to look at: its id, the record it came from (if any) and its log directory;
+    ``task_id``: the array task id of a target made from an array record (``123_4`` -> ``"4"``)."""
 
     id: str
     record: records.JobRecord | None = None
     log_dir: str | None = None
+    task_id: str | None = field(init=False, default=None)
 
-    @property
-    def task_id(self) -> str | None:
-        """The array task id of a target made from an array record (``123_4`` -> ``"4"``)."""
-        return self.id.rsplit("_", 1)[-1] if self.record is not None and self.record.array and "_" in self.id else None
+    def __post_init__(self):
+        if self.record is not None and self.record.array and "_" in self.id:
+            self.task_id = self.id.rsplit("_", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -42,30 +42,24 @@ class JobSources:
     """What one job is resolved from, before any log is read: its target (id, record, log
     directory), what its backend described (``Described``: the scheduler's answer, or its
     processes; the notes of the sources tried), ``now``, and ``only`` (the one source the user
-    asked for)."""
+    asked for). Made once per job, it holds the facts its readers ask for as plain values: the
+    record and array task, the scheduler's answer (``sched``: None when the job has none, it does
+    not list it, or was not asked) and the terminal state the record keeps of it (``final``)."""
 
     target: StatusTarget
     described: Described
     now: float
     only: str | None = None
+    record: JobRecord | None = field(init=False)
+    task_id: str | None = field(init=False)
+    sched: SourceState | None = field(init=False)
+    final: dict | None = field(init=False)
 
-    @property
-    def record(self) -> JobRecord | None:
-        return self.target.record
-
-    @property
-    def task_id(self) -> str | None:
-        return self.target.task_id
-
-    @property
-    def sched(self) -> SourceState | None:
-        """The scheduler's answer (None: the job has none, it does not list it, or was not asked)."""
-        return self.described.scheduler
-
-    @functools.cached_property
-    def final(self) -> dict | None:
-        """The terminal state the record keeps of this job (or array task); read once."""
-        return records.final_of(self.record, self.task_id)
+    def __post_init__(self):
+        facts = {"record": self.target.record, "task_id": self.target.task_id, "sched": self.described.scheduler,
+                 "final": records.final_of(self.target.record, self.target.task_id)}
+        for name, value in facts.items():
+            object.__setattr__(self, name, value)
 
 
 def targets_from_records(recs) -> list[StatusTarget]:
