@@ -11,8 +11,8 @@ import types
 import pytest
 
 from ddp_hpc.judge import gpu as judge_gpu
+from ddp_hpc.judge.gpu import gpu_lines
 from ddp_hpc.runlogs import gpu
-from ddp_hpc.status.gpus import gpu_lines
 
 
 class NVMLError(Exception):

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from ddp_hpc import records
+from ddp_hpc.judge.restarts import restart_lines
 from ddp_hpc.runlogs.restarts import append_stop
-from ddp_hpc.status.restarts import restart_lines
 
 
 def _status(home: Path, *args: str) -> str:

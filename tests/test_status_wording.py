@@ -101,7 +101,7 @@ def test_logs_of_a_script_job_show_its_own_output(home):
 
 
 def test_a_restart_line_names_the_rank_once():
-    from ddp_hpc.status.restarts import restart_lines
+    from ddp_hpc.judge.restarts import restart_lines
     row = {"restart": 1, "detected_at": time.time(), "trigger": "exited", "rank": 3, "node": "n2",
            "why": "rank 3 on n2 killed by signal 9 (SIGKILL)", "basis": "error event", "world_before": 4,
            "world_after": 4, "nodes_after": ["n1", "n2"]}

@@ -19,9 +19,8 @@ import pytest
 
 from ddp_hpc.judge.nodefiles import log_events
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import PHASES, phases, read_restarts, read_stops, time_lost
+from ddp_hpc.judge.restarts import PHASES, alloc_restarts, phases, read_restarts, read_stops, restart_lines, time_lost
 from ddp_hpc.slurm.cli import SlurmCLI
-from ddp_hpc.status.restarts import alloc_restarts, restart_lines
 from ddp_hpc.supervise import watch
 from ddp_hpc.supervise.hang import StepClock, all_busy, find_culprit
 from ddp_hpc.supervise.loop import Settings, supervise

@@ -288,9 +288,8 @@ def test_only_a_growing_ecc_count_excludes_a_node(tmp_path, fake_srun):
 
 def test_status_says_why_a_node_was_excluded(tmp_path):
     from ddp_hpc.judge.reader import RunLogs
-    from ddp_hpc.judge.restarts import read_restarts, read_stops
+    from ddp_hpc.judge.restarts import alloc_restarts, read_restarts, read_stops, restart_lines
     from ddp_hpc.runlogs.restarts import append_health
-    from ddp_hpc.status.restarts import alloc_restarts, restart_lines
 
     why = "/tmp full (0.1 GB free, checkpoint needs 1.5 GB)"
     append_health(tmp_path, {"health_check": 0, "job_id": "7", "time": 1.0e9, "seconds": 1.234,
@@ -306,8 +305,8 @@ def test_status_says_what_a_check_noted_without_excluding_a_node(tmp_path, fake_
     """A check that excluded no node but noted something (the checkpoint folder takes no file):
     a line of restarts.jsonl, and status says it in its words, with no node excluded."""
     from ddp_hpc.judge.reader import RunLogs
+    from ddp_hpc.judge.restarts import alloc_restarts, restart_lines
     from ddp_hpc.runlogs.restarts import append_health
-    from ddp_hpc.status.restarts import alloc_restarts, restart_lines
 
     (tmp_path / "blocked").write_text("")
     ev = {"event": "checkpoint", "rank": 0, "restart": 0, "step": 4, "path": str(tmp_path / "blocked" / "step4.pt")}

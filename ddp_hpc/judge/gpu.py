@@ -1,5 +1,5 @@
 """Each rank's GPU as its ``gpu`` events tell it (`ddp_hpc.runlogs.gpu`), and the GPUs that idle
-while their rank trains (docs/status.md, "GPUs").
+while their rank trains (docs/status.md, "GPUs"); `gpu_lines` are the detail view's lines of them.
 
 - A rank's GPU is its newest sample (utilisation, memory, temperature, power, ECC errors) and
   every XID error its samples reported.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ddp_hpc.parsing import to_float, to_int
 
-__all__ = ["IDLE_PERCENT", "IDLE_WINDOW_S", "GpuReport", "gpus", "gpu_percent"]
+__all__ = ["IDLE_PERCENT", "IDLE_WINDOW_S", "MAX_ROWS", "GpuReport", "gpus", "gpu_percent", "gpu_lines"]
 
 IDLE_PERCENT = 20.0
 IDLE_WINDOW_S = 60.0
@@ -111,3 +111,39 @@ def gpu_percent(per_rank: dict[int, list[dict]]) -> float | None:
         if u is not None:
             newest.append(u)
     return round(statistics.mean(newest), 1) if newest else None
+
+
+#: ranks shown one a line; beyond, the ranks with the least busy GPUs (``--json`` has them all)
+MAX_ROWS = 16
+
+
+def _row(rank: str, g: dict) -> str:
+    parts = [f"rank {rank:<3} {str(g.get('host') or '-'):<10}"]
+    if g.get("util_percent") is not None:
+        parts.append(f"{g['util_percent']:>3}% busy")
+    if g.get("mem_used_mb") is not None and g.get("mem_total_mb"):
+        parts.append(f"memory {g['mem_used_mb'] / 1024:.1f}/{g['mem_total_mb'] / 1024:.1f} GiB")
+    if g.get("temp_c") is not None:
+        parts.append(f"{g['temp_c']} C")
+    if g.get("power_w") is not None:
+        parts.append(f"{g['power_w']:.0f} W")
+    if g.get("ecc_errors"):
+        parts.append(f"ECC errors {g['ecc_errors']}")
+    if g.get("xid_errors"):
+        parts.append("XID " + ", ".join(map(str, g["xid_errors"])))
+    return "  ".join(parts)
+
+
+def gpu_lines(gpus: GpuReport | None) -> list[str]:
+    """``GPUs:`` then one line per rank (at most `MAX_ROWS`: the least busy), then ``GPU idle:``
+    lines; nothing without samples."""
+    if gpus is None or not gpus.ranks:
+        return []
+    ranks = gpus.ranks
+    shown = sorted(ranks, key=int)
+    if len(shown) > MAX_ROWS:
+        shown = sorted(sorted(shown, key=lambda r: ranks[r].get("util_percent", 101))[:MAX_ROWS], key=int)
+    out = ["GPUs:"] + [f"  {_row(r, ranks[r])}" for r in shown]
+    if len(ranks) > len(shown):
+        out.append(f"  ({len(ranks) - len(shown)} more ranks, busier; --json has them all)")
+    return out + [("GPU idle:   " if i == 0 else "            ") + ln for i, ln in enumerate(gpus.lines)]

@@ -75,7 +75,7 @@ class Picture:
 
 def build(logs: RunLogs, restarts: list[dict], lanes: bool = False) -> Picture | None:
     """The picture of the run in ``logs`` (None without a timed event); ``restarts``: the
-    in-allocation restarts' records (`ddp_hpc.status.restarts.alloc_restarts`)."""
+    in-allocation restarts' records (`ddp_hpc.judge.restarts.alloc_restarts`)."""
     runs = [r for r in logs.runs() if r.started is not None]
     if not runs:
         return None

@@ -26,7 +26,7 @@ from ddp_hpc.judge.consequences import ranks_text
 from ddp_hpc.judge.goodput import Goodput, goodput
 from ddp_hpc.judge.kept import KeptLogs
 from ddp_hpc.judge.reader import RunLogs, RunSummary
-from ddp_hpc.judge.restarts import read_restarts
+from ddp_hpc.judge.restarts import alloc_restarts, current_restore, read_restarts
 from ddp_hpc.judge.tails import HEAD_BYTES
 from ddp_hpc.parsing import to_int
 from ddp_hpc.records import JobRecord
@@ -35,7 +35,6 @@ from ddp_hpc.slurm.states import JobState
 from ddp_hpc.slurm.times import duration_seconds, format_duration, normalize_duration
 from ddp_hpc.status.diagnose import diagnose, run_causes
 from ddp_hpc.status.job import JobStatus
-from ddp_hpc.status.restarts import alloc_restarts, current_restore
 from ddp_hpc.status.snapshots import snapshot_notes
 from ddp_hpc.status.staging import stage_rows
 from ddp_hpc.status.targets import JobSources, StatusTarget

@@ -10,12 +10,11 @@ import dataclasses
 
 from ddp_hpc.judge.attribution import SchedulerFacts, attribute
 from ddp_hpc.judge.reader import RunLogs
-from ddp_hpc.judge.restarts import sched_index
+from ddp_hpc.judge.restarts import sched_index, supervisor_stop
 from ddp_hpc.judge.timing import STALL_MIN_S
 from ddp_hpc.parsing import to_int
 from ddp_hpc.slurm.query import SourceState
 from ddp_hpc.slurm.states import JobState, parse_state
-from ddp_hpc.status.restarts import supervisor_stop
 from ddp_hpc.status.stopped import STOPPED, stall_before_stop
 
 __all__ = ["CRASHED", "diagnose", "run_causes"]

@@ -77,7 +77,7 @@ class JobStatus:
     timing: Timing | None = None
     flight: list[str] = field(default_factory=list)  # the flight recorder's dumps (judge.flightrec)
     staging: list[dict] = field(default_factory=list)  # per node leader and source (status/staging.py)
-    #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: status.restarts
+    #: the in-allocation restarts (ddp_hpc.supervise), each with lost_s: judge.restarts.alloc_restarts
     alloc_restarts: list[dict] = field(default_factory=list)
     tensorboard: bool = False  # TensorBoard's event files in the log directory (runlogs.tboard)
     gpus: GpuReport | None = None  # each rank's newest GPU sample and the idle GPUs (judge.gpu.gpus)

@@ -18,13 +18,13 @@ from ddp_hpc.judge.consequences import compress as compress_ranks
 from ddp_hpc.judge.consequences import failure_lines as judge_failure_lines
 from ddp_hpc.judge.consequences import ranks_text
 from ddp_hpc.judge.goodput import PART_NAMES
+from ddp_hpc.judge.gpu import gpu_lines
+from ddp_hpc.judge.restarts import restart_lines
 from ddp_hpc.judge.tails import follow_logs, log_line, logs_tail, rank_files, render_logs
 from ddp_hpc.judge.timing import STALL_FACTOR, STALL_MIN_S
 from ddp_hpc.runlogs.schema import RANK_FILE_ROLES, rank_out, text_log
 from ddp_hpc.slurm.times import format_duration
-from ddp_hpc.status.gpus import gpu_lines
 from ddp_hpc.status.job import JobStatus
-from ddp_hpc.status.restarts import restart_lines
 from ddp_hpc.status.spark import spark_lines, unicode_ok
 from ddp_hpc.status.staging import stage_lines
 from ddp_hpc.status.table import progress_text, render_table, short, state_text
