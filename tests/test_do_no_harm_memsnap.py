@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from ddp_hpc import records
+from ddp_hpc.env import memory
 from ddp_hpc.train import memroom
 from ddp_hpc.train.memsnap import MemSnapshots, NodeStore
 
@@ -185,7 +186,7 @@ def test_the_job_memory_limit_is_read_from_the_process_cgroup_v2_and_its_parents
                           {"/system.slice/slurmstepd.scope/job_7": (str(16 << 30), 10 << 30),
                            "/system.slice/slurmstepd.scope/job_7/step_0/user/task_0": ("max", 3 << 30)},
                           stat=f"anon 100\nfile {4 << 30}\nshmem {1 << 30}\n")
-    got = memroom.cgroup_memory(proc_cgroup=proc, cgroup_fs=fs)
+    got = memory.cgroup_memory(proc_cgroup=proc, cgroup_fs=fs)
     # the page cache (file, less shmem) is no use: the kernel frees it for the snapshots
     assert got == (16 << 30, 7 << 30, "cgroup memory.max"), got
 
@@ -200,22 +201,22 @@ def test_the_job_memory_limit_is_read_from_cgroup_v1(tmp_path):
         (d / "memory.limit_in_bytes").write_text(f"{limit}\n")
         (d / "memory.usage_in_bytes").write_text(f"{usage}\n")
         (d / "memory.stat").write_text(f"cache {2 << 30}\nshmem {1 << 30}\n")
-    got = memroom.cgroup_memory(proc_cgroup=proc, cgroup_fs=tmp_path / "fs")
+    got = memory.cgroup_memory(proc_cgroup=proc, cgroup_fs=tmp_path / "fs")
     assert got == (8 << 30, 5 << 30, "cgroup memory.limit_in_bytes"), got
-    assert memroom.cgroup_memory(proc_cgroup=tmp_path / "none", cgroup_fs=tmp_path / "fs") == (None, None, "")
+    assert memory.cgroup_memory(proc_cgroup=tmp_path / "none", cgroup_fs=tmp_path / "fs") == (None, None, "")
 
 
 def test_slurm_memory_hints_stand_in_for_a_cgroup_without_a_limit():
-    assert memroom.slurm_memory({"SLURM_MEM_PER_NODE": "4096"}) == 4096 * MB
-    assert memroom.slurm_memory({"SLURM_MEM_PER_CPU": "1000", "SLURM_CPUS_ON_NODE": "8"}) == 8000 * MB
-    assert memroom.slurm_memory({"SLURM_MEM_PER_NODE": "0"}) is None        # 0: the whole node
-    assert memroom.slurm_memory({}) is None
+    assert memory.slurm_memory({"SLURM_MEM_PER_NODE": "4096"}) == 4096 * MB
+    assert memory.slurm_memory({"SLURM_MEM_PER_CPU": "1000", "SLURM_CPUS_ON_NODE": "8"}) == 8000 * MB
+    assert memory.slurm_memory({"SLURM_MEM_PER_NODE": "0"}) is None        # 0: the whole node
+    assert memory.slurm_memory({}) is None
 
 
 def test_a_state_that_does_not_fit_the_job_memory_steps_back(tmp_path, monkeypatch):
     proc, fs = _cgroup_v2(tmp_path, "/job", {"/job": (str(100 * MB), 98 * MB)})
-    monkeypatch.setattr(memroom, "PROC_CGROUP", proc)
-    monkeypatch.setattr(memroom, "CGROUP_FS", fs)
+    monkeypatch.setattr(memory, "PROC_CGROUP", proc)
+    monkeypatch.setattr(memory, "CGROUP_FS", fs)
     monkeypatch.setattr(memroom, "MARGIN_BYTES", 0)
     warned, events = [], []
     snaps = _snaps(tmp_path, warned, events)

@@ -3,7 +3,8 @@
 user can bind it once the supervisor closed it: the standby retries for a minute) runs nothing,
 opens nothing, does not give the job's token away and says so in one line; the supervisor side
 (`Warm`) takes no standby that cannot prove it knows the token, and sends no go the standby would
-refuse. The whole hand-over with real standby ranks: tests/test_supervise_warm.py."""
+refuse. A standby takes no memory the job has not got room for (`supervise.standroom`). The whole
+hand-over with real standby ranks: tests/test_supervise_warm.py."""
 
 import json
 import os
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from ddp_hpc.env import memory
+from ddp_hpc.supervise import standroom
 from ddp_hpc.supervise.standby import IMPORTS_VAR, LOGS_VAR, TOKEN_VAR, proof
 from ddp_hpc.supervise.warm import Warm
 
@@ -214,3 +217,60 @@ def test_the_supervisor_sends_no_variable_a_standby_would_refuse(tmp_path):
     assert warm.take(["n1"], {"LD_PRELOAD": "/x.so"}) is None
     assert said == ["warm standby not used: it cannot carry LD_PRELOAD (a standby takes only the step's "
                     "Slurm variables and DDP_HPC_ALLOC_RESTARTS); starting the ranks cold"]
+
+
+GB = 1 << 30
+
+
+def _job_cgroup(tmp_path, monkeypatch, limit: int, current: int, stat: str = "") -> None:
+    """This process in a cgroup v2 job cgroup of ``limit`` bytes that holds ``current``."""
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("0::/job_7/step_0\n")
+    for where, lim in (("job_7", str(limit)), ("job_7/step_0", "max")):
+        d = tmp_path / "fs" / where
+        d.mkdir(parents=True)
+        (d / "memory.max").write_text(lim + "\n")
+        (d / "memory.current").write_text(f"{current}\n")
+        (d / "memory.stat").write_text(stat)
+    monkeypatch.setattr(memory, "PROC_CGROUP", proc)
+    monkeypatch.setattr(memory, "CGROUP_FS", tmp_path / "fs")
+
+
+def test_a_standby_steps_back_where_the_jobs_cgroup_has_no_room_for_it_and_its_margin(tmp_path, monkeypatch):
+    # 16 GB job, 13.5 GB held: 4 standby ranks (1.6 GB) and the margin (a tenth: 1.6 GB) do not fit
+    _job_cgroup(tmp_path, monkeypatch, 16 * GB, 14 * GB, stat=f"file {GB // 2}\nshmem 0\n")
+    why = standroom.refusal(4, {}, available=64 * GB, total=128 * GB)
+    assert why == ("the job's memory has 2.7 GB of 17.2 GB free (cgroup memory.max); 4 standby ranks need "
+                   "about 1.7 GB and 1.7 GB stay free"), why
+    # the page cache is the kernel's to free: with 8 GB of it the same ranks fit
+    monkeypatch.undo()
+    (tmp_path / "b").mkdir()
+    _job_cgroup(tmp_path / "b", monkeypatch, 16 * GB, 14 * GB, stat=f"file {8 * GB}\nshmem 0\n")
+    assert standroom.refusal(4, {}, available=64 * GB, total=128 * GB) is None
+
+
+def test_a_standby_steps_back_where_the_node_has_too_little_memory_available(tmp_path, monkeypatch):
+    _job_cgroup(tmp_path, monkeypatch, 512 * GB, 0)     # the job's limit leaves room; the node does not
+    why = standroom.refusal(8, {}, available=4 * GB, total=16 * GB)   # 3.2 GiB + a tenth of 16: 4.8 GiB
+    assert why == ("the node has 4.3 GB of 17.2 GB available; 8 standby ranks need about 3.4 GB and "
+                   "1.7 GB stay free"), why
+    assert standroom.refusal(8, {}, available=5 * GB, total=16 * GB) is None
+
+
+def test_slurms_mem_without_a_cgroup_counts_what_the_jobs_processes_hold(tmp_path, monkeypatch):
+    """No cgroup: Slurm's --mem is the budget, less the resident memory of the job's processes on
+    the node (found by their SLURM_JOB_ID): a real process of "job 91" holding 1.5 GiB of 2 GiB here."""
+    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "no-cgroup")
+    env = {"SLURM_MEM_PER_NODE": str(2 * 1024), "SLURM_JOB_ID": "91"}
+    assert standroom.refusal(1, env, available=64 * GB, total=128 * GB) is None   # 2 GiB: 0.4 + 1.0 fit
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; b = bytearray(3 << 29); b[::4096] = "
+                               "b'x' * len(b[::4096]); print('held', flush=True); time.sleep(60)"],
+                              env={**os.environ, "SLURM_JOB_ID": "91"}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        why = standroom.refusal(1, env, available=64 * GB, total=128 * GB)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert why is not None and why.startswith("the job's memory has 5") and "of 2.1 GB free (Slurm's --mem)" in why, \
+        why

@@ -178,6 +178,38 @@ def test_a_standby_that_cannot_serve_is_dropped_and_says_why(standby):
     assert not list(tmp_path.glob("seen*.json"))          # no standby rank ran the script
 
 
+def test_a_standby_without_room_in_the_jobs_memory_steps_back_and_the_restart_starts_cold_at_once(standby):
+    """Only test of the standby's memory check with real standby ranks: under a job memory budget
+    that has no room for them (Slurm's --mem of 1 MB), every standby rank imports nothing, says
+    why in one line and exits `BACK_STATUS`; the restart does not wait `READY_WAIT_S` for them but
+    starts cold at once and says why; status's line names the node and the budget. A later
+    standby that fits is the newest: the line goes."""
+    from ddp_hpc.judge.restarts import standby_lines
+    from ddp_hpc.supervise.standby import BACK_STATUS
+    from ddp_hpc.supervise.warm import READY_WAIT_S
+    make, tmp_path, logs, said = standby
+    warm = make(extra={"SLURM_MEM_PER_NODE": "1"})
+    assert warm.proc.wait(30) == BACK_STATUS
+    t0 = time.monotonic()
+    assert warm.take(["n1", "n3"], {"DDP_HPC_ALLOC_RESTARTS": "1"}) is None
+    assert time.monotonic() - t0 < READY_WAIT_S / 3
+    assert len(said) == 1 and said[0].startswith("warm standby not used: it ended: on n"), said
+    assert "(Slurm's --mem); 2 standby ranks need about 838.9 MB" in said[0], said
+    assert said[0].endswith("starts its ranks cold; starting the ranks cold"), said
+    out = (logs / "standby.out").read_text()
+    assert out.count("ddp_hpc standby: stepped back on n") == 6 and " ready in " not in out, out
+    assert not list(tmp_path.glob("seen*.json"))
+    lines = standby_lines(logs)
+    assert len(lines) == 1 and lines[0].startswith("warm standby stepped back on n"), lines
+    assert "the job's memory has" in lines[0] and lines[0].endswith("(5 more standby ranks said so)"), lines
+    warm = make()                      # the next standby fits: it stands by, and status says nothing
+    deadline = time.monotonic() + 60
+    while (logs / "standby.out").read_text().count(" ready in ") < 6 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert standby_lines(logs) == []
+    warm.drop()
+
+
 def test_the_relay_renumbers_only_after_the_hand_over():
     relay = Relay(iter(()), "/dev/null")
     line = "srun: error: n3: tasks 4-5: Exited with exit code 1\n"

@@ -14,7 +14,9 @@ event: a node's memory, a peer's, or a file). A step the supervisor stopped and 
 (a stop line, with ``stopped_run`` and no ``restart``) is shown too: the supervisor, not a rank,
 ended it. So is a health check that excluded nodes before a start (``health_check``:
 ``ddp_hpc.supervise.health``): ``n2 excluded: /tmp full (0.1 GB free, checkpoint needs 1.5 GB)``,
-and each time the hang limit stood back (``held_run``).
+and each time the hang limit stood back (``held_run``). A warm standby whose ranks stepped back (no
+room in a node's memory, ``supervise.standroom``) is one line (`standby_lines`, from
+``standby.out``): a restart then starts its ranks cold.
 
 The scheduler's runs of a job (sacct's rows) and the logs' restart numbers: an in-allocation
 restart takes a restart number of its own but is no run of the scheduler's, so the scheduler's run
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddp_hpc.parsing import to_float, to_int
-from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE
+from ddp_hpc.runlogs.schema import ALLOC_RESTARTS_FILE, STANDBY_BACK, STANDBY_MARK, STANDBY_OUT
 
 if TYPE_CHECKING:
     from ddp_hpc.judge.reader import RunLogs
@@ -45,7 +47,11 @@ if TYPE_CHECKING:
 __all__ = ["read_restarts", "read_stops", "read_health", "read_holds", "read_restarts_and_stops", "sched_index",
            "first_step_at", "time_lost", "phases", "PHASES", "restored_text", "restored_event", "warm_start",
            "alloc_restarts", "restart_lines", "health_lines", "hold_lines", "supervisor_stop", "phase_line",
-           "current_restore"]
+           "current_restore", "stepped_back", "standby_lines"]
+
+#: how much of the end of ``standby.out`` is read for the newest standby (a line per rank: ~0.7 MB
+#: for 8,192 ranks)
+STANDBY_TAIL_BYTES = 4 << 20
 
 
 def read_restarts(log_dir: str | Path | None, job_id: str | None = None) -> list[dict]:
@@ -308,3 +314,29 @@ def health_lines(rows: list[dict]) -> list[str]:
         started = ", ".join(r.get("nodes_after") or [])
         out.append(f"  not started: {r['not_started']}" if r.get("not_started") else f"  started on {started or '-'}")
     return out
+
+
+def stepped_back(log_dir: str | Path | None) -> list[str]:
+    """What the newest warm standby's ranks said when they stepped back, each ``on NODE (task T):
+    why...`` (``standby.out``, after the supervisor's newest `STANDBY_MARK`); [] when none did."""
+    if not log_dir:
+        return []
+    try:
+        with open(Path(log_dir) / STANDBY_OUT, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - STANDBY_TAIL_BYTES))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    newest = text.rsplit(STANDBY_MARK, 1)[-1]
+    return [line.split(STANDBY_BACK, 1)[1].strip() for line in newest.splitlines() if STANDBY_BACK in line]
+
+
+def standby_lines(log_dir: str | Path | None) -> list[str]:
+    """The detail view's line for a warm standby that stepped back (the first rank's words, and
+    how many more said so); none when it did not."""
+    back = stepped_back(log_dir)
+    if not back:
+        return []
+    more = f" ({len(back) - 1} more standby rank{'s' if len(back) > 2 else ''} said so)" if len(back) > 1 else ""
+    return [f"warm standby stepped back {back[0]}{more}"]

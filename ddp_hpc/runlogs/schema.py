@@ -18,6 +18,8 @@ Files in a run's log directory, per rank R:
 - ``flight_recorder_rank{R}``: PyTorch's flight recorder dump (NCCL, on a collective timeout).
 - ``local-driver.out``:     the local backend's driver output (its "FAILED: rank R exited with RC"
                             lines), local jobs only.
+- ``standby.out``:          the warm standby's ranks' output until they are handed a step, and
+                            a line from each that stepped back (no room for it in memory).
 - ``restarts.jsonl``:       the in-allocation restarts (``ddp_hpc.supervise``): one JSON object per
                             restart (`ALLOC_RESTART_KEYS`), and one for a step the supervisor
                             stopped without restarting it (`ALLOC_STOP_KEYS`), and one for a
@@ -85,6 +87,12 @@ CONFIG_FILE = "config.yaml"
 BATCH_OUT_GLOB = "slurm-*.out"
 LOCAL_DRIVER_OUT = "local-driver.out"
 ALLOC_RESTARTS_FILE = "restarts.jsonl"
+#: the warm standby's output until its ranks are handed a step (``supervise.warm``), and how a
+#: standby rank's line there begins when it stepped back (``supervise.standroom``: no room for it)
+STANDBY_OUT = "standby.out"
+STANDBY_BACK = "ddp_hpc standby: stepped back"
+#: the line the supervisor writes there before it starts a standby (what a reader takes as the newest one's)
+STANDBY_MARK = "ddp_hpc supervise: --- a warm standby starts ---"
 #: TensorBoard's event files, rank 0 writes them into the run directory (`runlogs.tboard`)
 TBOARD_GLOB = "events.out.tfevents.*"
 #: the keys of one in-allocation restart (docs/restarts.md): the new run's restart number, the

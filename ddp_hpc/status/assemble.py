@@ -26,7 +26,7 @@ from ddp_hpc.judge.consequences import ranks_text
 from ddp_hpc.judge.goodput import Goodput, goodput
 from ddp_hpc.judge.kept import KeptLogs
 from ddp_hpc.judge.reader import RunLogs, RunSummary
-from ddp_hpc.judge.restarts import alloc_restarts, current_restore, read_restarts
+from ddp_hpc.judge.restarts import alloc_restarts, current_restore, read_restarts, standby_lines
 from ddp_hpc.judge.tails import HEAD_BYTES
 from ddp_hpc.parsing import to_int
 from ddp_hpc.records import JobRecord
@@ -108,6 +108,7 @@ class Resolved:
             codes = {int(r): c for r, c in (s.final or {}).get("rank_exit_codes", {}).items()}
         cur = logs.current_run()
         notes += snapshot_notes(logs)      # memory snapshots that stepped back (status/snapshots.py)
+        notes += standby_lines(s.target.log_dir)   # a warm standby that stepped back (judge/restarts.py)
         per_hosts = self._per_rank_hosts()
         flight = []
         if s.target.log_dir:  # NCCL's flight recorder dumps of the current run

@@ -2,7 +2,10 @@
 (or ``-- PYTHON SCRIPT.py ARGS...``), one per task of the standby step the supervisor keeps
 beside the running one (``supervise.warm``).
 
-It pays a new rank's start-up before any fault: Python starts, torch and ``torch.distributed``
+First it asks whether its node's memory has room for the standby (``supervise.standroom``); where
+it has not, it imports nothing, says so in one line (`runlogs.schema.STANDBY_BACK`) and exits
+`BACK_STATUS`, which ends the standby (a restart starts cold). Otherwise it pays a new rank's
+start-up before any fault: Python starts, torch and ``torch.distributed``
 are imported, and ``torch._dynamo`` too (DDP's constructor imports it: about 1.3 s of CPU on the
 test machine, about the import of torch itself); for ddp_hpc's own loop its modules as well.
 `IMPORTS_VAR` names other modules instead (a script's frameworks).
@@ -54,8 +57,9 @@ import psutil
 from ddp_hpc.env.job import ALLOC_RESTARTS_VAR
 from ddp_hpc.env.sources import derive
 from ddp_hpc.parsing import to_int
-from ddp_hpc.runlogs.schema import rank_out
+from ddp_hpc.runlogs.schema import STANDBY_BACK, rank_out
 from ddp_hpc.runlogs.startup import PROC_START_VAR, WARM_START_VAR
+from ddp_hpc.supervise.standroom import refusal
 
 __all__ = ["TOKEN_VAR", "LOGS_VAR", "WARM_VAR", "IMPORTS_VAR", "NICE_VAR", "GO_ENV_KEYS", "eligible", "preload",
            "standby_nice", "autogroup_nice", "own_session", "proof", "send", "receive", "go_refusal", "main"]
@@ -77,6 +81,9 @@ LINE_MAX = 1 << 20
 WARM_VAR = WARM_START_VAR
 #: how long a standby rank tries to reach the supervisor, seconds
 CONNECT_S = 60.0
+#: the exit status of a standby rank that stepped back (no room in its node's memory): not 0, so
+#: that srun's ``--kill-on-bad-exit`` ends the whole standby, and a restart starts cold at once
+BACK_STATUS = 3
 #: what every standby imports, whatever it will run
 BASE_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 #: how far a standby rank stands back while it imports and waits: the nice value (0-19, default
@@ -329,10 +336,16 @@ def _stand_by(address: str, command: list[str]) -> dict | int | None:
     process a rank: the go message, None when there is none (the supervisor is gone or moved on),
     or the exit status of a refusal."""
     t0 = time.monotonic()
+    place = derive(os.environ)
+    node = place.hostnames[place.node_rank]
+    why = refusal(place.local_world_size)     # before any import: no room, no standby (supervise.standroom)
+    if why:
+        print(f"{STANDBY_BACK} on {node} (task {place.rank}): {why}; a restart onto {node} starts its ranks "
+              "cold", flush=True)
+        return BACK_STATUS
     autogroup_nice(standby_nice())   # standing by: behind the training ranks' sessions (autogroup_nice)
     failed = preload(command)
-    place = derive(os.environ)
-    print(f"ddp_hpc standby: task {place.rank} on {place.hostnames[place.node_rank]} ready in "
+    print(f"ddp_hpc standby: task {place.rank} on {node} ready in "
           f"{time.monotonic() - t0:.1f} s" + (f" (could not import {', '.join(failed)})" if failed else ""),
           flush=True)
     sock = _connect(address)

@@ -15,8 +15,10 @@ A cold start (a new ``srun`` of the command) is used instead when the standby ca
 command it cannot run (`standby.eligible`: only ``python -m MODULE`` and ``python SCRIPT.py``),
 a standby not yet ready on the new step's nodes (a rank there still importing after `READY_WAIT_S`;
 one still importing on a node the new step does not use is told "no rank" when it calls, and
-exits), one that ended, a new step on a node it does not cover, or a lost node among its own
-(srun would wait for that node's tasks: the standby is dropped). It is off unless asked for:
+exits), one that ended (its ranks end it when one of them steps back: a node without room in
+memory for a standby, ``supervise.standroom``; ``standby.out`` and status say why), a new step
+on a node it does not cover, or a lost node among its own (srun would wait for that node's tasks:
+the standby is dropped). It is off unless asked for:
 ``--warm-standby`` (``slurm.warm_standby: true``).
 
 Each standby rank and the supervisor prove to each other that they know the job's secret before
@@ -35,15 +37,14 @@ import sys
 import threading
 import time
 
-from ddp_hpc.runlogs.schema import rank_out
+from ddp_hpc.judge.restarts import stepped_back
+from ddp_hpc.runlogs.schema import STANDBY_MARK, STANDBY_OUT, rank_out
 from ddp_hpc.slurm.hostlist import compress
 from ddp_hpc.supervise.standby import GO_ENV_KEYS, LOGS_VAR, TOKEN_VAR, eligible, proof, receive, send
 from ddp_hpc.supervise.watch import stop_step
 
 __all__ = ["Warm", "Relay", "step_variables", "STANDBY_OUT"]
 
-#: where the standby ranks write until they are handed a rank (in the log directory)
-STANDBY_OUT = "standby.out"
 #: how long the supervisor waits for each line of a standby rank's hand-shake once it connected, seconds
 HELLO_S = 2.0
 #: how long a restart waits for standby ranks still importing (they are ahead of a cold start)
@@ -158,6 +159,11 @@ class Warm:
                 *self.srun_args, self.command[0], "-m", "ddp_hpc.supervise.standby", "--go", go, "--",
                 *self.command]
         self.nodes, self.ranks = list(nodes), {}
+        try:   # what a reader of standby.out takes as the newest standby's start
+            with open(os.path.join(self.log_dir, STANDBY_OUT), "a", encoding="utf-8") as f:
+                f.write(STANDBY_MARK + "\n")
+        except OSError:
+            pass      # a full disk: the standby still serves
         self.proc = self.cli.start_step(args, {**env, TOKEN_VAR: self.token, LOGS_VAR: self.log_dir},
                                         stderr=subprocess.PIPE)
         self.relay = Relay(self.proc.stderr, os.path.join(self.log_dir, STANDBY_OUT))
@@ -212,14 +218,16 @@ class Warm:
             why = (f"it cannot carry {', '.join(extra)} (a standby takes only the step's Slurm variables and "
                    f"{', '.join(sorted(GO_ENV_KEYS - set(step_variables(['n'], 1, 0, 0))))})")
         elif self.proc.poll() is not None:
-            why = "it ended"
+            why = self._ended()
         elif set(lost) & set(self.nodes):
             why = f"a node of it was lost ({', '.join(sorted(set(lost) & set(self.nodes)))})"
         elif not set(nodes) <= set(self.nodes):
             why = f"it does not cover {', '.join(sorted(set(nodes) - set(self.nodes)))}"
         else:
             missing = self._wait_ready(nodes)
-            if missing:
+            if self.proc.poll() is not None:
+                why = self._ended()
+            elif missing:
                 why = f"{len(missing)} of its ranks not ready after {READY_WAIT_S:g} s (e.g. {missing[0]})"
         if why:
             self.say(f"warm standby not used: {why}; starting the ranks cold")
@@ -250,6 +258,12 @@ class Warm:
         else:
             server.close()
         return proc
+
+    def _ended(self) -> str:
+        """Why a standby ended before a restart: its ranks stepped back (``standby.out`` says why:
+        no room in a node's memory, ``supervise.standroom``), or it just ended."""
+        back = stepped_back(self.log_dir)
+        return f"it ended: {back[0]}" if back else "it ended"
 
     def _wait_ready(self, nodes: list[str]) -> list[str]:
         """Wait (at most `READY_WAIT_S`) until every standby rank on ``nodes`` (the new step's)
