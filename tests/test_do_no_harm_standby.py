@@ -274,3 +274,13 @@ def test_slurms_mem_without_a_cgroup_counts_what_the_jobs_processes_hold(tmp_pat
         holder.wait()
     assert why is not None and why.startswith("the job's memory has 5") and "of 2.1 GB free (Slurm's --mem)" in why, \
         why
+
+
+def test_a_standby_that_cannot_read_the_nodes_memory_steps_back_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "no-cgroup")
+
+    def unreadable():
+        raise OSError(13, "Permission denied", "/proc/meminfo")
+    monkeypatch.setattr(standroom.psutil, "virtual_memory", unreadable)
+    assert standroom.refusal(2, {}) == ("the node's memory could not be read (PermissionError: [Errno 13] "
+                                        "Permission denied: '/proc/meminfo')")

@@ -57,8 +57,15 @@ def _job_rss(job_id: str | None) -> int:
 def refusal(tasks: int, environ: Mapping[str, str] | None = None, available: int | None = None,
             total: int | None = None) -> str | None:
     """Why ``tasks`` standby ranks (this node's) do not fit its memory, in words; None when they
-    do. ``available`` and ``total``: the node's memory (default: the kernel's)."""
-    env = os.environ if environ is None else environ
+    do. ``available`` and ``total``: the node's memory (default: the kernel's). Memory that cannot
+    be read is no room: the standby steps back and says why."""
+    try:
+        return _refusal(tasks, os.environ if environ is None else environ, available, total)
+    except Exception as exc:  # noqa: BLE001 - a standby that cannot tell stands back
+        return f"the node's memory could not be read ({type(exc).__name__}: {exc})"
+
+
+def _refusal(tasks: int, env: Mapping[str, str], available: int | None, total: int | None) -> str | None:
     tasks = max(1, tasks)
     need = STANDBY_BYTES * tasks
     ranks = f"{tasks} standby rank{'s' if tasks > 1 else ''} need{'' if tasks > 1 else 's'} about {size_text(need)}"
